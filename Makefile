@@ -1,0 +1,25 @@
+# Two commands for a newcomer: `make demo` and `make test` (both install first if needed).
+PYTHON_VENV := .venv/bin/python
+STAMP := .venv/.install-stamp
+DEMO_MINUTES ?= 10
+PYTEST_ARGS ?=
+
+.PHONY: install demo test bench clean-outputs
+
+install: $(STAMP)
+
+$(STAMP): constraints.txt setup.py scripts/install.sh
+	bash scripts/install.sh
+	touch $(STAMP)
+
+demo: install
+	$(PYTHON_VENV) scripts/quickstart.py --minutes $(DEMO_MINUTES)
+
+test: install
+	$(PYTHON_VENV) -m pytest tests $(PYTEST_ARGS)
+
+bench: install
+	$(PYTHON_VENV) scripts/bench_sdma.py
+
+clean-outputs:
+	rm -rf outputs

@@ -1,0 +1,195 @@
+"""The SDMA core against the paper's equations, computed the direct (slow) way."""
+
+import math
+
+import pytest
+import torch
+
+from user_dir.sdma import core
+from user_dir.sdma.core import GaussianMixture, SDMACore, SDMAOptions
+
+
+@pytest.fixture
+def gmm():
+    torch.manual_seed(0)
+    g = GaussianMixture(3, 4, 5)
+    with torch.no_grad():
+        g.log_vars.normal_(0, 0.3)
+        g.prior_logits.normal_()
+    return g
+
+
+def direct_log_joint(g, z):
+    var = g.log_vars.exp()
+    log_normal = -0.5 * (((z[..., None, :] - g.means) ** 2 / var).sum(-1) + g.log_vars.sum(-1)
+                         + g.dim * math.log(2 * math.pi))
+    return log_normal + torch.log_softmax(g.prior_logits, -1)
+
+
+def test_log_joint_and_responsibilities_eq9(gmm):
+    z = torch.randn(7, 2, 3, 5)
+    expected = direct_log_joint(gmm, z)
+    assert torch.allclose(gmm.log_joint(z), expected, atol=1e-4)
+    resp = torch.softmax(gmm.log_joint(z), -1)
+    assert torch.allclose(resp.sum(-1), torch.ones(7, 2, 3))
+
+
+def test_vade_kl_eq20_matches_direct_formula(gmm):
+    z = torch.randn(7, 2, 3, 5)
+    log_joint = gmm.log_joint(z)
+    log_resp = torch.log_softmax(log_joint, -1)
+    resp = log_resp.exp()
+    s2 = 0.1
+    var = gmm.log_vars.exp()
+    kl_gauss = 0.5 * (var.log() - math.log(s2) + (s2 + (z[..., None, :] - gmm.means) ** 2) / var - 1).sum(-1)
+    kl_cat = resp * (log_resp - torch.log_softmax(gmm.prior_logits, -1))
+    direct = ((resp * kl_gauss).sum(-1) + kl_cat.sum(-1)).mean()
+    valid = torch.ones(7, 2)
+    assert torch.allclose(core.vade_kl(log_joint, log_resp, gmm, s2, valid), direct, atol=1e-4)
+
+
+def test_cluster_diversity_eq23_matches_masked_matrix(gmm):
+    resp = torch.softmax(torch.randn(6, 2, 3, 4), -1)
+    valid = torch.ones(6, 2)
+    valid[4:, 1] = 0
+    alpha, beta = 1.25, 0.75
+    per = []
+    for b in range(2):
+        n = int(valid[:, b].sum())
+        for h in range(3):
+            c = resp[:n, b, h]
+            eye = torch.eye(n)
+            mask = alpha * eye + beta * (1 - eye)
+            per.append(((mask * (c @ c.T - eye)) ** 2).sum() / n**2)
+    assert torch.allclose(core.cluster_diversity(resp, valid, alpha, beta), torch.stack(per).mean(), atol=1e-6)
+
+
+def test_head_mi_upper_bound_eq21_16_17(gmm):
+    log_joint = torch.randn(5, 2, 3, 4)
+    resp = torch.softmax(log_joint, -1)
+    valid = torch.ones(5, 2)
+    valid[3:, 0] = 0
+    total, count = 0.0, 0
+    for b in range(2):
+        n = int(valid[:, b].sum())
+        lj = log_joint[:n, b]  # [n, H, C]
+        p_given_c = torch.softmax(lj, dim=0)  # eq. 17: normalised over tokens
+        for i in range(n):
+            acc = 0.0
+            for h in range(3):
+                for h2 in range(3):
+                    if h != h2:
+                        p = (p_given_c[i, h] * resp[i, b, h2]).sum()  # eq. 16
+                        acc += -torch.log(1 - p)
+            total += acc / 9
+            count += 1
+    assert torch.allclose(core.head_mi_upper_bound(log_joint, resp, valid), (total / count).detach(), atol=1e-5)
+
+
+def test_query_input_mi_lower_bound_eq22_19():
+    resp = torch.softmax(torch.randn(5, 2, 3, 4), -1)
+    valid = torch.ones(5, 2)
+    valid[4:, 1] = 0
+    vals = []
+    for b in range(2):
+        n = int(valid[:, b].sum())
+        for i in range(n):
+            per_head = []
+            for h in range(3):
+                f = resp[:n, b, h] @ resp[i, b, h]  # f(q_i, x_j), eq. 19
+                per_head.append(torch.log_softmax(f, 0)[i])
+            vals.append(torch.stack(per_head).mean())
+    assert torch.allclose(core.query_input_mi_lower_bound(resp, valid), torch.stack(vals).mean(), atol=1e-6)
+
+
+def test_masked_attention_eq2_and_mixing_eq11():
+    scores = torch.randn(6, 4, 5)
+    rq = torch.softmax(torch.randn(6, 4, 3), -1)
+    rk = torch.softmax(torch.randn(6, 5, 3), -1)
+    a = torch.softmax(scores, -1)
+    m = core.semantic_mask(rq, rk)  # eq. 10
+    assert torch.allclose(m.sum(-1), torch.ones(6, 4))
+    a_bar = a * m / (a * m).sum(-1, keepdim=True)  # eq. 2
+    g = torch.tensor(0.3)
+    expected = (1 - g) * a + g * a_bar  # eq. 11
+    assert torch.allclose(core.mix_attention(scores, core.semantic_log_mask(rq, rk), g), expected, atol=1e-6)
+
+
+def test_mixing_schedule():
+    assert core.mixing_weight(0) == 0.0
+    assert core.mixing_weight(1000) == pytest.approx(1 - math.exp(-0.5))
+    assert core.mixing_weight(10**6) == pytest.approx(0.9)  # capped at nu
+    assert core.mixing_weight(10**6, mix_max=0.5) == pytest.approx(0.5)
+
+
+def test_centroid_gradient_multiplier():
+    torch.manual_seed(0)
+    z = torch.randn(4, 2, 3)
+    grads = []
+    for scale in (1.0, 10.0):
+        torch.manual_seed(1)
+        g = GaussianMixture(2, 3, 3, centroid_grad_scale=scale)
+        g.log_joint(z).logsumexp(-1).sum().backward()
+        grads.append((g.means.grad.clone(), g.log_vars.grad.clone()))
+    assert torch.allclose(grads[1][0], 10 * grads[0][0])
+    assert torch.allclose(grads[1][1], grads[0][1])  # only the means are scaled
+
+
+def test_collapsed_cluster_and_low_precision_stay_finite():
+    core_mod = SDMACore(16, 2, SDMAOptions(num_clusters=3, num_query_clusters=3))
+    with torch.no_grad():
+        core_mod.feature_gmm.means[:, 0] = 1e4  # a cluster nobody belongs to
+        core_mod.feature_gmm.prior_logits[:, 1] = -1e4  # and one with no prior mass
+        core_mod.feature_gmm.log_vars[:, 2] = -50.0  # and one that collapsed to a point
+    x = torch.randn(5, 2, 16)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        lj, lr = core_mod.cluster(x.to(dtype))
+        q = x.to(dtype).view(5, 2, 2, 8)
+        ljq, lrq = core_mod.cluster_queries(q)
+        losses = core_mod.regularisers(lj, lr, torch.ones(5, 2), ljq, lrq)
+        for name, value in losses.items():
+            assert torch.isfinite(value), (dtype, name)
+        resp = core_mod.heads_first(lr.exp())
+        att = core.mix_attention(torch.randn(4, 5, 5), core.semantic_log_mask(resp, resp), torch.tensor(0.9))
+        assert torch.isfinite(att).all()
+        assert torch.allclose(att.sum(-1), torch.ones(4, 5), atol=1e-5)
+
+
+def test_gradients_reach_both_gmms_and_inputs():
+    torch.manual_seed(0)
+    core_mod = SDMACore(16, 2, SDMAOptions(num_clusters=3, num_query_clusters=3))
+    x = torch.randn(5, 2, 16, requires_grad=True)
+    q = torch.randn(5, 2, 2, 8, requires_grad=True)
+    lj, lr = core_mod.cluster(x)
+    ljq, lrq = core_mod.cluster_queries(q)
+    losses = core_mod.regularisers(lj, lr, torch.ones(5, 2), ljq, lrq)
+    sum(losses.values()).backward()
+    for name, p in core_mod.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+    assert x.grad.abs().sum() > 0 and q.grad.abs().sum() > 0
+
+
+def test_sma_mode_has_no_query_gmm():
+    assert SDMACore(16, 2, SDMAOptions(mode="sma")).query_gmm is None
+    assert SDMACore(16, 2, SDMAOptions(mode="sdma")).query_gmm is not None
+
+
+@pytest.mark.parametrize(
+    "kwargs, option",
+    [
+        (dict(num_clusters=0), "--sdma-clusters"),
+        (dict(num_query_clusters=-2), "--sdma-query-clusters"),
+        (dict(mix_max=0.0), "--sdma-mix-max"),
+        (dict(mix_max=1.5), "--sdma-mix-max"),
+        (dict(noise_var=-1.0), "--sdma-noise-var"),
+        (dict(mode="sparse"), "--sdma-mode"),
+    ],
+)
+def test_bad_options_name_the_option(kwargs, option):
+    with pytest.raises(core.SDMAConfigError, match=option):
+        SDMAOptions(**kwargs).validate()
+
+
+def test_heads_must_divide_embedding():
+    with pytest.raises(core.SDMAConfigError, match="not divisible"):
+        SDMACore(10, 3, SDMAOptions())

@@ -1,0 +1,7 @@
+"""SDMA: semantic and disentangled mask attention (Chien & Huang, TPAMI 2024).
+
+Importing this package registers the fairseq model ``sdma_transformer`` (and its
+architectures) and the criterion ``sdma_label_smoothed_cross_entropy``.
+"""
+
+from . import criterion, model  # noqa: F401  (registration)

@@ -1,0 +1,390 @@
+"""Semantic and disentangled mask attention (SDMA): the one attention core.
+
+Chien & Huang, "Latent Semantic and Disentangled Attention", TPAMI 2024
+(``shared/papers/sdma.txt``), Section III. Plain PyTorch: the fairseq adapter
+(``user_dir.sdma.fairseq_attention``) and the ESPnet adapter build on this file.
+
+Symbols follow the paper:
+
+* ``z``   attention input split into heads, ``[..., n_h, d_k]`` (eq. 8)
+* ``q``   scaled query split into heads, ``[..., n_h, d_k]``
+* ``C``   clustering probabilities p(c | z) ("responsibilities", eq. 9)
+* ``M``   semantic mask (eq. 10), ``g`` the mixing weight gamma of eq. (11)
+
+Everything that touches log-densities runs in float32 and in log space, so the
+module is safe under fp16/bf16 autocast and a collapsed cluster (all of its
+responsibilities ~0) never produces NaN.
+
+Interpretation choices where the paper is ambiguous (see README):
+
+* the sampling noise is ``sqrt(noise_var) * eps`` (variance sigma^2 = 0.01, as in
+  the authors' code); one sample per step is used both for clustering and for
+  the q/k/v projections (eq. 8 and Algorithm 1 together), in training only;
+* the variational posteriors are q(z|x) = N(z, sigma_tilde^2 I), sigma_tilde^2 = 0.1;
+* the scaling factor ``s`` of Algorithm 1 is 1 (its final value in the paper).
+"""
+
+import math
+from dataclasses import dataclass, fields
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+SDMA_MODES = ("sdma", "sma", "none")
+# Names of the regularisers every SDMA module reports (eq. 20, 21, 22, 23).
+LOSS_NAMES = ("kl_z", "kl_q", "dqq", "dxq", "dv_z", "dv_q")
+
+_LOG_2PI = math.log(2.0 * math.pi)
+_MASK_FLOOR = 1e-6  # smallest semantic-mask value, keeps log M finite
+_LOGVAR_RANGE = (-9.0, 9.0)
+
+
+class SDMAConfigError(ValueError):
+    """An impossible SDMA hyper-parameter (the message names the option)."""
+
+
+@dataclass
+class SDMAOptions:
+    """Hyper-parameters of one SDMA attention module (defaults: paper, Table I)."""
+
+    mode: str = "sdma"  # "sdma" (SDMA-T), "sma" (SMA-T: no head disentanglement), "none" (V-T)
+    num_clusters: int = 8  # n_c of the feature GMM theta_z
+    num_query_clusters: int = 8  # n_c of the query GMM theta_q
+    mix_max: float = 0.9  # nu, upper bound of the mixing weight (eq. 11)
+    mix_rate: float = 5e-4  # annealing rate of eq. (11)
+    centroid_grad_scale: float = 10.0  # c_g, gradient multiplier of the GMM means
+    noise_var: float = 0.01  # sigma^2 of the training-time sampling noise (eq. 8)
+    posterior_var: float = 0.1  # sigma_tilde^2 of q(z|x) and q(q|x) (Section IV-A3)
+    diversity_alpha: float = 1.25  # alpha of eq. (23)
+    diversity_beta: float = 0.75  # beta of eq. (23)
+    mask_at_inference: bool = True  # False: plain attention when not training
+
+    def validate(self, prefix: str = "--sdma-") -> "SDMAOptions":
+        def opt(name):
+            return prefix + name.replace("_", "-")
+
+        if self.mode not in SDMA_MODES:
+            raise SDMAConfigError(
+                f"{opt('mode')}={self.mode!r} is not one of {', '.join(SDMA_MODES)}"
+            )
+        for name in ("num_clusters", "num_query_clusters"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise SDMAConfigError(
+                    f"{opt(name.replace('num_', ''))}={value!r}: the number of GMM clusters "
+                    "must be an integer >= 1"
+                )
+        if not (0.0 < self.mix_max <= 1.0):
+            raise SDMAConfigError(f"{opt('mix_max')}={self.mix_max}: nu must lie in (0, 1]")
+        for name in ("mix_rate", "centroid_grad_scale", "noise_var"):
+            if getattr(self, name) < 0:
+                raise SDMAConfigError(f"{opt(name)}={getattr(self, name)} must be >= 0")
+        if self.posterior_var <= 0:
+            raise SDMAConfigError(f"{opt('posterior_var')}={self.posterior_var} must be > 0")
+        for name in ("diversity_alpha", "diversity_beta"):
+            if getattr(self, name) < 0:
+                raise SDMAConfigError(f"{opt(name)}={getattr(self, name)} must be >= 0")
+        return self
+
+    @classmethod
+    def from_namespace(cls, args, prefix: str = "sdma_", **overrides) -> "SDMAOptions":
+        """Read ``<prefix><field>`` attributes (e.g. ``args.sdma_num_clusters``)."""
+        values = {}
+        for f in fields(cls):
+            key = prefix + f.name
+            if hasattr(args, key):
+                values[f.name] = getattr(args, key)
+        values.update(overrides)
+        return cls(**values)
+
+
+def mixing_weight(num_updates: float, mix_max: float = 0.9, mix_rate: float = 5e-4) -> float:
+    """gamma = 1 - max(1 - nu, exp(-rate * t))  (eq. 11; the paper drops the minus sign)."""
+    return 1.0 - max(1.0 - mix_max, math.exp(-mix_rate * float(num_updates)))
+
+
+class GaussianMixture(nn.Module):
+    """``groups`` independent diagonal GMMs of ``num_clusters`` components in ``dim`` dims.
+
+    Parameters (eq. 5): prior logits ``[G, C]`` (pi = softmax), means ``[G, C, d]``
+    and log-variances ``[G, C, d]``. The gradient of the means is multiplied by
+    ``centroid_grad_scale`` (c_g of Section IV-A3).
+    """
+
+    def __init__(self, groups: int, num_clusters: int, dim: int, centroid_grad_scale: float = 1.0):
+        super().__init__()
+        self.groups, self.num_clusters, self.dim = groups, num_clusters, dim
+        self.prior_logits = nn.Parameter(torch.zeros(groups, num_clusters))
+        self.means = nn.Parameter(torch.randn(groups, num_clusters, dim))
+        self.log_vars = nn.Parameter(torch.zeros(groups, num_clusters, dim))
+        self.centroid_grad_scale = float(centroid_grad_scale)
+        if self.centroid_grad_scale != 1.0:
+            self.means.register_hook(self._scale_centroid_grad)
+
+    def _scale_centroid_grad(self, grad: Tensor) -> Tensor:
+        return grad * self.centroid_grad_scale
+
+    def log_joint(self, z: Tensor) -> Tensor:
+        """log pi_c + log N(z | mu_c, sigma_c^2) for ``z`` of shape ``[..., G, d]`` -> ``[..., G, C]``.
+
+        The squared Mahalanobis distance is expanded into two matrix products
+        (no ``[..., G, C, d]`` temporary); computed in float32.
+        """
+        lead = z.shape[:-2]
+        z = z.float().reshape(-1, self.groups, self.dim).transpose(0, 1)  # [G, N, d]
+        log_vars = self.log_vars.float().clamp(*_LOGVAR_RANGE)
+        precision = torch.exp(-log_vars)  # [G, C, d]
+        means = self.means.float()
+        weights = torch.cat([precision, -2.0 * means * precision], dim=-1)  # [G, C, 2d]
+        maha = torch.bmm(torch.cat([z * z, z], dim=-1), weights.transpose(1, 2))  # [G, N, C]
+        const = (means * means * precision + log_vars).sum(-1) + self.dim * _LOG_2PI  # [G, C]
+        log_prior = F.log_softmax(self.prior_logits.float(), dim=-1)  # [G, C]
+        log_joint = (log_prior - 0.5 * const).unsqueeze(1) - 0.5 * maha
+        return log_joint.transpose(0, 1).reshape(*lead, self.groups, self.num_clusters)
+
+    def trace_precision(self) -> Tensor:
+        """sum_d 1 / sigma_{c,d}^2, shape ``[G, C]`` (enters the KL of eq. 20)."""
+        return torch.exp(-self.log_vars.float().clamp(*_LOGVAR_RANGE)).sum(-1)
+
+
+# ----------------------------------------------------------------------------
+# Regularisers. Layout: time first, ``[T, B, n_h, C]``; ``valid`` is a float
+# ``[T, B]`` mask of non-padding query positions (1 = real token).
+# ----------------------------------------------------------------------------
+
+
+def _token_mean(per_token: Tensor, valid: Tensor) -> Tensor:
+    """Mean of ``[T, B]`` over valid positions."""
+    return (per_token * valid).sum() / valid.sum().clamp_min(1.0)
+
+
+def vade_kl(log_joint: Tensor, log_resp: Tensor, gmm: GaussianMixture, posterior_var: float,
+            valid: Tensor) -> Tensor:
+    """KL(q(z, c | x) || p(z, c)) in the VaDE form, averaged over heads and tokens (eq. 20).
+
+    With q(z|x) = N(z, s2 I) and q(c|x) = p(c|z) (eq. 9), per token and head:
+      sum_c q(c) KL(N(z, s2) || N(mu_c, sigma_c^2)) + KL(q(c) || pi)
+        = -log p(z) + s2/2 sum_c q(c) tr(Sigma_c^-1) - d/2 log(2 pi e s2)
+    where log p(z) = logsumexp_c log_joint.
+    """
+    d = gmm.dim
+    log_marginal = torch.logsumexp(log_joint, dim=-1)  # [T, B, H]
+    trace = (log_resp.exp() * gmm.trace_precision()).sum(-1)  # [T, B, H]
+    kl = -log_marginal + 0.5 * posterior_var * trace - 0.5 * d * (_LOG_2PI + math.log(posterior_var) + 1.0)
+    return _token_mean(kl.mean(-1), valid)
+
+
+def cluster_diversity(resp: Tensor, valid: Tensor, alpha: float, beta: float) -> Tensor:
+    """L_DV of eq. (23), per sentence and head, averaged.
+
+    sum_ij [M_hat o (C C^T - I)]_ij^2 with M_hat = alpha I + beta (1 - I) equals
+    alpha^2 sum_i (s_i - 1)^2 + beta^2 (||C^T C||_F^2 - sum_i s_i^2), s_i = ||C_i||^2,
+    so no ``T x T`` matrix is formed. Normalised by n_q^2 of each sentence.
+    """
+    resp = resp * valid[:, :, None, None]
+    self_sim = (resp * resp).sum(-1)  # s_i, [T, B, H]
+    gram = torch.einsum("tbhc,tbhk->bhck", resp, resp)  # C^T C, [B, H, C, C]
+    diag = (alpha * alpha) * ((self_sim - 1.0) ** 2 * valid[:, :, None]).sum(0)  # [B, H]
+    off = (beta * beta) * ((gram * gram).sum((-1, -2)) - (self_sim * self_sim).sum(0))
+    n_q = valid.sum(0).clamp_min(1.0)[:, None]  # [B, 1]
+    return ((diag + off) / (n_q * n_q)).mean()
+
+
+def head_mi_upper_bound(log_joint_q: Tensor, resp_q: Tensor, valid: Tensor) -> Tensor:
+    """L_Dqq of eq. (21): -1/(n_q n_h^2) sum_i sum_{h != h'} log(1 - p(q_i^h | q_i^h')).
+
+    p(q_i^h | c) (eq. 17) = pi_c N(q_i^h | c) / sum_i' pi_c N(q_i'^h | c): a softmax over
+    the sentence's tokens of the query GMM's log-joint (eq. 18);
+    p(q_i^h | q_i^h') = sum_c p(q_i^h | c) p(c | q_i^h')  (eq. 16).
+    """
+    n_h = log_joint_q.size(2)
+    pad = (valid <= 0)[:, :, None, None]
+    p_token_given_c = torch.softmax(log_joint_q.masked_fill(pad, float("-inf")), dim=0)
+    p_token_given_c = p_token_given_c.masked_fill(pad, 0.0)  # sentences of length 0 stay finite
+    p_pair = torch.einsum("tbhc,tbgc->tbhg", p_token_given_c, resp_q)  # [T, B, H, H']
+    off_diag = 1.0 - torch.eye(n_h, device=p_pair.device, dtype=p_pair.dtype)
+    neg_log = -torch.log1p(-p_pair.clamp(max=1.0 - 1e-6)) * off_diag
+    return _token_mean(neg_log.sum((-1, -2)) / (n_h * n_h), valid)
+
+
+def query_input_mi_lower_bound(resp_q: Tensor, valid: Tensor) -> Tensor:
+    """L_Dxq of eq. (22) with the critic f(q_i^h, x_j) = sum_c p(c|q_i^h) p(c|q_j^h) (eq. 19).
+
+    1/(n_q n_h) sum_i sum_h log softmax_j f(q_i^h, x_j) evaluated at j = i, with
+    the softmax over the sentence's real tokens. Maximised (enters eq. 24 with -lambda_x).
+    """
+    T, B, H, C = resp_q.shape
+    r = resp_q.permute(1, 2, 0, 3).reshape(B * H, T, C)
+    critic = torch.bmm(r, r.transpose(1, 2))  # [B*H, T, T]
+    key_pad = (valid <= 0).t().repeat_interleave(H, dim=0)[:, None, :]  # [B*H, 1, T]
+    log_norm = torch.logsumexp(critic.masked_fill(key_pad, float("-inf")), dim=-1)  # [B*H, T]
+    diag = critic.diagonal(dim1=1, dim2=2)
+    log_ratio = (diag - log_norm).masked_fill(key_pad[:, 0, :], 0.0)
+    per_token = log_ratio.view(B, H, T).mean(1).t()  # [T, B]
+    return _token_mean(per_token, valid)
+
+
+def semantic_log_mask(resp_query: Tensor, resp_key: Tensor) -> Tensor:
+    """log M of eq. (10) up to its row normaliser, ``[N, T, C] x [N, S, C] -> [N, T, S]``.
+
+    M_ij is proportional to sum_c p(c|z_i) p(c|z_j); the normaliser over keys cancels in
+    the renormalised masked attention of eq. (2), so only the log of the product is kept
+    (floored at 1e-6 so rows with no overlap fall back to plain attention, never NaN).
+    """
+    return torch.bmm(resp_query, resp_key.transpose(1, 2)).clamp_min(_MASK_FLOOR).log()
+
+
+def semantic_mask(resp_query: Tensor, resp_key: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tensor:
+    """M of eq. (10), normalised over (non-padding) keys; for analysis and figures."""
+    m = torch.bmm(resp_query, resp_key.transpose(1, 2))
+    if key_padding_mask is not None:
+        m = m.masked_fill(key_padding_mask[:, None, :], 0.0)
+    return m / m.sum(-1, keepdim=True).clamp_min(1e-12)
+
+
+def mix_attention(scores: Tensor, log_mask: Optional[Tensor], mix: Tensor) -> Tensor:
+    """A_hat = (1 - g) A + g A_bar (eq. 11), from pre-softmax ``scores`` (float32).
+
+    A = softmax(scores) (eq. 1); A_bar = M o A / sum_j' (M o A) (eq. 2), computed as
+    softmax(scores + log M) which is the same quantity in log space.
+    """
+    attn = torch.softmax(scores, dim=-1)
+    if log_mask is None:
+        return attn
+    masked = torch.softmax(scores + log_mask, dim=-1)
+    return torch.lerp(attn, masked, mix.to(attn.dtype))
+
+
+class SDMACore(nn.Module):
+    """Parameters and computations of SDMA for one attention module.
+
+    Holds the per-head feature GMM theta_z (``[n_h, n_c, d_k]``), the query GMM theta_q
+    shared across heads (``[1, n_c^q, d_k]``, only in ``sdma`` mode) and the mixing
+    weight g of eq. (11) as a persistent buffer: it follows ``set_num_updates`` in
+    training and is saved in checkpoints, so inference uses its end-of-training value.
+    The adapters call :meth:`cluster`, :meth:`cluster_queries`, :meth:`log_mask` and
+    :meth:`regularisers`; the last results are kept in ``self.losses`` until
+    :meth:`pop_losses`.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, options: SDMAOptions):
+        super().__init__()
+        options.validate()
+        if embed_dim % num_heads != 0:
+            raise SDMAConfigError(
+                f"embedding size {embed_dim} is not divisible by the number of heads {num_heads}"
+            )
+        self.options = options
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        self.feature_gmm = GaussianMixture(
+            num_heads, options.num_clusters, self.head_dim, options.centroid_grad_scale
+        )
+        self.query_gmm = (
+            GaussianMixture(1, options.num_query_clusters, self.head_dim, options.centroid_grad_scale)
+            if options.mode == "sdma"
+            else None
+        )
+        self.register_buffer("mix_weight", torch.zeros(()), persistent=True)
+        self.losses: Dict[str, Tensor] = {}
+
+    # -- schedule ---------------------------------------------------------------
+    def set_num_updates(self, num_updates: int) -> None:
+        o = self.options
+        self.mix_weight.fill_(mixing_weight(num_updates, o.mix_max, o.mix_rate))
+
+    def active(self, training: bool) -> bool:
+        """Whether the semantic mask is applied in this forward pass."""
+        return training or self.options.mask_at_inference
+
+    # -- clustering -------------------------------------------------------------
+    def perturb(self, x: Tensor, training: bool) -> Tensor:
+        """z = x + sigma * eps in training (eq. 8, variance ``noise_var``)."""
+        if training and self.options.noise_var > 0:
+            return x + math.sqrt(self.options.noise_var) * torch.randn_like(x)
+        return x
+
+    def cluster(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        """Feature clustering of eq. (9): ``x [..., n_h * d_k]`` -> (log-joint, log p(c|z)), ``[..., n_h, n_c]``."""
+        z = x.reshape(*x.shape[:-1], self.num_heads, self.head_dim)
+        log_joint = self.feature_gmm.log_joint(z)
+        return log_joint, torch.log_softmax(log_joint, dim=-1)
+
+    def cluster_queries(self, q: Tensor) -> Tuple[Tensor, Tensor]:
+        """Query clustering (eq. 18 prior, eq. 9 form): ``q [..., n_h, d_k]`` -> ``[..., n_h, n_c^q]``."""
+        lead = q.shape[:-1]
+        log_joint = self.query_gmm.log_joint(q.reshape(-1, 1, self.head_dim)).reshape(*lead, -1)
+        return log_joint, torch.log_softmax(log_joint, dim=-1)
+
+    @staticmethod
+    def heads_first(resp: Tensor) -> Tensor:
+        """``[T, B, n_h, C]`` -> ``[B * n_h, T, C]`` (the layout of the attention scores)."""
+        T, B, H, C = resp.shape
+        return resp.permute(1, 2, 0, 3).reshape(B * H, T, C)
+
+    # -- regularisers -----------------------------------------------------------
+    def regularisers(
+        self,
+        log_joint_z: Tensor,
+        log_resp_z: Tensor,
+        query_valid: Tensor,
+        log_joint_q: Optional[Tensor] = None,
+        log_resp_q: Optional[Tensor] = None,
+    ) -> Dict[str, Tensor]:
+        """All SDMA loss terms of one module; ``[T, B, n_h, C]`` inputs, ``query_valid [T, B]``."""
+        o = self.options
+        valid = query_valid.to(log_joint_z.dtype)
+        resp_z = log_resp_z.exp()
+        losses = {
+            "kl_z": vade_kl(log_joint_z, log_resp_z, self.feature_gmm, o.posterior_var, valid),
+            "dv_z": cluster_diversity(resp_z, valid, o.diversity_alpha, o.diversity_beta),
+        }
+        if self.query_gmm is not None and log_joint_q is not None:
+            resp_q = log_resp_q.exp()
+            losses["kl_q"] = vade_kl(log_joint_q, log_resp_q, self.query_gmm, o.posterior_var, valid)
+            losses["dv_q"] = cluster_diversity(resp_q, valid, o.diversity_alpha, o.diversity_beta)
+            losses["dqq"] = head_mi_upper_bound(log_joint_q, resp_q, valid)
+            losses["dxq"] = query_input_mi_lower_bound(resp_q, valid)
+        self.losses = losses
+        return losses
+
+    def pop_losses(self) -> Dict[str, Tensor]:
+        losses, self.losses = self.losses, {}
+        return losses
+
+    def extra_repr(self) -> str:
+        o = self.options
+        return (
+            f"mode={o.mode}, heads={self.num_heads}, clusters={o.num_clusters}, "
+            f"query_clusters={o.num_query_clusters}, nu={o.mix_max}, c_g={o.centroid_grad_scale}"
+        )
+
+
+def collect_sdma_losses(model: nn.Module) -> Dict[str, Tensor]:
+    """Sum over attention types of the layer-mean of every SDMA loss (eq. 20-23, 24).
+
+    Modules are grouped by ``sdma_group`` (e.g. ``encoder_self``, ``decoder_self``,
+    ``decoder_cross``): each group's terms are averaged over its layers (the 1/N of
+    eq. 20 and 23), and the groups are summed. Missing terms are reported as zero so
+    every term is present in every step's logging output. Clears the modules' losses.
+    """
+    groups: Dict[str, Dict[str, list]] = {}
+    device = None
+    for module in model.modules():
+        if isinstance(module, SDMACore):
+            losses = module.pop_losses()
+            group = groups.setdefault(getattr(module, "sdma_group", "default"), {})
+            for name, value in losses.items():
+                group.setdefault(name, []).append(value)
+                device = value.device
+    total = {}
+    for name in LOSS_NAMES:
+        values = [torch.stack(g[name]).mean() for g in groups.values() if name in g]
+        if values:
+            total[name] = torch.stack(values).sum()
+        else:
+            total[name] = torch.zeros((), device=device)
+    return total

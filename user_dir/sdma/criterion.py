@@ -1,0 +1,139 @@
+"""``sdma_label_smoothed_cross_entropy``: eq. (24) of the SDMA paper.
+
+    L = L_CE + lambda_k (L_KL^z + L_KL^q) + lambda_q L_Dqq - lambda_x L_Dxq
+          + lambda_d (L_DV^z + L_DV^q)
+
+L_CE is fairseq's label-smoothed cross-entropy (summed over tokens, as fairseq
+expects); the regularisers are per-token means, so they are multiplied by the
+batch's sample size before being added. Every logged value is a sum over the
+batch, so ``logging_outputs_can_be_summed()`` holds and DDP reduction is exact.
+"""
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from fairseq.criterions import register_criterion
+from fairseq.criterions.label_smoothed_cross_entropy import (
+    LabelSmoothedCrossEntropyCriterion,
+    LabelSmoothedCrossEntropyCriterionConfig,
+)
+from fairseq.logging import metrics
+
+from .core import LOSS_NAMES, collect_sdma_losses
+
+# criterion option -> (paper symbol, loss terms it weights, sign in eq. 24)
+WEIGHTED_TERMS = {
+    "sdma_kl_weight": ("lambda_k", ("kl_z", "kl_q"), 1.0),
+    "sdma_dqq_weight": ("lambda_q", ("dqq",), 1.0),
+    "sdma_dxq_weight": ("lambda_x", ("dxq",), -1.0),
+    "sdma_diversity_weight": ("lambda_d", ("dv_z", "dv_q"), 1.0),
+}
+
+
+@dataclass
+class SDMACriterionConfig(LabelSmoothedCrossEntropyCriterionConfig):
+    sdma_kl_weight: Optional[float] = field(
+        default=None, metadata={"help": "lambda_k of eq. (24); default: the architecture's Table I value (0.01)"}
+    )
+    sdma_dqq_weight: Optional[float] = field(
+        default=None, metadata={"help": "lambda_q of eq. (24); default: Table I (100 base/small, 50 tiny/Zh-En)"}
+    )
+    sdma_dxq_weight: Optional[float] = field(
+        default=None, metadata={"help": "lambda_x of eq. (24); default: Table I (10 base/small, 5 tiny/Zh-En)"}
+    )
+    sdma_diversity_weight: Optional[float] = field(
+        default=None, metadata={"help": "lambda_d of eq. (24); default: Table I (1)"}
+    )
+
+
+@register_criterion("sdma_label_smoothed_cross_entropy", dataclass=SDMACriterionConfig)
+class SDMALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
+    def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0, report_accuracy=False,
+                 sdma_kl_weight=None, sdma_dqq_weight=None, sdma_dxq_weight=None, sdma_diversity_weight=None):
+        super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
+        self.weight_overrides = {
+            "sdma_kl_weight": sdma_kl_weight,
+            "sdma_dqq_weight": sdma_dqq_weight,
+            "sdma_dxq_weight": sdma_dxq_weight,
+            "sdma_diversity_weight": sdma_diversity_weight,
+        }
+        for name, value in self.weight_overrides.items():
+            if value is not None and (value < 0 or not math.isfinite(value)):
+                raise ValueError(f"--{name.replace('_', '-')}={value}: loss weights must be finite and >= 0")
+
+    def loss_weights(self, model):
+        model_defaults = getattr(_unwrap(model), "sdma_loss_weights", {})
+        weights = {}
+        for name in WEIGHTED_TERMS:
+            value = self.weight_overrides[name]
+            weights[name] = value if value is not None else model_defaults.get(name, 0.0)
+        return weights
+
+    def forward(self, model, sample, reduce=True):
+        net_output = model(**sample["net_input"])
+        loss, nll_loss = self.compute_loss(model, net_output, sample, reduce=reduce)
+        sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
+        terms = collect_sdma_losses(model)
+        check_finite(terms)
+        weights = self.loss_weights(model)
+        regulariser = loss.new_zeros(())
+        for name, (_, term_names, sign) in WEIGHTED_TERMS.items():
+            if weights[name]:
+                for term in term_names:
+                    regulariser = regulariser + sign * weights[name] * terms[term].to(regulariser)
+        ce_loss = loss
+        loss = loss + regulariser * sample_size
+        logging_output = {
+            "loss": loss.data,
+            "ce_loss": ce_loss.data,
+            "nll_loss": nll_loss.data,
+            "ntokens": sample["ntokens"],
+            "nsentences": sample["target"].size(0),
+            "sample_size": sample_size,
+        }
+        for name in LOSS_NAMES:
+            logging_output["sdma_" + name] = terms[name].detach().float() * sample_size
+        if self.report_accuracy:
+            n_correct, total = self.compute_accuracy(model, net_output, sample)
+            logging_output["n_correct"] = n_correct.data
+            logging_output["total"] = total.data
+        return loss, sample_size, logging_output
+
+    @classmethod
+    def reduce_metrics(cls, logging_outputs) -> None:
+        super().reduce_metrics(logging_outputs)
+        sample_size = sum(log.get("sample_size", 0) for log in logging_outputs)
+        if not sample_size:
+            return
+        ce_sum = sum(log.get("ce_loss", 0) for log in logging_outputs)
+        metrics.log_scalar("ce_loss", ce_sum / sample_size / math.log(2), sample_size, round=3)
+        for name in LOSS_NAMES:
+            total = sum(log.get("sdma_" + name, 0) for log in logging_outputs)
+            metrics.log_scalar("sdma_" + name, total / sample_size, sample_size, round=4)
+
+    @staticmethod
+    def logging_outputs_can_be_summed() -> bool:
+        return True
+
+
+def check_finite(terms) -> None:
+    """Stop training with the name of the first non-finite SDMA loss term."""
+    if not terms:
+        return
+    values = torch.stack([t.detach().float().reshape(()) for t in terms.values()])
+    if bool(torch.isfinite(values).all()):
+        return
+    for name, value in terms.items():
+        if not torch.isfinite(value).all():
+            raise FloatingPointError(
+                f"SDMA loss term '{name}' is {float(value)} (NaN/inf). Lower the learning rate, "
+                "enable --fp16-scale-tolerance / bf16, or check the input data; the last checkpoint is intact."
+            )
+
+
+def _unwrap(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model

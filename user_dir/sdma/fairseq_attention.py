@@ -1,0 +1,203 @@
+"""fairseq adapter of the SDMA core: a drop-in ``MultiheadAttention``.
+
+Keeps fairseq's projections, incremental-state buffers and
+``reorder_incremental_state``; the clustering probabilities of the keys are cached
+next to ``prev_key`` (key ``prev_key_resp``, shape ``[B, n_h, S, n_c]``) so that
+step-by-step decoding computes the same semantic mask as a full forward pass.
+"""
+
+from typing import Dict, Optional, Tuple
+
+import torch
+from fairseq import utils
+from fairseq.modules.multihead_attention import MultiheadAttention
+from torch import Tensor
+
+from .core import SDMACore, SDMAOptions, mix_attention, semantic_log_mask
+
+
+class SDMAMultiheadAttention(MultiheadAttention):
+    """``MultiheadAttention`` with semantic (and disentangled) mask attention.
+
+    Args are those of fairseq's ``MultiheadAttention`` plus ``sdma`` (the options)
+    and ``group`` (``encoder_self``, ``decoder_self`` or ``decoder_cross``: how the
+    losses are averaged, see :func:`user_dir.sdma.core.collect_sdma_losses`).
+
+    Input/output shapes are fairseq's: query ``[T, B, E]``, key/value ``[S, B, E]``,
+    ``key_padding_mask [B, S]`` (True = pad); returns ``([T, B, E], weights)`` with the
+    mixed attention A_hat of eq. (11) as weights (``[B, T, S]``, or
+    ``[n_h, B, T, S]`` with ``need_head_weights``).
+    """
+
+    def __init__(self, embed_dim, num_heads, *, sdma: SDMAOptions, group: str, **kwargs):
+        if kwargs.get("add_bias_kv") or kwargs.get("add_zero_attn"):
+            raise ValueError("SDMA attention does not support add_bias_kv / add_zero_attn")
+        kdim = kwargs.get("kdim") or embed_dim
+        if kdim != embed_dim:
+            raise ValueError(
+                f"SDMA clusters keys and queries with one GMM: key dim {kdim} must equal "
+                f"the embedding dim {embed_dim}"
+            )
+        super().__init__(embed_dim, num_heads, **kwargs)
+        self.sdma = SDMACore(embed_dim, num_heads, sdma)
+        self.sdma.sdma_group = group
+        # Set by SDMADecoderLayer for the duration of one forward: the decoder's
+        # padding, which cross-attention does not otherwise receive.
+        self.query_padding_mask: Optional[Tensor] = None
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Optional[Tensor],
+        value: Optional[Tensor],
+        key_padding_mask: Optional[Tensor] = None,
+        incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
+        need_weights: bool = True,
+        static_kv: bool = False,
+        attn_mask: Optional[Tensor] = None,
+        before_softmax: bool = False,
+        need_head_weights: bool = False,
+    ) -> Tuple[Tensor, Optional[Tensor]]:
+        core = self.sdma
+        if not core.active(self.training):
+            return super().forward(
+                query, key, value, key_padding_mask, incremental_state, need_weights,
+                static_kv, attn_mask, before_softmax, need_head_weights,
+            )
+        if need_head_weights:
+            need_weights = True
+        tgt_len, bsz, embed_dim = query.size()
+        H, D = self.num_heads, self.head_dim
+
+        saved_state = None
+        if incremental_state is not None:
+            saved_state = self._get_input_buffer(incremental_state)
+            if "prev_key" in saved_state and static_kv:
+                key = value = None
+
+        # eq. (8): one noisy sample z, clustered (eq. 9) and projected (Algorithm 1)
+        z = core.perturb(query, self.training)
+        log_joint_z, log_resp_z = core.cluster(z)  # [T, B, H, C]
+        resp_query = core.heads_first(log_resp_z.exp())  # [B*H, T, C]
+
+        q = self.q_proj(z) * self.scaling
+        key_resp = None
+        if self.self_attention:
+            k, v = self.k_proj(z), self.v_proj(z)
+            key_resp = resp_query
+        elif key is not None:
+            if self.beam_size > 1 and bsz == key.size(1):
+                # fairseq's beamable encoder-decoder attention: keep one copy per sentence
+                key = key.view(key.size(0), -1, self.beam_size, key.size(2))[:, :, 0, :]
+                value = key
+                if key_padding_mask is not None:
+                    key_padding_mask = key_padding_mask.view(
+                        -1, self.beam_size, key_padding_mask.size(1)
+                    )[:, 0, :]
+            k, v = self.k_proj(key), self.v_proj(value)
+            key_resp = core.heads_first(core.cluster(key)[1].exp())
+        else:
+            k = v = None
+
+        # query clustering for head disentanglement (eq. 16-19), on the scaled queries
+        q_heads = q.view(tgt_len, bsz, H, D)
+        log_joint_q = log_resp_q = None
+        need_losses = incremental_state is None
+        if core.query_gmm is not None and need_losses:
+            q_heads = core.perturb(q_heads, self.training)
+            q = q_heads.view(tgt_len, bsz, embed_dim)
+            log_joint_q, log_resp_q = core.cluster_queries(q_heads)
+
+        q = q.contiguous().view(tgt_len, bsz * H, D).transpose(0, 1)
+        kv_bsz = bsz
+        if k is not None:
+            kv_bsz = k.size(1)
+            k = k.contiguous().view(-1, kv_bsz * H, D).transpose(0, 1)
+            v = v.contiguous().view(-1, kv_bsz * H, D).transpose(0, 1)
+
+        if saved_state is not None:
+            if "prev_key" in saved_state:
+                kv_bsz = saved_state["prev_key"].size(0)
+                prev_key = saved_state["prev_key"].view(kv_bsz * H, -1, D)
+                prev_value = saved_state["prev_value"].view(kv_bsz * H, -1, D)
+                prev_resp = saved_state["prev_key_resp"]
+                prev_resp = prev_resp.view(kv_bsz * H, -1, prev_resp.size(-1))
+                if static_kv:
+                    k, v, key_resp = prev_key, prev_value, prev_resp
+                else:
+                    k = torch.cat([prev_key, k], dim=1)
+                    v = torch.cat([prev_value, v], dim=1)
+                    key_resp = torch.cat([prev_resp, key_resp], dim=1)
+            key_padding_mask = MultiheadAttention._append_prev_key_padding_mask(
+                key_padding_mask=key_padding_mask,
+                prev_key_padding_mask=saved_state.get("prev_key_padding_mask"),
+                batch_size=kv_bsz,
+                src_len=k.size(1),
+                static_kv=static_kv,
+            )
+            saved_state["prev_key"] = k.view(kv_bsz, H, -1, D)
+            saved_state["prev_value"] = v.view(kv_bsz, H, -1, D)
+            saved_state["prev_key_resp"] = key_resp.view(kv_bsz, H, -1, key_resp.size(-1))
+            saved_state["prev_key_padding_mask"] = key_padding_mask
+            incremental_state = self._set_input_buffer(incremental_state, saved_state)
+        src_len = k.size(1)
+        if key_padding_mask is not None and key_padding_mask.dim() == 0:
+            key_padding_mask = None
+
+        beamable = self.encoder_decoder_attention and bsz != kv_bsz
+        if beamable:
+            scores = torch.einsum(
+                "bxhtd,bhsd->bxhts",
+                q.view((kv_bsz, -1, H) + q.size()[1:]),
+                k.view((kv_bsz, H) + k.size()[1:]),
+            ).reshape(-1, tgt_len, src_len)
+            log_mask = torch.einsum(
+                "bxhtc,bhsc->bxhts",
+                resp_query.view((kv_bsz, -1, H) + resp_query.size()[1:]),
+                key_resp.view((kv_bsz, H) + key_resp.size()[1:]),
+            ).reshape(-1, tgt_len, src_len).clamp_min(1e-6).log()
+        else:
+            scores = torch.bmm(q, k.transpose(1, 2))
+            log_mask = semantic_log_mask(resp_query, key_resp)  # eq. (10), [B*H, T, S]
+
+        scores = scores.float()
+        if attn_mask is not None:
+            scores = scores + attn_mask.unsqueeze(0).float()
+        if key_padding_mask is not None:
+            pad = key_padding_mask.to(torch.bool)
+            scores = scores.view(kv_bsz, -1, H, tgt_len, src_len).masked_fill(
+                pad[:, None, None, None, :], float("-inf")
+            ).view(bsz * H, tgt_len, src_len)
+        if before_softmax:
+            return scores, v
+
+        attn_float = mix_attention(scores, log_mask, core.mix_weight)  # eq. (1), (2), (11)
+        attn_probs = self.dropout_module(attn_float.type_as(v))
+        if beamable:
+            attn = torch.einsum(
+                "bxhts,bhsd->bxhtd",
+                attn_probs.view((kv_bsz, -1, H) + attn_probs.size()[1:]),
+                v.view((kv_bsz, H) + v.size()[1:]),
+            ).reshape(-1, tgt_len, D)
+        else:
+            attn = torch.bmm(attn_probs, v)
+        attn = attn.transpose(0, 1).contiguous().view(tgt_len, bsz, embed_dim)
+        attn = self.out_proj(attn)
+
+        if need_losses:
+            query_pad = key_padding_mask if self.self_attention else self.query_padding_mask
+            if query_pad is not None and query_pad.size(-1) == tgt_len:
+                query_valid = (~query_pad.to(torch.bool)).t().float()
+            else:
+                query_valid = query.new_ones(tgt_len, bsz, dtype=torch.float32)
+            core.regularisers(log_joint_z, log_resp_z, query_valid, log_joint_q, log_resp_q)
+
+        weights: Optional[Tensor] = None
+        if need_weights:
+            weights = attn_float.view(bsz, H, tgt_len, src_len).transpose(1, 0)
+            if not need_head_weights:
+                weights = weights.mean(dim=0)
+        return attn, weights
+
+    def set_num_updates(self, num_updates: int) -> None:
+        self.sdma.set_num_updates(num_updates)
