@@ -79,6 +79,10 @@ class SDMAOptions:
                 )
         if not (0.0 < self.mix_max <= 1.0):
             raise SDMAConfigError(f"{opt('mix_max')}={self.mix_max}: nu must lie in (0, 1]")
+        for name in ("mix_max", "mix_rate", "centroid_grad_scale", "noise_var", "posterior_var",
+                     "diversity_alpha", "diversity_beta"):
+            if not math.isfinite(getattr(self, name)):
+                raise SDMAConfigError(f"{opt(name)}={getattr(self, name)} must be a finite number")
         for name in ("mix_rate", "centroid_grad_scale", "noise_var"):
             if getattr(self, name) < 0:
                 raise SDMAConfigError(f"{opt(name)}={getattr(self, name)} must be >= 0")

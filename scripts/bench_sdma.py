@@ -1,0 +1,127 @@
+"""Benchmark (``make bench``): vanilla transformer vs SMA-T vs SDMA-T, identical size, one run.
+
+Each model is trained with ``fairseq-train`` on the same data (the quickstart's Ding
+de-en split) for the same number of updates, then decoded with ``fairseq-generate``.
+Measured per model:
+
+* training words/s: mean of fairseq's ``wps`` over the logged intervals after the first;
+* peak memory: peak resident memory of the training process (CPU), or
+  ``torch.cuda.max_memory_allocated`` on a GPU (``--gpu``);
+* ``fairseq-generate`` sentences/s (beam 5) on the test split.
+
+Ratios are to vanilla, measured in the same run. Prints a table, writes
+``outputs/bench/sdma.json`` with ``train_wps_ratio``, ``peak_mem_ratio`` and
+``generate_speed_ratio`` (SDMA-T / vanilla) plus every raw number.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from quickstart import prepare_data  # noqa: E402
+from sdma_runs import (  # noqa: E402
+    REPO,
+    USER_DIR,
+    console_script,
+    generate,
+    model_parameters,
+    print_table,
+    run_streaming,
+    stage,
+    train_words_per_second,
+    write_json,
+)
+
+CONFIGS = {
+    # the paper's tiny setting (Table I, IWSLT'14 tiny: 256/512, 6+6 layers, 4 heads, 4/4 clusters)
+    "tiny": ["--arch", "sdma_transformer_iwslt_de_en_tiny"],
+    "base": ["--arch", "sdma_transformer_iwslt_de_en"],
+}
+MODELS = {"V-T": "none", "SMA-T": "sma", "SDMA-T": "sdma"}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
+    p.add_argument("--updates", type=int, default=60, help="training updates per model (default 60)")
+    p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--gen-sentences", type=int, default=300, help="test sentences decoded (default 300)")
+    p.add_argument("--gpu", action="store_true", help="train/decode on the GPU (also add --fp16)")
+    p.add_argument("--fp16", action="store_true")
+    p.add_argument("--out", type=Path, default=REPO / "outputs" / "bench" / "sdma.json")
+    p.add_argument("--data-dir", type=Path, default=REPO / "outputs" / "quickstart" / "data")
+    args = p.parse_args(argv)
+    if args.updates < 10:
+        p.error("--updates must be >= 10 (the first logged interval is warm-up)")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    data_bin = prepare_data(args.data_dir, max_words=10, vocab_size=2000)
+    work = args.out.parent / args.config
+    device = [] if args.gpu else ["--cpu"]
+    precision = ["--fp16"] if args.fp16 else []
+    rows, raw = [], {}
+    for name, mode in MODELS.items():
+        stage(f"train {name} ({args.config}, --sdma-mode {mode}) for {args.updates} updates")
+        # "none" builds fairseq's own MultiheadAttention everywhere: the vanilla transformer
+        train = run_streaming([
+            console_script("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--task", "translation",
+            *CONFIGS[args.config], "--sdma-mode", mode, "--share-all-embeddings",
+            "--criterion", "sdma_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+            "--optimizer", "adam", "--lr", "5e-4", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4000",
+            "--max-tokens", args.max_tokens, "--max-update", args.updates, "--seed", "1",
+            "--log-interval", "10", "--log-format", "simple", "--no-progress-bar", "--disable-validation",
+            "--save-dir", work / name, "--no-epoch-checkpoints", *device, *precision,
+        ], work / name / "train.log", echo_filter=r"train_inner|num\. (shared )?model params", wrap_rss=not args.gpu)
+        stage(f"decode {name}: fairseq-generate, beam 5, {args.gen_sentences} sentences")
+        gen = generate(data_bin, work / name / "checkpoint_last.pt", work / name,
+                       extra=["--max-sentences", str(args.gen_sentences), "--batch-size", "50",
+                              *(["--fp16"] if args.fp16 else [])] + ([] if not args.gpu else []))
+        raw[name] = {
+            "train_wps": train_words_per_second(train["log"]),
+            "peak_mem_mb": train.get("peak_rss_mb", float("nan")),
+            "generate_sentences_per_second": gen["sentences_per_second"],
+            "params": model_parameters(train["log"]),
+            "train_seconds": train["seconds"],
+        }
+    base = raw["V-T"]
+    for name, r in raw.items():
+        rows.append({
+            "model": name,
+            "params": r["params"],
+            "train words/s": r["train_wps"],
+            "wps ratio": r["train_wps"] / base["train_wps"],
+            "peak MB": r["peak_mem_mb"],
+            "mem ratio": r["peak_mem_mb"] / base["peak_mem_mb"],
+            "gen sent/s": r["generate_sentences_per_second"],
+            "gen ratio": r["generate_sentences_per_second"] / base["generate_sentences_per_second"],
+        })
+    print_table(rows, list(rows[0].keys()), f"SDMA benchmark ({args.config}, {args.updates} updates, "
+                                            f"{'GPU' if args.gpu else 'CPU'}{' fp16' if args.fp16 else ''})")
+    sdma = raw["SDMA-T"]
+    payload = {
+        "train_wps_ratio": sdma["train_wps"] / base["train_wps"],
+        "peak_mem_ratio": sdma["peak_mem_mb"] / base["peak_mem_mb"],
+        "generate_speed_ratio": sdma["generate_sentences_per_second"] / base["generate_sentences_per_second"],
+        "sma": {
+            "train_wps_ratio": raw["SMA-T"]["train_wps"] / base["train_wps"],
+            "peak_mem_ratio": raw["SMA-T"]["peak_mem_mb"] / base["peak_mem_mb"],
+            "generate_speed_ratio": raw["SMA-T"]["generate_sentences_per_second"]
+            / base["generate_sentences_per_second"],
+        },
+        "config": args.config,
+        "updates": args.updates,
+        "device": "gpu" if args.gpu else "cpu",
+        "fp16": args.fp16,
+        "raw": raw,
+    }
+    write_json(args.out, payload)
+    stage(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

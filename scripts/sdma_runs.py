@@ -1,0 +1,135 @@
+"""Shared helpers of the SDMA quickstart and benchmark: run fairseq's CLIs, parse their logs.
+
+Everything goes through fairseq's own entry points (``fairseq-train``,
+``fairseq-generate``) as a user would run them; the output streams to the terminal
+and is also kept for parsing.
+"""
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+USER_DIR = REPO / "user_dir"
+
+
+def console_script(name: str) -> str:
+    """``fairseq-train`` etc. of the running interpreter's environment."""
+    path = Path(sys.executable).with_name(name)
+    if not path.exists():
+        raise SystemExit(f"{path} not found: run `make install` first")
+    return str(path)
+
+
+def stage(message: str) -> None:
+    print(f"[sdma] {message}", flush=True)
+
+
+def run_streaming(cmd: Sequence, log_path: Path, echo_filter: Optional[str] = None,
+                  wrap_rss: bool = False) -> Dict:
+    """Run ``cmd``; echo lines matching ``echo_filter`` (all if None); keep the full log.
+
+    With ``wrap_rss`` the command runs under a small Python wrapper that reports the
+    process's peak resident memory (``ru_maxrss``) when it exits.
+    """
+    cmd = [str(c) for c in cmd]
+    if wrap_rss:
+        cmd = [sys.executable, str(Path(__file__).with_name("peak_rss.py")), *cmd]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    lines: List[str] = []
+    pattern = re.compile(echo_filter) if echo_filter else None
+    with open(log_path, "w") as log, subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+    ) as proc:
+        for line in proc.stdout:
+            log.write(line)
+            lines.append(line)
+            if pattern is None or pattern.search(line):
+                print("    " + line.rstrip()[-200:], flush=True)
+        proc.wait()
+    if proc.returncode != 0:
+        tail = "".join(lines[-40:])
+        raise SystemExit(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{tail}\nfull log: {log_path}")
+    text = "".join(lines)
+    result = {"log": text, "seconds": time.time() - start}
+    match = re.search(r"PEAK_RSS_MB=([0-9.]+)", text)
+    if match:
+        result["peak_rss_mb"] = float(match.group(1))
+    return result
+
+
+def train_words_per_second(log: str, skip_first: int = 1) -> float:
+    """Mean of fairseq's per-interval ``wps`` (train_inner lines), skipping warm-up intervals."""
+    values = [float(v) for v in re.findall(r"train_inner \|.*?wps=([0-9.]+)", log)]
+    values = values[skip_first:] or values
+    if not values:
+        values = [float(v) for v in re.findall(r"\| train \|.*?\| wps ([0-9.]+)", log)]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def last_num_updates(log: str) -> int:
+    found = re.findall(r"num_updates[= ]([0-9]+)", log)
+    return int(found[-1]) if found else 0
+
+
+def model_parameters(log: str) -> int:
+    match = re.search(r"num\. shared model params: ([0-9,]+)", log) or re.search(
+        r"num\. model params: ([0-9,]+)", log
+    )
+    return int(match.group(1).replace(",", "")) if match else -1
+
+
+def generate(data_bin: Path, checkpoint: Path, out_dir: Path, subset: str = "test", beam: int = 5,
+             max_tokens: int = 4000, extra: Sequence = ()) -> Dict:
+    """``fairseq-generate`` with sentencepiece removal; returns hypotheses in corpus order."""
+    cmd = [
+        console_script("fairseq-generate"), data_bin, "--user-dir", USER_DIR, "--path", checkpoint,
+        "--gen-subset", subset, "--beam", beam, "--max-tokens", max_tokens, "--cpu",
+        "--remove-bpe", "sentencepiece", *extra,
+    ]
+    result = run_streaming(cmd, out_dir / f"generate-{subset}.log", echo_filter=r"Translated|BLEU")
+    hyps = {}
+    for line in result["log"].splitlines():
+        if line.startswith("H-"):
+            ident, _, text = line.split("\t", 2)
+            hyps[int(ident[2:])] = text
+    match = re.search(r"Translated ([0-9,]+) sentences .*?\(([0-9.]+) sentences/s", result["log"])
+    result["hypotheses"] = [hyps[i] for i in sorted(hyps)]
+    result["sentences_per_second"] = float(match.group(2)) if match else float("nan")
+    return result
+
+
+def sacrebleu_score(hypotheses: List[str], references: List[str]) -> float:
+    import sacrebleu
+
+    if len(hypotheses) != len(references):
+        raise SystemExit(f"{len(hypotheses)} hypotheses for {len(references)} references")
+    return sacrebleu.corpus_bleu(hypotheses, [references]).score
+
+
+def write_json(path: Path, payload: Dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+
+
+def print_table(rows: List[Dict], columns: List[str], title: str) -> None:
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    print(f"\n{title}")
+    print("  ".join(c.ljust(widths[c]) for c in columns))
+    print("  ".join("-" * widths[c] for c in columns))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).ljust(widths[c]) for c in columns))
+    print(flush=True)
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 100 else f"{value:,.0f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return "" if value is None else str(value)
