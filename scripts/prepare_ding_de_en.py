@@ -49,7 +49,7 @@ import re
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 DEFAULT_SOURCE = Path("/usr/share/trans/de-en")
 SPLITS = ("train", "valid", "test")

@@ -34,6 +34,7 @@ Python API::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
@@ -183,6 +184,23 @@ def normalise_file(in_path: Path, out_path: Path, lowercase: bool = False, jieba
 # ----------------------------------------------------------------------------- sentencepiece
 
 
+@contextlib.contextmanager
+def _stderr_to(handle) -> Iterator[None]:
+    """Redirect file descriptor 2 (where sentencepiece's C++ trainer logs) to ``handle``.
+
+    Works on the descriptor, so also when ``sys.stderr`` is replaced (pytest, notebooks),
+    where sentencepiece's own ``logstream`` option fails.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        os.dup2(handle.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def train_spm(input_paths: Sequence[Path], model_prefix: Path, vocab_size: int, model_type: str = "bpe",
               coverage: float = 1.0, input_sentence_size: int = INPUT_SENTENCE_SIZE, workers: int = 1,
               hard_vocab_limit: bool = True) -> Path:
@@ -208,8 +226,8 @@ def train_spm(input_paths: Sequence[Path], model_prefix: Path, vocab_size: int, 
         hard_vocab_limit=hard_vocab_limit,
     )
     try:
-        with open(log_path, "w", encoding="utf-8") as log:
-            sentencepiece.SentencePieceTrainer.train(logstream=log, **options)
+        with open(log_path, "w", encoding="utf-8") as log, _stderr_to(log):
+            sentencepiece.SentencePieceTrainer.train(**options)
     except RuntimeError as error:
         raise PrepareError(
             f"sentencepiece training of {model_prefix}.model failed: {error}. The vocabulary size must hold "
@@ -294,6 +312,17 @@ def run_fairseq_preprocess(spm_dir: Path, bin_dir: Path, src: str, tgt: str, joi
 # ----------------------------------------------------------------------------- pipeline
 
 
+def check_destination(bin_dir: Path, langs: Sequence[str], overwrite: bool = False) -> None:
+    """fairseq-preprocess refuses an existing dictionary: fail early, or clear ``bin_dir`` with ``overwrite``."""
+    existing = [bin_dir / f"dict.{lang}.txt" for lang in langs if (bin_dir / f"dict.{lang}.txt").exists()]
+    if not existing:
+        return
+    if not overwrite:
+        raise PrepareError(f"{existing[0]} already exists (a previous run); pass --overwrite (OVERWRITE=1 for "
+                           f"scripts/prepare_*.sh) to replace {bin_dir}, or choose another --out-dir")
+    shutil.rmtree(bin_dir)
+
+
 def vocab_plan(args: argparse.Namespace) -> Dict[str, Tuple[int, List[str]]]:
     """Model name -> (vocabulary size, languages it covers)."""
     if args.joint:
@@ -308,6 +337,7 @@ def prepare(args: argparse.Namespace) -> Path:
     langs = (args.src, args.tgt)
     prefixes = {"train": args.train_prefix, "valid": args.valid_prefix, "test": args.test_prefix}
 
+    check_destination(bin_dir, langs, getattr(args, "overwrite", False))
     counts = {split: check_parallel(prefixes[split], args.src, args.tgt, split) for split in SPLITS}
     stage("check: " + ", ".join(f"{split} {count} pairs" for split, count in counts.items()))
 
@@ -377,6 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
     text.add_argument("--lowercase", action="store_true", help="lowercase all text (and the references)")
     text.add_argument("--max-len", type=int, default=250,
                       help="drop train pairs with more pieces than this on either side (default: %(default)s)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the binarised data of a previous run in OUT/bin")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                         help="parallel workers for jieba, sentencepiece and fairseq (default: %(default)s)")
     return parser

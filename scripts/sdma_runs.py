@@ -90,7 +90,10 @@ def generate(data_bin: Path, checkpoint: Path, out_dir: Path, subset: str = "tes
     cmd = [
         console_script("fairseq-generate"), data_bin, "--user-dir", USER_DIR, "--path", checkpoint,
         "--gen-subset", subset, "--beam", beam, "--max-tokens", max_tokens, "--cpu",
-        "--remove-bpe", "sentencepiece", *extra,
+        "--remove-bpe", "sentencepiece",
+        # fairseq-fixed drops a final batch that is not a multiple of this (8 by default):
+        # with 1, every test sentence is translated
+        "--required-batch-size-multiple", "1", *extra,
     ]
     result = run_streaming(cmd, out_dir / f"generate-{subset}.log", echo_filter=r"Translated|BLEU")
     hyps = {}

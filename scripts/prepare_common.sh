@@ -1,0 +1,44 @@
+# Shared helpers of scripts/prepare_*.sh (sourced, not executed).
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+# The project's Python: $PYTHON, else the repository's .venv, else python3.
+if [[ -z "${PYTHON:-}" ]]; then
+    if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
+fi
+WORKERS=${WORKERS:-$(nproc 2>/dev/null || echo 1)}
+PREPARE_EXTRA=()
+if [[ "${OVERWRITE:-0}" == 1 ]]; then PREPARE_EXTRA+=(--overwrite); fi
+
+die() { echo "error: $*" >&2; exit 2; }
+
+# require_pair PREFIX LANG1 LANG2: both PREFIX.LANG files must exist.
+require_pair() {
+    local prefix=$1 lang
+    for lang in "$2" "$3"; do
+        [[ -f "$prefix.$lang" ]] || die "missing $prefix.$lang"
+    done
+}
+
+# plain_or_sgm NAME PAIR SRC TGT RAW OUT_PREFIX: echo a prefix with plain NAME.{SRC,TGT} files.
+# Uses RAW/NAME.{SRC,TGT} when present, else converts WMT's
+# RAW/NAME-PAIR-src.SRC.sgm and RAW/NAME-PAIR-ref.TGT.sgm into OUT_PREFIX.{SRC,TGT}.
+plain_or_sgm() {
+    local name=$1 pair=$2 src=$3 tgt=$4 raw=$5 out=$6
+    if [[ -f "$raw/$name.$src" && -f "$raw/$name.$tgt" ]]; then
+        echo "$raw/$name"
+        return
+    fi
+    local src_sgm="$raw/$name-$pair-src.$src.sgm" tgt_sgm="$raw/$name-$pair-ref.$tgt.sgm"
+    [[ -f "$src_sgm" && -f "$tgt_sgm" ]] || die "neither $raw/$name.{$src,$tgt} nor $src_sgm + $tgt_sgm found"
+    mkdir -p "$(dirname "$out")"
+    "$PYTHON" "$ROOT/scripts/extract_iwslt14.py" sgm "$src_sgm" "$out.$src" >&2
+    "$PYTHON" "$ROOT/scripts/extract_iwslt14.py" sgm "$tgt_sgm" "$out.$tgt" >&2
+    echo "$out"
+}
+
+# usage_from_header FILE: print FILE's leading comment block (its usage text) and exit 2.
+usage_from_header() {
+    awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$1" >&2
+    exit 2
+}

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# IWSLT'14 German->English, prepared as for the SDMA paper (Table I):
+# fairseq's prepare-iwslt14.sh split (valid = every 23rd training line, test =
+# TED dev2010 + TEDX dev2012 + TED tst2010-2012, 6750 lines), lowercased as in
+# fairseq's recipe, separate sentencepiece BPE vocabularies of 6K (de) / 8K (en),
+# binarised with fairseq-preprocess. Never downloads anything.
+#
+# usage: scripts/prepare_iwslt14_de_en.sh RAW_DE_EN_DIR [OUT_DIR]
+#   RAW_DE_EN_DIR  the extracted 'de-en' folder of the IWSLT 2014 release (or its parent):
+#                  train.tags.de-en.{de,en}, IWSLT14.TED*.de-en.{de,en}.xml
+#   OUT_DIR        default data/iwslt14_de_en (raw/, text/, spm/, bin/)
+# env: SRC_VOCAB=6000 TGT_VOCAB=8000 LOWERCASE=1 MODEL_TYPE=bpe WORKERS=$(nproc) PYTHON=...
+#      OVERWRITE=1 (replace OUT_DIR/bin from a previous run)
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/prepare_common.sh"
+
+usage() { usage_from_header "${BASH_SOURCE[0]}"; }
+[[ $# -ge 1 && $# -le 2 ]] || usage
+RAW=$1
+OUT=${2:-data/iwslt14_de_en}
+if [[ ! -f "$RAW/train.tags.de-en.de" && ! -f "$RAW/de-en/train.tags.de-en.de" ]]; then
+    echo "error: no train.tags.de-en.de in $RAW or $RAW/de-en" >&2
+    usage
+fi
+
+"$PYTHON" "$ROOT/scripts/extract_iwslt14.py" iwslt14 "$RAW" "$OUT/raw"
+lower=()
+if [[ "${LOWERCASE:-1}" == 1 ]]; then lower=(--lowercase); fi
+"$PYTHON" "$ROOT/scripts/prepare_translation.py" \
+    --train-prefix "$OUT/raw/train" --valid-prefix "$OUT/raw/valid" --test-prefix "$OUT/raw/test" \
+    --src de --tgt en --out-dir "$OUT" \
+    --src-vocab-size "${SRC_VOCAB:-6000}" --tgt-vocab-size "${TGT_VOCAB:-8000}" \
+    --model-type "${MODEL_TYPE:-bpe}" --workers "$WORKERS" "${PREPARE_EXTRA[@]}" "${lower[@]}"

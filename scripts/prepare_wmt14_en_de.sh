@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# WMT'14 English->German, prepared as for the SDMA paper (Table I): one joint
+# sentencepiece BPE vocabulary of 44K shared by both languages (train with
+# --share-all-embeddings), newstest2013 as valid, newstest2014 as test,
+# binarised with fairseq-preprocess --joined-dictionary. Never downloads anything.
+#
+# usage: scripts/prepare_wmt14_en_de.sh RAW_DIR [OUT_DIR]
+#   RAW_DIR  holds plain, line-aligned text files:
+#              train.{en,de}           the concatenated training corpora
+#                                      (Europarl v7 + Common Crawl + News Commentary)
+#              newstest2013.{en,de}    (or WMT's newstest2013-deen-{src.en,ref.de}.sgm)
+#              newstest2014.{en,de}    (or newstest2014-deen-{src.en,ref.de}.sgm)
+#   OUT_DIR  default data/wmt14_en_de (text/, spm/, bin/)
+# env: TRAIN_PREFIX VALID_PREFIX TEST_PREFIX (override the file prefixes),
+#      VOCAB=44000 MODEL_TYPE=bpe WORKERS=$(nproc) PYTHON=...
+#      OVERWRITE=1 (replace OUT_DIR/bin from a previous run)
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/prepare_common.sh"
+
+usage() { usage_from_header "${BASH_SOURCE[0]}"; }
+[[ $# -ge 1 && $# -le 2 ]] || usage
+RAW=$1
+OUT=${2:-data/wmt14_en_de}
+[[ -d "$RAW" ]] || { echo "error: $RAW is not a directory" >&2; usage; }
+
+TRAIN_PREFIX=${TRAIN_PREFIX:-$RAW/train}
+[[ -f "$TRAIN_PREFIX.en" && -f "$TRAIN_PREFIX.de" ]] || { echo "error: missing $TRAIN_PREFIX.{en,de}" >&2; usage; }
+VALID_PREFIX=${VALID_PREFIX:-$(plain_or_sgm newstest2013 deen en de "$RAW" "$OUT/raw/newstest2013")}
+TEST_PREFIX=${TEST_PREFIX:-$(plain_or_sgm newstest2014 deen en de "$RAW" "$OUT/raw/newstest2014")}
+require_pair "$VALID_PREFIX" en de
+require_pair "$TEST_PREFIX" en de
+
+"$PYTHON" "$ROOT/scripts/prepare_translation.py" \
+    --train-prefix "$TRAIN_PREFIX" --valid-prefix "$VALID_PREFIX" --test-prefix "$TEST_PREFIX" \
+    --src en --tgt de --out-dir "$OUT" --joint --vocab-size "${VOCAB:-44000}" \
+    --model-type "${MODEL_TYPE:-bpe}" --workers "$WORKERS" "${PREPARE_EXTRA[@]}"

@@ -1,0 +1,222 @@
+"""End to end through fairseq's own command-line tools on real German-English pairs.
+
+Data: the Ding dictionary's sentence pairs (Debian ``trans-de-en``, installed by
+``make install``), sentencepiece subwords, ``fairseq-preprocess``. Everything is
+tiny so the whole file runs in a few minutes on 2 CPU cores.
+"""
+
+import json
+import os
+import pickle
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, venv_bin
+from user_dir.sdma.core import mixing_weight
+
+DING = Path("/usr/share/trans/de-en")
+pytestmark = pytest.mark.skipif(not DING.exists(), reason="apt-get install trans-de-en (make install does)")
+
+TINY_MODEL = [
+    "--arch", "sdma_transformer_iwslt_de_en_tiny",
+    "--encoder-layers", "1", "--decoder-layers", "1",
+    "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
+    "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64",
+]
+
+
+def run(cmd, cwd=None, check=True, env=None):
+    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, env=env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(map(str, cmd))} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def train_cmd(data_bin, save_dir, *extra):
+    return [
+        venv_bin("fairseq-train"), data_bin, "--user-dir", REPO / "user_dir", *TINY_MODEL,
+        "--task", "translation", "--criterion", "sdma_label_smoothed_cross_entropy",
+        "--label-smoothing", "0.1", "--optimizer", "adam", "--lr", "2e-3", "--max-tokens", "1500",
+        "--cpu", "--no-progress-bar", "--log-interval", "1", "--log-format", "simple",
+        "--save-dir", save_dir, "--seed", "1", *extra,
+    ]
+
+
+@pytest.fixture(scope="session")
+def data_bin(tmp_path_factory):
+    work = tmp_path_factory.mktemp("ding")
+    run([sys.executable, REPO / "scripts/prepare_ding_de_en.py", "--out-dir", work / "raw",
+         "--max-words", "8", "--valid-size", "100", "--test-size", "100"])
+    run([sys.executable, REPO / "scripts/prepare_translation.py",
+         "--train-prefix", work / "raw/train", "--valid-prefix", work / "raw/valid",
+         "--test-prefix", work / "raw/test", "--src", "de", "--tgt", "en", "--joint",
+         "--vocab-size", "500", "--out-dir", work / "prep", "--workers", "1"])
+    return work / "prep" / "bin"
+
+
+@pytest.fixture(scope="session")
+def trained(data_bin, tmp_path_factory):
+    save_dir = tmp_path_factory.mktemp("ckpt")
+    proc = run(train_cmd(data_bin, save_dir, "--max-update", "40", "--max-epoch", "100",
+                         "--eval-bleu", "--eval-bleu-remove-bpe", "sentencepiece",
+                         "--best-checkpoint-metric", "bleu", "--maximize-best-checkpoint-metric",
+                         "--max-tokens", "1000"))
+    return save_dir, proc.stdout + proc.stderr
+
+
+def losses(log):
+    return [float(m) for m in re.findall(r"train_inner \| .*? loss=([0-9.]+)", log)] or [
+        float(m) for m in re.findall(r"\| loss ([0-9.]+) \| nll_loss", log)
+    ]
+
+
+def test_training_logs_every_term_and_loss_drops(trained):
+    _, log = trained
+    for term in ("ce_loss", "sdma_kl_z", "sdma_kl_q", "sdma_dqq", "sdma_dxq", "sdma_dv_z", "sdma_dv_q"):
+        assert term + "=" in log, term
+    values = losses(log)
+    assert len(values) >= 20
+    first, last = sum(values[:5]) / 5, sum(values[-5:]) / 5
+    assert last < first - 0.5, values
+
+
+def test_generate_and_interactive_load_with_the_safe_loader(trained, data_bin):
+    save_dir, _ = trained
+    ckpt = save_dir / "checkpoint_best.pt"
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"}
+    gen = run([venv_bin("fairseq-generate"), data_bin, "--user-dir", REPO / "user_dir", "--path", ckpt,
+               "--beam", "5", "--gen-subset", "test", "--cpu", "--max-tokens", "2000",
+               "--remove-bpe", "sentencepiece", "--required-batch-size-multiple", "1"], env=env)
+    hyps = [line for line in gen.stdout.splitlines() if line.startswith("H-")]
+    assert len(hyps) == 100
+    inter = subprocess.run(
+        [venv_bin("fairseq-interactive"), str(data_bin), "--user-dir", str(REPO / "user_dir"), "--path", str(ckpt),
+         "--beam", "2", "--cpu", "--source-lang", "de", "--target-lang", "en"],
+        input="▁Das ▁ist ▁gut .\n", capture_output=True, text=True, env=env,
+    )
+    assert inter.returncode == 0, inter.stderr[-3000:]
+    assert any(line.startswith("H-0") for line in inter.stdout.splitlines())
+
+
+def test_checkpoint_contains_only_allowlisted_types(trained):
+    from user_dir.safe_loading import checkpoint_types
+
+    save_dir, _ = trained
+    allowed = {f"{t.__module__}.{t.__name__}" for t in checkpoint_types()}
+    for ckpt in save_dir.glob("checkpoint*.pt"):
+        unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(str(ckpt)))
+        assert unsafe <= allowed, unsafe - allowed
+        state = torch.load(ckpt, map_location="cpu", weights_only=True)
+        assert "model" in state
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /tmp/should_not_exist_sdma",))
+
+
+def test_malicious_pickle_is_refused(tmp_path):
+    path = tmp_path / "evil.pt"
+    with open(path, "wb") as f:
+        pickle.dump({"model": {}, "payload": _RunsCode()}, f)
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(path, map_location="cpu")
+    assert not Path("/tmp/should_not_exist_sdma").exists()
+    from fairseq import checkpoint_utils
+
+    with pytest.raises(pickle.UnpicklingError):
+        checkpoint_utils.load_checkpoint_to_cpu(str(path))
+
+
+def test_restore_file_resumes_schedule_and_g(trained, data_bin, tmp_path):
+    save_dir, _ = trained
+    state = torch.load(save_dir / "checkpoint_last.pt", map_location="cpu")
+    g = [v.item() for k, v in state["model"].items() if k.endswith("mix_weight")]
+    num_updates = state["optimizer_history"][-1]["num_updates"]
+    assert num_updates == 40
+    # the last training forward ran at update_num = 39 (fairseq counts from 0): its g is kept
+    assert g and all(abs(x - mixing_weight(num_updates - 1)) < 1e-6 for x in g)
+    proc = run(train_cmd(data_bin, tmp_path, "--restore-file", save_dir / "checkpoint_last.pt",
+                         "--max-update", "44", "--max-epoch", "100", "--no-epoch-checkpoints"))
+    assert "loaded checkpoint" in (proc.stdout + proc.stderr).lower()
+    resumed = torch.load(tmp_path / "checkpoint_last.pt", map_location="cpu")
+    assert resumed["optimizer_history"][-1]["num_updates"] == 44
+
+
+def test_ddp_two_cpu_processes_match_update_freq_two(data_bin, tmp_path):
+    """fairseq DDP (gloo, 2 processes) == one process with --update-freq 2 on the same batches."""
+    common = ["--max-update", "3", "--dropout", "0", "--sdma-noise-var", "0", "--disable-validation",
+              "--no-epoch-checkpoints", "--max-tokens", "600"]
+    single = tmp_path / "single"
+    run(train_cmd(data_bin, single, *common, "--update-freq", "2"))
+    ddp = tmp_path / "ddp"
+    port = 29500 + os.getpid() % 1000
+    procs = [
+        subprocess.Popen(
+            [str(c) for c in train_cmd(data_bin, ddp, *common, "--distributed-world-size", "2",
+                                       "--distributed-rank", str(rank), "--distributed-no-spawn",
+                                       "--distributed-init-method", f"tcp://127.0.0.1:{port}",
+                                       "--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp")],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+    a = torch.load(single / "checkpoint_last.pt", map_location="cpu")["model"]
+    b = torch.load(ddp / "checkpoint_last.pt", map_location="cpu")["model"]
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.allclose(a[key].float(), b[key].float(), atol=1e-5), key
+    trained_keys = [k for k in a if "feature_gmm.means" in k]
+    assert trained_keys
+
+
+def test_nan_loss_term_stops_training_naming_it(trained, data_bin, tmp_path):
+    """A diverged checkpoint (a NaN GMM mean) stops training with the term's name."""
+    save_dir, _ = trained
+    state = torch.load(save_dir / "checkpoint_last.pt", map_location="cpu")
+    key = next(k for k in state["model"] if k.endswith("self_attn.sdma.feature_gmm.means"))
+    state["model"][key][0, 0, 0] = float("nan")
+    torch.save(state, tmp_path / "diverged.pt")
+    proc = run(train_cmd(data_bin, tmp_path / "ck", "--restore-file", tmp_path / "diverged.pt",
+                         "--max-update", "45", "--max-epoch", "100", "--disable-validation"), check=False)
+    assert proc.returncode != 0
+    assert "SDMA loss term 'kl_z' is nan" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--sdma-clusters", "0"], "--sdma-clusters"),
+        (["--sdma-kl-weight", "-1"], "--sdma-kl-weight"),
+        (["--sdma-mix-max", "1.2"], "--sdma-mix-max"),
+        (["--encoder-attention-heads", "3"], "--encoder-attention-heads"),
+        (["--arch", "sdma_transformer_iwslt_de_en_tinyy"], "invalid choice"),
+    ],
+)
+def test_bad_cli_options_fail_early_with_the_option_name(data_bin, tmp_path, extra, message):
+    proc = run(train_cmd(data_bin, tmp_path, "--max-update", "1", *extra), check=False)
+    assert proc.returncode != 0
+    assert message in proc.stderr + proc.stdout
+    assert not list(tmp_path.glob("checkpoint*.pt"))
+
+
+def test_missing_data_files_are_named(data_bin, tmp_path):
+    """fairseq's own early errors name the missing file (no training starts)."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = run(train_cmd(empty, tmp_path / "ck", "--max-update", "1", "-s", "de", "-t", "en"), check=False)
+    assert proc.returncode != 0 and "dict.de.txt" in proc.stderr
+    dicts_only = tmp_path / "dicts_only"
+    dicts_only.mkdir()
+    for lang in ("de", "en"):
+        (dicts_only / f"dict.{lang}.txt").write_text((data_bin / f"dict.{lang}.txt").read_text())
+    proc = run(train_cmd(dicts_only, tmp_path / "ck", "--max-update", "1", "-s", "de", "-t", "en"), check=False)
+    assert proc.returncode != 0 and "Dataset not found: train" in proc.stderr
+    assert not (tmp_path / "ck").exists() or not list((tmp_path / "ck").glob("*.pt"))
