@@ -72,7 +72,7 @@ def main(argv=None):
             console_script("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--task", "translation",
             *CONFIGS[args.config], "--sdma-mode", mode, "--share-all-embeddings",
             "--criterion", "sdma_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-            "--optimizer", "adam", "--lr", "5e-4", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4000",
+            "--optimizer", "adam", "--lr", "2e-3", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "100",
             "--max-tokens", args.max_tokens, "--max-update", args.updates, "--seed", "1",
             "--log-interval", "10", "--log-format", "simple", "--no-progress-bar", "--disable-validation",
             "--save-dir", work / name, "--no-epoch-checkpoints", *device, *precision,
@@ -80,7 +80,10 @@ def main(argv=None):
         stage(f"decode {name}: fairseq-generate, beam 5, {args.gen_sentences} sentences")
         gen = generate(data_bin, work / name / "checkpoint_last.pt", work / name,
                        extra=["--max-sentences", str(args.gen_sentences), "--batch-size", "50",
-                              *(["--fp16"] if args.fp16 else [])] + ([] if not args.gpu else []))
+                              # a briefly trained model rarely stops by itself: bound the
+                              # output length like the references (~1.2 x source) for both
+                              "--max-len-a", "1.2", "--max-len-b", "10",
+                              *(["--fp16"] if args.fp16 else [])], cpu=not args.gpu)
         raw[name] = {
             "train_wps": train_words_per_second(train["log"]),
             "peak_mem_mb": train.get("peak_rss_mb", float("nan")),

@@ -131,7 +131,7 @@ def main(argv=None):
         gen = generate(data_bin, ckpt, out / subdir)
         bleu = sacrebleu_score(gen["hypotheses"], references)
         stage(f"analysis: attention redundancy of {name}")
-        redundancy = attention_redundancy(str(ckpt), data_bin=str(data_bin), subset="test")
+        redundancy = attention_redundancy(str(ckpt), data=str(data_bin), subset="test")
         row = {
             "model": name,
             "BLEU": bleu,

@@ -85,11 +85,11 @@ def model_parameters(log: str) -> int:
 
 
 def generate(data_bin: Path, checkpoint: Path, out_dir: Path, subset: str = "test", beam: int = 5,
-             max_tokens: int = 4000, extra: Sequence = ()) -> Dict:
+             max_tokens: int = 4000, extra: Sequence = (), cpu: bool = True) -> Dict:
     """``fairseq-generate`` with sentencepiece removal; returns hypotheses in corpus order."""
     cmd = [
         console_script("fairseq-generate"), data_bin, "--user-dir", USER_DIR, "--path", checkpoint,
-        "--gen-subset", subset, "--beam", beam, "--max-tokens", max_tokens, "--cpu",
+        "--gen-subset", subset, "--beam", beam, "--max-tokens", max_tokens, *(["--cpu"] if cpu else []),
         "--remove-bpe", "sentencepiece",
         # fairseq-fixed drops a final batch that is not a multiple of this (8 by default):
         # with 1, every test sentence is translated

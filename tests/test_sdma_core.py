@@ -45,7 +45,8 @@ def test_vade_kl_eq20_matches_direct_formula(gmm):
     kl_cat = resp * (log_resp - torch.log_softmax(gmm.prior_logits, -1))
     direct = ((resp * kl_gauss).sum(-1) + kl_cat.sum(-1)).mean()
     valid = torch.ones(7, 2)
-    assert torch.allclose(core.vade_kl(log_joint, log_resp, gmm, s2, valid), direct, atol=1e-4)
+    kl = core.vade_kl(log_joint[None], log_resp[None], gmm.trace_precision()[None], gmm.dim, s2, valid)
+    assert torch.allclose(kl, direct, atol=1e-4)
 
 
 def test_cluster_diversity_eq23_matches_masked_matrix(gmm):
@@ -61,7 +62,7 @@ def test_cluster_diversity_eq23_matches_masked_matrix(gmm):
             eye = torch.eye(n)
             mask = alpha * eye + beta * (1 - eye)
             per.append(((mask * (c @ c.T - eye)) ** 2).sum() / n**2)
-    assert torch.allclose(core.cluster_diversity(resp, valid, alpha, beta), torch.stack(per).mean(), atol=1e-6)
+    assert torch.allclose(core.cluster_diversity(resp[None], valid, alpha, beta), torch.stack(per).mean(), atol=1e-6)
 
 
 def test_head_mi_upper_bound_eq21_16_17(gmm):
@@ -83,7 +84,7 @@ def test_head_mi_upper_bound_eq21_16_17(gmm):
                         acc += -torch.log(1 - p)
             total += acc / 9
             count += 1
-    assert torch.allclose(core.head_mi_upper_bound(log_joint, resp, valid), (total / count).detach(), atol=1e-5)
+    assert torch.allclose(core.head_mi_upper_bound(log_joint[None], resp[None], valid), (total / count).detach(), atol=1e-5)
 
 
 def test_query_input_mi_lower_bound_eq22_19():
@@ -99,7 +100,7 @@ def test_query_input_mi_lower_bound_eq22_19():
                 f = resp[:n, b, h] @ resp[i, b, h]  # f(q_i, x_j), eq. 19
                 per_head.append(torch.log_softmax(f, 0)[i])
             vals.append(torch.stack(per_head).mean())
-    assert torch.allclose(core.query_input_mi_lower_bound(resp, valid), torch.stack(vals).mean(), atol=1e-6)
+    assert torch.allclose(core.query_input_mi_lower_bound(resp[None], valid), torch.stack(vals).mean(), atol=1e-6)
 
 
 def test_masked_attention_eq2_and_mixing_eq11():
@@ -193,3 +194,22 @@ def test_bad_options_name_the_option(kwargs, option):
 def test_heads_must_divide_embedding():
     with pytest.raises(core.SDMAConfigError, match="not divisible"):
         SDMACore(10, 3, SDMAOptions())
+
+
+def test_layer_batched_losses_equal_the_mean_of_per_layer_losses():
+    torch.manual_seed(0)
+    cores = [SDMACore(16, 2, SDMAOptions(num_clusters=3, num_query_clusters=3)) for _ in range(3)]
+    valid = torch.ones(5, 2)
+    valid[3:, 1] = 0
+    inputs = []
+    for c in cores:
+        x = torch.randn(5, 2, 16)
+        lj, lr = c.cluster(x)
+        ljq, lrq = c.cluster_queries(torch.randn(5, 2, 2, 8))
+        inputs.append((lj, lr, valid, ljq, lrq))
+    single = [c.regularisers(*args) for c, args in zip(cores, inputs)]
+    for c, args in zip(cores, inputs):
+        c.record(*args)
+    batched = core.sdma_losses(cores)
+    for name in core.LOSS_NAMES:
+        assert torch.allclose(batched[name], torch.stack([s[name] for s in single]).mean(), atol=1e-5), name

@@ -134,20 +134,27 @@ class GaussianMixture(nn.Module):
     def log_joint(self, z: Tensor) -> Tensor:
         """log pi_c + log N(z | mu_c, sigma_c^2) for ``z`` of shape ``[..., G, d]`` -> ``[..., G, C]``.
 
-        The squared Mahalanobis distance is expanded into two matrix products
-        (no ``[..., G, C, d]`` temporary); computed in float32.
+        The squared Mahalanobis distance is expanded as ``z^2 . (1/sigma^2) - 2 z . (mu/sigma^2)
+        + const``; the G groups' weights form block-diagonal ``[G*d, G*C]`` matrices, so the
+        whole thing is two matrix products on the contiguous input (no per-group transposes,
+        no ``[..., G, C, d]`` temporary). Computed in float32.
         """
         lead = z.shape[:-2]
-        z = z.float().reshape(-1, self.groups, self.dim).transpose(0, 1)  # [G, N, d]
+        flat = z.float().reshape(-1, self.groups * self.dim)  # [N, G*d]
         log_vars = self.log_vars.float().clamp(*_LOGVAR_RANGE)
         precision = torch.exp(-log_vars)  # [G, C, d]
         means = self.means.float()
-        weights = torch.cat([precision, -2.0 * means * precision], dim=-1)  # [G, C, 2d]
-        maha = torch.bmm(torch.cat([z * z, z], dim=-1), weights.transpose(1, 2))  # [G, N, C]
+        eye = torch.eye(self.groups, device=flat.device, dtype=flat.dtype)
+
+        def block_diagonal(w):  # [G, C, d] -> [G*d, G*C]
+            return torch.einsum("gcd,gk->gdkc", w, eye).reshape(self.groups * self.dim, -1)
+
+        maha = torch.mm(flat * flat, block_diagonal(precision))
+        maha = torch.addmm(maha, flat, block_diagonal(-2.0 * means * precision))  # [N, G*C]
         const = (means * means * precision + log_vars).sum(-1) + self.dim * _LOG_2PI  # [G, C]
         log_prior = F.log_softmax(self.prior_logits.float(), dim=-1)  # [G, C]
-        log_joint = (log_prior - 0.5 * const).unsqueeze(1) - 0.5 * maha
-        return log_joint.transpose(0, 1).reshape(*lead, self.groups, self.num_clusters)
+        log_joint = (log_prior - 0.5 * const).reshape(-1) - 0.5 * maha
+        return log_joint.view(*lead, self.groups, self.num_clusters)
 
     def trace_precision(self) -> Tensor:
         """sum_d 1 / sigma_{c,d}^2, shape ``[G, C]`` (enters the KL of eq. 20)."""
@@ -155,30 +162,33 @@ class GaussianMixture(nn.Module):
 
 
 # ----------------------------------------------------------------------------
-# Regularisers. Layout: time first, ``[T, B, n_h, C]``; ``valid`` is a float
-# ``[T, B]`` mask of non-padding query positions (1 = real token).
+# Regularisers. Layout: ``[L, T, B, n_h, C]`` -- the L layers of one attention
+# type are stacked so each term costs a handful of batched ops (not one set per
+# layer). ``valid`` is a float ``[T, B]`` mask of real (non-padding) query
+# positions, shared by the layers. Every function returns the mean over layers.
 # ----------------------------------------------------------------------------
 
 
 def _token_mean(per_token: Tensor, valid: Tensor) -> Tensor:
-    """Mean of ``[T, B]`` over valid positions."""
-    return (per_token * valid).sum() / valid.sum().clamp_min(1.0)
+    """Mean of ``[L, T, B]`` over layers and valid positions."""
+    return (per_token * valid).sum() / (valid.sum().clamp_min(1.0) * per_token.size(0))
 
 
-def vade_kl(log_joint: Tensor, log_resp: Tensor, gmm: GaussianMixture, posterior_var: float,
-            valid: Tensor) -> Tensor:
+def vade_kl(log_joint: Tensor, log_resp: Tensor, trace_precision: Tensor, dim: int,
+            posterior_var: float, valid: Tensor) -> Tensor:
     """KL(q(z, c | x) || p(z, c)) in the VaDE form, averaged over heads and tokens (eq. 20).
 
     With q(z|x) = N(z, s2 I) and q(c|x) = p(c|z) (eq. 9), per token and head:
       sum_c q(c) KL(N(z, s2) || N(mu_c, sigma_c^2)) + KL(q(c) || pi)
         = -log p(z) + s2/2 sum_c q(c) tr(Sigma_c^-1) - d/2 log(2 pi e s2)
-    where log p(z) = logsumexp_c log_joint.
+    where log p(z) = log_joint_c - log p(c|z) for any c. ``trace_precision`` is
+    ``[L, n_h, C]`` (see :meth:`GaussianMixture.trace_precision`).
     """
-    d = gmm.dim
-    log_marginal = torch.logsumexp(log_joint, dim=-1)  # [T, B, H]
-    trace = (log_resp.exp() * gmm.trace_precision()).sum(-1)  # [T, B, H]
-    kl = -log_marginal + 0.5 * posterior_var * trace - 0.5 * d * (_LOG_2PI + math.log(posterior_var) + 1.0)
-    return _token_mean(kl.mean(-1), valid)
+    log_marginal = log_joint[..., 0] - log_resp[..., 0]  # log p(z), [L, T, B, H]
+    trace = (log_resp.exp() * trace_precision[:, None, None]).sum(-1)
+    const = 0.5 * dim * (_LOG_2PI + math.log(posterior_var) + 1.0)
+    kl = (0.5 * posterior_var * trace - log_marginal).mean(-1) - const
+    return _token_mean(kl, valid)
 
 
 def cluster_diversity(resp: Tensor, valid: Tensor, alpha: float, beta: float) -> Tensor:
@@ -188,12 +198,12 @@ def cluster_diversity(resp: Tensor, valid: Tensor, alpha: float, beta: float) ->
     alpha^2 sum_i (s_i - 1)^2 + beta^2 (||C^T C||_F^2 - sum_i s_i^2), s_i = ||C_i||^2,
     so no ``T x T`` matrix is formed. Normalised by n_q^2 of each sentence.
     """
-    resp = resp * valid[:, :, None, None]
-    self_sim = (resp * resp).sum(-1)  # s_i, [T, B, H]
-    gram = torch.einsum("tbhc,tbhk->bhck", resp, resp)  # C^T C, [B, H, C, C]
-    diag = (alpha * alpha) * ((self_sim - 1.0) ** 2 * valid[:, :, None]).sum(0)  # [B, H]
-    off = (beta * beta) * ((gram * gram).sum((-1, -2)) - (self_sim * self_sim).sum(0))
-    n_q = valid.sum(0).clamp_min(1.0)[:, None]  # [B, 1]
+    resp = resp * valid[None, :, :, None, None]
+    self_sim = (resp * resp).sum(-1)  # s_i, [L, T, B, H]
+    gram = torch.einsum("ltbhc,ltbhk->lbhck", resp, resp)  # C^T C
+    diag = (alpha * alpha) * ((self_sim - 1.0) ** 2 * valid[None, :, :, None]).sum(1)  # [L, B, H]
+    off = (beta * beta) * ((gram * gram).sum((-1, -2)) - (self_sim * self_sim).sum(1))
+    n_q = valid.sum(0).clamp_min(1.0)[None, :, None]  # [1, B, 1]
     return ((diag + off) / (n_q * n_q)).mean()
 
 
@@ -204,11 +214,11 @@ def head_mi_upper_bound(log_joint_q: Tensor, resp_q: Tensor, valid: Tensor) -> T
     the sentence's tokens of the query GMM's log-joint (eq. 18);
     p(q_i^h | q_i^h') = sum_c p(q_i^h | c) p(c | q_i^h')  (eq. 16).
     """
-    n_h = log_joint_q.size(2)
-    pad = (valid <= 0)[:, :, None, None]
-    p_token_given_c = torch.softmax(log_joint_q.masked_fill(pad, float("-inf")), dim=0)
+    n_h = log_joint_q.size(3)
+    pad = (valid <= 0)[None, :, :, None, None]
+    p_token_given_c = torch.softmax(log_joint_q.masked_fill(pad, float("-inf")), dim=1)
     p_token_given_c = p_token_given_c.masked_fill(pad, 0.0)  # sentences of length 0 stay finite
-    p_pair = torch.einsum("tbhc,tbgc->tbhg", p_token_given_c, resp_q)  # [T, B, H, H']
+    p_pair = torch.einsum("ltbhc,ltbgc->ltbhg", p_token_given_c, resp_q)  # [L, T, B, H, H']
     off_diag = 1.0 - torch.eye(n_h, device=p_pair.device, dtype=p_pair.dtype)
     neg_log = -torch.log1p(-p_pair.clamp(max=1.0 - 1e-6)) * off_diag
     return _token_mean(neg_log.sum((-1, -2)) / (n_h * n_h), valid)
@@ -220,14 +230,13 @@ def query_input_mi_lower_bound(resp_q: Tensor, valid: Tensor) -> Tensor:
     1/(n_q n_h) sum_i sum_h log softmax_j f(q_i^h, x_j) evaluated at j = i, with
     the softmax over the sentence's real tokens. Maximised (enters eq. 24 with -lambda_x).
     """
-    T, B, H, C = resp_q.shape
-    r = resp_q.permute(1, 2, 0, 3).reshape(B * H, T, C)
-    critic = torch.bmm(r, r.transpose(1, 2))  # [B*H, T, T]
-    key_pad = (valid <= 0).t().repeat_interleave(H, dim=0)[:, None, :]  # [B*H, 1, T]
-    log_norm = torch.logsumexp(critic.masked_fill(key_pad, float("-inf")), dim=-1)  # [B*H, T]
-    diag = critic.diagonal(dim1=1, dim2=2)
-    log_ratio = (diag - log_norm).masked_fill(key_pad[:, 0, :], 0.0)
-    per_token = log_ratio.view(B, H, T).mean(1).t()  # [T, B]
+    L, T, B, H, C = resp_q.shape
+    r = resp_q.permute(0, 2, 3, 1, 4).reshape(L * B * H, T, C)
+    critic = torch.bmm(r, r.transpose(1, 2)).view(L, B, H, T, T)
+    key_pad = (valid <= 0).t()[None, :, None, None, :]  # [1, B, 1, 1, T]
+    log_norm = torch.logsumexp(critic.masked_fill(key_pad, float("-inf")), dim=-1)  # [L, B, H, T]
+    log_ratio = critic.diagonal(dim1=-2, dim2=-1) - log_norm
+    per_token = log_ratio.mean(2).permute(0, 2, 1)  # [L, T, B]
     return _token_mean(per_token, valid)
 
 
@@ -269,9 +278,9 @@ class SDMACore(nn.Module):
     shared across heads (``[1, n_c^q, d_k]``, only in ``sdma`` mode) and the mixing
     weight g of eq. (11) as a persistent buffer: it follows ``set_num_updates`` in
     training and is saved in checkpoints, so inference uses its end-of-training value.
-    The adapters call :meth:`cluster`, :meth:`cluster_queries`, :meth:`log_mask` and
-    :meth:`regularisers`; the last results are kept in ``self.losses`` until
-    :meth:`pop_losses`.
+    The adapters call :meth:`perturb`, :meth:`cluster`, :meth:`cluster_queries` and
+    :meth:`record`; :func:`collect_sdma_losses` turns the recorded clustering of all
+    modules into the regularisers (batched over the layers of each attention type).
     """
 
     def __init__(self, embed_dim: int, num_heads: int, options: SDMAOptions):
@@ -293,7 +302,7 @@ class SDMACore(nn.Module):
             else None
         )
         self.register_buffer("mix_weight", torch.zeros(()), persistent=True)
-        self.losses: Dict[str, Tensor] = {}
+        self.pending: Optional[Dict[str, Tensor]] = None
 
     # -- schedule ---------------------------------------------------------------
     def set_num_updates(self, num_updates: int) -> None:
@@ -330,34 +339,24 @@ class SDMACore(nn.Module):
         return resp.permute(1, 2, 0, 3).reshape(B * H, T, C)
 
     # -- regularisers -----------------------------------------------------------
-    def regularisers(
-        self,
-        log_joint_z: Tensor,
-        log_resp_z: Tensor,
-        query_valid: Tensor,
-        log_joint_q: Optional[Tensor] = None,
-        log_resp_q: Optional[Tensor] = None,
-    ) -> Dict[str, Tensor]:
-        """All SDMA loss terms of one module; ``[T, B, n_h, C]`` inputs, ``query_valid [T, B]``."""
-        o = self.options
-        valid = query_valid.to(log_joint_z.dtype)
-        resp_z = log_resp_z.exp()
-        losses = {
-            "kl_z": vade_kl(log_joint_z, log_resp_z, self.feature_gmm, o.posterior_var, valid),
-            "dv_z": cluster_diversity(resp_z, valid, o.diversity_alpha, o.diversity_beta),
+    def record(self, log_joint_z: Tensor, log_resp_z: Tensor, query_valid: Tensor,
+               log_joint_q: Optional[Tensor] = None, log_resp_q: Optional[Tensor] = None) -> None:
+        """Keep this forward pass's clustering for the regularisers (``[T, B, n_h, C]``)."""
+        self.pending = {
+            "log_joint_z": log_joint_z, "log_resp_z": log_resp_z, "valid": query_valid,
+            "log_joint_q": log_joint_q, "log_resp_q": log_resp_q,
         }
-        if self.query_gmm is not None and log_joint_q is not None:
-            resp_q = log_resp_q.exp()
-            losses["kl_q"] = vade_kl(log_joint_q, log_resp_q, self.query_gmm, o.posterior_var, valid)
-            losses["dv_q"] = cluster_diversity(resp_q, valid, o.diversity_alpha, o.diversity_beta)
-            losses["dqq"] = head_mi_upper_bound(log_joint_q, resp_q, valid)
-            losses["dxq"] = query_input_mi_lower_bound(resp_q, valid)
-        self.losses = losses
-        return losses
 
-    def pop_losses(self) -> Dict[str, Tensor]:
-        losses, self.losses = self.losses, {}
-        return losses
+    def pop_pending(self) -> Optional[Dict[str, Tensor]]:
+        pending, self.pending = self.pending, None
+        return pending
+
+    def regularisers(self, log_joint_z: Tensor, log_resp_z: Tensor, query_valid: Tensor,
+                     log_joint_q: Optional[Tensor] = None,
+                     log_resp_q: Optional[Tensor] = None) -> Dict[str, Tensor]:
+        """All SDMA loss terms of this module alone (``[T, B, n_h, C]`` inputs)."""
+        self.record(log_joint_z, log_resp_z, query_valid, log_joint_q, log_resp_q)
+        return sdma_losses([self])
 
     def extra_repr(self) -> str:
         o = self.options
@@ -367,28 +366,57 @@ class SDMACore(nn.Module):
         )
 
 
+def sdma_losses(cores) -> Dict[str, Tensor]:
+    """The regularisers of SDMA modules of ONE attention type, averaged over them.
+
+    The modules' clustering tensors are stacked along a layer axis so each term is one
+    batched computation; modules without a recorded forward pass are skipped.
+    """
+    items = [(c, c.pop_pending()) for c in cores]
+    items = [(c, p) for c, p in items if p is not None]
+    if not items:
+        return {}
+    first_core, first = items[0]
+    o = first_core.options
+    valid = first["valid"].float()
+    log_joint_z = torch.stack([p["log_joint_z"] for _, p in items])
+    log_resp_z = torch.stack([p["log_resp_z"] for _, p in items])
+    trace_z = torch.stack([c.feature_gmm.trace_precision() for c, _ in items])
+    losses = {
+        "kl_z": vade_kl(log_joint_z, log_resp_z, trace_z, first_core.head_dim, o.posterior_var, valid),
+        "dv_z": cluster_diversity(log_resp_z.exp(), valid, o.diversity_alpha, o.diversity_beta),
+    }
+    if first["log_joint_q"] is not None:
+        log_joint_q = torch.stack([p["log_joint_q"] for _, p in items])
+        log_resp_q = torch.stack([p["log_resp_q"] for _, p in items])
+        resp_q = log_resp_q.exp()
+        trace_q = torch.stack([c.query_gmm.trace_precision().expand(c.num_heads, -1) for c, _ in items])
+        losses["kl_q"] = vade_kl(log_joint_q, log_resp_q, trace_q, first_core.head_dim, o.posterior_var, valid)
+        losses["dv_q"] = cluster_diversity(resp_q, valid, o.diversity_alpha, o.diversity_beta)
+        losses["dqq"] = head_mi_upper_bound(log_joint_q, resp_q, valid)
+        losses["dxq"] = query_input_mi_lower_bound(resp_q, valid)
+    return losses
+
+
 def collect_sdma_losses(model: nn.Module) -> Dict[str, Tensor]:
     """Sum over attention types of the layer-mean of every SDMA loss (eq. 20-23, 24).
 
     Modules are grouped by ``sdma_group`` (e.g. ``encoder_self``, ``decoder_self``,
     ``decoder_cross``): each group's terms are averaged over its layers (the 1/N of
     eq. 20 and 23), and the groups are summed. Missing terms are reported as zero so
-    every term is present in every step's logging output. Clears the modules' losses.
+    every term is present in every step's logging output. Clears the recorded passes.
     """
-    groups: Dict[str, Dict[str, list]] = {}
-    device = None
+    groups: Dict[str, list] = {}
     for module in model.modules():
-        if isinstance(module, SDMACore):
-            losses = module.pop_losses()
-            group = groups.setdefault(getattr(module, "sdma_group", "default"), {})
-            for name, value in losses.items():
-                group.setdefault(name, []).append(value)
-                device = value.device
+        if isinstance(module, SDMACore) and module.pending is not None:
+            pending = module.pending
+            key = (getattr(module, "sdma_group", "default"), tuple(pending["log_joint_z"].shape),
+                   None if pending["log_joint_q"] is None else tuple(pending["log_joint_q"].shape))
+            groups.setdefault(key, []).append(module)
+    per_group = [sdma_losses(cores) for cores in groups.values()]
+    device = next((v.device for g in per_group for v in g.values()), None)
     total = {}
     for name in LOSS_NAMES:
-        values = [torch.stack(g[name]).mean() for g in groups.values() if name in g]
-        if values:
-            total[name] = torch.stack(values).sum()
-        else:
-            total[name] = torch.zeros((), device=device)
+        values = [g[name] for g in per_group if name in g]
+        total[name] = torch.stack(values).sum() if values else torch.zeros((), device=device)
     return total

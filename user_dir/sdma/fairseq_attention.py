@@ -104,8 +104,7 @@ class SDMAMultiheadAttention(MultiheadAttention):
         log_joint_q = log_resp_q = None
         need_losses = incremental_state is None
         if core.query_gmm is not None and need_losses:
-            q_heads = core.perturb(q_heads, self.training)
-            q = q_heads.view(tgt_len, bsz, embed_dim)
+            # q = W_q z + b already carries the sample of eq. (8); no second draw
             log_joint_q, log_resp_q = core.cluster_queries(q_heads)
 
         q = q.contiguous().view(tgt_len, bsz * H, D).transpose(0, 1)
@@ -190,7 +189,7 @@ class SDMAMultiheadAttention(MultiheadAttention):
                 query_valid = (~query_pad.to(torch.bool)).t().float()
             else:
                 query_valid = query.new_ones(tgt_len, bsz, dtype=torch.float32)
-            core.regularisers(log_joint_z, log_resp_z, query_valid, log_joint_q, log_resp_q)
+            core.record(log_joint_z, log_resp_z, query_valid, log_joint_q, log_resp_q)
 
         weights: Optional[Tensor] = None
         if need_weights:
