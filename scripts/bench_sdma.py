@@ -15,6 +15,7 @@ Ratios are to vanilla, measured in the same run. Prints a table, writes
 """
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
@@ -47,7 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
     p.add_argument("--updates", type=int, default=60, help="training updates per model (default 60)")
     p.add_argument("--max-tokens", type=int, default=4096)
-    p.add_argument("--gen-sentences", type=int, default=300, help="test sentences decoded (default 300)")
+    p.add_argument("--gen-length", type=int, default=12,
+                   help="tokens per hypothesis when decoding the test set (default 12)")
     p.add_argument("--gpu", action="store_true", help="train/decode on the GPU (also add --fp16)")
     p.add_argument("--fp16", action="store_true")
     p.add_argument("--out", type=Path, default=REPO / "outputs" / "bench" / "sdma.json")
@@ -66,6 +68,7 @@ def main(argv=None):
     precision = ["--fp16"] if args.fp16 else []
     rows, raw = [], {}
     for name, mode in MODELS.items():
+        shutil.rmtree(work / name, ignore_errors=True)  # never resume an earlier run's checkpoint
         stage(f"train {name} ({args.config}, --sdma-mode {mode}) for {args.updates} updates")
         # "none" builds fairseq's own MultiheadAttention everywhere: the vanilla transformer
         train = run_streaming([
@@ -77,12 +80,12 @@ def main(argv=None):
             "--log-interval", "10", "--log-format", "simple", "--no-progress-bar", "--disable-validation",
             "--save-dir", work / name, "--no-epoch-checkpoints", *device, *precision,
         ], work / name / "train.log", echo_filter=r"train_inner|num\. (shared )?model params", wrap_rss=not args.gpu)
-        stage(f"decode {name}: fairseq-generate, beam 5, {args.gen_sentences} sentences")
+        stage(f"decode {name}: fairseq-generate, beam 5, test set, {args.gen_length} tokens per hypothesis")
+        # Briefly trained models stop at different lengths; fixing the output length
+        # (min = max) makes every model do the same decoding work.
         gen = generate(data_bin, work / name / "checkpoint_last.pt", work / name,
-                       extra=["--max-sentences", str(args.gen_sentences), "--batch-size", "50",
-                              # a briefly trained model rarely stops by itself: bound the
-                              # output length like the references (~1.2 x source) for both
-                              "--max-len-a", "1.2", "--max-len-b", "10",
+                       extra=["--batch-size", "64", "--min-len", str(args.gen_length),
+                              "--max-len-a", "0", "--max-len-b", str(args.gen_length),
                               *(["--fp16"] if args.fp16 else [])], cpu=not args.gpu)
         raw[name] = {
             "train_wps": train_words_per_second(train["log"]),

@@ -20,6 +20,7 @@ trainings (SDMA-T runs slower per update, so vanilla gets a bit less than half).
 """
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
@@ -93,6 +94,7 @@ def prepare_data(out_dir: Path, max_words: int, vocab_size: int, seed: int = 1) 
 
 
 def train(data_bin: Path, save_dir: Path, arch_args, seed: int, *limit) -> dict:
+    shutil.rmtree(save_dir, ignore_errors=True)  # a fresh run, never a resumed one
     cmd = [
         console_script("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--task", "translation",
         *arch_args, *MODEL_SIZE, *OPTIMIZATION, "--seed", seed, "--cpu",

@@ -213,3 +213,12 @@ def test_layer_batched_losses_equal_the_mean_of_per_layer_losses():
     batched = core.sdma_losses(cores)
     for name in core.LOSS_NAMES:
         assert torch.allclose(batched[name], torch.stack([s[name] for s in single]).mean(), atol=1e-5), name
+
+
+def test_gaussian_log_joint_gradients():
+    torch.manual_seed(0)
+    flat = torch.randn(6, 2 * 3, dtype=torch.double, requires_grad=True)
+    means = torch.randn(2, 4, 3, dtype=torch.double, requires_grad=True)
+    log_vars = (0.3 * torch.randn(2, 4, 3, dtype=torch.double)).requires_grad_(True)
+    prior = torch.randn(2, 4, dtype=torch.double, requires_grad=True)
+    assert torch.autograd.gradcheck(core._GaussianLogJoint.apply, (flat, means, log_vars, prior))

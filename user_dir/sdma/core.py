@@ -134,31 +134,70 @@ class GaussianMixture(nn.Module):
     def log_joint(self, z: Tensor) -> Tensor:
         """log pi_c + log N(z | mu_c, sigma_c^2) for ``z`` of shape ``[..., G, d]`` -> ``[..., G, C]``.
 
-        The squared Mahalanobis distance is expanded as ``z^2 . (1/sigma^2) - 2 z . (mu/sigma^2)
-        + const``; the G groups' weights form block-diagonal ``[G*d, G*C]`` matrices, so the
-        whole thing is two matrix products on the contiguous input (no per-group transposes,
-        no ``[..., G, C, d]`` temporary). Computed in float32.
+        Computed in (at least) float32 by :class:`_GaussianLogJoint`, which saves only ``z``
+        for the backward pass.
         """
         lead = z.shape[:-2]
-        flat = z.float().reshape(-1, self.groups * self.dim)  # [N, G*d]
-        log_vars = self.log_vars.float().clamp(*_LOGVAR_RANGE)
-        precision = torch.exp(-log_vars)  # [G, C, d]
-        means = self.means.float()
-        eye = torch.eye(self.groups, device=flat.device, dtype=flat.dtype)
-
-        def block_diagonal(w):  # [G, C, d] -> [G*d, G*C]
-            return torch.einsum("gcd,gk->gdkc", w, eye).reshape(self.groups * self.dim, -1)
-
-        maha = torch.mm(flat * flat, block_diagonal(precision))
-        maha = torch.addmm(maha, flat, block_diagonal(-2.0 * means * precision))  # [N, G*C]
-        const = (means * means * precision + log_vars).sum(-1) + self.dim * _LOG_2PI  # [G, C]
-        log_prior = F.log_softmax(self.prior_logits.float(), dim=-1)  # [G, C]
-        log_joint = (log_prior - 0.5 * const).reshape(-1) - 0.5 * maha
-        return log_joint.view(*lead, self.groups, self.num_clusters)
+        dtype = torch.promote_types(z.dtype, torch.float32)
+        flat = z.to(dtype).reshape(-1, self.groups * self.dim)  # [N, G*d]
+        out = _GaussianLogJoint.apply(flat, self.means, self.log_vars, self.prior_logits)
+        return out.view(*lead, self.groups, self.num_clusters)
 
     def trace_precision(self) -> Tensor:
         """sum_d 1 / sigma_{c,d}^2, shape ``[G, C]`` (enters the KL of eq. 20)."""
         return torch.exp(-self.log_vars.float().clamp(*_LOGVAR_RANGE)).sum(-1)
+
+
+def _gmm_terms(means: Tensor, log_vars: Tensor, prior_logits: Tensor, dtype: torch.dtype):
+    """Block-diagonal weights and bias of the expanded GMM log-density (see below)."""
+    groups, clusters, dim = means.shape
+    log_vars = log_vars.to(dtype).clamp(*_LOGVAR_RANGE)
+    means = means.to(dtype)
+    precision = torch.exp(-log_vars)  # [G, C, d]
+    eye = torch.eye(groups, device=means.device, dtype=dtype)
+
+    def block_diagonal(w):  # [G, C, d] -> [G*d, G*C]
+        return torch.einsum("gcd,gk->gdkc", w, eye).reshape(groups * dim, groups * clusters)
+
+    const = (means * means * precision + log_vars).sum(-1) + dim * _LOG_2PI  # [G, C]
+    bias = (F.log_softmax(prior_logits.to(dtype), dim=-1) - 0.5 * const).reshape(-1)
+    return block_diagonal(precision), block_diagonal(-2.0 * means * precision), bias
+
+
+class _GaussianLogJoint(torch.autograd.Function):
+    """log pi_c + log N(z | mu_c, diag sigma_c^2) for G independent GMMs, ``[N, G*d] -> [N, G*C]``.
+
+    The squared Mahalanobis distance is expanded as z^2 . (1/sigma^2) - 2 z . (mu/sigma^2)
+    + const, with the G groups' weights as block-diagonal ``[G*d, G*C]`` matrices: two
+    matrix products on the contiguous input, no ``[N, G, C, d]`` temporary. Only ``z`` is
+    saved (it is also saved by the q/k/v projections, so this costs no extra memory);
+    ``z^2`` is recomputed in the backward pass.
+    """
+
+    @staticmethod
+    def forward(ctx, flat, means, log_vars, prior_logits):
+        weight_sq, weight_lin, bias = _gmm_terms(means, log_vars, prior_logits, flat.dtype)
+        maha = torch.addmm(torch.mm(flat * flat, weight_sq), flat, weight_lin)
+        ctx.save_for_backward(flat, means, log_vars, prior_logits)
+        return bias - 0.5 * maha
+
+    @staticmethod
+    def backward(ctx, grad):
+        flat, means, log_vars, prior_logits = ctx.saved_tensors
+        with torch.enable_grad():
+            params = [t.detach().requires_grad_(True) for t in (means, log_vars, prior_logits)]
+            weight_sq, weight_lin, bias = _gmm_terms(*params, flat.dtype)
+        grad_maha = -0.5 * grad
+        grad_flat = None
+        if ctx.needs_input_grad[0]:
+            grad_flat = 2.0 * flat * torch.mm(grad_maha, weight_sq.detach().t())
+            grad_flat = torch.addmm(grad_flat, grad_maha, weight_lin.detach().t())
+        grads = torch.autograd.grad(
+            (weight_sq, weight_lin, bias),
+            params,
+            (torch.mm((flat * flat).t(), grad_maha), torch.mm(flat.t(), grad_maha), grad.sum(0)),
+        )
+        return (grad_flat, *grads)
 
 
 # ----------------------------------------------------------------------------
@@ -245,9 +284,9 @@ def semantic_log_mask(resp_query: Tensor, resp_key: Tensor) -> Tensor:
 
     M_ij is proportional to sum_c p(c|z_i) p(c|z_j); the normaliser over keys cancels in
     the renormalised masked attention of eq. (2), so only the log of the product is kept
-    (floored at 1e-6 so rows with no overlap fall back to plain attention, never NaN).
+    (plus 1e-6, so rows with no overlap fall back to plain attention, never NaN).
     """
-    return torch.bmm(resp_query, resp_key.transpose(1, 2)).clamp_min(_MASK_FLOOR).log()
+    return torch.log(torch.bmm(resp_query, resp_key.transpose(1, 2)) + _MASK_FLOOR)
 
 
 def semantic_mask(resp_query: Tensor, resp_key: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tensor:

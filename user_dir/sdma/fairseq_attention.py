@@ -154,7 +154,7 @@ class SDMAMultiheadAttention(MultiheadAttention):
                 "bxhtc,bhsc->bxhts",
                 resp_query.view((kv_bsz, -1, H) + resp_query.size()[1:]),
                 key_resp.view((kv_bsz, H) + key_resp.size()[1:]),
-            ).reshape(-1, tgt_len, src_len).clamp_min(1e-6).log()
+            ).reshape(-1, tgt_len, src_len).add(1e-6).log()
         else:
             scores = torch.bmm(q, k.transpose(1, 2))
             log_mask = semantic_log_mask(resp_query, key_resp)  # eq. (10), [B*H, T, S]
