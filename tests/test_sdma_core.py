@@ -222,3 +222,13 @@ def test_gaussian_log_joint_gradients():
     log_vars = (0.3 * torch.randn(2, 4, 3, dtype=torch.double)).requires_grad_(True)
     prior = torch.randn(2, 4, dtype=torch.double, requires_grad=True)
     assert torch.autograd.gradcheck(core._GaussianLogJoint.apply, (flat, means, log_vars, prior))
+
+
+def test_inference_cache_follows_parameter_updates(gmm):
+    z = torch.randn(4, 2, 3, 5)
+    with torch.no_grad():
+        before = gmm.log_joint(z)
+        gmm.means.add_(0.5)  # an optimizer step / load_state_dict changes the parameters in place
+        after = gmm.log_joint(z)
+    assert not torch.allclose(before, after)
+    assert torch.allclose(after, gmm.log_joint(z).detach(), atol=1e-5)  # grad-mode path agrees

@@ -140,8 +140,20 @@ class GaussianMixture(nn.Module):
         lead = z.shape[:-2]
         dtype = torch.promote_types(z.dtype, torch.float32)
         flat = z.to(dtype).reshape(-1, self.groups * self.dim)  # [N, G*d]
-        out = _GaussianLogJoint.apply(flat, self.means, self.log_vars, self.prior_logits)
+        if torch.is_grad_enabled():
+            out = _GaussianLogJoint.apply(flat, self.means, self.log_vars, self.prior_logits)
+        else:  # inference: the weights only change when the parameters do
+            weight_sq, weight_lin, bias = self._inference_terms(dtype)
+            out = bias - 0.5 * torch.addmm(torch.mm(flat * flat, weight_sq), flat, weight_lin)
         return out.view(*lead, self.groups, self.num_clusters)
+
+    def _inference_terms(self, dtype):
+        params = (self.means, self.log_vars, self.prior_logits)
+        key = tuple((p._version, p.data_ptr()) for p in params) + (dtype, self.means.device)
+        if getattr(self, "_cached_key", None) != key:
+            self._cached_terms = _gmm_terms(*(p.detach() for p in params), dtype)
+            self._cached_key = key
+        return self._cached_terms
 
     def trace_precision(self) -> Tensor:
         """sum_d 1 / sigma_{c,d}^2, shape ``[G, C]`` (enters the KL of eq. 20)."""

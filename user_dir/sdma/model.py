@@ -48,7 +48,7 @@ def sdma_options(cfg, side: str, mask_at_inference: bool = True) -> SDMAOptions:
     )
 
 
-def _attention_kwargs(layer, cfg, side_cfg):
+def _attention_kwargs(layer, cfg):
     return dict(
         dropout=cfg.attention_dropout,
         q_noise=layer.quant_noise,
@@ -66,7 +66,7 @@ class SDMAEncoderLayer(TransformerEncoderLayerBase):
             self_attention=True,
             sdma=sdma_options(cfg, "encoder"),
             group="encoder_self",
-            **_attention_kwargs(self, cfg, cfg.encoder),
+            **_attention_kwargs(self, cfg),
         )
 
 
@@ -82,7 +82,7 @@ class SDMADecoderLayer(TransformerDecoderLayerBase):
             add_zero_attn=add_zero_attn,
             sdma=sdma_options(cfg, "decoder", mask_at_inference=cfg.sdma_decoder_mask_at_inference),
             group="decoder_self",
-            **_attention_kwargs(self, cfg, cfg.decoder),
+            **_attention_kwargs(self, cfg),
         )
 
     def build_encoder_attention(self, embed_dim, cfg):
@@ -96,7 +96,7 @@ class SDMADecoderLayer(TransformerDecoderLayerBase):
             encoder_decoder_attention=True,
             sdma=sdma_options(cfg, "decoder"),
             group="decoder_cross",
-            **_attention_kwargs(self, cfg, cfg.decoder),
+            **_attention_kwargs(self, cfg),
         )
 
     def forward(self, x, encoder_out=None, encoder_padding_mask=None, incremental_state=None,
@@ -132,10 +132,6 @@ class SDMATransformerEncoder(TransformerEncoderBase):
 class SDMATransformerDecoder(TransformerDecoderBase):
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
         return _wrap_layer(SDMADecoderLayer(cfg, no_encoder_attn), cfg)
-
-
-def _positive_int(value):
-    return int(value)
 
 
 @register_model("sdma_transformer")
