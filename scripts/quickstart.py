@@ -56,7 +56,6 @@ OPTIMIZATION = [
     "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", "2e-3",
     "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "400", "--weight-decay", "1e-4",
     "--dropout", "0.1", "--label-smoothing", "0.1", "--max-tokens", "4096",
-    "--clip-norm", "1.0",
 ]
 OVERHEAD_MINUTES = 2.0
 SDMA_SLOWDOWN = 1.25  # expected SDMA-T / vanilla time per update on this CPU (see make bench)

@@ -3,10 +3,14 @@
     L = L_CE + lambda_k (L_KL^z + L_KL^q) + lambda_q L_Dqq - lambda_x L_Dxq
           + lambda_d (L_DV^z + L_DV^q)
 
-L_CE is fairseq's label-smoothed cross-entropy (summed over tokens, as fairseq
-expects); the regularisers are per-token means, so they are multiplied by the
-batch's sample size before being added. Every logged value is a sum over the
-batch, so ``logging_outputs_can_be_summed()`` holds and DDP reduction is exact.
+L_CE is fairseq's label-smoothed cross-entropy, summed over the batch's tokens (fairseq
+divides the gradient by the sample size). The regularisers (each a mean over tokens,
+heads and layers) are added once per batch, as the authors' fairseq criterion does; the
+lambdas of Table I were tuned that way. ``--sdma-per-token-regularisers`` multiplies them
+by the sample size instead (eq. 24 read with a per-token L_CE: the same lambdas are then
+~ntokens times stronger and slow early training markedly). Every logged value is a sum
+over batches, so ``logging_outputs_can_be_summed()`` holds and DDP reduction is exact
+(2 processes give the same update as one with ``--update-freq 2``).
 """
 
 import math
@@ -46,13 +50,20 @@ class SDMACriterionConfig(LabelSmoothedCrossEntropyCriterionConfig):
     sdma_diversity_weight: Optional[float] = field(
         default=None, metadata={"help": "lambda_d of eq. (24); default: Table I (1)"}
     )
+    sdma_per_token_regularisers: bool = field(
+        default=False,
+        metadata={"help": "scale the regularisers by the sample size (per-token, like L_CE) instead of "
+                          "adding them once per batch as the authors' fairseq code does"},
+    )
 
 
 @register_criterion("sdma_label_smoothed_cross_entropy", dataclass=SDMACriterionConfig)
 class SDMALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
     def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0, report_accuracy=False,
-                 sdma_kl_weight=None, sdma_dqq_weight=None, sdma_dxq_weight=None, sdma_diversity_weight=None):
+                 sdma_kl_weight=None, sdma_dqq_weight=None, sdma_dxq_weight=None, sdma_diversity_weight=None,
+                 sdma_per_token_regularisers=False):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
+        self.per_token_regularisers = sdma_per_token_regularisers
         self.weight_overrides = {
             "sdma_kl_weight": sdma_kl_weight,
             "sdma_dqq_weight": sdma_dqq_weight,
@@ -84,7 +95,7 @@ class SDMALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion)
                 for term in term_names:
                     regulariser = regulariser + sign * weights[name] * terms[term].to(regulariser)
         ce_loss = loss
-        loss = loss + regulariser * sample_size
+        loss = loss + regulariser * (sample_size if self.per_token_regularisers else 1.0)
         logging_output = {
             "loss": loss.data,
             "ce_loss": ce_loss.data,
@@ -92,9 +103,10 @@ class SDMALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion)
             "ntokens": sample["ntokens"],
             "nsentences": sample["target"].size(0),
             "sample_size": sample_size,
+            "sdma_batches": 1,
         }
         for name in LOSS_NAMES:
-            logging_output["sdma_" + name] = terms[name].detach().float() * sample_size
+            logging_output["sdma_" + name] = terms[name].detach().float()
         if self.report_accuracy:
             n_correct, total = self.compute_accuracy(model, net_output, sample)
             logging_output["n_correct"] = n_correct.data
@@ -109,9 +121,10 @@ class SDMALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion)
             return
         ce_sum = sum(log.get("ce_loss", 0) for log in logging_outputs)
         metrics.log_scalar("ce_loss", ce_sum / sample_size / math.log(2), sample_size, round=3)
+        batches = sum(log.get("sdma_batches", 0) for log in logging_outputs)
         for name in LOSS_NAMES:
             total = sum(log.get("sdma_" + name, 0) for log in logging_outputs)
-            metrics.log_scalar("sdma_" + name, total / sample_size, sample_size, round=4)
+            metrics.log_scalar("sdma_" + name, total / max(batches, 1), batches, round=4)
 
     @staticmethod
     def logging_outputs_can_be_summed() -> bool:
