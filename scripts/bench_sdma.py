@@ -9,13 +9,15 @@ Measured per model:
   ``torch.cuda.max_memory_allocated`` on a GPU (``--gpu``);
 * ``fairseq-generate`` sentences/s (beam 5) on the test split.
 
-Ratios are to vanilla, measured in the same run. Prints a table, writes
+Ratios are to vanilla, measured in the same run; the models are interleaved over
+``--repeats`` rounds and each number is the model's median. Prints a table, writes
 ``outputs/bench/sdma.json`` with ``train_wps_ratio``, ``peak_mem_ratio`` and
 ``generate_speed_ratio`` (SDMA-T / vanilla) plus every raw number.
 """
 
 import argparse
 import shutil
+import statistics
 import sys
 from pathlib import Path
 
@@ -46,8 +48,10 @@ MODELS = {"V-T": "none", "SMA-T": "sma", "SDMA-T": "sdma"}
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
-    p.add_argument("--updates", type=int, default=60, help="training updates per model (default 60)")
+    p.add_argument("--updates", type=int, default=40, help="training updates per model (default 40)")
     p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--repeats", type=int, default=2,
+                   help="rounds of (V-T, SMA-T, SDMA-T), medians reported (default 2)")
     p.add_argument("--gen-length", type=int, default=12,
                    help="tokens per hypothesis when decoding the test set (default 12)")
     p.add_argument("--gpu", action="store_true", help="train/decode on the GPU (also add --fp16)")
@@ -60,40 +64,53 @@ def parse_args(argv=None):
     return args
 
 
+def measure(args, data_bin, save_dir, name, mode, device, precision):
+    """Train one model for ``--updates`` updates and decode the test set; return its numbers."""
+    shutil.rmtree(save_dir, ignore_errors=True)  # never resume an earlier run's checkpoint
+    stage(f"train {name} ({args.config}, --sdma-mode {mode}) for {args.updates} updates")
+    # "none" builds fairseq's own MultiheadAttention everywhere: the vanilla transformer
+    train = run_streaming([
+        console_script("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--task", "translation",
+        *CONFIGS[args.config], "--sdma-mode", mode, "--share-all-embeddings",
+        "--criterion", "sdma_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+        "--optimizer", "adam", "--lr", "2e-3", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "100",
+        "--max-tokens", args.max_tokens, "--max-update", args.updates, "--seed", "1",
+        "--log-interval", "10", "--log-format", "simple", "--no-progress-bar", "--disable-validation",
+        "--save-dir", save_dir, "--no-epoch-checkpoints", *device, *precision,
+    ], save_dir / "train.log", echo_filter=r"num\. (shared )?model params", wrap_rss=not args.gpu)
+    stage(f"decode {name}: fairseq-generate, beam 5, test set, {args.gen_length} tokens per hypothesis")
+    # Briefly trained models stop at different lengths; fixing the output length
+    # (min = max) makes every model do the same decoding work.
+    gen = generate(data_bin, save_dir / "checkpoint_last.pt", save_dir,
+                   extra=["--batch-size", "64", "--min-len", str(args.gen_length),
+                          "--max-len-a", "0", "--max-len-b", str(args.gen_length),
+                          *(["--fp16"] if args.fp16 else [])], cpu=not args.gpu)
+    return {
+        "train_wps": train_words_per_second(train["log"]),
+        "peak_mem_mb": train.get("peak_rss_mb", float("nan")),
+        "generate_sentences_per_second": gen["sentences_per_second"],
+        "params": model_parameters(train["log"]),
+        "train_seconds": train["seconds"],
+    }
+
+
 def main(argv=None):
     args = parse_args(argv)
     data_bin = prepare_data(args.data_dir, max_words=10, vocab_size=2000)
     work = args.out.parent / args.config
     device = [] if args.gpu else ["--cpu"]
     precision = ["--fp16"] if args.fp16 else []
-    rows, raw = [], {}
-    for name, mode in MODELS.items():
-        shutil.rmtree(work / name, ignore_errors=True)  # never resume an earlier run's checkpoint
-        stage(f"train {name} ({args.config}, --sdma-mode {mode}) for {args.updates} updates")
-        # "none" builds fairseq's own MultiheadAttention everywhere: the vanilla transformer
-        train = run_streaming([
-            console_script("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--task", "translation",
-            *CONFIGS[args.config], "--sdma-mode", mode, "--share-all-embeddings",
-            "--criterion", "sdma_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
-            "--optimizer", "adam", "--lr", "2e-3", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "100",
-            "--max-tokens", args.max_tokens, "--max-update", args.updates, "--seed", "1",
-            "--log-interval", "10", "--log-format", "simple", "--no-progress-bar", "--disable-validation",
-            "--save-dir", work / name, "--no-epoch-checkpoints", *device, *precision,
-        ], work / name / "train.log", echo_filter=r"train_inner|num\. (shared )?model params", wrap_rss=not args.gpu)
-        stage(f"decode {name}: fairseq-generate, beam 5, test set, {args.gen_length} tokens per hypothesis")
-        # Briefly trained models stop at different lengths; fixing the output length
-        # (min = max) makes every model do the same decoding work.
-        gen = generate(data_bin, work / name / "checkpoint_last.pt", work / name,
-                       extra=["--batch-size", "64", "--min-len", str(args.gen_length),
-                              "--max-len-a", "0", "--max-len-b", str(args.gen_length),
-                              *(["--fp16"] if args.fp16 else [])], cpu=not args.gpu)
-        raw[name] = {
-            "train_wps": train_words_per_second(train["log"]),
-            "peak_mem_mb": train.get("peak_rss_mb", float("nan")),
-            "generate_sentences_per_second": gen["sentences_per_second"],
-            "params": model_parameters(train["log"]),
-            "train_seconds": train["seconds"],
-        }
+    rows, runs = [], {name: [] for name in MODELS}
+    # Interleave the models over --repeats rounds and keep each model's median: this VM's
+    # speed drifts by ~10% over minutes, which a single sequential pass would attribute
+    # to whichever model ran at the wrong moment.
+    for round_index in range(args.repeats):
+        for name, mode in MODELS.items():
+            runs[name].append(measure(args, data_bin, work / name, name, mode, device, precision))
+            stage(f"round {round_index + 1}/{args.repeats} {name}: " + ", ".join(
+                f"{k}={v:.1f}" for k, v in runs[name][-1].items() if k != "params"))
+    raw = {name: {key: statistics.median(r[key] for r in results) for key in results[0]}
+           for name, results in runs.items()}
     base = raw["V-T"]
     for name, r in raw.items():
         rows.append({
@@ -124,6 +141,8 @@ def main(argv=None):
         "device": "gpu" if args.gpu else "cpu",
         "fp16": args.fp16,
         "raw": raw,
+        "runs": runs,
+        "repeats": args.repeats,
     }
     write_json(args.out, payload)
     stage(f"wrote {args.out}")

@@ -19,7 +19,8 @@ Interpretation choices where the paper is ambiguous (see README):
 
 * the sampling noise is ``sqrt(noise_var) * eps`` (variance sigma^2 = 0.01, as in
   the authors' code); one sample per step is used both for clustering and for
-  the q/k/v projections (eq. 8 and Algorithm 1 together), in training only;
+  the q/k/v projections (eq. 8 and Algorithm 1 together), in training only; the
+  queries are not perturbed a second time (they carry the sample through W_q);
 * the variational posteriors are q(z|x) = N(z, sigma_tilde^2 I), sigma_tilde^2 = 0.1;
 * the scaling factor ``s`` of Algorithm 1 is 1 (its final value in the paper).
 """
