@@ -42,3 +42,19 @@ usage_from_header() {
     awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$1" >&2
     exit 2
 }
+
+# parse_raw_out SCRIPT DEFAULT_OUT ARGS...: set RAW (an existing directory) and OUT from
+# the wrapper's "RAW_DIR [OUT_DIR]" arguments, or print SCRIPT's usage and exit 2.
+parse_raw_out() {
+    local script=$1 default_out=$2
+    shift 2
+    [[ $# -ge 1 && $# -le 2 ]] || usage_from_header "$script"
+    RAW=$1
+    OUT=${2:-$default_out}
+    [[ -d "$RAW" ]] || { echo "error: $RAW is not a directory" >&2; usage_from_header "$script"; }
+}
+
+# require_pair_or_usage SCRIPT PREFIX LANG1 LANG2: both PREFIX.LANG files exist, or usage.
+require_pair_or_usage() {
+    [[ -f "$2.$3" && -f "$2.$4" ]] || { echo "error: missing $2.{$3,$4}" >&2; usage_from_header "$1"; }
+}

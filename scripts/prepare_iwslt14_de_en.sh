@@ -14,13 +14,10 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/prepare_common.sh"
 
-usage() { usage_from_header "${BASH_SOURCE[0]}"; }
-[[ $# -ge 1 && $# -le 2 ]] || usage
-RAW=$1
-OUT=${2:-data/iwslt14_de_en}
+parse_raw_out "${BASH_SOURCE[0]}" data/iwslt14_de_en "$@"
 if [[ ! -f "$RAW/train.tags.de-en.de" && ! -f "$RAW/de-en/train.tags.de-en.de" ]]; then
     echo "error: no train.tags.de-en.de in $RAW or $RAW/de-en" >&2
-    usage
+    usage_from_header "${BASH_SOURCE[0]}"
 fi
 
 "$PYTHON" "$ROOT/scripts/extract_iwslt14.py" iwslt14 "$RAW" "$OUT/raw"

@@ -17,14 +17,10 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/prepare_common.sh"
 
-usage() { usage_from_header "${BASH_SOURCE[0]}"; }
-[[ $# -ge 1 && $# -le 2 ]] || usage
-RAW=$1
-OUT=${2:-data/wmt14_en_de}
-[[ -d "$RAW" ]] || { echo "error: $RAW is not a directory" >&2; usage; }
+parse_raw_out "${BASH_SOURCE[0]}" data/wmt14_en_de "$@"
 
 TRAIN_PREFIX=${TRAIN_PREFIX:-$RAW/train}
-[[ -f "$TRAIN_PREFIX.en" && -f "$TRAIN_PREFIX.de" ]] || { echo "error: missing $TRAIN_PREFIX.{en,de}" >&2; usage; }
+require_pair_or_usage "${BASH_SOURCE[0]}" "$TRAIN_PREFIX" en de
 VALID_PREFIX=${VALID_PREFIX:-$(plain_or_sgm newstest2013 deen en de "$RAW" "$OUT/raw/newstest2013")}
 TEST_PREFIX=${TEST_PREFIX:-$(plain_or_sgm newstest2014 deen en de "$RAW" "$OUT/raw/newstest2014")}
 require_pair "$VALID_PREFIX" en de

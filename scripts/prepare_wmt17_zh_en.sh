@@ -17,14 +17,10 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/prepare_common.sh"
 
-usage() { usage_from_header "${BASH_SOURCE[0]}"; }
-[[ $# -ge 1 && $# -le 2 ]] || usage
-RAW=$1
-OUT=${2:-data/wmt17_zh_en}
-[[ -d "$RAW" ]] || { echo "error: $RAW is not a directory" >&2; usage; }
+parse_raw_out "${BASH_SOURCE[0]}" data/wmt17_zh_en "$@"
 
 TRAIN_PREFIX=${TRAIN_PREFIX:-$RAW/news-commentary-v12.zh-en}
-[[ -f "$TRAIN_PREFIX.zh" && -f "$TRAIN_PREFIX.en" ]] || { echo "error: missing $TRAIN_PREFIX.{zh,en}" >&2; usage; }
+require_pair_or_usage "${BASH_SOURCE[0]}" "$TRAIN_PREFIX" zh en
 VALID_PREFIX=${VALID_PREFIX:-$(plain_or_sgm newsdev2017 zhen zh en "$RAW" "$OUT/raw/newsdev2017")}
 TEST_PREFIX=${TEST_PREFIX:-$(plain_or_sgm newstest2017 zhen zh en "$RAW" "$OUT/raw/newstest2017")}
 require_pair "$VALID_PREFIX" zh en

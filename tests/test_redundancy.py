@@ -19,7 +19,8 @@ import pytest
 import torch
 from scipy.spatial.distance import jensenshannon
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO, venv_bin
+
 SCRIPTS = REPO / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
@@ -27,10 +28,6 @@ import attention_redundancy as ar  # noqa: E402
 import plot_sdma_attention as psa  # noqa: E402
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-
-
-def _bin(name):
-    return str(Path(sys.executable).with_name(name))
 
 
 def _rows(*shape, seed=0, sparsity=0.0):
@@ -185,14 +182,14 @@ def tiny(tmp_path_factory):
                 ft.write(" ".join(reversed(words)) + "\n")
     data = root / "bin"
     _check(subprocess.Popen(
-        [_bin("fairseq-preprocess"), "--source-lang", "src", "--target-lang", "tgt",
+        [venv_bin("fairseq-preprocess"), "--source-lang", "src", "--target-lang", "tgt",
          "--trainpref", str(root / "train"), "--validpref", str(root / "valid"),
          "--testpref", str(root / "test"), "--destdir", str(data), "--workers", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=root), "fairseq-preprocess")
     procs = {}
     for name, extra in ARCHS.items():  # both trainings at once (2 cores)
         procs[name] = subprocess.Popen(
-            [_bin("fairseq-train"), str(data), *TRAIN_COMMON, *extra, "--save-dir", str(root / name)],
+            [venv_bin("fairseq-train"), str(data), *TRAIN_COMMON, *extra, "--save-dir", str(root / name)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=root)
     for name, proc in procs.items():
         _check(proc, f"fairseq-train {name}")

@@ -26,7 +26,7 @@ Interpretation choices where the paper is ambiguous (see README):
 """
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -94,17 +94,6 @@ class SDMAOptions:
                 raise SDMAConfigError(f"{opt(name)}={getattr(self, name)} must be >= 0")
         return self
 
-    @classmethod
-    def from_namespace(cls, args, prefix: str = "sdma_", **overrides) -> "SDMAOptions":
-        """Read ``<prefix><field>`` attributes (e.g. ``args.sdma_num_clusters``)."""
-        values = {}
-        for f in fields(cls):
-            key = prefix + f.name
-            if hasattr(args, key):
-                values[f.name] = getattr(args, key)
-        values.update(overrides)
-        return cls(**values)
-
 
 def mixing_weight(num_updates: float, mix_max: float = 0.9, mix_rate: float = 5e-4) -> float:
     """gamma = 1 - max(1 - nu, exp(-rate * t))  (eq. 11; the paper drops the minus sign)."""
@@ -126,6 +115,8 @@ class GaussianMixture(nn.Module):
         self.means = nn.Parameter(torch.randn(groups, num_clusters, dim))
         self.log_vars = nn.Parameter(torch.zeros(groups, num_clusters, dim))
         self.centroid_grad_scale = float(centroid_grad_scale)
+        self._cached_key = None  # parameter versions the inference weights were built from
+        self._cached_terms = None
         if self.centroid_grad_scale != 1.0:
             self.means.register_hook(self._scale_centroid_grad)
 
@@ -151,7 +142,7 @@ class GaussianMixture(nn.Module):
     def _inference_terms(self, dtype):
         params = (self.means, self.log_vars, self.prior_logits)
         key = tuple((p._version, p.data_ptr()) for p in params) + (dtype, self.means.device)
-        if getattr(self, "_cached_key", None) != key:
+        if self._cached_key != key:
             self._cached_terms = _gmm_terms(*(p.detach() for p in params), dtype)
             self._cached_key = key
         return self._cached_terms
@@ -227,17 +218,19 @@ def _token_mean(per_token: Tensor, valid: Tensor) -> Tensor:
 
 
 def vade_kl(log_joint: Tensor, log_resp: Tensor, trace_precision: Tensor, dim: int,
-            posterior_var: float, valid: Tensor) -> Tensor:
+            posterior_var: float, valid: Tensor, resp: Optional[Tensor] = None) -> Tensor:
     """KL(q(z, c | x) || p(z, c)) in the VaDE form, averaged over heads and tokens (eq. 20).
 
     With q(z|x) = N(z, s2 I) and q(c|x) = p(c|z) (eq. 9), per token and head:
       sum_c q(c) KL(N(z, s2) || N(mu_c, sigma_c^2)) + KL(q(c) || pi)
         = -log p(z) + s2/2 sum_c q(c) tr(Sigma_c^-1) - d/2 log(2 pi e s2)
     where log p(z) = log_joint_c - log p(c|z) for any c. ``trace_precision`` is
-    ``[L, n_h, C]`` (see :meth:`GaussianMixture.trace_precision`).
+    ``[L, n_h, C]`` (see :meth:`GaussianMixture.trace_precision`); ``resp`` is
+    ``log_resp.exp()`` when the caller already has it.
     """
+    resp = log_resp.exp() if resp is None else resp
     log_marginal = log_joint[..., 0] - log_resp[..., 0]  # log p(z), [L, T, B, H]
-    trace = (log_resp.exp() * trace_precision[:, None, None]).sum(-1)
+    trace = (resp * trace_precision[:, None, None]).sum(-1)
     const = 0.5 * dim * (_LOG_2PI + math.log(posterior_var) + 1.0)
     kl = (0.5 * posterior_var * trace - log_marginal).mean(-1) - const
     return _token_mean(kl, valid)
@@ -292,14 +285,28 @@ def query_input_mi_lower_bound(resp_q: Tensor, valid: Tensor) -> Tensor:
     return _token_mean(per_token, valid)
 
 
-def semantic_log_mask(resp_query: Tensor, resp_key: Tensor) -> Tensor:
+def semantic_log_mask(resp_query: Tensor, resp_key: Tensor, heads: Optional[int] = None) -> Tensor:
     """log M of eq. (10) up to its row normaliser, ``[N, T, C] x [N, S, C] -> [N, T, S]``.
 
     M_ij is proportional to sum_c p(c|z_i) p(c|z_j); the normaliser over keys cancels in
     the renormalised masked attention of eq. (2), so only the log of the product is kept
     (plus 1e-6, so rows with no overlap fall back to plain attention, never NaN).
+
+    When several hypotheses share one set of keys (fairseq's beamable encoder-decoder
+    attention), ``resp_query`` is ``[B * beam * heads, T, C]`` and ``resp_key``
+    ``[B * heads, S, C]``; pass ``heads`` for that layout.
     """
-    return torch.log(torch.bmm(resp_query, resp_key.transpose(1, 2)) + _MASK_FLOOR)
+    if resp_query.size(0) == resp_key.size(0):
+        product = torch.bmm(resp_query, resp_key.transpose(1, 2))
+    else:
+        n_key, S, C = resp_key.shape
+        batch, T = n_key // heads, resp_query.size(1)
+        product = torch.einsum(
+            "bxhtc,bhsc->bxhts",
+            resp_query.view(batch, -1, heads, T, C),
+            resp_key.view(batch, heads, S, C),
+        ).reshape(-1, T, S)
+    return torch.log(product + _MASK_FLOOR)
 
 
 def semantic_mask(resp_query: Tensor, resp_key: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tensor:
@@ -433,17 +440,19 @@ def sdma_losses(cores) -> Dict[str, Tensor]:
     valid = first["valid"].float()
     log_joint_z = torch.stack([p["log_joint_z"] for _, p in items])
     log_resp_z = torch.stack([p["log_resp_z"] for _, p in items])
+    resp_z = log_resp_z.exp()
     trace_z = torch.stack([c.feature_gmm.trace_precision() for c, _ in items])
     losses = {
-        "kl_z": vade_kl(log_joint_z, log_resp_z, trace_z, first_core.head_dim, o.posterior_var, valid),
-        "dv_z": cluster_diversity(log_resp_z.exp(), valid, o.diversity_alpha, o.diversity_beta),
+        "kl_z": vade_kl(log_joint_z, log_resp_z, trace_z, first_core.head_dim, o.posterior_var, valid, resp_z),
+        "dv_z": cluster_diversity(resp_z, valid, o.diversity_alpha, o.diversity_beta),
     }
     if first["log_joint_q"] is not None:
         log_joint_q = torch.stack([p["log_joint_q"] for _, p in items])
         log_resp_q = torch.stack([p["log_resp_q"] for _, p in items])
         resp_q = log_resp_q.exp()
         trace_q = torch.stack([c.query_gmm.trace_precision().expand(c.num_heads, -1) for c, _ in items])
-        losses["kl_q"] = vade_kl(log_joint_q, log_resp_q, trace_q, first_core.head_dim, o.posterior_var, valid)
+        losses["kl_q"] = vade_kl(log_joint_q, log_resp_q, trace_q, first_core.head_dim, o.posterior_var,
+                                 valid, resp_q)
         losses["dv_q"] = cluster_diversity(resp_q, valid, o.diversity_alpha, o.diversity_beta)
         losses["dqq"] = head_mi_upper_bound(log_joint_q, resp_q, valid)
         losses["dxq"] = query_input_mi_lower_bound(resp_q, valid)

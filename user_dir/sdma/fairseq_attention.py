@@ -150,14 +150,9 @@ class SDMAMultiheadAttention(MultiheadAttention):
                 q.view((kv_bsz, -1, H) + q.size()[1:]),
                 k.view((kv_bsz, H) + k.size()[1:]),
             ).reshape(-1, tgt_len, src_len)
-            log_mask = torch.einsum(
-                "bxhtc,bhsc->bxhts",
-                resp_query.view((kv_bsz, -1, H) + resp_query.size()[1:]),
-                key_resp.view((kv_bsz, H) + key_resp.size()[1:]),
-            ).reshape(-1, tgt_len, src_len).add(1e-6).log()
         else:
             scores = torch.bmm(q, k.transpose(1, 2))
-            log_mask = semantic_log_mask(resp_query, key_resp)  # eq. (10), [B*H, T, S]
+        log_mask = semantic_log_mask(resp_query, key_resp, heads=H)  # eq. (10), [B*H, T, S]
 
         scores = scores.float()
         if attn_mask is not None:

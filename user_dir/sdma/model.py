@@ -31,12 +31,12 @@ LOSS_WEIGHT_ARGS = ("sdma_kl_weight", "sdma_dqq_weight", "sdma_dxq_weight", "sdm
 
 def sdma_options(cfg, side: str, mask_at_inference: bool = True) -> SDMAOptions:
     """Options of one side (``encoder`` / ``decoder``) from the flat model config."""
-    clusters = getattr(cfg, f"sdma_{side}_clusters", None) or cfg.sdma_clusters
-    query_clusters = getattr(cfg, f"sdma_{side}_query_clusters", None) or cfg.sdma_query_clusters
+    clusters = getattr(cfg, f"sdma_{side}_clusters", None)
+    query_clusters = getattr(cfg, f"sdma_{side}_query_clusters", None)
     return SDMAOptions(
         mode=cfg.sdma_mode,
-        num_clusters=clusters,
-        num_query_clusters=query_clusters,
+        num_clusters=cfg.sdma_clusters if clusters is None else clusters,
+        num_query_clusters=cfg.sdma_query_clusters if query_clusters is None else query_clusters,
         mix_max=cfg.sdma_mix_max,
         mix_rate=cfg.sdma_mix_rate,
         centroid_grad_scale=cfg.sdma_centroid_grad_scale,
