@@ -1,7 +1,12 @@
 """SDMA: semantic and disentangled mask attention (Chien & Huang, TPAMI 2024).
 
 Importing this package registers the fairseq model ``sdma_transformer`` (and its
-architectures) and the criterion ``sdma_label_smoothed_cross_entropy``.
+architectures) and the criterion ``sdma_label_smoothed_cross_entropy``. The attention
+core (``user_dir.sdma.core``) is plain PyTorch and is shared with the ESPnet plugin,
+which also works in an environment without fairseq.
 """
 
-from . import criterion, model  # noqa: F401  (registration)
+import importlib.util
+
+if importlib.util.find_spec("fairseq") is not None:
+    from . import criterion, model  # noqa: F401  (registration)

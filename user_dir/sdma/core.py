@@ -63,9 +63,11 @@ class SDMAOptions:
     diversity_beta: float = 0.75  # beta of eq. (23)
     mask_at_inference: bool = True  # False: plain attention when not training
 
-    def validate(self, prefix: str = "--sdma-") -> "SDMAOptions":
+    def validate(self, prefix: str = "--sdma-", word_sep: str = "-") -> "SDMAOptions":
+        """Raise :class:`SDMAConfigError` naming the option (``prefix`` + name) that is wrong."""
+
         def opt(name):
-            return prefix + name.replace("_", "-")
+            return prefix + name.replace("_", word_sep)
 
         if self.mode not in SDMA_MODES:
             raise SDMAConfigError(

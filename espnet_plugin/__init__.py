@@ -1,0 +1,10 @@
+"""ESPnet2 plugin: SDMA (semantic and disentangled mask attention) for speech recognition.
+
+``import espnet_plugin`` registers ``encoder: sdma_transformer``, ``decoder:
+sdma_transformer`` and ``model: sdma`` in ESPnet2's ASR task. Train and decode with
+``python -m espnet_plugin.bin.asr_train`` / ``python -m espnet_plugin.bin.asr_inference``
+(every option of ESPnet's own entry points), or run an ``egs2`` recipe with
+``asr.sh --python "python -m espnet_plugin.bin.python"``.
+"""
+
+from espnet_plugin.tasks.sdma_asr import SDMAASRTask, register  # noqa: F401  (registers at import)

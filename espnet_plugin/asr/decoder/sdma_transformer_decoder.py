@@ -1,0 +1,133 @@
+"""Transformer decoder with SDMA self- and cross-attention (ESPnet2 ``decoder: sdma_transformer``)."""
+
+import contextlib
+from typing import Any, List, Tuple
+
+import torch
+from espnet2.asr.decoder.transformer_decoder import TransformerDecoder
+from espnet.nets.pytorch_backend.nets_utils import make_pad_mask
+from typeguard import typechecked
+
+from espnet_plugin.asr.sdma_attention import SDMAMultiHeadedAttention, sdma_options_from_conf
+
+
+class SDMATransformerDecoder(TransformerDecoder):
+    """ESPnet2's ``TransformerDecoder`` with SDMA decoder self-attention and cross-attention.
+
+    It keeps ESPnet's batch scorer interface (``score``, ``batch_score``), so
+    ``BatchBeamSearch`` with CTC prefix scoring works unchanged. ESPnet caches layer
+    outputs, not keys: every step re-clusters the whole prefix, so incremental scores
+    equal full-sequence scores for both ``sdma_mask_at_inference`` settings.
+
+    Constructible from ``vocab_size`` and ``encoder_output_size`` alone, like ESPnet's own
+    decoders. The ``sdma_*`` arguments are those of
+    :class:`~espnet_plugin.asr.encoder.sdma_transformer_encoder.SDMATransformerEncoder`,
+    except ``sdma_mask_at_inference`` which defaults to False: the paper disregards the
+    decoder's semantic mask at test time.
+
+    Shapes: ``forward(hs_pad (B, S, D), hlens (B,), ys_in_pad (B, L), ys_in_lens (B,))`` ->
+    ``(B, L, vocab_size), (B,)``.
+    """
+
+    @typechecked
+    def __init__(
+        self,
+        vocab_size: int,
+        encoder_output_size: int,
+        attention_heads: int = 4,
+        linear_units: int = 1024,
+        num_blocks: int = 6,
+        dropout_rate: float = 0.1,
+        positional_dropout_rate: float = 0.1,
+        self_attention_dropout_rate: float = 0.0,
+        src_attention_dropout_rate: float = 0.0,
+        input_layer: str = "embed",
+        use_output_layer: bool = True,
+        normalize_before: bool = True,
+        concat_after: bool = False,
+        layer_drop_rate: float = 0.0,
+        sdma_mode: str = "sdma",
+        sdma_clusters: int = 8,
+        sdma_query_clusters: int = 4,
+        sdma_mix_max: float = 0.9,
+        sdma_mix_rate: float = 5e-4,
+        sdma_centroid_grad_scale: float = 5.0,
+        sdma_noise_var: float = 0.01,
+        sdma_posterior_var: float = 0.1,
+        sdma_diversity_alpha: float = 1.25,
+        sdma_diversity_beta: float = 0.75,
+        sdma_mask_at_inference: bool = False,
+    ):
+        options = sdma_options_from_conf(
+            "decoder_conf", mode=sdma_mode, clusters=sdma_clusters, query_clusters=sdma_query_clusters,
+            mix_max=sdma_mix_max, mix_rate=sdma_mix_rate, centroid_grad_scale=sdma_centroid_grad_scale,
+            noise_var=sdma_noise_var, posterior_var=sdma_posterior_var,
+            diversity_alpha=sdma_diversity_alpha, diversity_beta=sdma_diversity_beta,
+            mask_at_inference=sdma_mask_at_inference,
+        )
+        super().__init__(
+            vocab_size=vocab_size,
+            encoder_output_size=encoder_output_size,
+            attention_heads=attention_heads,
+            linear_units=linear_units,
+            num_blocks=num_blocks,
+            dropout_rate=dropout_rate,
+            positional_dropout_rate=positional_dropout_rate,
+            self_attention_dropout_rate=self_attention_dropout_rate,
+            src_attention_dropout_rate=src_attention_dropout_rate,
+            input_layer=input_layer,
+            use_output_layer=use_output_layer,
+            normalize_before=normalize_before,
+            concat_after=concat_after,
+            layer_drop_rate=layer_drop_rate,
+            use_flash_attn=False,
+        )
+        if options.mode == "none":  # V-T: ESPnet's own attention
+            return
+        for layer in self.decoders:
+            layer.self_attn = SDMAMultiHeadedAttention(
+                attention_heads, encoder_output_size, self_attention_dropout_rate,
+                sdma=options, group="decoder_self",
+            )
+            layer.src_attn = SDMAMultiHeadedAttention(
+                attention_heads, encoder_output_size, src_attention_dropout_rate,
+                sdma=options, group="decoder_cross",
+            )
+
+    def _sdma_attentions(self) -> List[SDMAMultiHeadedAttention]:
+        return [m for m in self.decoders.modules() if isinstance(m, SDMAMultiHeadedAttention)]
+
+    def forward(self, hs_pad: torch.Tensor, hlens: torch.Tensor, ys_in_pad: torch.Tensor,
+                ys_in_lens: torch.Tensor, return_hs: bool = False,
+                return_all_hs: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+        query_valid = ~make_pad_mask(ys_in_lens, maxlen=ys_in_pad.size(1)).to(ys_in_pad.device)
+        cross = [m for m in self._sdma_attentions() if not m.is_self_attention]
+        for module in cross:
+            module.query_valid = query_valid
+        try:
+            return super().forward(hs_pad, hlens, ys_in_pad, ys_in_lens, return_hs, return_all_hs)
+        finally:
+            for module in cross:
+                module.query_valid = None
+
+    @contextlib.contextmanager
+    def _scoring(self):
+        """One beam-search step: no regulariser bookkeeping."""
+        modules = self._sdma_attentions()
+        for module in modules:
+            module.record_losses = False
+        try:
+            yield
+        finally:
+            for module in modules:
+                module.record_losses = True
+
+    def forward_one_step(self, tgt: torch.Tensor, tgt_mask: torch.Tensor, memory: torch.Tensor,
+                         memory_mask: torch.Tensor = None, *, cache: List[torch.Tensor] = None,
+                         return_hs: bool = False) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        with self._scoring():
+            return super().forward_one_step(tgt, tgt_mask, memory, memory_mask, cache=cache,
+                                            return_hs=return_hs)
+
+    def forward_partially_AR(self, *args: Any, **kwargs: Any):
+        raise NotImplementedError("SDMATransformerDecoder does not support partially autoregressive decoding")

@@ -1,0 +1,135 @@
+"""ESPnet adapter of the SDMA core: a drop-in ``MultiHeadedAttention``.
+
+The equations live in :mod:`user_dir.sdma.core` (one implementation for fairseq and
+ESPnet); this file only maps ESPnet's batch-first tensors and boolean masks onto it.
+
+ESPnet's incremental decoding re-runs self-attention over the cached layer inputs of the
+whole prefix with only the last position as query, so the key clustering is recomputed
+from the same inputs as in a full forward pass and step-by-step scores equal
+full-sequence scores without an extra cache.
+"""
+
+import math
+from typing import Optional
+
+import torch
+from espnet.nets.pytorch_backend.transformer.attention import MultiHeadedAttention
+from torch import Tensor
+
+from user_dir.sdma.core import SDMACore, SDMAOptions, mix_attention, semantic_log_mask
+
+ATTENTION_GROUPS = ("encoder_self", "decoder_self", "decoder_cross")
+
+
+class SDMAMultiHeadedAttention(MultiHeadedAttention):
+    """Multi-head attention with semantic (and disentangled) mask attention.
+
+    Args:
+        n_head: number of heads n_h.
+        n_feat: model dimension (n_h * d_k).
+        dropout_rate: dropout on the attention probabilities.
+        sdma: SDMA hyper-parameters (:class:`SDMAOptions`).
+        group: ``encoder_self``, ``decoder_self`` or ``decoder_cross``; the regularisers
+            are averaged over the layers of one group and summed over groups.
+
+    ``forward(query (B, T1, D), key (B, T2, D), value (B, T2, D), mask)`` with ``mask``
+    (B, 1, T2) or (B, T1, T2), True = attend, returns (B, T1, D). The mixed attention
+    A_hat of eq. (11), (B, n_h, T1, T2), is kept in ``self.attn`` like ESPnet's class.
+    """
+
+    def __init__(self, n_head: int, n_feat: int, dropout_rate: float, *, sdma: SDMAOptions, group: str):
+        if group not in ATTENTION_GROUPS:
+            raise ValueError(f"group={group!r} is not one of {', '.join(ATTENTION_GROUPS)}")
+        super().__init__(n_head, n_feat, dropout_rate)
+        self.sdma = SDMACore(n_feat, n_head, sdma)
+        self.sdma.sdma_group = group
+        self.is_self_attention = group != "decoder_cross"
+        # Set by the decoder around one forward pass: cross-attention only receives the
+        # key mask, the regularisers need the decoder's (query) padding, (B, T1).
+        self.query_valid: Optional[Tensor] = None
+        # False while the decoder scores one step of a beam search: the regularisers
+        # (and the query GMM) are training/validation quantities.
+        self.record_losses = True
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor],
+                expand_kv: bool = False) -> Tensor:
+        core = self.sdma
+        if not core.active(self.training):
+            return super().forward(query, key, value, mask, expand_kv)
+        if expand_kv:
+            raise NotImplementedError("SDMA attention does not support partially autoregressive decoding")
+        B, T1, _ = query.shape
+        H, D = self.h, self.d_k
+
+        # eq. (8): one noisy sample per attention input, clustered (eq. 9) and projected
+        zq = core.perturb(query, self.training)
+        if self.is_self_attention:
+            zk = zq if key is query else core.perturb(key, self.training)
+            zv = zk if value is key else value
+        else:
+            zk, zv = key, value
+        log_joint_z, log_resp_z = core.cluster(zq)  # (B, T1, H, C)
+        log_resp_k = log_resp_z if zk is zq else core.cluster(zk)[1]
+        q, k, v = self.forward_qkv(zq, zk, zv)  # (B, H, T, d_k)
+        q = q / math.sqrt(D)
+
+        # eq. (10): log M up to its row normaliser, (B, H, T1, T2)
+        log_mask = semantic_log_mask(_heads_first(log_resp_z.exp()), _heads_first(log_resp_k.exp()))
+        scores = torch.matmul(q, k.transpose(-2, -1)).float()
+        blocked = None
+        if mask is not None:
+            blocked = mask.unsqueeze(1).eq(0)  # (B, 1, T1 or 1, T2)
+            scores = scores.masked_fill(blocked, torch.finfo(torch.float32).min)
+        attn = mix_attention(scores, log_mask.view(B, H, T1, -1), core.mix_weight)  # eq. (1), (2), (11)
+        if blocked is not None:
+            attn = attn.masked_fill(blocked, 0.0)
+        self.attn = attn
+        x = torch.matmul(self.dropout(attn.type_as(v)), v)  # (B, H, T1, d_k)
+        x = x.transpose(1, 2).reshape(B, T1, H * D)
+
+        if self.record_losses:
+            log_joint_q = log_resp_q = None
+            if core.query_gmm is not None:  # eq. (16)-(19), on the scaled queries
+                log_joint_q, log_resp_q = core.cluster_queries(q.transpose(1, 2))  # (B, T1, H, C_q)
+                log_joint_q, log_resp_q = log_joint_q.transpose(0, 1), log_resp_q.transpose(0, 1)
+            core.record(log_joint_z.transpose(0, 1), log_resp_z.transpose(0, 1),
+                        self._query_valid(mask, B, T1, query).t(), log_joint_q, log_resp_q)
+        return self.linear_out(x)
+
+    def _query_valid(self, mask: Optional[Tensor], B: int, T1: int, query: Tensor) -> Tensor:
+        """(B, T1) float, 1 for real (non-padding) query positions."""
+        if not self.is_self_attention:
+            if self.query_valid is not None and self.query_valid.shape == (B, T1):
+                return self.query_valid.float()
+        elif mask is not None:
+            if mask.size(1) == T1 and mask.size(2) == T1:  # causal: position i valid iff M[i, i]
+                return mask.diagonal(dim1=1, dim2=2).float()
+            if mask.size(1) == 1 and mask.size(2) == T1:
+                return mask[:, 0, :].float()
+        return query.new_ones(B, T1, dtype=torch.float32)
+
+    def set_num_updates(self, num_updates: int) -> None:
+        self.sdma.set_num_updates(num_updates)
+
+
+def _heads_first(resp: Tensor) -> Tensor:
+    """(B, T, H, C) -> (B * H, T, C)."""
+    B, T, H, C = resp.shape
+    return resp.permute(0, 2, 1, 3).reshape(B * H, T, C)
+
+
+def sdma_options_from_conf(conf_name: str, *, mode: str, clusters: int, query_clusters: int,
+                           mix_max: float, mix_rate: float, centroid_grad_scale: float,
+                           noise_var: float, posterior_var: float, diversity_alpha: float,
+                           diversity_beta: float, mask_at_inference: bool) -> SDMAOptions:
+    """Validated :class:`SDMAOptions` from an ESPnet ``{conf_name}: {sdma_*: ...}`` block.
+
+    Errors name the YAML key, e.g. ``encoder_conf.sdma_clusters=0: ...``.
+    """
+    options = SDMAOptions(
+        mode=mode, num_clusters=clusters, num_query_clusters=query_clusters, mix_max=mix_max,
+        mix_rate=mix_rate, centroid_grad_scale=centroid_grad_scale, noise_var=noise_var,
+        posterior_var=posterior_var, diversity_alpha=diversity_alpha, diversity_beta=diversity_beta,
+        mask_at_inference=mask_at_inference,
+    )
+    return options.validate(prefix=f"{conf_name}.sdma_", word_sep="_")

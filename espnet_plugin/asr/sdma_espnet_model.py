@@ -1,0 +1,101 @@
+"""Joint CTC/attention ASR model with the SDMA regularisers (ESPnet2 ``model: sdma``)."""
+
+import math
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from espnet2.asr.espnet_model import ESPnetASRModel
+from espnet2.torch_utils.device_funcs import force_gatherable
+from typeguard import typechecked
+
+from user_dir.sdma.core import LOSS_NAMES, SDMACore, SDMAConfigError, collect_sdma_losses
+
+# model_conf key -> (paper symbol, loss terms it weights, sign in eq. 24)
+WEIGHTED_TERMS = {
+    "sdma_kl_weight": ("lambda_k", ("kl_z", "kl_q"), 1.0),
+    "sdma_dqq_weight": ("lambda_q", ("dqq",), 1.0),
+    "sdma_dxq_weight": ("lambda_x", ("dxq",), -1.0),
+    "sdma_diversity_weight": ("lambda_d", ("dv_z", "dv_q"), 1.0),
+}
+
+
+class ESPnetSDMAASRModel(ESPnetASRModel):
+    """``ESPnetASRModel`` plus the SDMA regularisers of eq. (24).
+
+        loss = ESPnet's CTC/attention loss + lambda_k (L_KL^z + L_KL^q) + lambda_q L_Dqq
+               - lambda_x L_Dxq + lambda_d (L_DV^z + L_DV^q)
+
+    Each regulariser is a mean over tokens, heads and layers of one attention type,
+    summed over encoder self-, decoder self- and cross-attention
+    (:func:`user_dir.sdma.core.collect_sdma_losses`), and added once per batch, as the
+    authors' code adds them to the per-utterance ESPnet loss. Defaults: the paper's
+    Aishell-1 weights (lambda_k 0.001, lambda_q 30, lambda_x 4, lambda_d 1).
+
+    Every term is reported as its own stat (``sdma_kl_z`` ... ``sdma_dv_q``, the weighted
+    sum ``sdma_reg`` and the mixing weight ``sdma_mix``) on every step, zero when a term
+    does not apply, so ESPnet's distributed stat averaging always sees the same keys.
+
+    The update counter that drives the mixing weight g of eq. (11) is the persistent
+    buffer ``num_updates``: :class:`espnet_plugin.tasks.sdma_asr.SDMAASRTask` advances it
+    after every optimizer step, so it survives ``--resume`` and counts ``accum_grad``
+    correctly. Outside ESPnet's trainer call :meth:`set_num_updates`.
+    """
+
+    @typechecked
+    def __init__(self, *args, sdma_kl_weight: float = 0.001, sdma_dqq_weight: float = 30.0,
+                 sdma_dxq_weight: float = 4.0, sdma_diversity_weight: float = 1.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sdma_loss_weights = {
+            "sdma_kl_weight": sdma_kl_weight,
+            "sdma_dqq_weight": sdma_dqq_weight,
+            "sdma_dxq_weight": sdma_dxq_weight,
+            "sdma_diversity_weight": sdma_diversity_weight,
+        }
+        for name, value in self.sdma_loss_weights.items():
+            if not math.isfinite(value) or value < 0:
+                raise SDMAConfigError(
+                    f"model_conf.{name}={value}: the weight {WEIGHTED_TERMS[name][0]} of eq. (24) "
+                    "must be a finite number >= 0"
+                )
+        self.sdma_cores: List[SDMACore] = [m for m in self.modules() if isinstance(m, SDMACore)]
+        if not self.sdma_cores:
+            raise SDMAConfigError(
+                "model: sdma needs an SDMA encoder or decoder (encoder: sdma_transformer and/or "
+                "decoder: sdma_transformer); use model: espnet for a vanilla transformer"
+            )
+        self.register_buffer("num_updates", torch.zeros((), dtype=torch.long), persistent=True)
+
+    def set_num_updates(self, num_updates: int) -> None:
+        """Set the update counter (and with it the mixing weight g of every SDMA attention)."""
+        self.num_updates.fill_(int(num_updates))
+        for core in self.sdma_cores:
+            core.set_num_updates(int(num_updates))
+
+    def increment_num_updates(self) -> None:
+        self.set_num_updates(int(self.num_updates) + 1)
+
+    def forward(self, speech: torch.Tensor, speech_lengths: torch.Tensor, text: torch.Tensor,
+                text_lengths: torch.Tensor, **kwargs) -> Tuple[torch.Tensor, Dict[str, Optional[torch.Tensor]], torch.Tensor]:
+        """Shapes: speech (B, L) or (B, L, D), speech_lengths (B,), text (B, U), text_lengths (B,)."""
+        for core in self.sdma_cores:
+            core.pending = None  # nothing recorded by an earlier encode()/inference call
+        loss, stats, weight = super().forward(speech, speech_lengths, text, text_lengths, **kwargs)
+        terms = collect_sdma_losses(self)
+        regulariser = loss.new_zeros(())
+        for option, (symbol, names, sign) in WEIGHTED_TERMS.items():
+            for name in names:
+                value = terms[name].to(loss.dtype)
+                if not torch.isfinite(value):
+                    raise FloatingPointError(
+                        f"SDMA regulariser {name} (weighted by model_conf.{option}, {symbol}) is "
+                        f"{value.item()}; lower the learning rate or check the input features"
+                    )
+                regulariser = regulariser + sign * self.sdma_loss_weights[option] * value
+        loss = loss + regulariser
+        sdma_stats = {f"sdma_{name}": terms[name].detach() for name in LOSS_NAMES}
+        sdma_stats["sdma_reg"] = regulariser.detach()
+        sdma_stats["sdma_mix"] = self.sdma_cores[0].mix_weight.detach().clone()
+        stats.update(sdma_stats)
+        stats["loss"] = loss.detach()
+        return force_gatherable((loss, stats, weight), loss.device)
+

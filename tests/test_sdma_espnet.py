@@ -1,0 +1,297 @@
+"""The ESPnet2 SDMA plugin: attention, encoder, decoder, model, task registration."""
+
+import math
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("espnet2")
+
+import espnet_plugin  # noqa: E402,F401  (registers the classes)
+from espnet.nets.pytorch_backend.transformer.attention import MultiHeadedAttention  # noqa: E402
+from espnet_plugin.asr.decoder.sdma_transformer_decoder import SDMATransformerDecoder  # noqa: E402
+from espnet_plugin.asr.encoder.sdma_transformer_encoder import SDMATransformerEncoder  # noqa: E402
+from espnet_plugin.asr.sdma_attention import SDMAMultiHeadedAttention  # noqa: E402
+from espnet_plugin.asr.sdma_espnet_model import ESPnetSDMAASRModel  # noqa: E402
+from espnet_plugin.tasks.sdma_asr import SDMAASRTask  # noqa: E402
+from user_dir.sdma.core import LOSS_NAMES, SDMAConfigError, SDMAOptions, mixing_weight  # noqa: E402
+
+from conftest import REPO  # noqa: E402
+
+TOKENS = ["<blank>", "<unk>"] + list("一二三四五六七八九十") + ["<sos/eos>"]
+
+
+def tiny_args(**overrides):
+    args = SDMAASRTask.get_parser().parse_args([])
+    args.token_list = list(TOKENS)
+    args.input_size = None
+    args.frontend, args.frontend_conf = "default", {"n_fft": 400, "hop_length": 160, "n_mels": 20}
+    args.specaug, args.normalize, args.normalize_conf = None, "utterance_mvn", {}
+    args.encoder = "sdma_transformer"
+    args.encoder_conf = dict(output_size=32, attention_heads=2, linear_units=64, num_blocks=2)
+    args.decoder = "sdma_transformer"
+    args.decoder_conf = dict(attention_heads=2, linear_units=64, num_blocks=2)
+    args.model, args.model_conf, args.ctc_conf = "sdma", dict(ctc_weight=0.3, lsm_weight=0.1), {}
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args
+
+
+def tiny_batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    speech = torch.randn(3, 12000, generator=g)
+    speech_lengths = torch.tensor([12000, 9000, 6000])
+    text = torch.randint(2, 12, (3, 5), generator=g)
+    text_lengths = torch.tensor([5, 4, 3])
+    text[1, 4:] = -1
+    text[2, 3:] = -1
+    return speech, speech_lengths, text, text_lengths
+
+
+def attention_pair(group="encoder_self", mix_updates=10_000, mask_at_inference=True, seed=0):
+    torch.manual_seed(seed)
+    sdma = SDMAMultiHeadedAttention(2, 16, 0.0, sdma=SDMAOptions(num_clusters=3, num_query_clusters=2,
+                                                                 mask_at_inference=mask_at_inference),
+                                    group=group)
+    sdma.set_num_updates(mix_updates)
+    vanilla = MultiHeadedAttention(2, 16, 0.0)
+    vanilla.load_state_dict({k: v for k, v in sdma.state_dict().items() if k.startswith("linear_")})
+    return sdma.eval(), vanilla.eval()
+
+
+# --------------------------------------------------------------------------- registration
+
+
+def test_classes_are_registered_in_espnet_choices():
+    from espnet2.tasks.asr import decoder_choices, encoder_choices, model_choices
+
+    assert encoder_choices.get_class("sdma_transformer") is SDMATransformerEncoder
+    assert decoder_choices.get_class("sdma_transformer") is SDMATransformerDecoder
+    assert model_choices.get_class("sdma") is ESPnetSDMAASRModel
+    espnet_plugin.register()  # idempotent
+    assert "sdma_transformer" in SDMAASRTask.get_parser().format_help()
+
+
+def test_decoder_and_encoder_build_from_standard_arguments_alone():
+    decoder = SDMATransformerDecoder(vocab_size=13, encoder_output_size=32)
+    assert len(decoder.decoders) == 6 and isinstance(decoder.decoders[0].src_attn, SDMAMultiHeadedAttention)
+    assert decoder.decoders[0].self_attn.sdma.options.mask_at_inference is False
+    encoder = SDMATransformerEncoder(input_size=80)
+    core = encoder.encoders[0].self_attn.sdma
+    assert (encoder.output_size(), core.options.num_clusters, core.options.num_query_clusters) == (256, 8, 4)
+    assert core.options.centroid_grad_scale == 5.0
+
+
+def test_spawned_worker_target_registers_the_classes_on_unpickling():
+    """Multi-GPU ESPnet pickles ``cls.main_worker``; a fresh interpreter must find the classes."""
+    payload = pickle.dumps(SDMAASRTask.main_worker)
+    code = (
+        "import pickle, sys\n"
+        "target = pickle.loads(sys.stdin.buffer.read())\n"
+        "from espnet2.tasks.asr import encoder_choices, decoder_choices, model_choices\n"
+        "assert encoder_choices.classes['sdma_transformer'].__name__ == 'SDMATransformerEncoder'\n"
+        "assert decoder_choices.classes['sdma_transformer'].__name__ == 'SDMATransformerDecoder'\n"
+        "assert model_choices.classes['sdma'].__name__ == 'ESPnetSDMAASRModel'\n"
+        "print('ok', target.__self__.__name__, target.__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], input=payload, capture_output=True, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    assert b"ok SDMAASRTask main_worker" in out.stdout
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def test_attention_with_zero_mixing_weight_equals_espnet_attention():
+    sdma, vanilla = attention_pair(mix_updates=0)
+    x = torch.randn(2, 7, 16)
+    mask = torch.ones(2, 1, 7, dtype=torch.bool)
+    mask[1, :, 5:] = False
+    torch.testing.assert_close(sdma(x, x, x, mask), vanilla(x, x, x, mask))
+    torch.testing.assert_close(sdma.attn, vanilla.attn)
+
+
+def test_attention_matches_eq_2_10_11_written_out():
+    sdma, _ = attention_pair(mix_updates=10_000)
+    g = mixing_weight(10_000)
+    x = torch.randn(2, 6, 16)
+    mask = torch.ones(2, 1, 6, dtype=torch.bool)
+    mask[0, :, 4:] = False
+    sdma(x, x, x, mask)
+
+    q = sdma.linear_q(x).view(2, 6, 2, 8).transpose(1, 2)
+    k = sdma.linear_k(x).view(2, 6, 2, 8).transpose(1, 2)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(8)
+    keep = mask[:, None]  # (B, 1, 1, T)
+    A = torch.softmax(scores.masked_fill(~keep, -1e30), -1)
+    gamma = sdma.sdma.cluster(x)[1].exp().permute(0, 2, 1, 3)  # (B, H, T, C)
+    M = (gamma @ gamma.transpose(-1, -2) + 1e-6) * keep
+    M = M / M.sum(-1, keepdim=True)  # eq. (10)
+    A_bar = M * A / (M * A).sum(-1, keepdim=True)  # eq. (2)
+    expected = ((1 - g) * A + g * A_bar).masked_fill(~keep, 0.0)  # eq. (11)
+    torch.testing.assert_close(sdma.attn, expected, rtol=1e-5, atol=1e-6)
+    assert sdma.attn[0, :, :, 4:].abs().max() == 0
+
+
+def test_padding_keys_do_not_change_valid_outputs():
+    sdma, _ = attention_pair(mix_updates=10_000)
+    x = torch.randn(1, 6, 16)
+    mask = torch.ones(1, 1, 6, dtype=torch.bool)
+    mask[..., 4:] = False
+    y1 = sdma(x, x, x, mask)
+    x2 = x.clone()
+    x2[:, 4:] = 100 * torch.randn(1, 2, 16)
+    y2 = sdma(x2, x2, x2, mask)
+    torch.testing.assert_close(y1[:, :4], y2[:, :4])
+
+
+def test_cross_attention_uses_memory_clustering_and_decoder_query_padding():
+    sdma, _ = attention_pair(group="decoder_cross")
+    sdma.train()
+    query, memory = torch.randn(2, 4, 16), torch.randn(2, 9, 16)
+    memory_mask = torch.ones(2, 1, 9, dtype=torch.bool)
+    sdma.query_valid = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)
+    sdma(query, memory, memory, memory_mask)
+    assert sdma.sdma.pending["valid"].t().tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert sdma.sdma.pending["log_joint_z"].shape == (4, 2, 2, 3)  # [T, B, H, C]
+
+
+# --------------------------------------------------------------------------- decoder
+
+
+@pytest.mark.parametrize("mask_at_inference", [True, False])
+def test_incremental_batch_score_equals_full_forward(mask_at_inference):
+    torch.manual_seed(0)
+    decoder = SDMATransformerDecoder(vocab_size=13, encoder_output_size=32, attention_heads=2, linear_units=64,
+                                     num_blocks=2, sdma_clusters=3, sdma_query_clusters=2,
+                                     sdma_mask_at_inference=mask_at_inference).eval()
+    for module in decoder.modules():
+        if isinstance(module, SDMAMultiHeadedAttention):
+            module.set_num_updates(10_000)  # g = 0.9: the mask matters
+    memory = torch.randn(3, 11, 32)
+    ys = torch.randint(0, 13, (3, 6))
+    ys[:, 0] = 12
+    with torch.no_grad():
+        full = torch.log_softmax(decoder(memory, torch.full((3,), 11), ys, torch.full((3,), 6))[0], -1)
+        states = [None] * 3
+        for t in range(1, 7):
+            logp, states = decoder.batch_score(ys[:, :t], states, memory)
+            torch.testing.assert_close(logp, full[:, t - 1], rtol=1e-5, atol=1e-5)
+        single, _ = decoder.score(ys[0, :4], None, memory[0])
+    torch.testing.assert_close(single, full[0, 3], rtol=1e-5, atol=1e-5)
+
+
+def test_mask_at_inference_changes_decoding_only_when_enabled():
+    torch.manual_seed(0)
+    kwargs = dict(vocab_size=13, encoder_output_size=32, attention_heads=2, linear_units=64, num_blocks=1)
+    on = SDMATransformerDecoder(**kwargs, sdma_mask_at_inference=True).eval()
+    off = SDMATransformerDecoder(**kwargs, sdma_mask_at_inference=False).eval()
+    off.load_state_dict(on.state_dict())
+    vanilla = espnet_plugin_vanilla_decoder(kwargs)
+    vanilla.load_state_dict({k: v for k, v in on.state_dict().items() if ".sdma." not in k})
+    for module in list(on.modules()) + list(off.modules()):
+        if isinstance(module, SDMAMultiHeadedAttention):
+            module.set_num_updates(10_000)
+    memory, ys = torch.randn(1, 5, 32), torch.tensor([[12, 3, 4]])
+    args = (memory, torch.tensor([5]), ys, torch.tensor([3]))
+    torch.testing.assert_close(off(*args)[0], vanilla(*args)[0])
+    assert not torch.allclose(on(*args)[0], off(*args)[0])
+
+
+def espnet_plugin_vanilla_decoder(kwargs):
+    from espnet2.asr.decoder.transformer_decoder import TransformerDecoder
+
+    return TransformerDecoder(**kwargs, use_flash_attn=False).eval()
+
+
+# --------------------------------------------------------------------------- model
+
+
+def test_model_adds_weighted_regularisers_and_reports_every_term():
+    torch.manual_seed(0)
+    model = SDMAASRTask.build_model(tiny_args())
+    model.train()
+    loss, stats, weight = model(*tiny_batch())
+    w = model.sdma_loss_weights
+    expected_reg = (w["sdma_kl_weight"] * (stats["sdma_kl_z"] + stats["sdma_kl_q"])
+                    + w["sdma_dqq_weight"] * stats["sdma_dqq"] - w["sdma_dxq_weight"] * stats["sdma_dxq"]
+                    + w["sdma_diversity_weight"] * (stats["sdma_dv_z"] + stats["sdma_dv_q"]))
+    torch.testing.assert_close(stats["sdma_reg"], expected_reg)
+    torch.testing.assert_close(loss, 0.3 * stats["loss_ctc"] + 0.7 * stats["loss_att"] + expected_reg)
+    assert (w["sdma_kl_weight"], w["sdma_dqq_weight"], w["sdma_dxq_weight"]) == (0.001, 30.0, 4.0)
+    loss.backward()
+    for path in ("encoder.encoders.0.self_attn", "decoder.decoders.1.self_attn", "decoder.decoders.0.src_attn"):
+        core = model.get_submodule(path).sdma
+        assert core.feature_gmm.means.grad.abs().sum() > 0, path
+        assert core.query_gmm.means.grad.abs().sum() > 0, path
+
+
+def test_every_stat_is_present_even_without_the_attention_decoder():
+    torch.manual_seed(0)
+    with_decoder = SDMAASRTask.build_model(tiny_args())
+    ctc_only = SDMAASRTask.build_model(tiny_args(model_conf=dict(ctc_weight=1.0)))
+    _, stats_a, _ = with_decoder(*tiny_batch())
+    _, stats_b, _ = ctc_only(*tiny_batch())
+    assert set(stats_a) == set(stats_b)
+    for name in LOSS_NAMES:
+        assert stats_b[f"sdma_{name}"] is not None and torch.isfinite(stats_b[f"sdma_{name}"]).all()
+
+
+def test_optimizer_steps_drive_the_mixing_weight_and_survive_reload():
+    args = tiny_args()
+    model = SDMAASRTask.build_model(args)
+    optimizer = SDMAASRTask.build_optimizers(args, model)[0]
+    for _ in range(3):
+        loss, _, _ = model(*tiny_batch())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert int(model.num_updates) == 3
+    for core in model.sdma_cores:
+        assert float(core.mix_weight) == pytest.approx(mixing_weight(3, 0.9, 5e-4))
+    _, stats, _ = model(*tiny_batch())
+    assert float(stats["sdma_mix"]) == pytest.approx(mixing_weight(3))
+    restored = SDMAASRTask.build_model(args)
+    restored.load_state_dict(model.state_dict())
+    assert int(restored.num_updates) == 3
+    assert float(restored.decoder.decoders[1].src_attn.sdma.mix_weight) == pytest.approx(mixing_weight(3))
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(encoder_conf=dict(output_size=32, attention_heads=2, sdma_clusters=0)), "encoder_conf.sdma_clusters=0"),
+        (dict(decoder_conf=dict(attention_heads=2, sdma_mode="fancy")), "decoder_conf.sdma_mode='fancy'"),
+        (dict(model_conf=dict(sdma_dqq_weight=-1.0)), "model_conf.sdma_dqq_weight=-1.0"),
+        (dict(encoder="transformer", decoder="transformer"), "model: sdma needs an SDMA encoder"),
+    ],
+)
+def test_impossible_options_name_the_config_key(overrides, message):
+    with pytest.raises(SDMAConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        SDMAASRTask.build_model(tiny_args(**overrides))
+
+
+def test_unknown_option_is_refused_by_name():
+    with pytest.raises(TypeError, match="sdma_clustres"):
+        SDMAASRTask.build_model(tiny_args(encoder_conf=dict(output_size=32, attention_heads=2, sdma_clustres=4)))
+
+
+def test_feature_dimension_mismatch_names_the_config_option():
+    encoder = SDMATransformerEncoder(input_size=20, output_size=32, attention_heads=2, linear_units=64, num_blocks=1)
+    with pytest.raises(ValueError, match="input_size=20.*frontend_conf.n_mels"):
+        encoder(torch.randn(2, 50, 80), torch.tensor([50, 40]))
+
+
+def test_python_shim_runs_espnet_tools_with_the_plugin():
+    out = subprocess.run(
+        [sys.executable, "-m", "espnet_plugin.bin.python_shim", "-m", "espnet2.bin.asr_train", "--help"],
+        capture_output=True, text=True, cwd=REPO, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "sdma_transformer" in out.stdout
