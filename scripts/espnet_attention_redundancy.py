@@ -390,7 +390,7 @@ def _forward_or_explain(model, wavs, token_ids, uttids, device):
 
 
 def espnet_attention_redundancy(asr_train_config: str, asr_model_file: str, data_dir: str,
-                                max_utterances: Optional[int] = None, batch_size: int = 8,
+                                max_utterances: Optional[int] = None, batch_size: int = 1,
                                 device: str = "cpu") -> dict:
     """LR and HR of each attention type of an ESPnet2 ASR model on a Kaldi data directory.
 
@@ -436,8 +436,8 @@ def parse_args(argv=None):
     parser.add_argument("--asr-model-file", required=True, help="trained model parameters (.pth)")
     parser.add_argument("--data-dir", required=True, help="Kaldi-style data directory with wav.scp and text")
     parser.add_argument("--max-utterances", type=int, default=None, help="evaluate only the first N utterances")
-    parser.add_argument("--batch-size", type=int, default=1, help="utterances per forward pass (default: 8; 1 = "
-                        "no padding, batch-independent results)")
+    parser.add_argument("--batch-size", type=int, default=1, help="utterances per forward pass (default: 1 = "
+                        "no padding, batch-independent results, as ESPnet's asr_inference)")
     parser.add_argument("--json", default=None, metavar="OUT.json", help="write the results as JSON")
     parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     return parser.parse_args(argv)

@@ -1,0 +1,155 @@
+"""Integration: the ESPnet recipe stages on synthetic Mandarin speech, SDMA and vanilla, tiny.
+
+Runs ``examples/aishell_sdma/asr1/run_synthetic.py`` (ESPnet's own entry points for
+tokenize_text, collect_stats, training and joint CTC/attention decoding), then decodes
+with ``Speech2Text`` from Python and measures LR/HR on the trained SDMA model.
+"""
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import REPO
+
+pytest.importorskip("espnet2")
+pytestmark = pytest.mark.skipif(
+    shutil.which("espeak-ng") is None or shutil.which("sox") is None,
+    reason="needs espeak-ng and sox (apt-get install espeak-ng sox)",
+)
+
+RECIPE = REPO / "examples" / "aishell_sdma" / "asr1"
+
+
+def load_script(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+driver = load_script(RECIPE / "run_synthetic.py", "run_synthetic")
+
+
+def write_tiny_configs(conf_dir):
+    conf_dir.mkdir(parents=True)
+    for name in ("train_asr_sdma_transformer.yaml", "train_asr_transformer.yaml", "decode_asr.yaml"):
+        config = yaml.safe_load((RECIPE / "conf" / "synthetic" / name).read_text(encoding="utf-8"))
+        if "encoder_conf" in config:
+            config["encoder_conf"].update(output_size=32, attention_heads=2, linear_units=64, num_blocks=1)
+            config["decoder_conf"].update(attention_heads=2, linear_units=64, num_blocks=1)
+            config["frontend_conf"]["n_mels"] = 40
+            config.update(max_epoch=2, batch_size=4, keep_nbest_models=1)
+        else:
+            config["beam_size"] = 2
+        (conf_dir / name).write_text(yaml.safe_dump(config), encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    root = tmp_path_factory.mktemp("asr_pipeline")
+    write_tiny_configs(root / "conf")
+    work = root / "work"
+    out = subprocess.run(
+        [sys.executable, str(RECIPE / "run_synthetic.py"), "--work-dir", str(work), "--conf-dir", str(root / "conf"),
+         "--num-sentences", "12"],
+        capture_output=True, text=True, cwd=REPO, timeout=900,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return work, out.stdout
+
+
+def test_driver_prints_cer_for_sdma_and_vanilla(pipeline):
+    work, stdout = pipeline
+    assert "system" in stdout and "CER %" in stdout
+    results = json.loads((work / "results.json").read_text())["results"]
+    assert set(results) == {"sdma", "vanilla"}
+    n_test = len((work / "corpus" / "data" / "test" / "text").read_text(encoding="utf-8").splitlines())
+    for system, result in results.items():
+        assert result["utterances"] == n_test and result["ref_chars"] > 0
+        assert result["cer"] == pytest.approx(100.0 * result["edits"] / result["ref_chars"])
+        hyps = (work / "exp" / system / "decode_test" / "1best_recog" / "text").read_text(encoding="utf-8")
+        assert len(hyps.splitlines()) == n_test
+    config = yaml.safe_load((work / "exp" / "sdma" / "config.yaml").read_text(encoding="utf-8"))
+    assert (config["encoder"], config["decoder"], config["model"]) == ("sdma_transformer", "sdma_transformer", "sdma")
+    log = (work / "logs" / "train_sdma.log").read_text(encoding="utf-8")
+    assert "sdma_dqq=" in log and "sdma_reg=" in log  # the regularisers are reported as stats
+
+
+def test_speech2text_decodes_with_the_plugin_and_matches_the_cli(pipeline):
+    import soundfile
+    from espnet2.bin.asr_inference import Speech2Text
+    from espnet.nets.batch_beam_search import BatchBeamSearch
+
+    import espnet_plugin  # noqa: F401
+    from espnet_plugin.asr.decoder.sdma_transformer_decoder import SDMATransformerDecoder
+
+    work, _ = pipeline
+    exp = work / "exp" / "sdma"
+    speech2text = Speech2Text(asr_train_config=exp / "config.yaml", asr_model_file=driver.trained_model(work, "sdma"),
+                              device="cpu", beam_size=2, ctc_weight=0.5, nbest=1)
+    assert isinstance(speech2text.asr_model.decoder, SDMATransformerDecoder)
+    assert isinstance(speech2text.beam_search, BatchBeamSearch)
+    assert "ctc" in speech2text.beam_search.full_scorers or "ctc" in speech2text.beam_search.part_scorers
+    uttid, wav = (work / "corpus" / "data" / "test" / "wav.scp").read_text().splitlines()[0].split(maxsplit=1)
+    speech, rate = soundfile.read(wav)
+    assert rate == 16000
+    text = speech2text(speech)[0][0]
+    cli = driver.read_kaldi_text(exp / "decode_test" / "1best_recog" / "text")
+    assert (text or "").replace(" ", "") == cli[uttid]
+
+
+def test_attention_redundancy_on_the_espnet_model(pipeline):
+    work, _ = pipeline
+    redundancy = load_script(REPO / "scripts" / "espnet_attention_redundancy.py", "espnet_attention_redundancy")
+    result = redundancy.espnet_attention_redundancy(
+        work / "exp" / "sdma" / "config.yaml", driver.trained_model(work, "sdma"), work / "corpus" / "data" / "test")
+    for kind in ("encoder_self", "decoder_self", "decoder_cross"):
+        assert 0.0 <= result[kind]["LR"] <= 1.0 + 1e-6  # log2(2 heads)
+        assert 0.0 <= result[kind]["HR"] <= 1.0 + 1e-6
+
+
+def test_mismatched_token_list_and_feature_size_are_refused(pipeline, tmp_path):
+    work, _ = pipeline
+    exp = work / "exp" / "sdma"
+    model = driver.trained_model(work, "sdma")
+    config = yaml.safe_load((exp / "config.yaml").read_text(encoding="utf-8"))
+    short = dict(config, token_list=config["token_list"][:-3])
+    (tmp_path / "short.yaml").write_text(yaml.safe_dump(short), encoding="utf-8")
+    with pytest.raises(driver.PipelineError, match="token list does not match the model"):
+        driver.check_model_files(tmp_path / "short.yaml", model)
+    wide = dict(config, frontend_conf=dict(config["frontend_conf"], n_mels=80))
+    (tmp_path / "wide.yaml").write_text(yaml.safe_dump(wide), encoding="utf-8")
+    with pytest.raises(driver.PipelineError, match="feature dimension does not match the config"):
+        driver.check_model_files(tmp_path / "wide.yaml", model)
+    with pytest.raises(driver.PipelineError, match="missing"):
+        driver.check_model_files(exp / "config.yaml", tmp_path / "nope.pth")
+
+
+def test_bad_data_directories_name_the_file(tmp_path):
+    data = tmp_path / "train"
+    data.mkdir()
+    with pytest.raises(driver.PipelineError, match=r"wav\.scp: missing"):
+        driver.check_data_dir(data)
+    (data / "wav.scp").write_text(f"u1 {tmp_path / 'u1.wav'}\n")
+    (data / "text").write_text("")
+    with pytest.raises(driver.PipelineError, match=r"text: empty"):
+        driver.check_data_dir(data)
+    (data / "text").write_text("u1 你好\nu2 再见\n")
+    with pytest.raises(driver.PipelineError, match="utterance u2"):
+        driver.check_data_dir(data)
+    (data / "text").write_text("u1 你好\n")
+    with pytest.raises(driver.PipelineError, match="u1.wav does not exist"):
+        driver.check_data_dir(data)
+
+
+def test_driver_rejects_impossible_options(tmp_path):
+    with pytest.raises(SystemExit):
+        driver.parse_args(["--num-sentences", "0"])
+    with pytest.raises(SystemExit):
+        driver.parse_args(["--conf-dir", str(tmp_path)])
