@@ -153,3 +153,43 @@ def test_driver_rejects_impossible_options(tmp_path):
         driver.parse_args(["--num-sentences", "0"])
     with pytest.raises(SystemExit):
         driver.parse_args(["--conf-dir", str(tmp_path)])
+
+
+def test_two_process_cpu_training_with_espnets_distributed_launcher(pipeline, tmp_path):
+    """ESPnet DDP (gloo, 2 CPU processes): same stat keys on both ranks, update counter = optimizer steps."""
+    import socket
+
+    import torch
+
+    work, _ = pipeline
+    data, stats = work / "corpus" / "data", work / "stats"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "ddp"
+    base = [sys.executable, "-m", "espnet_plugin.bin.asr_train", "--use_preprocessor", "true", "--token_type", "char",
+            "--token_list", str(work / "tokens.txt"), "--non_linguistic_symbols", "none", "--cleaner", "none",
+            "--g2p", "none", "--ngpu", "0", "--num_workers", "0", "--use_tensorboard", "false",
+            "--config", str(work.parent / "conf" / "train_asr_sdma_transformer.yaml"), "--output_dir", str(out),
+            "--frontend_conf", "fs=16k", "--normalize", "global_mvn",
+            "--normalize_conf", f"stats_file={stats / 'train' / 'feats_stats.npz'}",
+            "--train_shape_file", str(stats / "train" / "speech_shape"),
+            "--train_shape_file", str(stats / "train" / "text_shape.char"),
+            "--valid_shape_file", str(stats / "valid" / "speech_shape"),
+            "--valid_shape_file", str(stats / "valid" / "text_shape.char"),
+            "--fold_length", "80000", "--fold_length", "150", "--max_epoch", "1",
+            "--multiprocessing_distributed", "false", "--dist_world_size", "2", "--dist_backend", "gloo",
+            "--dist_init_method", f"tcp://127.0.0.1:{port}"]
+    for split, prefix in (("train", "train"), ("dev", "valid")):
+        base += [f"--{prefix}_data_path_and_name_and_type", f"{data / split / 'wav.scp'},speech,sound",
+                 f"--{prefix}_data_path_and_name_and_type", f"{data / split / 'text'},text,text"]
+    procs = [subprocess.Popen(base + ["--dist_rank", str(r), "--local_rank", str(r)], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    for rank, (proc, log) in enumerate(zip(procs, logs)):
+        assert proc.returncode == 0, f"rank {rank}:\n{log[-3000:]}"
+    results = [line for line in logs[0].splitlines() if "1epoch results" in line]
+    assert results and "sdma_dqq=" in results[0] and "sdma_reg=" in results[0]
+    steps = int(results[0].split("total_count=")[1].split(",")[0])
+    state = torch.load(out / "1epoch.pth", map_location="cpu", weights_only=True)
+    assert steps > 0 and int(state["num_updates"]) == steps
