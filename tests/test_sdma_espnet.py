@@ -295,3 +295,28 @@ def test_python_shim_runs_espnet_tools_with_the_plugin():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "sdma_transformer" in out.stdout
+
+
+def test_launchers_accept_every_option_of_espnets_entry_points():
+    from espnet2.bin import asr_inference, asr_train
+
+    from espnet_plugin.bin import asr_inference as plugin_inference
+    from espnet_plugin.bin import asr_train as plugin_train
+
+    def options(parser):
+        return {s for action in parser._actions for s in action.option_strings}
+
+    assert options(asr_train.get_parser()) <= options(plugin_train.get_parser())
+    assert options(asr_inference.get_parser()) <= options(plugin_inference.get_parser())
+
+
+def test_model_forward_backward_under_bf16_autocast():
+    torch.manual_seed(0)
+    model = SDMAASRTask.build_model(tiny_args())
+    model.set_num_updates(5000)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, stats, _ = model(*tiny_batch())
+    assert torch.isfinite(loss).all()
+    loss.sum().backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
