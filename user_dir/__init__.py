@@ -10,3 +10,4 @@ from . import safe_loading
 safe_loading.register_checkpoint_types()
 
 from . import sdma  # noqa: E402,F401  (registration)
+from . import sentence_vae, qkvae, optimus  # noqa: E402,F401  (registration)
