@@ -1,0 +1,78 @@
+"""scripts/prepare_english_vae_data.py: OANC reading, splits, binarization, probe triplets."""
+
+import importlib.util
+import random
+
+import pytest
+
+from conftest import REPO
+
+spec = importlib.util.spec_from_file_location("prepare_english_vae_data", REPO / "scripts" / "prepare_english_vae_data.py")
+prep = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(prep)
+
+WORDS = {"DT": ["the", "a", "this", "that"], "NN": ["dog", "cat", "house", "tree", "car", "bird", "river"],
+         "VBD": ["saw", "liked", "found", "left"], "JJ": ["red", "old", "big", "small"], "IN": ["near", "under"]}
+PATTERNS = [["DT", "NN", "VBD", "DT", "NN", "."], ["DT", "JJ", "NN", "VBD", "IN", "DT", "NN", "."],
+            ["NN", "VBD", "JJ", "."], ["DT", "NN", "IN", "DT", "NN", "VBD", "."]]
+
+
+def tagged_corpus(path, n=120, seed=0):
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n):
+        tags = rng.choice(PATTERNS)
+        lines.append(" ".join(f"{'.' if t == '.' else rng.choice(WORDS[t])}/{t}" for t in tags))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_read_oanc_splits_word_and_tag_on_the_last_slash(tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_text("Has/VBZ the/DT and/or/CC ?/.\n")
+    assert prep.read_oanc(path) == [(["has", "the", "and/or", "?"], ["VBZ", "DT", "CC", "."])]
+    path.write_text("broken\n")
+    with pytest.raises(prep.DataError, match=r"t\.txt:1: 'broken' is not word/TAG"):
+        prep.read_oanc(path)
+
+
+def test_triplets_take_the_closest_pos_sequence_with_low_overlap_and_a_word_shuffle():
+    import editdistance
+
+    target = (["the", "dog", "saw", "a", "cat", "."], ["DT", "NN", "VBD", "DT", "NN", "."])
+    pool = [
+        (["the", "dog", "saw", "the", "cat", "."], ["DT", "NN", "VBD", "DT", "NN", "."]),  # same words: excluded
+        (["a", "bird", "liked", "this", "tree", "."], ["DT", "NN", "VBD", "DT", "NN", "."]),  # same tags, other words
+        (["trees", "grow", "."], ["NNS", "VBP", "."]),
+    ]
+    (t, sem, syn), = prep.build_triplets([target], pool, max_overlap=0.2, seed=0)
+    assert t == "the dog saw a cat ."
+    assert syn == "a bird liked this tree ."
+    assert sorted(sem.split()) == sorted(t.split()) and sem != t
+    assert editdistance.eval(target[1], pool[1][1]) == 0
+
+
+def test_prepare_writes_splits_binarized_data_and_triplets(tmp_path):
+    oanc = tagged_corpus(tmp_path / "oanc.txt")
+    summary = prep.prepare(tmp_path / "out", ["oanc"], valid_size=10, test_size=20, threshold=1,
+                           probe_size=5, oanc_file=oanc)
+    out = tmp_path / "out"
+    for split in ("train", "valid", "test"):
+        assert (out / "bin" / f"{split}.bin").is_file()
+    assert (out / "bin" / "dict.txt").is_file()
+    texts = {s: set((out / "text" / f"{s}.txt").read_text().splitlines()) for s in ("train", "valid", "test")}
+    assert not (texts["train"] & texts["test"]) and not (texts["valid"] & texts["test"])
+    rows = (out / "probe_triplets.tsv").read_text().splitlines()
+    assert summary["probe_triplets"] == len(rows) > 0
+    for row in rows:
+        target, sem, syn = row.split("\t")
+        assert target in texts["test"] and syn in texts["train"]
+        assert sorted(sem.split()) == sorted(target.split())
+
+
+def test_bad_options_and_tiny_corpora_are_refused(tmp_path):
+    with pytest.raises(SystemExit):
+        prep.parse_args(["--out-dir", str(tmp_path), "--min-tokens", "9", "--max-tokens", "3"])
+    oanc = tagged_corpus(tmp_path / "oanc.txt", n=10)
+    with pytest.raises(prep.DataError, match="fewer than --valid-size"):
+        prep.prepare(tmp_path / "out", ["oanc"], valid_size=10, test_size=20, oanc_file=oanc, probe_size=0)
