@@ -19,7 +19,10 @@ A sentence VAE is a ``FairseqEncoderDecoderModel`` whose
 * **decoder** (a ``FairseqIncrementalDecoder``) conditions on ``encoder_out["latents"]`` only
   and returns ``(logits [B, T, V], extra)`` with ``extra["posteriors"]`` = the
   :class:`~user_dir.vae.DiagonalGaussian` of each latent (built by :func:`posteriors_of`), so
-  the ``sentence_vae`` criterion gets everything from one ``model(**net_input)`` call.
+  the ``sentence_vae`` criterion gets everything from one ``model(**net_input)`` call, and
+  ``extra["attn"]`` (``None``, or ``[attention [B, T, S]]``): fairseq's ``SequenceGenerator``
+  reads ``extra["attn"]`` at every step and fails with ``KeyError: 'attn'`` without it.
+  :func:`decoder_extra` builds both entries.
   Incremental decoding must equal full scoring (tests check it for every model).
 
 Latent names and sizes are given by ``model.latent_sizes`` (an ordered ``{name: D}``).
@@ -53,6 +56,11 @@ def posteriors_of(encoder_out: EncoderOut) -> Dict[str, DiagonalGaussian]:
         name: DiagonalGaussian(mean, encoder_out["posterior_logvar"][name])
         for name, mean in encoder_out["posterior_mean"].items()
     }
+
+
+def decoder_extra(encoder_out: EncoderOut, attn: Optional[Tensor] = None) -> Dict[str, object]:
+    """The decoder's ``extra`` output: ``{"attn": [attn] or None, "posteriors": posteriors_of(...)}``."""
+    return {"attn": None if attn is None else [attn], "posteriors": posteriors_of(encoder_out)}
 
 
 def reorder_encoder_output(encoder_out: EncoderOut, new_order: Tensor) -> EncoderOut:
