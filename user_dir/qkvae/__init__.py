@@ -1,1 +1,19 @@
-"""QKVAE and ADVAE (Felhi et al. 2022): registration of the models and architectures."""
+"""QKVAE and ADVAE (Felhi et al. 2022, ``shared/papers/qkvae.txt``) as fairseq models.
+
+* :mod:`.encoder` -- ADVAE's latent-query encoder (eq. 3), shared by both models;
+* :mod:`.decoder` -- QKVAE's QKV decoder (Section 4.1) and ADVAE's decoder (Section 3.3);
+* :mod:`.model` -- the ``qkvae`` / ``advae`` models and their architectures;
+* :mod:`.bart_init` -- ``--bart-dir`` initialisation and BART-vocabulary data preparation.
+"""
+
+from . import model  # noqa: F401  (registers the models and architectures)
+from .bart_init import BartInitError, initialise_from_bart
+from .decoder import ADVAEDecoder, QKVAttention, QKVDecoder, QKVDecoderLayer
+from .encoder import LatentGroup, LatentQueryEncoder
+from .model import ADVAEModel, LatentAttentionVAE, QKVAEModel, count_parameters
+
+__all__ = [
+    "BartInitError", "initialise_from_bart", "ADVAEDecoder", "QKVAttention", "QKVDecoder",
+    "QKVDecoderLayer", "LatentGroup", "LatentQueryEncoder", "ADVAEModel", "LatentAttentionVAE",
+    "QKVAEModel", "count_parameters",
+]
