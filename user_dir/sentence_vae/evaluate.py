@@ -1,0 +1,264 @@
+"""Evaluation of a trained sentence VAE on a binarized split (library of ``scripts/vae_eval.py``).
+
+For every sentence x of the split (target = sentence + EOS):
+
+* ``log p(x)`` >= L_k, the importance-weighted bound with k samples of q(z|x) (Burda et al.
+  2015; Optimus eq. 15, k = 100 in Optimus' code), computed in chunks: each chunk of n samples
+  is scored by ONE decoder pass over the ``[n * B]`` expanded batch;
+* the one-sample ELBO, its reconstruction term log p(x|z) and the analytic KL of every latent
+  (QKVAE eq. 1);
+* the posterior means and log-variances, from which, over the whole split, the mutual
+  information I_q(x, z) with the aggregate posterior (Optimus Appendix A, He et al. 2019) and
+  the active units (Cov_x E_q[z] > 0.01, Optimus Appendix C.1) are computed per latent and for
+  all latents together.
+
+Reported (nats; "per sentence" = averaged over sentences):
+
+* ``iw_ppl`` = exp(-sum_x L_k(x) / N_tok), N_tok = target tokens incl. EOS (fairseq's ntokens);
+* ``elbo_ppl`` = exp(-sum_x ELBO(x) / N_tok) (>= iw_ppl in expectation);
+* ``nll`` = -mean L_k(x); ``elbo`` = mean ELBO(x); ``rec`` = mean -log p(x|z), z ~ q(z|x);
+* ``kl`` / ``kl_<latent>`` = mean KL(q(z|x) || N(0, I)), all latents / one latent;
+* ``mi`` / ``mi_<latent>``: I_q(x, z) of the joint / of one latent;
+* ``au`` / ``au_<latent>``: active units, total / of one latent;
+* ``iw_seconds_per_sentence``: wall time of the IW estimate per sentence (with k, chunk size
+  and batch size as given).
+
+Random numbers come from one generator seeded with ``--seed``: the IW estimate draws all k
+noise vectors of a batch before its first chunk, so it does not depend on ``--chunk-size``.
+"""
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections import OrderedDict
+from typing import Dict, List, Optional
+
+import torch
+from fairseq import checkpoint_utils, utils
+
+from user_dir.vae import (
+    VAEConfigError,
+    active_units,
+    elbo_terms,
+    importance_weighted_log_likelihood,
+    mutual_information,
+    perplexity,
+)
+
+from .base import SentenceVAEEncoder, posteriors_of, reorder_encoder_output
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------- loading
+def load_sentence_vae(path: str, data: Optional[str] = None, cpu: bool = False):
+    """(model in eval mode on its device, task, saved cfg) from a fairseq checkpoint.
+
+    ``data`` overrides the checkpoint's data directory (where ``dict.txt`` and the splits are).
+    """
+    overrides = {"data": data} if data else None
+    try:
+        models, cfg, task = checkpoint_utils.load_model_ensemble_and_task([path], arg_overrides=overrides)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"loading {path}: {err}") from err
+    model = models[0]
+    if not isinstance(getattr(model, "encoder", None), SentenceVAEEncoder) or not getattr(model, "latent_sizes", None):
+        raise TypeError(f"{path} holds a {type(model).__name__}, not a sentence VAE "
+                        "(see user_dir/sentence_vae/base.py)")
+    device = torch.device("cuda" if torch.cuda.is_available() and not cpu else "cpu")
+    model.to(device).eval()
+    return model, task, cfg
+
+
+def model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+# ------------------------------------------------------------------------- scoring
+def log_likelihood_fn(model, encoder_out, prev_output_tokens, target, pad: int):
+    """The ``log_likelihood_fn`` of :mod:`user_dir.vae.evaluation` for one batch.
+
+    Maps samples {latent: ``[n, B, D]``} to log p(x | z_i) ``[n, B]`` (summed over the target
+    tokens) with one decoder pass over the ``[n * B]`` batch whose row i * B + b is sentence b
+    with sample i.
+    """
+    batch = target.size(0)
+
+    def fn(samples: Dict[str, torch.Tensor]) -> torch.Tensor:
+        n = next(iter(samples.values())).size(0)
+        rows = torch.arange(batch, device=target.device).repeat(n)  # [n * B]: 0..B-1, 0..B-1, ...
+        expanded = reorder_encoder_output(encoder_out, rows)
+        expanded["latents"] = {name: z.reshape(n * batch, -1) for name, z in samples.items()}
+        net_output = model.decoder(prev_output_tokens.index_select(0, rows), encoder_out=expanded)
+        lprobs = model.get_normalized_probs(net_output, log_probs=True)  # [n * B, T, V]
+        tgt = target.index_select(0, rows)
+        token_ll = lprobs.gather(-1, tgt.unsqueeze(-1)).squeeze(-1).masked_fill(tgt.eq(pad), 0.0)
+        return token_ll.float().sum(-1).view(n, batch)
+
+    return fn
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def evaluate_split(model, task, subset: str = "test", k: int = 100, chunk_size: int = 10,
+                   batch_size: int = 32, seed: int = 1, mi_samples: int = 1,
+                   au_threshold: float = 0.01) -> "OrderedDict[str, float]":
+    """All metrics of the module doc for ``subset`` (loaded here with ``task.load_dataset``)."""
+    for option, value in (("--k", k), ("--chunk-size", chunk_size), ("--batch-size", batch_size),
+                          ("--mi-samples", mi_samples)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise VAEConfigError(f"{option}={value!r} must be an integer >= 1")
+    model.eval()
+    device = model_device(model)
+    task.load_dataset(subset, combine=False, epoch=1)
+    dataset = task.dataset(subset)
+    iterator = task.get_batch_iterator(
+        dataset=dataset, max_tokens=None, max_sentences=batch_size,
+        max_positions=utils.resolve_max_positions(task.max_positions(), model.max_positions()),
+        ignore_invalid_inputs=False, seed=seed, num_workers=0,
+    ).next_epoch_itr(shuffle=False)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    pad = task.target_dictionary.pad()
+    latents = list(model.latent_sizes)
+    iw_sum, elbo_sum, rec_sum, num_tokens, num_sentences, iw_seconds = 0.0, 0.0, 0.0, 0, 0, 0.0
+    kl_sums = {name: 0.0 for name in latents}
+    means: Dict[str, List[torch.Tensor]] = {name: [] for name in latents}
+    logvars: Dict[str, List[torch.Tensor]] = {name: [] for name in latents}
+    for sample in iterator:
+        sample = utils.move_to_cuda(sample, device=device) if device.type == "cuda" else sample
+        net_input = dict(sample["net_input"])
+        prev_output_tokens = net_input.pop("prev_output_tokens")
+        encoder_out = model.encoder(**net_input)
+        posteriors = posteriors_of(encoder_out)
+        fn = log_likelihood_fn(model, encoder_out, prev_output_tokens, sample["target"], pad)
+        _sync(device)
+        start = time.perf_counter()
+        log_px = importance_weighted_log_likelihood(fn, posteriors, k, chunk_size, generator)  # [B]
+        _sync(device)
+        iw_seconds += time.perf_counter() - start
+        terms = elbo_terms(fn, posteriors, generator)
+        iw_sum += float(log_px.double().sum())
+        elbo_sum += float(terms.elbo.double().sum())
+        rec_sum += float(-terms.reconstruction.double().sum())
+        for name in latents:
+            kl_sums[name] += float(terms.kl[name].double().sum())
+            means[name].append(posteriors[name].mean.float().cpu())
+            logvars[name].append(posteriors[name].logvar.float().cpu())
+        num_tokens += int(sample["ntokens"])
+        num_sentences += int(sample["target"].size(0))
+    if num_sentences < 2:
+        raise ValueError(f"split {subset!r} has {num_sentences} sentence(s); MI and AU need at least 2")
+
+    results = OrderedDict()
+    results["iw_ppl"] = perplexity(iw_sum, num_tokens)
+    results["elbo_ppl"] = perplexity(elbo_sum, num_tokens)
+    results["nll"] = -iw_sum / num_sentences
+    results["elbo"] = elbo_sum / num_sentences
+    results["rec"] = rec_sum / num_sentences
+    results["kl"] = sum(kl_sums.values()) / num_sentences
+    mean_all = {name: torch.cat(means[name]) for name in latents}
+    logvar_all = {name: torch.cat(logvars[name]) for name in latents}
+    mi_generator = torch.Generator().manual_seed(seed)
+    results["mi"] = mutual_information(torch.cat([mean_all[n] for n in latents], -1),
+                                       torch.cat([logvar_all[n] for n in latents], -1),
+                                       num_samples=mi_samples, generator=mi_generator)
+    au_counts = {name: active_units(mean_all[name], au_threshold)[0] for name in latents}
+    results["au"] = sum(au_counts.values())
+    for name in latents:
+        results[f"kl_{name}"] = kl_sums[name] / num_sentences
+        results[f"mi_{name}"] = mutual_information(mean_all[name], logvar_all[name], num_samples=mi_samples,
+                                                   generator=mi_generator)
+        results[f"au_{name}"] = au_counts[name]
+        results[f"dim_{name}"] = int(model.latent_sizes[name])
+    results["num_sentences"] = num_sentences
+    results["num_tokens"] = num_tokens
+    results["k"] = k
+    results["chunk_size"] = chunk_size
+    results["batch_size"] = batch_size
+    results["iw_seconds_per_sentence"] = iw_seconds / num_sentences
+    return results
+
+
+# ----------------------------------------------------------------------------- CLI
+DESCRIPTIONS = OrderedDict([
+    ("iw_ppl", "perplexity of the IW bound, exp(-sum L_k / tokens)"),
+    ("elbo_ppl", "perplexity of the ELBO, exp(-sum ELBO / tokens)"),
+    ("nll", "-L_k per sentence (nats)"),
+    ("elbo", "ELBO per sentence (nats)"),
+    ("rec", "reconstruction NLL per sentence (nats)"),
+    ("kl", "KL(q(z|x) || p(z)) per sentence (nats)"),
+    ("mi", "mutual information I_q(x, z) (nats)"),
+    ("au", "active units (Cov_x E[z] >= threshold)"),
+])
+
+
+def describe(key: str) -> str:
+    """What a result key means (the per-latent keys are ``<metric>_<latent>``)."""
+    if key in DESCRIPTIONS:
+        return DESCRIPTIONS[key]
+    metric, _, latent = key.partition("_")
+    if metric in ("kl", "mi", "au") and latent:
+        return f"{DESCRIPTIONS[metric]}, latent {latent}"
+    if metric == "dim" and latent:
+        return f"size of latent {latent}"
+    return ""
+
+
+def format_table(results: Dict[str, float]) -> str:
+    """A text table of the results, one metric a line: key, value, meaning."""
+    lines = [f"{'metric':<26} {'value':>14}  meaning"]
+    for key, value in results.items():
+        text = f"{value:.6g}" if isinstance(value, float) else str(value)
+        lines.append(f"{key:<26} {text:>14}  {describe(key)}".rstrip())
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Importance-weighted perplexity, ELBO, KL, MI and active units of a sentence-VAE "
+                    "checkpoint (any model of user_dir/sentence_vae/base.py's interface)."
+    )
+    parser.add_argument("data", metavar="DATA_BIN",
+                        help="directory binarized with `fairseq-preprocess --only-source` (dict.txt, SPLIT.bin)")
+    parser.add_argument("--path", required=True, metavar="CKPT", help="fairseq checkpoint of a sentence VAE")
+    parser.add_argument("--subset", default="test", help="split to evaluate (default: test)")
+    parser.add_argument("--k", type=int, default=100, help="importance samples per sentence (Optimus: 100)")
+    parser.add_argument("--chunk-size", type=int, default=10,
+                        help="samples scored per decoder pass (memory ~ chunk x batch decoder passes)")
+    parser.add_argument("--batch-size", type=int, default=32, help="sentences per batch")
+    parser.add_argument("--mi-samples", type=int, default=1, help="z samples per sentence of the MI estimate")
+    parser.add_argument("--au-threshold", type=float, default=0.01, help="active-unit variance threshold")
+    parser.add_argument("--seed", type=int, default=1, help="seed of every sample drawn")
+    parser.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
+    parser.add_argument("--cpu", action="store_true", help="run on CPU even if a GPU is available")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> "OrderedDict[str, float]":
+    args = build_parser().parse_args(argv)
+    torch.manual_seed(args.seed)
+    model, task, _ = load_sentence_vae(args.path, data=args.data, cpu=args.cpu)
+    results = evaluate_split(model, task, args.subset, k=args.k, chunk_size=args.chunk_size,
+                             batch_size=args.batch_size, seed=args.seed, mi_samples=args.mi_samples,
+                             au_threshold=args.au_threshold)
+    results["checkpoint"] = args.path
+    results["subset"] = args.subset
+    print(format_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return results
+
+
+def cli_main() -> None:
+    try:
+        main()
+    except (VAEConfigError, OSError) as err:  # bad option, missing checkpoint/data file
+        print(f"vae_eval.py: error: {err}", file=sys.stderr)
+        sys.exit(2)

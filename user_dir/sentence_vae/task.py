@@ -1,0 +1,193 @@
+"""``sentence_vae`` task: monolingual text as a (sentence -> same sentence) pair dataset.
+
+Data: one directory made by ``fairseq-preprocess --only-source`` (``dict.txt`` and
+``{split}.bin``/``{split}.idx``). Every example is a :class:`LanguagePairDataset` pair whose
+
+* source ``src_tokens`` = sentence + EOS (right-padded by default, ``--left-pad-source`` to
+  left-pad; the encoders get ``src_lengths`` and mask padding);
+* target = sentence + EOS;
+* ``prev_output_tokens`` = EOS + sentence (fairseq's input feeding: EOS starts decoding).
+
+``fairseq-preprocess`` already ends every binarized line with EOS; data binarized without it
+get EOS appended here. Works with ``fairseq-train``, ``fairseq-validate`` and fairseq's
+``SequenceGenerator`` (``build_generator``/``inference_step``; ``net_input`` may carry a
+``latents`` dict, see :mod:`user_dir.sentence_vae.base`).
+
+The task also attaches an :class:`UpdateCounter` to every model it builds: fairseq passes the
+update count to models only (``model.set_num_updates`` in ``task.train_step``, at checkpoint
+resume and in ``load_model_ensemble_and_task``), never to criterions, and the
+``sentence_vae`` criterion reads its beta schedules' clock from this counter.
+"""
+
+import logging
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+import torch
+from fairseq import utils
+from fairseq.data import AppendTokenDataset, Dictionary, LanguagePairDataset, data_utils
+from fairseq.dataclass import FairseqDataclass
+from fairseq.tasks import FairseqTask, register_task
+from omegaconf import II
+
+logger = logging.getLogger(__name__)
+
+
+class UpdateCounter(torch.nn.Module):
+    """Remembers fairseq's update counter (``BaseFairseqModel.set_num_updates`` reaches every
+    submodule that has ``set_num_updates``). No parameters or buffers: the state dict of the
+    model is unchanged, so checkpoints load with or without it."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_updates = 0
+
+    def set_num_updates(self, num_updates: int) -> None:
+        self.num_updates = int(num_updates)
+
+
+COUNTER_ATTRIBUTE = "sentence_vae_update_counter"
+
+
+def unwrap_model(model):
+    """The model inside fairseq's (DDP, ...) wrappers."""
+    while hasattr(model, "module") and not isinstance(model, UpdateCounter):
+        model = model.module
+    return model
+
+
+def model_num_updates(model) -> Optional[int]:
+    """The update count the task's counter saw, or None for a model not built by the task."""
+    counter = getattr(unwrap_model(model), COUNTER_ATTRIBUTE, None)
+    return None if counter is None else counter.num_updates
+
+
+@dataclass
+class SentenceVAEConfig(FairseqDataclass):
+    data: str = field(
+        default="",
+        metadata={"help": "directory made by `fairseq-preprocess --only-source` (dict.txt, "
+                          "{split}.bin/.idx); colon-separated directories are used in turn per epoch "
+                          "for training (fairseq's sharding), the first one for other splits"},
+    )
+    max_positions: int = field(
+        default=1024, metadata={"help": "longest sentence (tokens incl. EOS) for source and target"}
+    )
+    left_pad_source: bool = field(
+        default=False, metadata={"help": "left-pad the source (default: right padding)"}
+    )
+    dataset_impl: Optional[str] = II("dataset.dataset_impl")
+    train_subset: str = II("dataset.train_subset")
+
+
+def _require_data(path: str) -> str:
+    if not path:
+        raise ValueError("--task sentence_vae needs the data directory (the positional DATA argument)")
+    return path
+
+
+@register_task("sentence_vae", dataclass=SentenceVAEConfig)
+class SentenceVAETask(FairseqTask):
+    """Sentence VAEs (QKVAE, ADVAE, Optimus) on monolingual binarized text; see the module doc."""
+
+    def __init__(self, cfg: SentenceVAEConfig, dictionary: Dictionary):
+        super().__init__(cfg)
+        self.dictionary = dictionary
+        self.latent_sizes: Optional[Dict[str, int]] = None  # set by build_model
+
+    @classmethod
+    def setup_task(cls, cfg: SentenceVAEConfig, **kwargs):
+        paths = utils.split_paths(_require_data(cfg.data))
+        dict_path = os.path.join(paths[0], "dict.txt")
+        if not os.path.isfile(dict_path):
+            raise FileNotFoundError(
+                f"{dict_path} not found: --task sentence_vae reads data binarized with "
+                f"`fairseq-preprocess --only-source --trainpref TRAIN.txt --validpref VALID.txt "
+                f"--destdir {paths[0]}`"
+            )
+        dictionary = Dictionary.load(dict_path)
+        logger.info("dictionary: %d types", len(dictionary))
+        return cls(cfg, dictionary)
+
+    # ------------------------------------------------------------------ data
+    def load_dataset(self, split: str, epoch: int = 1, combine: bool = False, **kwargs):
+        paths = utils.split_paths(_require_data(self.cfg.data))
+        training = split == getattr(self.cfg, "train_subset", "train")
+        directory = paths[(epoch - 1) % len(paths)] if training else paths[0]  # fairseq's sharding
+        prefix = os.path.join(directory, split)
+        missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+        if missing:
+            raise FileNotFoundError(
+                f"split {split!r}: {' and '.join(missing)} not found. Binarize the text into {directory} with "
+                f"`fairseq-preprocess --only-source --srcdict {directory}/dict.txt --destdir {directory}` "
+                "(--trainpref/--validpref/--testpref write train/valid/test), or name an existing split"
+            )
+        empty = ValueError(f"split {split!r}: {prefix}.bin holds no sentences")
+        if os.path.getsize(prefix + ".bin") == 0:  # fairseq's mmap reader cannot open it
+            raise empty
+        dataset = data_utils.load_indexed_dataset(prefix, self.dictionary, self.cfg.dataset_impl, combine=combine)
+        if dataset is None or len(dataset) == 0:
+            raise empty
+        dataset = self._with_eos(dataset)
+        self.datasets[split] = self._pair_dataset(dataset, dataset.sizes, shuffle=(split != "test"))
+        logger.info("%s: %d sentences from %s", split, len(dataset), prefix)
+
+    def _with_eos(self, dataset):
+        """Append EOS unless the data already end with it (fairseq-preprocess appends it)."""
+        first = dataset[0]
+        if first.numel() > 0 and int(first[-1]) == self.dictionary.eos():
+            return dataset
+        logger.warning("sentences do not end with EOS: appending it")
+        return AppendTokenDataset(dataset, self.dictionary.eos())
+
+    def _pair_dataset(self, dataset, sizes, shuffle=True, constraints=None):
+        return LanguagePairDataset(
+            dataset, sizes, self.dictionary,
+            tgt=dataset, tgt_sizes=sizes, tgt_dict=self.dictionary,
+            left_pad_source=self.cfg.left_pad_source, left_pad_target=False,
+            shuffle=shuffle, input_feeding=True, constraints=constraints,
+        )
+
+    def build_dataset_for_inference(self, src_tokens, src_lengths, constraints=None):
+        """Sentences (each ending with EOS) to reconstruct, as for ``fairseq-interactive``."""
+        return LanguagePairDataset(
+            src_tokens, src_lengths, self.dictionary, tgt_dict=self.dictionary,
+            left_pad_source=self.cfg.left_pad_source, constraints=constraints, shuffle=False,
+        )
+
+    # ---------------------------------------------------------------- model
+    def build_model(self, cfg, from_checkpoint=False):
+        model = super().build_model(cfg, from_checkpoint)
+        sizes = getattr(model, "latent_sizes", None)
+        if not sizes:
+            raise TypeError(
+                f"--task sentence_vae needs a sentence-VAE model with a `latent_sizes` attribute "
+                f"(see user_dir/sentence_vae/base.py); {type(model).__name__} has none"
+            )
+        self.latent_sizes = OrderedDict(sizes)
+        model.add_module(COUNTER_ATTRIBUTE, UpdateCounter())
+        return model
+
+    def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
+        """fairseq's train step (the forward sees ``update_num`` completed updates); afterwards
+        the counter is advanced to ``update_num + 1``, the trainer's count once this update is
+        applied, so validation inside ``fairseq-train`` uses the same beta as ``fairseq-validate``
+        on the checkpoint saved at that update. The next train step sets it again."""
+        result = super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad)
+        counter = getattr(unwrap_model(model), COUNTER_ATTRIBUTE, None)
+        if counter is not None:
+            counter.set_num_updates(update_num + 1)
+        return result
+
+    def max_positions(self):
+        return (self.cfg.max_positions, self.cfg.max_positions)
+
+    @property
+    def source_dictionary(self):
+        return self.dictionary
+
+    @property
+    def target_dictionary(self):
+        return self.dictionary
