@@ -37,6 +37,8 @@ from typing import Dict, List, Optional
 
 import torch
 from fairseq import checkpoint_utils, utils
+import numpy as np
+from fairseq.data import BaseWrapperDataset
 
 from user_dir.vae import (
     VAEConfigError,
@@ -105,11 +107,40 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class SentenceSubset(BaseWrapperDataset):
+    """The sentences ``indices`` of a dataset (fairseq's SubsampleDataset cannot order pair datasets)."""
+
+    def __init__(self, dataset, indices):
+        super().__init__(dataset)
+        self.indices = np.sort(np.asarray(indices))
+
+    def __getitem__(self, index):
+        return self.dataset[int(self.indices[index])]
+
+    def __len__(self):
+        return len(self.indices)
+
+    def num_tokens(self, index):
+        return self.dataset.num_tokens(int(self.indices[index]))
+
+    def size(self, index):
+        return self.dataset.size(int(self.indices[index]))
+
+    def ordered_indices(self):
+        return np.argsort([self.num_tokens(i) for i in range(len(self))], kind="mergesort")
+
+    def filter_indices_by_size(self, indices, max_sizes):
+        return indices, []
+
+
 @torch.no_grad()
 def evaluate_split(model, task, subset: str = "test", k: int = 100, chunk_size: int = 10,
                    batch_size: int = 32, seed: int = 1, mi_samples: int = 1,
-                   au_threshold: float = 0.01) -> "OrderedDict[str, float]":
-    """All metrics of the module doc for ``subset`` (loaded here with ``task.load_dataset``)."""
+                   au_threshold: float = 0.01, max_sentences: Optional[int] = None) -> "OrderedDict[str, float]":
+    """All metrics of the module doc for ``subset`` (loaded here with ``task.load_dataset``).
+
+    ``max_sentences``: evaluate a random (``seed``) subset of that many sentences instead.
+    """
     for option, value in (("--k", k), ("--chunk-size", chunk_size), ("--batch-size", batch_size),
                           ("--mi-samples", mi_samples)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -118,6 +149,12 @@ def evaluate_split(model, task, subset: str = "test", k: int = 100, chunk_size: 
     device = model_device(model)
     task.load_dataset(subset, combine=False, epoch=1)
     dataset = task.dataset(subset)
+    if max_sentences is not None:
+        if max_sentences < 1:
+            raise VAEConfigError(f"--max-sentences={max_sentences} must be >= 1")
+        if max_sentences < len(dataset):
+            chosen = np.random.default_rng(seed).choice(len(dataset), size=max_sentences, replace=False)
+            dataset = SentenceSubset(dataset, chosen)
     iterator = task.get_batch_iterator(
         dataset=dataset, max_tokens=None, max_sentences=batch_size,
         max_positions=utils.resolve_max_positions(task.max_positions(), model.max_positions()),
@@ -234,6 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=32, help="sentences per batch")
     parser.add_argument("--mi-samples", type=int, default=1, help="z samples per sentence of the MI estimate")
     parser.add_argument("--au-threshold", type=float, default=0.01, help="active-unit variance threshold")
+    parser.add_argument("--max-sentences", type=int, default=None,
+                        help="evaluate a random subset of this many sentences (default: all)")
     parser.add_argument("--seed", type=int, default=1, help="seed of every sample drawn")
     parser.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
     parser.add_argument("--cpu", action="store_true", help="run on CPU even if a GPU is available")
@@ -246,7 +285,7 @@ def main(argv: Optional[List[str]] = None) -> "OrderedDict[str, float]":
     model, task, _ = load_sentence_vae(args.path, data=args.data, cpu=args.cpu)
     results = evaluate_split(model, task, args.subset, k=args.k, chunk_size=args.chunk_size,
                              batch_size=args.batch_size, seed=args.seed, mi_samples=args.mi_samples,
-                             au_threshold=args.au_threshold)
+                             au_threshold=args.au_threshold, max_sentences=args.max_sentences)
     results["checkpoint"] = args.path
     results["subset"] = args.subset
     print(format_table(results))
