@@ -4,10 +4,12 @@ Training words/s (fairseq's ``wps``, mean over the logged intervals after the fi
 
 * QKVAE and ADVAE (``qkvae_small`` / ``advae_small``: 2 + 2 layers, d 256, 4 heads, FFN 1024)
   vs fairseq's ``transformer`` encoder-decoder of the same geometry trained as an
-  auto-encoder on the same ``sentence_vae`` batches with ``cross_entropy``;
-* Optimus (``optimus_small``: BERT 4 x 256 + GPT-2 4 x 256) vs fairseq's ``transformer_lm``
-  with the decoder's geometry (4 layers, d 256, 4 heads, FFN 1024) on the same sentences
-  (``language_modeling``, one sentence per sample);
+  auto-encoder (``translation`` task over a src = tgt view of the same binarized files,
+  same batches) with ``cross_entropy``;
+* Optimus (``optimus_small``: BERT 4 x 256 + GPT-2 4 x 256) vs fairseq's ``transformer``
+  encoder-decoder of the same geometry (4 + 4 layers, d 256, 4 heads, FFN 1024), auto-encoding
+  the same sentences (a ``transformer_lm`` baseline is not runnable here: fairseq-fixed's
+  ``language_modeling`` task uses ``np.compat``, removed in numpy 2);
 
 each trained ``--updates`` updates with identical optimiser settings, interleaved over
 ``--repeats`` rounds (medians), plus the IW-PPL evaluation time per sentence of every VAE
@@ -45,20 +47,20 @@ GEOMETRY = ["--encoder-embed-dim", "256", "--decoder-embed-dim", "256", "--encod
 VAE_CRITERION = ["--criterion", "sentence_vae", "--kl-variant", "free_bits", "--kl-threshold", "0.05"]
 MODELS = {
     # name: (task, arguments, baseline name or None)
-    "transformer": ("sentence_vae", ["--arch", "transformer", *GEOMETRY, "--encoder-layers", "2",
+    "transformer": ("translation", ["--arch", "transformer", "-s", "src", "-t", "tgt", *GEOMETRY, "--encoder-layers", "2",
                                      "--decoder-layers", "2", "--share-decoder-input-output-embed",
                                      "--criterion", "cross_entropy"], None),
     "qkvae": ("sentence_vae", ["--arch", "qkvae_small", *VAE_CRITERION,
                                "--beta-schedule", "z_sem=constant:0.6,z_syn=constant:0.3"], "transformer"),
     "advae": ("sentence_vae", ["--arch", "advae_small", *VAE_CRITERION, "--beta-schedule", "constant:0.6"],
               "transformer"),
-    "transformer_lm": ("language_modeling", ["--arch", "transformer_lm", "--decoder-layers", "4",
-                                             "--decoder-embed-dim", "256", "--decoder-ffn-embed-dim", "1024",
-                                             "--decoder-attention-heads", "4", "--share-decoder-input-output-embed",
-                                             "--sample-break-mode", "eos", "--tokens-per-sample", "256",
-                                             "--criterion", "cross_entropy"], None),
+    # fairseq-fixed's language_modeling task fails with numpy 2 (TokenBlockDataset uses the
+    # removed np.compat), so Optimus' baseline is the encoder-decoder of its size instead.
+    "transformer_4x4": ("translation", ["--arch", "transformer", "-s", "src", "-t", "tgt", *GEOMETRY,
+                                        "--encoder-layers", "4", "--decoder-layers", "4",
+                                        "--share-decoder-input-output-embed", "--criterion", "cross_entropy"], None),
     "optimus": ("sentence_vae", ["--arch", "optimus_small", *VAE_CRITERION, "--beta-schedule", "constant:1.0"],
-                "transformer_lm"),
+                "transformer_4x4"),
 }
 
 
@@ -81,14 +83,30 @@ def parse_args(argv=None):
     return args
 
 
+def pair_view(data: Path, work: Path) -> Path:
+    """The monolingual split files seen as a src = tgt translation corpus (symbolic links)."""
+    view = work / "pair_data"
+    view.mkdir(parents=True, exist_ok=True)
+    for side in ("src", "tgt"):
+        link = view / f"dict.{side}.txt"
+        if not link.exists():
+            link.symlink_to((data / "dict.txt").resolve())
+        for split in ("train", "valid", "test"):
+            for ext in ("bin", "idx"):
+                link = view / f"{split}.src-tgt.{side}.{ext}"
+                if not link.exists() and (data / f"{split}.{ext}").exists():
+                    link.symlink_to((data / f"{split}.{ext}").resolve())
+    return view
+
+
 def train(args, name: str, save_dir: Path) -> dict:
     task, model_args, _ = MODELS[name]
+    data = pair_view(args.data, save_dir.parent) if task == "translation" else args.data
     shutil.rmtree(save_dir, ignore_errors=True)
     stage(f"train {name} for {args.updates} updates")
-    batching = (["--max-tokens", str(args.batch_size * 16)] if task == "language_modeling"
-                else ["--batch-size", str(args.batch_size)])
+    batching = ["--batch-size", str(args.batch_size)]
     run = run_streaming([
-        console_script("fairseq-train"), args.data, "--user-dir", USER_DIR, "--task", task, *model_args,
+        console_script("fairseq-train"), data, "--user-dir", USER_DIR, "--task", task, *model_args,
         *batching, "--optimizer", "adam", "--lr", "5e-4", "--lr-scheduler", "inverse_sqrt",
         "--warmup-updates", "50", "--max-update", args.updates, "--seed", "1", "--cpu",
         "--log-interval", "10", "--log-format", "simple", "--no-progress-bar", "--disable-validation",
