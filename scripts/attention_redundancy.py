@@ -507,6 +507,16 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def report(result: dict, json_path: Optional[str] = None) -> None:
+    """Print the table; write ``result`` as JSON to ``json_path`` when given."""
+    print(format_table(result))
+    if json_path:
+        out = Path(json_path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out}")
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description="Layer / head redundancy (LR, HR) of the encoder self-, decoder self- and "
@@ -536,13 +546,7 @@ def main(argv=None) -> int:
     except (FileNotFoundError, RedundancyError) as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 2
-    print(format_table(result))
-    if args.json:
-        out = Path(args.json)
-        if out.parent and not out.parent.exists():
-            out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {out}")
+    report(result, args.json)
     return 0
 
 

@@ -46,7 +46,7 @@ Usage::
 
     python scripts/espnet_attention_redundancy.py --asr-train-config exp/asr/config.yaml \
         --asr-model-file exp/asr/valid.acc.ave.pth --data-dir data/test \
-        [--max-utterances N] [--batch-size 8] [--json OUT.json] [--device cpu]
+        [--max-utterances N] [--batch-size 1] [--json OUT.json] [--device cpu]
 
 Python::
 
@@ -59,7 +59,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import os
 import sys
 from dataclasses import dataclass
@@ -79,10 +78,11 @@ for _path in (str(SCRIPTS), str(REPO)):  # scripts/ has no __init__; REPO holds 
 from attention_redundancy import (  # noqa: E402
     ATTENTION_TYPES,
     RedundancyError,
-    format_table,
     head_redundancy,
     layer_redundancy,
+    report,
 )
+from espnet2.fileio.read_text import read_2columns_text  # noqa: E402
 
 # attribute of each decoder layer that holds the attention of each decoder type
 _DECODER_ATTRIBUTES = {"decoder_self": "self_attn", "decoder_cross": "src_attn"}
@@ -104,17 +104,6 @@ class Utterance:
 # ----------------------------------------------------------------------------
 
 
-def read_kaldi_table(path: Path) -> Dict[str, str]:
-    """``{key: rest of line}`` of a Kaldi ``key value`` file (the value may be empty)."""
-    table = {}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            fields = line.strip().split(maxsplit=1)
-            if fields:
-                table[fields[0]] = fields[1] if len(fields) > 1 else ""
-    return table
-
-
 def read_data_dir(data_dir: str, max_utterances: Optional[int] = None) -> List[Utterance]:
     """The (first ``max_utterances``) utterances of ``data_dir/text``, with their ``wav.scp`` entries."""
     root = Path(data_dir)
@@ -124,8 +113,8 @@ def read_data_dir(data_dir: str, max_utterances: Optional[int] = None) -> List[U
     for path in (wav_scp, text):
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found (a Kaldi data directory needs wav.scp and text)")
-    wavs = read_kaldi_table(wav_scp)
-    transcripts = read_kaldi_table(text)
+    wavs = read_2columns_text(wav_scp)
+    transcripts = read_2columns_text(text)
     missing = [uttid for uttid in transcripts if uttid not in wavs]
     if missing:
         shown = ", ".join(missing[:5]) + (f" ... ({len(missing)} in all)" if len(missing) > 5 else "")
@@ -454,12 +443,7 @@ def main(argv=None) -> int:
     except (FileNotFoundError, RedundancyError) as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 2
-    print(format_table(result))
-    if args.json:
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {out}")
+    report(result, args.json)
     return 0
 
 

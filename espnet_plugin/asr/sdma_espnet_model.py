@@ -8,15 +8,17 @@ from espnet2.asr.espnet_model import ESPnetASRModel
 from espnet2.torch_utils.device_funcs import force_gatherable
 from typeguard import typechecked
 
-from user_dir.sdma.core import LOSS_NAMES, SDMACore, SDMAConfigError, collect_sdma_losses
+from user_dir.sdma.core import (
+    LOSS_NAMES,
+    LOSS_WEIGHTS,
+    SDMACore,
+    SDMAConfigError,
+    check_finite,
+    collect_sdma_losses,
+    weighted_regulariser,
+)
 
-# model_conf key -> (paper symbol, loss terms it weights, sign in eq. 24)
-WEIGHTED_TERMS = {
-    "sdma_kl_weight": ("lambda_k", ("kl_z", "kl_q"), 1.0),
-    "sdma_dqq_weight": ("lambda_q", ("dqq",), 1.0),
-    "sdma_dxq_weight": ("lambda_x", ("dxq",), -1.0),
-    "sdma_diversity_weight": ("lambda_d", ("dv_z", "dv_q"), 1.0),
-}
+ESPNET_ADVICE = "Lower the learning rate or check the input features."
 
 
 class ESPnetSDMAASRModel(ESPnetASRModel):
@@ -54,7 +56,7 @@ class ESPnetSDMAASRModel(ESPnetASRModel):
         for name, value in self.sdma_loss_weights.items():
             if not math.isfinite(value) or value < 0:
                 raise SDMAConfigError(
-                    f"model_conf.{name}={value}: the weight {WEIGHTED_TERMS[name][0]} of eq. (24) "
+                    f"model_conf.{name}={value}: the weight {LOSS_WEIGHTS[name][0]} of eq. (24) "
                     "must be a finite number >= 0"
                 )
         self.sdma_cores: List[SDMACore] = [m for m in self.modules() if isinstance(m, SDMACore)]
@@ -81,16 +83,8 @@ class ESPnetSDMAASRModel(ESPnetASRModel):
             core.pending = None  # nothing recorded by an earlier encode()/inference call
         loss, stats, weight = super().forward(speech, speech_lengths, text, text_lengths, **kwargs)
         terms = collect_sdma_losses(self)
-        regulariser = loss.new_zeros(())
-        for option, (symbol, names, sign) in WEIGHTED_TERMS.items():
-            for name in names:
-                value = terms[name].to(loss.dtype)
-                if not torch.isfinite(value):
-                    raise FloatingPointError(
-                        f"SDMA regulariser {name} (weighted by model_conf.{option}, {symbol}) is "
-                        f"{value.item()}; lower the learning rate or check the input features"
-                    )
-                regulariser = regulariser + sign * self.sdma_loss_weights[option] * value
+        check_finite(terms, ESPNET_ADVICE)
+        regulariser = weighted_regulariser(terms, self.sdma_loss_weights).to(loss.dtype)
         loss = loss + regulariser
         sdma_stats = {f"sdma_{name}": terms[name].detach() for name in LOSS_NAMES}
         sdma_stats["sdma_reg"] = regulariser.detach()

@@ -37,6 +37,14 @@ from torch import Tensor
 SDMA_MODES = ("sdma", "sma", "none")
 # Names of the regularisers every SDMA module reports (eq. 20, 21, 22, 23).
 LOSS_NAMES = ("kl_z", "kl_q", "dqq", "dxq", "dv_z", "dv_q")
+# Loss-weight option (fairseq --sdma-*-weight, ESPnet model_conf sdma_*_weight)
+# -> (paper symbol, loss terms it weights, sign in eq. 24)
+LOSS_WEIGHTS = {
+    "sdma_kl_weight": ("lambda_k", ("kl_z", "kl_q"), 1.0),
+    "sdma_dqq_weight": ("lambda_q", ("dqq",), 1.0),
+    "sdma_dxq_weight": ("lambda_x", ("dxq",), -1.0),
+    "sdma_diversity_weight": ("lambda_d", ("dv_z", "dv_q"), 1.0),
+}
 
 _LOG_2PI = math.log(2.0 * math.pi)
 _MASK_FLOOR = 1e-6  # smallest semantic-mask value, keeps log M finite
@@ -482,4 +490,31 @@ def collect_sdma_losses(model: nn.Module) -> Dict[str, Tensor]:
     for name in LOSS_NAMES:
         values = [g[name] for g in per_group if name in g]
         total[name] = torch.stack(values).sum() if values else torch.zeros((), device=device)
+    return total
+
+
+def check_finite(terms: Dict[str, Tensor], advice: str) -> None:
+    """Raise FloatingPointError naming the first non-finite SDMA loss term (one sync when all are finite)."""
+    if not terms:
+        return
+    values = torch.stack([t.detach().float().reshape(()) for t in terms.values()])
+    if bool(torch.isfinite(values).all()):
+        return
+    for name, value in terms.items():
+        if not torch.isfinite(value).all():
+            raise FloatingPointError(f"SDMA loss term '{name}' is {float(value)} (NaN/inf). {advice}")
+
+
+def weighted_regulariser(terms: Dict[str, Tensor], weights: Dict[str, float]) -> Tensor:
+    """lambda_k (KL_z + KL_q) + lambda_q L_Dqq - lambda_x L_Dxq + lambda_d (DV_z + DV_q): eq. (24) without L_CE.
+
+    ``terms`` as returned by :func:`collect_sdma_losses`; ``weights`` keyed like
+    :data:`LOSS_WEIGHTS`. Zero-weighted terms are skipped. A float32 scalar.
+    """
+    device = next(iter(terms.values())).device
+    total = torch.zeros((), device=device)
+    for option, (_, names, sign) in LOSS_WEIGHTS.items():
+        if weights[option]:
+            for name in names:
+                total = total + sign * weights[option] * terms[name].float()
     return total

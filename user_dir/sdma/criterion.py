@@ -17,7 +17,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
 from fairseq.criterions import register_criterion
 from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterion,
@@ -25,15 +24,10 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 )
 from fairseq.logging import metrics
 
-from .core import LOSS_NAMES, collect_sdma_losses
+from .core import LOSS_NAMES, LOSS_WEIGHTS, check_finite, collect_sdma_losses, weighted_regulariser
 
-# criterion option -> (paper symbol, loss terms it weights, sign in eq. 24)
-WEIGHTED_TERMS = {
-    "sdma_kl_weight": ("lambda_k", ("kl_z", "kl_q"), 1.0),
-    "sdma_dqq_weight": ("lambda_q", ("dqq",), 1.0),
-    "sdma_dxq_weight": ("lambda_x", ("dxq",), -1.0),
-    "sdma_diversity_weight": ("lambda_d", ("dv_z", "dv_q"), 1.0),
-}
+FAIRSEQ_ADVICE = ("Lower the learning rate, enable --fp16-scale-tolerance / bf16, or check the input data; "
+                  "the last checkpoint is intact.")
 
 
 @dataclass
@@ -77,7 +71,7 @@ class SDMALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion)
     def loss_weights(self, model):
         model_defaults = getattr(_unwrap(model), "sdma_loss_weights", {})
         weights = {}
-        for name in WEIGHTED_TERMS:
+        for name in LOSS_WEIGHTS:
             value = self.weight_overrides[name]
             weights[name] = value if value is not None else model_defaults.get(name, 0.0)
         return weights
@@ -87,13 +81,8 @@ class SDMALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion)
         loss, nll_loss = self.compute_loss(model, net_output, sample, reduce=reduce)
         sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
         terms = collect_sdma_losses(model)
-        check_finite(terms)
-        weights = self.loss_weights(model)
-        regulariser = loss.new_zeros(())
-        for name, (_, term_names, sign) in WEIGHTED_TERMS.items():
-            if weights[name]:
-                for term in term_names:
-                    regulariser = regulariser + sign * weights[name] * terms[term].to(regulariser)
+        check_finite(terms, FAIRSEQ_ADVICE)
+        regulariser = weighted_regulariser(terms, self.loss_weights(model)).to(loss)
         ce_loss = loss
         loss = loss + regulariser * (sample_size if self.per_token_regularisers else 1.0)
         logging_output = {
@@ -129,21 +118,6 @@ class SDMALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion)
     @staticmethod
     def logging_outputs_can_be_summed() -> bool:
         return True
-
-
-def check_finite(terms) -> None:
-    """Stop training with the name of the first non-finite SDMA loss term."""
-    if not terms:
-        return
-    values = torch.stack([t.detach().float().reshape(()) for t in terms.values()])
-    if bool(torch.isfinite(values).all()):
-        return
-    for name, value in terms.items():
-        if not torch.isfinite(value).all():
-            raise FloatingPointError(
-                f"SDMA loss term '{name}' is {float(value)} (NaN/inf). Lower the learning rate, "
-                "enable --fp16-scale-tolerance / bf16, or check the input data; the last checkpoint is intact."
-            )
 
 
 def _unwrap(model):

@@ -22,11 +22,11 @@ from fairseq.models.transformer.transformer_legacy import base_architecture
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 
-from .core import SDMA_MODES, SDMAConfigError, SDMAOptions, collect_sdma_losses
+from .core import LOSS_WEIGHTS, SDMA_MODES, SDMAConfigError, SDMAOptions, collect_sdma_losses
 from .fairseq_attention import SDMAMultiheadAttention
 
 # lambda_k, lambda_q, lambda_x, lambda_d of eq. (24); Table I defaults per architecture
-LOSS_WEIGHT_ARGS = ("sdma_kl_weight", "sdma_dqq_weight", "sdma_dxq_weight", "sdma_diversity_weight")
+LOSS_WEIGHT_ARGS = tuple(LOSS_WEIGHTS)
 
 
 def sdma_options(cfg, side: str, mask_at_inference: bool = True) -> SDMAOptions:

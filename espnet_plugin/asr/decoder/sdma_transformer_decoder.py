@@ -82,9 +82,7 @@ class SDMATransformerDecoder(TransformerDecoder):
             layer_drop_rate=layer_drop_rate,
             use_flash_attn=False,
         )
-        if options.mode == "none":  # V-T: ESPnet's own attention
-            return
-        for layer in self.decoders:
+        for layer in self.decoders if options.mode != "none" else ():  # "none": ESPnet's own attention
             layer.self_attn = SDMAMultiHeadedAttention(
                 attention_heads, encoder_output_size, self_attention_dropout_rate,
                 sdma=options, group="decoder_self",
@@ -93,33 +91,31 @@ class SDMATransformerDecoder(TransformerDecoder):
                 attention_heads, encoder_output_size, src_attention_dropout_rate,
                 sdma=options, group="decoder_cross",
             )
-
-    def _sdma_attentions(self) -> List[SDMAMultiHeadedAttention]:
-        return [m for m in self.decoders.modules() if isinstance(m, SDMAMultiHeadedAttention)]
+        # found once, not on every beam-search step (plain lists: not registered twice)
+        self._sdma_attentions = [m for m in self.decoders.modules() if isinstance(m, SDMAMultiHeadedAttention)]
+        self._cross_attentions = [m for m in self._sdma_attentions if not m.is_self_attention]
 
     def forward(self, hs_pad: torch.Tensor, hlens: torch.Tensor, ys_in_pad: torch.Tensor,
                 ys_in_lens: torch.Tensor, return_hs: bool = False,
                 return_all_hs: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
         query_valid = ~make_pad_mask(ys_in_lens, maxlen=ys_in_pad.size(1)).to(ys_in_pad.device)
-        cross = [m for m in self._sdma_attentions() if not m.is_self_attention]
-        for module in cross:
+        for module in self._cross_attentions:
             module.query_valid = query_valid
         try:
             return super().forward(hs_pad, hlens, ys_in_pad, ys_in_lens, return_hs, return_all_hs)
         finally:
-            for module in cross:
+            for module in self._cross_attentions:
                 module.query_valid = None
 
     @contextlib.contextmanager
     def _scoring(self):
         """One beam-search step: no regulariser bookkeeping."""
-        modules = self._sdma_attentions()
-        for module in modules:
+        for module in self._sdma_attentions:
             module.record_losses = False
         try:
             yield
         finally:
-            for module in modules:
+            for module in self._sdma_attentions:
                 module.record_losses = True
 
     def forward_one_step(self, tgt: torch.Tensor, tgt_mask: torch.Tensor, memory: torch.Tensor,

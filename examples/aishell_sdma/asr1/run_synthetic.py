@@ -213,11 +213,10 @@ def stage_decode(args, work: Path, system: str) -> None:
 
 
 def read_kaldi_text(path: Path) -> Dict[str, str]:
-    entries = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        parts = line.split(maxsplit=1)
-        entries[parts[0]] = parts[1].replace(" ", "") if len(parts) > 1 else ""
-    return entries
+    """``{uttid: characters}`` of a Kaldi ``text`` file, spaces between tokens removed."""
+    from espnet2.fileio.read_text import read_2columns_text
+
+    return {uttid: text.replace(" ", "") for uttid, text in read_2columns_text(path).items()}
 
 
 def character_error_rate(refs: Dict[str, str], hyps: Dict[str, str]) -> Dict[str, float]:
