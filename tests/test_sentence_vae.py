@@ -382,6 +382,20 @@ def test_vae_eval_script(trained, corpus, tmp_path, monkeypatch):
                            "--chunk-size", "24", "--batch-size", "16", "--cpu"])
     assert again["iw_ppl"] == pytest.approx(result["iw_ppl"], rel=1e-4)  # same noise, other chunking
     assert again["elbo_ppl"] == pytest.approx(result["elbo_ppl"], rel=1e-4)
+    assert again["rec_bleu"] == pytest.approx(result["rec_bleu"])  # greedy decoding is deterministic
+
+
+def test_reconstruction_bleu_scores_greedy_reconstructions(trained, corpus):
+    """rec_bleu == sacrebleu of LatentDecoder.reconstruct on the same sentences, in any order."""
+    import sacrebleu
+
+    model, task, _ = evaluate.load_sentence_vae(str(trained[0]), cpu=True)
+    result = evaluate.evaluate_split(model, task, "test", k=2, chunk_size=2, batch_size=7)
+    sentences = (corpus / "valid.txt").read_text().splitlines()
+    decoder = generate.LatentDecoder(model, task, generate.generation_args(beam=1), batch_size=5)
+    expected = sacrebleu.corpus_bleu(decoder.reconstruct(sentences), [sentences], tokenize="none").score
+    assert result["rec_bleu"] == pytest.approx(expected)
+    assert "rec_bleu" not in evaluate.evaluate_split(model, task, "test", k=2, chunk_size=2, bleu=False)
 
 
 def test_iw_scores_the_expanded_batch_like_single_samples(trained, corpus):

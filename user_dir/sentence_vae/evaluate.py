@@ -20,6 +20,9 @@ Reported (nats; "per sentence" = averaged over sentences):
 * ``kl`` / ``kl_<latent>`` = mean KL(q(z|x) || N(0, I)), all latents / one latent;
 * ``mi`` / ``mi_<latent>``: I_q(x, z) of the joint / of one latent;
 * ``au`` / ``au_<latent>``: active units, total / of one latent;
+* ``rec_bleu``: corpus BLEU (sacrebleu, ``tokenize="none"`` on the data's own tokens) of greedy
+  reconstructions decoded from the posterior means against the input sentences (skipped with
+  ``--no-bleu``);
 * ``iw_seconds_per_sentence``: wall time of the IW estimate per sentence (with k, chunk size
   and batch size as given).
 
@@ -136,7 +139,8 @@ class SentenceSubset(BaseWrapperDataset):
 @torch.no_grad()
 def evaluate_split(model, task, subset: str = "test", k: int = 100, chunk_size: int = 10,
                    batch_size: int = 32, seed: int = 1, mi_samples: int = 1,
-                   au_threshold: float = 0.01, max_sentences: Optional[int] = None) -> "OrderedDict[str, float]":
+                   au_threshold: float = 0.01, max_sentences: Optional[int] = None,
+                   bleu: bool = True) -> "OrderedDict[str, float]":
     """All metrics of the module doc for ``subset`` (loaded here with ``task.load_dataset``).
 
     ``max_sentences``: evaluate a random (``seed``) subset of that many sentences instead.
@@ -167,6 +171,11 @@ def evaluate_split(model, task, subset: str = "test", k: int = 100, chunk_size: 
     kl_sums = {name: 0.0 for name in latents}
     means: Dict[str, List[torch.Tensor]] = {name: [] for name in latents}
     logvars: Dict[str, List[torch.Tensor]] = {name: [] for name in latents}
+    references: List[str] = []
+    hypotheses: List[str] = []
+    if bleu:
+        from .generate import LatentDecoder, generation_args  # generate imports this module
+        greedy = LatentDecoder(model, task, generation_args(beam=1), batch_size=batch_size)
     for sample in iterator:
         sample = utils.move_to_cuda(sample, device=device) if device.type == "cuda" else sample
         net_input = dict(sample["net_input"])
@@ -189,6 +198,10 @@ def evaluate_split(model, task, subset: str = "test", k: int = 100, chunk_size: 
             logvars[name].append(posteriors[name].logvar.float().cpu())
         num_tokens += int(sample["ntokens"])
         num_sentences += int(sample["target"].size(0))
+        if bleu:
+            hypotheses += greedy.reconstruct_batch(net_input["src_tokens"], net_input["src_lengths"])
+            references += [task.target_dictionary.string(utils.strip_pad(t, pad).int().cpu())
+                           for t in sample["target"]]
     if num_sentences < 2:
         raise ValueError(f"split {subset!r} has {num_sentences} sentence(s); MI and AU need at least 2")
 
@@ -213,6 +226,10 @@ def evaluate_split(model, task, subset: str = "test", k: int = 100, chunk_size: 
                                                    generator=mi_generator)
         results[f"au_{name}"] = au_counts[name]
         results[f"dim_{name}"] = int(model.latent_sizes[name])
+    if bleu:
+        import sacrebleu
+
+        results["rec_bleu"] = sacrebleu.corpus_bleu(hypotheses, [references], tokenize="none").score
     results["num_sentences"] = num_sentences
     results["num_tokens"] = num_tokens
     results["k"] = k
@@ -232,6 +249,7 @@ DESCRIPTIONS = OrderedDict([
     ("kl", "KL(q(z|x) || p(z)) per sentence (nats)"),
     ("mi", "mutual information I_q(x, z) (nats)"),
     ("au", "active units (Cov_x E[z] >= threshold)"),
+    ("rec_bleu", "BLEU of greedy reconstructions from the posterior means"),
 ])
 
 
@@ -273,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--au-threshold", type=float, default=0.01, help="active-unit variance threshold")
     parser.add_argument("--max-sentences", type=int, default=None,
                         help="evaluate a random subset of this many sentences (default: all)")
+    parser.add_argument("--no-bleu", action="store_true",
+                        help="skip the reconstruction BLEU (greedy decoding of every sentence)")
     parser.add_argument("--seed", type=int, default=1, help="seed of every sample drawn")
     parser.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
     parser.add_argument("--cpu", action="store_true", help="run on CPU even if a GPU is available")
@@ -285,7 +305,8 @@ def main(argv: Optional[List[str]] = None) -> "OrderedDict[str, float]":
     model, task, _ = load_sentence_vae(args.path, data=args.data, cpu=args.cpu)
     results = evaluate_split(model, task, args.subset, k=args.k, chunk_size=args.chunk_size,
                              batch_size=args.batch_size, seed=args.seed, mi_samples=args.mi_samples,
-                             au_threshold=args.au_threshold, max_sentences=args.max_sentences)
+                             au_threshold=args.au_threshold, max_sentences=args.max_sentences,
+                             bleu=not args.no_bleu)
     results["checkpoint"] = args.path
     results["subset"] = args.subset
     print(format_table(results))

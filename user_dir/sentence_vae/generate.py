@@ -175,9 +175,13 @@ class LatentDecoder:
         """Decode every sentence from its posterior means (the sentences are the source)."""
         outputs = []
         for first in range(0, len(sentences), self.batch_size):
-            src, lengths = self.batch(sentences[first:first + self.batch_size])
-            outputs += self._generate({"src_tokens": src, "src_lengths": lengths})
+            outputs += self.reconstruct_batch(*self.batch(sentences[first:first + self.batch_size]))
         return outputs
+
+    @torch.no_grad()
+    def reconstruct_batch(self, src_tokens: Tensor, src_lengths: Tensor) -> List[str]:
+        """Reconstructions of an already binarized batch ``src_tokens [B, L]``, ``src_lengths [B]``."""
+        return self._generate({"src_tokens": src_tokens.to(self.device), "src_lengths": src_lengths.to(self.device)})
 
     def prior_samples(self, num: int, generator: Optional[torch.Generator] = None) -> Latents:
         """z ~ N(0, I) {latent: ``[num, D]``}."""
