@@ -11,4 +11,4 @@ safe_loading.register_checkpoint_types()
 
 from . import sdma  # noqa: E402,F401  (registration)
 from . import sentence_vae, qkvae, optimus  # noqa: E402,F401  (registration)
-from . import hf_sentence  # noqa
+from . import hf_sentence, topic_vq  # noqa: E402,F401  (registration)
