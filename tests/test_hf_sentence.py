@@ -5,6 +5,7 @@ real MiniLM weights are loaded; GLUE files are small ones written here in each l
 """
 
 import argparse
+import io
 import json
 import logging
 import math
@@ -12,6 +13,7 @@ import os
 import pickle
 import random
 import re
+import socket
 import subprocess
 import sys
 
@@ -74,7 +76,7 @@ def make_model(task, *extra, tiny_dir=None, seed=0, cls=HFSentenceClassifier):
 def make_criterion(task, **options):
     cfg = HFSentencePredictionCriterionConfig(
         best_checkpoint_metric=options.pop("best", "loss"),
-        maximize_best_checkpoint_metric=options.pop("maximize", False), all_gather_list_size=16384, **options)
+        maximize_best_checkpoint_metric=options.pop("maximize", False), **options)
     return HFSentencePredictionCriterion(task, cfg)
 
 
@@ -97,6 +99,20 @@ def write_mrpc(directory, rng, sizes=(("train", 200), ("dev", 60), ("test", 40))
         lines = [f"{first}\t#1 ID\t#2 ID\t#1 String\t#2 String"] + [
             f"{i if split == 'test' else y}\t{i}\t{i}\t{a}\t{b}" for i, (y, a, b) in enumerate(rows)]
         write(directory / f"{split}.tsv", lines, bom=True)
+    return directory
+
+
+def write_sts(directory, rng, sizes=(("train", 64), ("dev", 24), ("test", 10))):
+    """The pair task as STS-B regression: score about 4.5 when both sentences start alike."""
+    directory.mkdir(parents=True, exist_ok=True)
+    header = "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2"
+    for split, n in sizes:
+        rows = pair_rows(n, rng)
+        lines = [header + ("" if split == "test" else "\tscore")]
+        for i, (y, a, b) in enumerate(rows):
+            fields = [str(i), "g", "f", "2012", str(i), "none", "none", a, b]
+            lines.append("\t".join(fields + ([] if split == "test" else [f"{4.5 * y + rng.random() * 0.5:.3f}"])))
+        write(directory / f"{split}.tsv", lines)
     return directory
 
 
@@ -296,11 +312,24 @@ def test_topic_vocabulary_state_loads_with_the_safe_loader(tmp_path):
 
 
 # ----------------------------------------------------------------------------- metrics
+def vectors(batches):
+    """Consecutive batches of (predictions, targets) lists -> their id-indexed vectors over
+    the whole set (ids 0..N-1 in batch order), one triple per batch."""
+    size = sum(len(p) for p, _ in batches)
+    out, start = [], 0
+    for predictions, targets in batches:
+        ids = torch.arange(start, start + len(predictions))
+        out.append(hf_metrics.indexed(ids, torch.tensor(predictions, dtype=torch.float64),
+                                      torch.tensor(targets, dtype=torch.float64), size))
+        start += len(predictions)
+    return out
+
+
 def feed(meter_inputs, names):
     """Log several batches through fairseq's aggregators as the criterion does."""
     with fairseq_metrics.aggregate(new_root=True) as agg:
-        for predictions, targets in meter_inputs:
-            hf_metrics.log_predictions(predictions, targets, names)
+        for triple in vectors(meter_inputs):
+            hf_metrics.log_predictions(*triple, names)
         return agg.get_smoothed_values()
 
 
@@ -323,12 +352,38 @@ def test_metrics_over_batches_equal_sklearn_and_scipy_on_the_whole_set():
     assert values["pearson"] == round(pearson, 2) and values["spearman"] == round(spearman, 2)
     assert values["pearson_spearman"] == round((pearson + spearman) / 2, 2)
     meter = hf_metrics.PredictionMeter(round=None)
-    for p, t in batches:
-        meter.update(p, t)
-    assert meter.metric("pearson") == pytest.approx(pearson, abs=1e-9)
+    triples = vectors(batches)
+    # DDP: two workers' batches summed key-wise first (fairseq's all_reduce), then the steps
+    for step in range(0, len(triples), 2):
+        meter.update(*(sum(t[k] for t in triples[step:step + 2]) for k in range(3)))
+    assert meter.count == 75 and meter.metric("pearson") == pytest.approx(pearson, abs=1e-9)
+    assert np.array_equal(meter.examples()[0], scores) and np.array_equal(meter.examples()[1], gold)  # exact
     restored = hf_metrics.PredictionMeter()
     restored.load_state_dict(pickle.loads(pickle.dumps(meter.state_dict())))
     assert restored.count == 75 and restored.metric("spearman") == pytest.approx(spearman, abs=1e-9)
+    meter.update(*triples[0])  # the first batch again: a bug in the batching
+    with pytest.raises(RuntimeError, match="10 examples were evaluated more than once"):
+        meter.metric("pearson")
+    meter.update(*vectors([([1.0, 2.0, 3.0], [1.0, 2.0, 4.0])])[0])  # another split: starts over
+    assert meter.count == 3 and meter.metric("spearman") == pytest.approx(100.0)
+
+
+def test_prediction_meter_survives_fairseq_checkpointed_meters():
+    """fairseq saves every named aggregator's meters in checkpoints and rebuilds them by
+    class name (fairseq.logging.meters) when resuming mid-epoch; the safe loader reads them."""
+    with fairseq_metrics.aggregate("hf_sentence_test"):
+        hf_metrics.log_predictions(*vectors([([0, 1, 1], [0, 1, 0])])[0], ("accuracy",))
+    state = fairseq_metrics.state_dict()
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    fairseq_metrics.load_state_dict(torch.load(buffer, weights_only=True))
+    meter = fairseq_metrics.get_meter("hf_sentence_test", hf_metrics.METER_KEY)
+    assert isinstance(meter, hf_metrics.PredictionMeter) and meter.count == 3
+    assert meter.metric("accuracy") == pytest.approx(66.67)
+    del fairseq_metrics._aggregators["hf_sentence_test"]
+    with pytest.raises(ValueError, match="class ids are not whole numbers"):
+        hf_metrics.compute_metric("accuracy", np.array([0.5, 1.0]), np.array([0.0, 1.0]))
 
 
 def test_constant_predictions_report_zero_and_warn_once(caplog):
@@ -389,7 +444,8 @@ def test_criterion_extra_losses_nan_check_and_metric_choice(mrpc, tiny):
     sample = dataset.collater([dataset[i] for i in range(6)])
     model.train()
     loss, n, log = criterion(model, sample)
-    assert n == 6 and "ncorrect" in log and "predictions" not in log
+    assert n == 6 and "ncorrect" in log and "seen" not in log
+    assert all(torch.is_tensor(v) and v.dim() == 0 or isinstance(v, int) for v in log.values())  # scalars
     assert loss.item() == pytest.approx(log["task_loss"].item())
 
     class WithExtra(HFSentenceClassifier):  # a subclass adding loss terms, as the topic-VQ model does
@@ -397,18 +453,38 @@ def test_criterion_extra_losses_nan_check_and_metric_choice(mrpc, tiny):
 
         def forward(self, **net_input):
             logits, extra = super().forward(**net_input)
-            return logits, {**extra, "losses": {"topic": self.extra_value, "per_example": torch.ones(len(logits))}}
+            return logits, {**extra, "losses": {"topic": self.extra_value, "per_example": torch.ones(len(logits))},
+                            "stats": {"usage": torch.tensor(3.0), "per_stat": torch.arange(len(logits)).float()}}
 
     model = make_model(mrpc, tiny_dir=tiny, cls=WithExtra).eval()
     loss2, _, log2 = criterion(model, sample)
-    assert loss2.item() == pytest.approx(log2["task_loss"].item() + 0.5 * 6 + 6, rel=1e-6)
-    assert len(log2["predictions"]) == 6 and log2["metric_names"] == ("accuracy", "f1")
+    assert loss2.item() == pytest.approx(log2["task_loss"].item() + 0.5 * 6 + 6, rel=1e-6)  # stats not added
+    assert log2["seen"].shape == (60,) and log2["seen"].sum() == 6 and log2["seen"][sample["id"]].eq(1).all()
+    assert log2["prediction_sum"].dtype == torch.float64 and log2["metric_flags"].sum() == 2
     with fairseq_metrics.aggregate(new_root=True) as agg:
-        HFSentencePredictionCriterion.reduce_metrics([log2, log2])
+        HFSentencePredictionCriterion.reduce_metrics([log2])
         values = agg.get_smoothed_values()
     assert values["topic"] == pytest.approx(0.5) and values["per_example"] == pytest.approx(1.0)
+    assert values["usage"] == pytest.approx(3.0) and values["per_stat"] == pytest.approx(2.5)
     assert values["loss"] == pytest.approx(loss2.item() / 6 / math.log(2), abs=1e-3)
-    assert {"accuracy", "f1"} <= set(values)
+    assert {"accuracy", "f1"} <= set(values) and "mcc" not in values
+    with fairseq_metrics.aggregate(new_root=True) as agg:  # the same batch twice: a batching bug
+        with pytest.raises(RuntimeError, match="6 examples were evaluated more than once"):
+            HFSentencePredictionCriterion.reduce_metrics([log2, log2])
+            agg.get_smoothed_values()
+    for clash, message in (({"losses": {"x": torch.tensor(1.0)}, "stats": {"x": torch.tensor(1.0)}}, "an extra loss"),
+                           ({"stats": {"seen": torch.tensor(1.0)}}, "a logged key"),
+                           ({"stats": {"f1": torch.tensor(1.0)}}, "a logged key")):
+        class Clash(HFSentenceClassifier):
+            def forward(self, **net_input):
+                return super().forward(**net_input)[0], clash
+
+        with pytest.raises(ValueError, match=f"extra stat '{next(iter(clash['stats']))}' clashes with {message}"):
+            criterion(make_model(mrpc, tiny_dir=tiny, cls=Clash), sample)
+    del sample["split_size"]
+    with pytest.raises(ValueError, match="the batch has no 'split_size'"):
+        criterion(model, sample)
+    sample["split_size"] = 60
     model.extra_value = torch.tensor(float("nan"))
     with pytest.raises(FloatingPointError, match="'topic'"):
         criterion(model, sample)
@@ -420,12 +496,43 @@ def test_criterion_extra_losses_nan_check_and_metric_choice(mrpc, tiny):
 
     unlabelled = {k: v for k, v in sample.items() if k != "target"}
     loss3, n3, log3 = criterion(make_model(mrpc, tiny_dir=tiny, cls=LossOnly).eval(), unlabelled)
-    assert n3 == 6 and loss3.item() == pytest.approx(log3["stage"].item()) and "predictions" not in log3
+    assert n3 == 6 and loss3.item() == pytest.approx(log3["stage"].item()) and "seen" not in log3
     with pytest.raises(ValueError, match="this split has no labels"):
         criterion(model, unlabelled)
     with pytest.raises(ValueError, match="--best-checkpoint-metric pearson is not reported .* accuracy, f1, loss"):
         make_criterion(mrpc, best="pearson", maximize=True)
-    assert not HFSentencePredictionCriterion.logging_outputs_can_be_summed()
+    assert HFSentencePredictionCriterion.logging_outputs_can_be_summed()
+
+
+def test_validation_logging_outputs_summed_like_fairseq_ddp_give_whole_set_metrics(mrpc, tiny):
+    """Two workers' batches summed key-wise as fairseq's _fast_stat_sync_sum does (a worker
+    without data adds zeros_like), step after step: the metrics are those of all 60 examples."""
+    model = make_model(mrpc, "--pooling", "mean", tiny_dir=tiny).eval()
+    criterion = make_criterion(mrpc, report_mcc=True)
+    dataset = mrpc.datasets["valid"]
+    order = list(range(60))
+    random.Random(3).shuffle(order)
+    batches = [order[i:i + 8] for i in range(0, 60, 8)]  # 8 batches: 7 of 8 examples, one of 4
+    batches.append(None)  # worker 1's last step: the dummy batch
+    with torch.no_grad(), fairseq_metrics.aggregate(new_root=True) as agg:
+        for step in range(0, len(batches), 2):
+            logs = []
+            for ids in batches[step:step + 2]:
+                log = criterion(model, dataset.collater([dataset[i] for i in (ids or batches[0])]))[2]
+                logs.append({k: torch.zeros_like(v) if torch.is_tensor(v) else 0 for k, v in log.items()}
+                            if ids is None else log)
+            summed = {k: sum(torch.as_tensor(log[k], dtype=torch.float64) for log in logs) for k in logs[0]}
+            HFSentencePredictionCriterion.reduce_metrics([summed])
+        values = agg.get_smoothed_values()
+        predictions = agg[hf_metrics.METER_KEY].examples()[0]
+    batch = dataset.collater([dataset[i] for i in range(60)])
+    with torch.no_grad():
+        expected = model(**batch["net_input"])[0].argmax(-1).numpy()
+    assert np.array_equal(predictions, expected)
+    targets = batch["target"].numpy()
+    assert values["accuracy"] == round(100 * accuracy_score(targets, expected), 2)
+    assert values["f1"] == round(100 * f1_score(targets, expected, zero_division=0.0), 2)
+    assert values["mcc"] == round(hf_metrics.compute_metric("mcc", expected, targets), 2)
 
 
 def test_model_freezing_pooler_and_directory_errors(mrpc, tiny, tmp_path):
@@ -456,6 +563,34 @@ def test_model_freezing_pooler_and_directory_errors(mrpc, tiny, tmp_path):
         make_model(mrpc, "--hf-config", small)
 
 
+def test_build_backbone_and_head_hook_for_subclasses(mrpc, tiny):
+    class Wider(HFSentenceClassifier):  # a head over hidden + 64 features, as the topic-VQ model has
+        @classmethod
+        def head_input_size(cls, args, backbone_config):
+            return backbone_config.hidden_size + 64
+
+        @classmethod
+        def build_model(cls, args, task):
+            backbone, head = cls.build_backbone_and_head(args, task)
+            assert not any(p.requires_grad for p in backbone.embeddings.parameters())  # frozen before __init__
+            return cls(args, backbone, head, task.padding_idx)
+
+        def classify(self, pooled):
+            return super().classify(torch.cat([pooled, pooled.new_zeros(len(pooled), 64)], -1))
+
+    wide = make_model(mrpc, "--freeze-layers", "1", tiny_dir=tiny, cls=Wider)
+    assert (wide.head.dense.in_features, wide.head.dense.out_features, wide.head.out_proj.in_features) == (96, 96, 96)
+    plain = make_model(mrpc, "--freeze-layers", "1", tiny_dir=tiny)
+    assert (plain.head.dense.in_features, plain.head.out_proj.out_features) == (32, 2)
+    assert type(plain.head) is type(wide.head) and plain.head.dropout.p == 0.0  # the config's hidden_dropout_prob
+    # the same seed builds the same encoder through the hook as before (random init from --hf-config)
+    assert all(torch.equal(a, b) for a, b in zip(plain.backbone.state_dict().values(),
+                                                  wide.backbone.state_dict().values()))
+    dataset = mrpc.datasets["valid"]
+    logits, _ = wide(**dataset.collater([dataset[0], dataset[1]])["net_input"])
+    assert logits.shape == (2, 2)
+
+
 # ------------------------------------------------------------------- fairseq-train CLI
 def run(cmd, **kwargs):
     proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=ENV, cwd=REPO, **kwargs)
@@ -464,13 +599,18 @@ def run(cmd, **kwargs):
     return proc
 
 
+def train_cmd(data, tiny, save_dir, *extra):
+    return [str(c) for c in [
+        venv_bin("fairseq-train"), data, "--user-dir", REPO / "user_dir", "--task", "hf_sentence_prediction",
+        "--hf-tokenizer-dir", tiny, "--arch", "hf_sentence_classifier", "--hf-config", tiny,
+        "--criterion", "hf_sentence_prediction", "--optimizer", "adam", "--lr", "2e-3", "--batch-size", "16",
+        "--max-positions", "32", "--pooler-dropout", "0", "--cpu", "--no-progress-bar", "--log-format",
+        "simple", "--log-interval", "100", "--save-dir", save_dir, "--seed", "1", "--no-epoch-checkpoints",
+        "--num-workers", "0", *extra]]
+
+
 def train(data, tiny, save_dir, *extra):
-    return run([venv_bin("fairseq-train"), data, "--user-dir", REPO / "user_dir", "--task", "hf_sentence_prediction",
-                "--hf-tokenizer-dir", tiny, "--arch", "hf_sentence_classifier", "--hf-config", tiny,
-                "--criterion", "hf_sentence_prediction", "--optimizer", "adam", "--lr", "2e-3", "--batch-size", "16",
-                "--max-positions", "32", "--pooler-dropout", "0", "--cpu", "--no-progress-bar", "--log-format",
-                "simple", "--log-interval", "100", "--save-dir", save_dir, "--seed", "1", "--no-epoch-checkpoints",
-                "--num-workers", "0", *extra])
+    return run(train_cmd(data, tiny, save_dir, *extra))
 
 
 def valid_values(log, key):
@@ -503,18 +643,49 @@ def test_fairseq_train_learns_and_glue_predict_writes_a_submission(tmp_path, tin
     assert {line.split("\t")[1] for line in lines[1:]} <= {"0", "1"}
 
 
+def test_fairseq_train_ddp_two_cpu_processes_validates_every_dev_example_once(tmp_path, tiny):
+    """fairseq DDP (gloo, 2 processes) sums the criterion's logging outputs; the dev metrics
+    logged equal those glue_predict.py recomputes on the whole dev set with the saved model.
+    The pair task as STS-B regression: a correlation changes with any example missing or
+    counted twice (class predictions of a barely trained model are often constant)."""
+    data = write_sts(tmp_path / "data", random.Random(4), sizes=(("train", 200), ("dev", 39), ("test", 10)))
+    # 39 dev examples, batches of 16: 3 batches (16, 16, 7), so rank 1 validates one dummy batch
+    # (its logging outputs become zeros); 200 training examples: 13 batches, a dummy one too
+    task = make_task(data, tiny, glue_task="STS-B", max_positions=32)
+    dev = task.load_dataset("valid")
+    assert len(dev) % 2 == 1 and len(dev) % 32 != 0
+    shard = task.get_batch_iterator(dev, max_sentences=16, max_positions=32, required_batch_size_multiple=8,
+                                    num_shards=2, shard_id=1, disable_iterator_cache=True).next_epoch_itr(shuffle=False)
+    assert [len(batch) == 0 for batch in shard] == [False, True]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    save_dir = tmp_path / "ckpt"
+    procs = [subprocess.Popen(
+        train_cmd(data, tiny, save_dir, "--glue-task", "STS-B", "--max-epoch", "2", "--distributed-world-size", "2",
+                  "--distributed-rank", str(rank), "--distributed-no-spawn", "--distributed-init-method",
+                  f"tcp://127.0.0.1:{port}", "--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp",
+                  "--best-checkpoint-metric", "pearson_spearman", "--maximize-best-checkpoint-metric"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=REPO) for rank in (0, 1)]
+    try:
+        logs = [proc.communicate(timeout=600)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    assert all(proc.returncode == 0 for proc in procs), logs[0][-4000:] + "\n-----\n" + logs[1][-4000:]
+    assert "distributed init (rank 1)" in logs[1]
+    logged = {key: valid_values(logs[0], key) for key in hf_metrics.REGRESSION_METRICS}
+    assert all(len(values) == 2 for values in logged.values()), logs[0][-3000:]
+    predicted = run([sys.executable, REPO / "scripts" / "glue_predict.py", "--path", save_dir / "checkpoint_last.pt",
+                     "--data", data, "--split", "valid", "--out", tmp_path / "dev.tsv", "--cpu"])
+    reported = json.loads(predicted.stdout.strip().splitlines()[-1])
+    assert reported["examples"] == 39 and reported["pearson"] != 0
+    assert {key: values[-1] for key, values in logged.items()} == {key: reported[key] for key in logged}, logs[0]
+
+
 def test_fairseq_train_regression_and_clipped_predictions(tmp_path, tiny):
-    rng = random.Random(2)
-    data = tmp_path / "sts"
-    data.mkdir()
-    header = "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2"
-    for split, n in (("train", 64), ("dev", 24), ("test", 10)):
-        rows = pair_rows(n, rng)
-        lines = [header + ("" if split == "test" else "\tscore")]
-        for i, (y, a, b) in enumerate(rows):
-            fields = [str(i), "g", "f", "2012", str(i), "none", "none", a, b]
-            lines.append("\t".join(fields + ([] if split == "test" else [f"{4.5 * y + rng.random() * 0.5:.3f}"])))
-        write(data / f"{split}.tsv", lines)
+    data = write_sts(tmp_path / "sts", random.Random(2))
     proc = train(data, tiny, tmp_path / "ckpt", "--glue-task", "STS-B", "--max-epoch", "2", "--valid-subset", "dev",
                  "--best-checkpoint-metric", "pearson_spearman", "--maximize-best-checkpoint-metric")
     log = proc.stdout + proc.stderr

@@ -4,26 +4,34 @@ The model is called as ``model(**sample["net_input"]) -> (logits [B, C], extra)`
 may be None when ``extra["losses"]`` alone is the objective (e.g. a pre-training stage; no
 labels or metrics are needed then). The loss is summed over the batch and the sample size
 is the number of sentences, so fairseq's gradient is that of the mean loss per example.
-Extra terms: ``extra["losses"]`` may map
-names to tensors, either a 0-d per-example *average* (multiplied by B here) or a ``[B]``
-vector of per-example values (summed); they are added to the loss and each is logged under
-its name (per example). A NaN/inf term raises FloatingPointError naming it.
 
-**Logged**: ``loss`` (the objective per example, base 2, fairseq's convention),
-``task_loss`` (CE in nats or MSE, per example), the extra terms, and in training the batch
-accuracy. In evaluation mode the per-example predictions (class ids, or scores) and targets
-go into the logging output, and :mod:`.metrics` computes ``accuracy``/``f1``/``mcc`` or
-``pearson``/``spearman``/``pearson_spearman`` over the whole validation set (not averaged
-over batches). Because of those lists ``logging_outputs_can_be_summed()`` is False: fairseq
-then all-gathers the logging outputs (pickled, at most ``--all-gather-list-size`` bytes per
-worker and batch) instead of summing them, in training too.
+Extra terms: ``extra["losses"]`` may map names to tensors, either a 0-d per-example
+*average* (multiplied by B here) or a ``[B]`` vector of per-example values (summed); they
+are added to the loss and each is logged under its name (per example). A NaN/inf term
+raises FloatingPointError naming it. ``extra["stats"]`` has the same form and is logged the
+same way but *not* added to the loss (diagnostics, e.g. a codebook's usage perplexity).
+Their names must differ from each other and from the keys below.
+
+**Logging outputs** are sums, so ``logging_outputs_can_be_summed()`` holds and fairseq's
+DDP reduces them with one ``all_reduce`` (CPU/gloo included):
+
+* always: ``loss``, ``task_loss`` (CE in nats or MSE), the extra losses and stats (batch
+  totals), ``nsentences``, ``ntokens``, ``sample_size``; in training ``ncorrect``;
+* in evaluation (split of N examples, ``sample["split_size"]``, set by the dataset's
+  collater): ``prediction_sum``, ``target_sum``, ``seen``, float64 ``[N]`` vectors indexed
+  by the examples' dataset ids ``sample["id"]`` (:func:`.metrics.indexed`), and
+  ``metric_flags`` ``[len(ALL_METRICS)]`` (1 for each metric this task reports).
+
+Logged: ``loss`` (per example, base 2, fairseq's convention), ``task_loss``, the extra terms
+(per example), the training batch accuracy, and in evaluation ``accuracy``/``f1``/``mcc`` or
+``pearson``/``spearman``/``pearson_spearman`` over the whole validation set (:mod:`.metrics`:
+the summed vectors rebuild every example's prediction; never averaged over batches).
 """
 
 import logging
 import math
-import pickle
 from dataclasses import dataclass, field
-from itertools import chain
+from typing import Dict
 
 import torch
 import torch.nn.functional as F
@@ -32,12 +40,12 @@ from fairseq.dataclass import FairseqDataclass
 from fairseq.logging import metrics
 from omegaconf import II
 
-from .metrics import ALL_METRICS, log_predictions, metric_names
+from .metrics import ALL_METRICS, indexed, log_predictions, metric_names
 
 logger = logging.getLogger(__name__)
 
-RESERVED = {"loss", "task_loss", "nsentences", "ntokens", "sample_size", "ncorrect", "predictions",
-            "targets", "metric_names"} | set(ALL_METRICS)
+EVAL_KEYS = ("prediction_sum", "target_sum", "seen", "metric_flags")
+RESERVED = {"loss", "task_loss", "nsentences", "ntokens", "sample_size", "ncorrect"} | set(EVAL_KEYS) | set(ALL_METRICS)
 
 
 @dataclass
@@ -46,7 +54,6 @@ class HFSentencePredictionCriterionConfig(FairseqDataclass):
                                                              "(always on for --glue-task CoLA)"})
     best_checkpoint_metric: str = II("checkpoint.best_checkpoint_metric")
     maximize_best_checkpoint_metric: bool = II("checkpoint.maximize_best_checkpoint_metric")
-    all_gather_list_size: int = II("common.all_gather_list_size")
 
 
 def check_finite(name: str, value: torch.Tensor) -> None:
@@ -57,6 +64,16 @@ def check_finite(name: str, value: torch.Tensor) -> None:
         )
 
 
+def batch_total(kind: str, name: str, value: torch.Tensor, n: int) -> torch.Tensor:
+    """A 0-d per-example average (x n) or a ``[n]`` per-example vector (summed) -> batch total."""
+    if value.dim() == 0:
+        return value.float() * n
+    if value.shape == (n,):
+        return value.float().sum()
+    raise ValueError(f"extra {kind} {name!r} has shape {tuple(value.shape)}: expected a scalar "
+                     f"(per-example average) or [{n}] (per example)")
+
+
 @register_criterion("hf_sentence_prediction", dataclass=HFSentencePredictionCriterionConfig)
 class HFSentencePredictionCriterion(FairseqCriterion):
     def __init__(self, task, cfg: HFSentencePredictionCriterionConfig):
@@ -65,7 +82,7 @@ class HFSentencePredictionCriterion(FairseqCriterion):
         self.num_classes = int(task.num_classes)
         self.is_regression = self.num_classes == 1
         self.metric_names = metric_names(self.num_classes, bool(cfg.report_mcc or getattr(task, "report_mcc", False)))
-        self.all_gather_list_size = getattr(cfg, "all_gather_list_size", None)
+        self.metric_flags = torch.tensor([float(m in self.metric_names) for m in ALL_METRICS], dtype=torch.float64)
         best = getattr(cfg, "best_checkpoint_metric", None)
         if best in ALL_METRICS and best not in self.metric_names:
             raise ValueError(
@@ -82,6 +99,7 @@ class HFSentencePredictionCriterion(FairseqCriterion):
         """-> (loss summed over the batch, number of examples, logging output)."""
         logits, extra = model(**sample["net_input"])
         losses = (extra or {}).get("losses") or {}
+        stats = (extra or {}).get("stats") or {}
         n = int(sample["nsentences"])
         loss, logging_output = 0.0, {}
         if logits is not None:
@@ -92,27 +110,33 @@ class HFSentencePredictionCriterion(FairseqCriterion):
         for name, value in losses.items():
             if name in RESERVED:
                 raise ValueError(f"the model's extra loss {name!r} clashes with a logged key; rename it")
-            if value.dim() == 0:
-                total = value.float() * n
-            elif value.shape == (n,):
-                total = value.float().sum()
-            else:
-                raise ValueError(f"extra loss {name!r} has shape {tuple(value.shape)}: expected a scalar "
-                                 f"(per-example average) or [{n}] (per example)")
+            total = batch_total("loss", name, value, n)
             check_finite(name, total)
             loss = loss + total
             logging_output[name] = total.detach()
+        for name, value in stats.items():
+            if name in RESERVED or name in losses:
+                raise ValueError(f"the model's extra stat {name!r} clashes with "
+                                 f"{'an extra loss' if name in losses else 'a logged key'}; rename it")
+            logging_output[name] = batch_total("stat", name, value.detach(), n)
         logging_output.update(loss=loss.detach(), nsentences=n, ntokens=sample["ntokens"], sample_size=n)
         if logits is not None:
             if model.training:
                 if not self.is_regression:
                     logging_output["ncorrect"] = (outputs == target).sum().detach()
             else:
-                logging_output["predictions"] = outputs.detach().cpu().tolist()
-                logging_output["targets"] = target.detach().cpu().tolist()
-                logging_output["metric_names"] = self.metric_names
-                self._check_gather_size(logging_output)
+                logging_output.update(self.evaluation_outputs(sample, outputs, target))
         return loss, n, logging_output
+
+    def evaluation_outputs(self, sample, outputs, target) -> Dict[str, torch.Tensor]:
+        """The id-indexed vectors of the whole split (see the module docstring)."""
+        size = sample.get("split_size")
+        if size is None:
+            raise ValueError("hf_sentence_prediction: the batch has no 'split_size' (the number of examples "
+                             "of its split); batch the data with HFSentenceDataset's collater")
+        prediction_sum, target_sum, seen = indexed(sample["id"], outputs, target, int(size))
+        return {"prediction_sum": prediction_sum, "target_sum": target_sum, "seen": seen,
+                "metric_flags": self.metric_flags.to(seen.device)}
 
     def task_loss(self, model, sample, logits):
         """-> (CE or MSE summed over the batch, targets ``[B]``, predictions ``[B]``: class ids
@@ -134,19 +158,6 @@ class HFSentencePredictionCriterion(FairseqCriterion):
         check_finite("task_loss", loss)
         return loss, target, outputs
 
-    def _check_gather_size(self, logging_output) -> None:
-        """In DDP, fairseq pickles each batch's logging output into a fixed buffer."""
-        if not (self.all_gather_list_size and torch.distributed.is_available()
-                and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
-            return
-        size = len(pickle.dumps({k: (v.cpu() if torch.is_tensor(v) else v) for k, v in logging_output.items()}))
-        if size + 64 > self.all_gather_list_size:
-            raise ValueError(
-                f"a validation batch's predictions take {size} bytes, more than --all-gather-list-size "
-                f"{self.all_gather_list_size}: raise --all-gather-list-size (e.g. {4 * size}) or lower "
-                f"--batch-size-valid / --max-tokens-valid"
-            )
-
     @classmethod
     def reduce_metrics(cls, logging_outputs) -> None:
         def total(key):
@@ -163,12 +174,14 @@ class HFSentencePredictionCriterion(FairseqCriterion):
             metrics.log_scalar(name, total(name) / n, n, round=4)
         if any("ncorrect" in log for log in logging_outputs):
             metrics.log_scalar("accuracy", 100.0 * total("ncorrect") / n, n, round=2)
-        with_lists = [log for log in logging_outputs if "predictions" in log]
-        if with_lists:
-            log_predictions(list(chain.from_iterable(log["predictions"] for log in with_lists)),
-                            list(chain.from_iterable(log["targets"] for log in with_lists)),
-                            with_lists[0]["metric_names"])
+        evaluated = [log for log in logging_outputs if "seen" in log]
+        if evaluated:
+            def vector(key):
+                return sum(log[key] for log in evaluated)
+
+            names = [m for m, flag in zip(ALL_METRICS, vector("metric_flags").tolist()) if flag > 0]
+            log_predictions(vector("prediction_sum"), vector("target_sum"), vector("seen"), names)
 
     @staticmethod
     def logging_outputs_can_be_summed() -> bool:
-        return False  # evaluation outputs hold per-example lists (see the module docstring)
+        return True  # every value is a sum over examples (see the module docstring)

@@ -359,9 +359,11 @@ def topic_arrays(encoded: Encoded, vocabulary) -> TopicArrays:
 class HFSentenceDataset(FairseqDataset):
     """Encoded examples, their targets (or None: unlabelled) and optional topic features.
 
-    A batch (:meth:`collater`) is ``{"id": [B], "nsentences", "ntokens", "target": [B]
-    (int64 classes or float32 scores; absent when unlabelled), "net_input": {...}}`` with
-    ``net_input`` (B x T right-padded, T the longest example of the batch):
+    A batch (:meth:`collater`) is ``{"id": [B] (dataset indices), "split_size" (N, the
+    number of examples of the dataset: evaluation outputs are vectors over all of them),
+    "nsentences", "ntokens", "target": [B] (int64 classes or float32 scores; absent when
+    unlabelled), "net_input": {...}}`` with ``net_input`` (B x T right-padded, T the longest
+    example of the batch):
 
     * ``src_tokens`` int64 B x T, padded with the tokenizer's ``pad_token_id``;
     * ``attention_mask`` int64 B x T (1 = real piece), ``token_type_ids`` int64 B x T (0 pad);
@@ -425,6 +427,7 @@ class HFSentenceDataset(FairseqDataset):
                 net_input[f"bow_{s + 1}"] = bow
         batch = {
             "id": torch.tensor([s["id"] for s in samples], dtype=torch.long),
+            "split_size": len(self),
             "nsentences": len(samples),
             "ntokens": int(lengths.sum()),
             "net_input": net_input,

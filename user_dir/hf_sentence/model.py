@@ -16,12 +16,15 @@ out_proj H -> C; fairseq's ``RobertaClassificationHead``) over the [CLS] vector
 The resolved config is recorded in the model's arguments (``hf_backbone_config``), so a
 checkpoint rebuilds its encoder without the original directory.
 
-Subclasses (e.g. the topic-VQ model) reuse the pieces: :meth:`build_backbone`,
-:meth:`encode` ``(net_input) -> (hidden [B, T, H], padding_mask [B, T] True at padding)``,
-:meth:`pool` ``(hidden, net_input) -> [B, H]``, :meth:`classify` ``([B, H]) -> [B, C]``, and
-:meth:`forward` ``(**net_input) -> (logits [B, C], extra)``, where ``extra`` holds
-``pooled``, ``hidden_states``, ``padding_mask`` and may hold ``losses`` ({name: tensor},
-added by the criterion).
+Subclasses (e.g. the topic-VQ model) reuse the pieces: :meth:`build_backbone_and_head`
+``(args, task) -> (backbone, head)`` (checks, encoder, a head over :meth:`head_input_size`
+inputs, --freeze-layers; a subclass's ``build_model`` calls it, then its constructor),
+:meth:`build_backbone`, :meth:`encode` ``(net_input) -> (hidden [B, T, H], padding_mask
+[B, T] True at padding)``, :meth:`pool` ``(hidden, net_input) -> [B, H]``,
+:meth:`classify` ``([B, H]) -> [B, C]``, and :meth:`forward` ``(**net_input) -> (logits
+[B, C], extra)``, where ``extra`` holds ``pooled``, ``hidden_states``, ``padding_mask`` and
+may hold ``losses`` ({name: tensor}, added to the objective by the criterion) and ``stats``
+(same form, only logged).
 """
 
 import inspect
@@ -239,7 +242,16 @@ class HFSentenceClassifier(BaseFairseqModel):
         return backbone.float()
 
     @classmethod
-    def build_model(cls, args, task):
+    def head_input_size(cls, args, backbone_config) -> int:
+        """Size of the vector the classification head reads (a subclass that concatenates
+        features to the pooled vector returns more)."""
+        return int(backbone_config.hidden_size)
+
+    @classmethod
+    def build_backbone_and_head(cls, args, task) -> Tuple[nn.Module, ClassificationHead]:
+        """Checks the options and the task, builds the encoder (with weights unless
+        ``task.building_from_checkpoint``), the :class:`ClassificationHead` over
+        :meth:`head_input_size` inputs, and applies ``--freeze-layers``."""
         hf_sentence_classifier(args)
         for needed in ("tokenizer", "num_classes", "padding_idx"):
             if not hasattr(task, needed):
@@ -247,18 +259,22 @@ class HFSentenceClassifier(BaseFairseqModel):
         if args.pooling not in POOLINGS:
             raise HFSentenceConfigError(f"--pooling {args.pooling!r}: choose {' or '.join(POOLINGS)}")
         backbone = cls.build_backbone(args, load_weights=not getattr(task, "building_from_checkpoint", False))
-        check_compatible(backbone.config, task)
         config = backbone.config
+        check_compatible(config, task)
         dropout = args.pooler_dropout
         if dropout is None:
             dropout = getattr(config, "hidden_dropout_prob", getattr(config, "dropout", 0.1))
-        model = cls(args, backbone, ClassificationHead(config.hidden_size, task.num_classes, dropout),
-                    task.padding_idx)
+        head = ClassificationHead(cls.head_input_size(args, config), task.num_classes, dropout)
         frozen = freeze_layers(backbone, args.freeze_layers)
         logger.info("%s encoder: %d layers, hidden %d; %s pooling; %d frozen parameters",
                     config.model_type, config.num_hidden_layers if hasattr(config, "num_hidden_layers")
                     else -1, config.hidden_size, args.pooling, frozen)
-        return model
+        return backbone, head
+
+    @classmethod
+    def build_model(cls, args, task):
+        backbone, head = cls.build_backbone_and_head(args, task)
+        return cls(args, backbone, head, task.padding_idx)
 
     def max_positions(self) -> int:
         return config_max_positions(self.backbone.config)
