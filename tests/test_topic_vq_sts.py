@@ -129,6 +129,11 @@ def test_stages_train_exactly_their_parts_and_the_codebook_is_phi(task, tiny):
     assert not missing and all(p.grad is None for p in list(sts.ntm.parameters()) + list(sts.vqvae.parameters()))
     assert not sts.ntm.training and not sts.vqvae.training  # frozen: deterministic codes
 
+    top_only = make_model(task, tiny, "--freeze-layers", "1")  # CPU fine-tuning of the top layer
+    layers = top_only.backbone.encoder.layer
+    assert not any(p.requires_grad for p in layers[0].parameters())
+    assert all(p.requires_grad for p in layers[1].parameters()) and top_only.semantic_scores.query.weight.requires_grad
+
 
 def test_semantic_scores_enter_the_attention_of_exactly_the_chosen_layers(task, tiny):
     sample = batch(task, range(4))

@@ -124,12 +124,8 @@ class TopicVQSTSModel(HFSentenceClassifier):
         validate_topic_args(args)
         check_num_topics(args.num_topics, vocabulary)
         ablations = parse_ablations(args.ablate)
-        base = HFSentenceClassifier.build_model.__func__(_Builder, args, task)
-        backbone, head = base.backbone, base.head
-        hidden = backbone.config.hidden_size
+        backbone, head = cls.build_backbone_and_head(args, task)
         enhance = "output-enhancement" not in ablations
-        if enhance:
-            head = type(head)(hidden + args.topic_embed_dim, task.num_classes, head.dropout.p)
         topic_model = "topic-model" not in ablations
         ntm = None
         if topic_model:
@@ -159,6 +155,12 @@ class TopicVQSTSModel(HFSentenceClassifier):
                     "layers %s, ablations %s", args.topic_vq_stage, args.num_topics, vocabulary.topic_size,
                     vocabulary.vq_size, model.semantic_layers or "none", ",".join(ablations) or "none")
         return model
+
+    @classmethod
+    def head_input_size(cls, args, backbone_config) -> int:
+        """[pooled h^l ; pooled LayerNorm(Linear(Z))] with output enhancement (Section 3.3)."""
+        enhanced = "output-enhancement" not in parse_ablations(args.ablate)
+        return int(backbone_config.hidden_size) + (args.topic_embed_dim if enhanced else 0)
 
     def _set_trainable(self) -> None:
         """Only the parameters of the current stage receive gradients (fairseq's optimizer and
@@ -276,10 +278,6 @@ class TopicVQSTSModel(HFSentenceClassifier):
             add(stats, "vq_commitment", out.commitment_loss.detach())
             add(stats, "code_perplexity", torch.as_tensor(out.perplexity, dtype=torch.float32).detach() / len(sentences))
         return losses, stats
-
-
-class _Builder(HFSentenceClassifier):
-    """The plain classifier's build_model, used to build backbone and head with its checks."""
 
 
 def validate_topic_args(args) -> None:
