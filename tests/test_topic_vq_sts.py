@@ -306,3 +306,32 @@ def test_three_stages_through_fairseq_train(tmp_path, data, tiny, task):
 
     with pytest.raises(HFSentenceConfigError, match=r"ntm\.topic_embeddings has shape \(4, 64\) there"):
         make_model(task, tiny, "--num-topics", "5", "--topic-vq-init", str(ntm_ckpt))
+
+
+def test_glue_recipe_runs_all_stages_on_mrpc_files(tmp_path, tiny):
+    """examples/topic_vq_sts/run_glue.sh end to end (epochs overridden) with a tiny pre-trained
+    directory (weights saved with save_pretrained) and MRPC-layout files."""
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    encoder = tmp_path / "encoder"
+    BertTokenizerFast.from_pretrained(str(tiny)).save_pretrained(str(encoder))
+    BertModel(BertConfig.from_pretrained(str(tiny))).save_pretrained(str(encoder))
+    data = tmp_path / "MRPC"
+    data.mkdir()
+    rng = random.Random(5)
+    for split, n in (("train", 120), ("dev", 30), ("test", 12)):
+        first = "index" if split == "test" else "Quality"
+        lines = [f"{first}\t#1 ID\t#2 ID\t#1 String\t#2 String"]
+        for i, row in enumerate(pair_rows(n, rng)):
+            s1, s2, label = row.split("\t")
+            lines.append(f"{i if split == 'test' else label}\t{i}\t{i}\t{s1}\t{s2}")
+        (data / f"{split}.tsv").write_text("\n".join(lines) + "\n")
+    env = {**ENV, "NUM_TOPICS": "4", "MAX_LEN": "32", "NTM_EPOCHS": "2", "VQ_EPOCHS": "1", "EPOCHS": "2", "FAIRSEQ_EXTRA": "--cpu --num-workers 0",
+           "PYTHON": str(venv_bin("python"))}
+    proc = subprocess.run(["bash", str(REPO / "examples" / "topic_vq_sts" / "run_glue.sh"), "MRPC", str(data),
+                           str(encoder), str(tmp_path / "runs")], capture_output=True, text=True, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for stage in ("ntm", "vqvae", "disbert", "base"):
+        assert (tmp_path / "runs" / stage / "checkpoint_best.pt").is_file()
+    lines = (tmp_path / "runs" / "MRPC.tsv").read_text().splitlines()
+    assert lines[0] == "index\tprediction" and len(lines) == 13
