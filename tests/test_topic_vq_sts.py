@@ -6,6 +6,8 @@ so that topic information is what the task needs.
 """
 
 import argparse
+import importlib.util
+import json
 import os
 import random
 import re
@@ -296,6 +298,17 @@ def test_three_stages_through_fairseq_train(tmp_path, data, tiny, task):
     vq_ckpt = tmp_path / "vq" / "checkpoint_last.pt"
     joint = model_state(vq_ckpt)
     assert not torch.equal(before["ntm.topic_embeddings"], joint["ntm.topic_embeddings"])  # joint: phi moves
+
+    spec = importlib.util.spec_from_file_location("topic_report", REPO / "scripts" / "topic_report.py")
+    topic_report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(topic_report)
+    assert topic_report.main(["--path", str(vq_ckpt), "--data", str(data), "--json", str(tmp_path / "r.json")]) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert 1.0 < result["ntm_perplexity"] < 2 * 16 and -1.0 <= result["coherence"] <= 1.0
+    assert len(result["topics"]) == 4 and result["codes_used"] >= 2
+    assert 1.0 < result["code_perplexity"] <= 4.0
+    seen = {w for words in result["codes"].values() for w in words}
+    assert seen <= set(task.topic_vocabulary.vq_words) and "cat" in seen
 
     sts_log = train(data, tiny, tmp_path / "sts", "--topic-vq-init", vq_ckpt, "--lr", "2e-3", "--max-epoch", "20",
                     "--best-checkpoint-metric", "accuracy", "--maximize-best-checkpoint-metric")
