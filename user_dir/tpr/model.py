@@ -1,0 +1,214 @@
+"""``tpr_classifier`` (HUBERT) and the ``bert_lstm_classifier`` baseline.
+
+HUBERT (Moradshahi et al., ``shared/papers/hubert_tpr.txt``): a Hugging Face encoder, the TPR
+layer of :mod:`.head` over its final hidden states, an aggregation (eq. 5) and the
+classification head of ``hf_sentence_classifier``. Architectures:
+
+* ``tpr_classifier``: the paper's HUBERT (Transformer): n_S 50, n_R 35, d_S = d_R 32, T 1,
+  ``--tpr-aggregation concat`` (the paper's best), lambda 0.1 (the paper gives no value);
+* ``tpr_classifier_lstm``: HUBERT (LSTM), eq. (2);
+* ``bert_lstm_classifier``: BERT-LSTM (Section 4.2): a unidirectional LSTM over the token
+  states, its last (``--lstm-pooling last``, the paper) or mean state -> the head.
+  (The plain BERT baseline is ``hf_sentence_classifier``.)
+
+Objective (eq. 6): CE_mean + lambda (||R R^T - I||_F^2 + ||R^T R - I||_F^2) per batch. The
+model returns ``extra["losses"]["role_orthogonality"] = lambda * (term1 + term2)`` as a 0-d
+tensor: the criterion treats a 0-d term as a per-example average, adds ``B *`` it to the
+summed CE and fairseq divides by the sample size B, so each update minimises exactly
+CE_mean + lambda * reg (also under --update-freq: sum_i B_i lambda reg / sum_i B_i).
+``extra["stats"]`` logs the two terms (without lambda): ``role_orth_rrt``, ``role_orth_rtr``.
+"""
+
+import logging
+from typing import Tuple
+
+import torch
+from fairseq.models import register_model, register_model_architecture
+from torch import Tensor, nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+from ..hf_sentence.model import HFSentenceClassifier, HFSentenceConfigError, hf_sentence_classifier
+from .head import (AGGREGATIONS, ENCODERS, Aggregation, TPRLayer, check_orthogonality, check_positive_int,
+                   warn_unreachable_orthogonality)
+from .transfer import ALIASES, PARTS, apply_transfer_options
+
+logger = logging.getLogger(__name__)
+PART_NAMES = ", ".join(list(PARTS) + list(ALIASES))
+
+
+def _default(args, name: str, value) -> None:
+    if getattr(args, name, None) is None:
+        setattr(args, name, value)
+
+
+@register_model("tpr_classifier")
+class TPRClassifier(HFSentenceClassifier):
+    """Encoder -> TPR layer -> aggregation -> classification head (module docstring)."""
+
+    def __init__(self, args, backbone, head, padding_idx: int, tpr: TPRLayer, aggregate: Aggregation):
+        super().__init__(args, backbone, head, padding_idx)
+        self.tpr, self.aggregate = tpr, aggregate
+        self.orthogonality = float(args.tpr_orthogonality)
+
+    @staticmethod
+    def add_args(parser):
+        HFSentenceClassifier.add_args(parser)
+        g = parser.add_argument_group("TPR head (tpr_classifier, HUBERT)")
+        g.add_argument("--tpr-symbols", type=int, metavar="N", help="number of symbols/fillers n_S (default 50)")
+        g.add_argument("--tpr-roles", type=int, metavar="N", help="number of roles n_R (default 35)")
+        g.add_argument("--tpr-symbol-dim", type=int, metavar="D", help="symbol size d_S (default 32)")
+        g.add_argument("--tpr-role-dim", type=int, metavar="D", help="role size d_R (default 32)")
+        g.add_argument("--tpr-temperature", type=float, metavar="T", help="softmax temperature of eq. 4 (default 1)")
+        g.add_argument("--tpr-encoder", choices=ENCODERS, help="filler/role paths: transformer (eq. 3) or lstm (eq. 2)")
+        g.add_argument("--tpr-aggregation", choices=AGGREGATIONS,
+                       help="eq. 5: concat (all tokens, then a linear projection; default), mean, max, first")
+        g.add_argument("--tpr-concat-dim", type=int, metavar="D",
+                       help="output size of the concat projection (default d_S * d_R)")
+        g.add_argument("--tpr-orthogonality", type=float, metavar="LAMBDA",
+                       help="lambda of eq. 6 (default 0.1; the paper gives no value)")
+        g.add_argument("--tpr-heads", type=int, metavar="N",
+                       help="attention heads of the TPR transformer paths (default: the encoder's)")
+        g.add_argument("--tpr-dropout", type=float, metavar="D",
+                       help="dropout of the TPR transformer paths (default: the config's hidden_dropout_prob)")
+        g.add_argument("--tpr-scale", type=float, metavar="S",
+                       help="initial value of the trainable scale of the bound values (default 1; "
+                            "the paper used ~1000 for the LSTM variant)")
+        g.add_argument("--tpr-transfer-from", metavar="CKPT", help="source checkpoint for --tpr-transfer")
+        g.add_argument("--tpr-transfer", metavar="PARTS", help=f"comma-separated parts to copy: {PART_NAMES}")
+        g.add_argument("--tpr-freeze", metavar="PARTS", help=f"comma-separated parts to freeze: {PART_NAMES}")
+
+    @classmethod
+    def head_input_size(cls, args, backbone_config) -> int:
+        size = args.tpr_symbol_dim * args.tpr_role_dim
+        if args.tpr_aggregation == "concat":
+            return args.tpr_concat_dim or size
+        return size
+
+    @classmethod
+    def build_model(cls, args, task):
+        tpr_classifier(args)
+        validate_tpr_args(args)
+        backbone, head = cls.build_backbone_and_head(args, task)
+        config = backbone.config
+        dropout = args.tpr_dropout
+        if dropout is None:
+            dropout = getattr(config, "hidden_dropout_prob", 0.1)
+        tpr = TPRLayer(config.hidden_size, args.tpr_symbols, args.tpr_roles, args.tpr_symbol_dim, args.tpr_role_dim,
+                       args.tpr_temperature, args.tpr_encoder, args.tpr_heads or config.num_attention_heads, dropout,
+                       getattr(config, "intermediate_size", None), args.tpr_scale)
+        aggregate = Aggregation(args.tpr_aggregation, tpr.output_size, task.max_positions(),
+                                cls.head_input_size(args, config))
+        warn_unreachable_orthogonality(args.tpr_roles, args.tpr_role_dim, args.tpr_orthogonality)
+        model = cls(args, backbone, head, task.padding_idx, tpr, aggregate)
+        apply_transfer_options(model, args, getattr(task, "building_from_checkpoint", False))
+        logger.info("TPR head: %s paths, n_S %d, n_R %d, d_S %d, d_R %d, T %g, %s aggregation, lambda %g",
+                    args.tpr_encoder, args.tpr_symbols, args.tpr_roles, args.tpr_symbol_dim, args.tpr_role_dim,
+                    args.tpr_temperature, args.tpr_aggregation, args.tpr_orthogonality)
+        return model
+
+    def forward(self, **net_input) -> Tuple[Tensor, dict]:
+        hidden, padding_mask = self.encode(net_input)
+        out = self.tpr(hidden, padding_mask)
+        pooled = self.aggregate(out.x, padding_mask)
+        term1, term2 = self.tpr.orthogonality()
+        extra = {"pooled": pooled, "hidden_states": hidden, "padding_mask": padding_mask, "tpr": out,
+                 "stats": {"role_orth_rrt": term1.detach(), "role_orth_rtr": term2.detach()}}
+        if self.orthogonality > 0 and self.tpr.R.requires_grad:
+            # 0-d = per-example average for the criterion: objective CE_mean + lambda * reg (eq. 6)
+            extra["losses"] = {"role_orthogonality": self.orthogonality * (term1 + term2)}
+        return self.classify(pooled), extra
+
+
+def validate_tpr_args(args) -> None:
+    for option, name in (("--tpr-symbols", "tpr_symbols"), ("--tpr-roles", "tpr_roles"),
+                         ("--tpr-symbol-dim", "tpr_symbol_dim"), ("--tpr-role-dim", "tpr_role_dim")):
+        check_positive_int(option, getattr(args, name))
+    if args.tpr_heads is not None:
+        check_positive_int("--tpr-heads", args.tpr_heads)
+    if args.tpr_concat_dim is not None:
+        check_positive_int("--tpr-concat-dim", args.tpr_concat_dim)
+    check_orthogonality(args.tpr_orthogonality)
+    if args.tpr_encoder not in ENCODERS:
+        raise HFSentenceConfigError(f"--tpr-encoder {args.tpr_encoder!r}: choose {' or '.join(ENCODERS)}")
+    if args.tpr_aggregation not in AGGREGATIONS:
+        raise HFSentenceConfigError(f"--tpr-aggregation {args.tpr_aggregation!r}: choose from {', '.join(AGGREGATIONS)}")
+    if args.tpr_dropout is not None and not 0 <= args.tpr_dropout < 1:
+        raise HFSentenceConfigError(f"--tpr-dropout {args.tpr_dropout!r} must lie in [0, 1)")
+
+
+@register_model_architecture("tpr_classifier", "tpr_classifier")
+def tpr_classifier(args):
+    for name, value in (("tpr_symbols", 50), ("tpr_roles", 35), ("tpr_symbol_dim", 32), ("tpr_role_dim", 32),
+                        ("tpr_temperature", 1.0), ("tpr_encoder", "transformer"), ("tpr_aggregation", "concat"),
+                        ("tpr_concat_dim", None), ("tpr_orthogonality", 0.1), ("tpr_heads", None),
+                        ("tpr_dropout", None), ("tpr_scale", 1.0), ("tpr_transfer_from", None),
+                        ("tpr_transfer", None), ("tpr_freeze", None)):
+        _default(args, name, value)
+    hf_sentence_classifier(args)
+
+
+@register_model_architecture("tpr_classifier", "tpr_classifier_lstm")
+def tpr_classifier_lstm(args):
+    _default(args, "tpr_encoder", "lstm")
+    tpr_classifier(args)
+
+
+# ------------------------------------------------------------------- BERT-LSTM baseline
+LSTM_POOLINGS = ("last", "mean")
+
+
+@register_model("bert_lstm_classifier")
+class BertLSTMClassifier(HFSentenceClassifier):
+    """BERT-LSTM (Section 4.2): encoder -> unidirectional LSTM over the non-padding token
+    states -> final (or mean) LSTM state ``[B, --lstm-hidden]`` -> classification head."""
+
+    def __init__(self, args, backbone, head, padding_idx: int):
+        super().__init__(args, backbone, head, padding_idx)
+        self.lstm = nn.LSTM(backbone.config.hidden_size, args.lstm_hidden, batch_first=True)
+        self.lstm_pooling = args.lstm_pooling
+
+    @staticmethod
+    def add_args(parser):
+        HFSentenceClassifier.add_args(parser)
+        g = parser.add_argument_group("BERT-LSTM baseline")
+        g.add_argument("--lstm-hidden", type=int, metavar="N", help="LSTM size (default: the encoder's hidden size)")
+        g.add_argument("--lstm-pooling", choices=LSTM_POOLINGS, help="last state (default, the paper) or mean")
+
+    @classmethod
+    def head_input_size(cls, args, backbone_config) -> int:
+        if args.lstm_hidden is None:
+            args.lstm_hidden = int(backbone_config.hidden_size)
+        return args.lstm_hidden
+
+    @classmethod
+    def build_model(cls, args, task):
+        bert_lstm_classifier(args)
+        if args.lstm_hidden is not None:
+            check_positive_int("--lstm-hidden", args.lstm_hidden)
+        if args.lstm_pooling not in LSTM_POOLINGS:
+            raise HFSentenceConfigError(f"--lstm-pooling {args.lstm_pooling!r}: choose last or mean")
+        backbone, head = cls.build_backbone_and_head(args, task)
+        return cls(args, backbone, head, task.padding_idx)
+
+    def forward(self, **net_input) -> Tuple[Tensor, dict]:
+        hidden, padding_mask = self.encode(net_input)
+        keep = ~padding_mask
+        lengths = keep.sum(1).clamp_min(1)
+        # gather the non-padding states to the left (any padding layout), then pack
+        order = torch.sort(keep.to(torch.int8), dim=1, descending=True, stable=True).indices
+        left = hidden.gather(1, order.unsqueeze(-1).expand_as(hidden))
+        packed = pack_padded_sequence(left, lengths.cpu(), batch_first=True, enforce_sorted=False)
+        states, (h_n, _) = self.lstm(packed)
+        if self.lstm_pooling == "last":
+            pooled = h_n[-1]
+        else:
+            states, _ = pad_packed_sequence(states, batch_first=True, total_length=hidden.size(1))
+            pooled = states.sum(1) / lengths.unsqueeze(-1).to(states.dtype)
+        return self.classify(pooled), {"pooled": pooled, "hidden_states": hidden, "padding_mask": padding_mask}
+
+
+@register_model_architecture("bert_lstm_classifier", "bert_lstm_classifier")
+def bert_lstm_classifier(args):
+    _default(args, "lstm_hidden", None)
+    _default(args, "lstm_pooling", "last")
+    hf_sentence_classifier(args)
