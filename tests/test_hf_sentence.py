@@ -24,7 +24,7 @@ from fairseq.logging import metrics as fairseq_metrics
 from scipy.stats import pearsonr, spearmanr
 from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
 
-from conftest import REPO, venv_bin
+from conftest import REPO, venv_bin, save_tiny_bert
 from user_dir.hf_sentence import metrics as hf_metrics
 from user_dir.hf_sentence.criterion import HFSentencePredictionCriterion, HFSentencePredictionCriterionConfig
 from user_dir.hf_sentence.data import GLUE_TASKS, read_tsv
@@ -43,14 +43,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """Directory with a tiny WordPiece tokenizer and a 2-layer BERT config (random weights)."""
-    from transformers import BertConfig, BertTokenizerFast
-
-    path = tmp_path_factory.mktemp("tiny_bert")
-    BertTokenizerFast(vocab={w: i for i, w in enumerate(WORDS)}).save_pretrained(str(path))
-    BertConfig(vocab_size=len(WORDS), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-               intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
-               attention_probs_dropout_prob=0.0).save_pretrained(str(path))  # no dropout: learns in few epochs
-    return path
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny_bert"), WORDS)
 
 
 def write(path, lines, bom=False):

@@ -15,7 +15,7 @@ import pytest
 import torch
 from fairseq import checkpoint_utils
 
-from conftest import REPO, venv_bin
+from conftest import REPO, venv_bin, save_tiny_bert
 from user_dir.hf_sentence.task import HFSentencePredictionConfig, HFSentencePredictionTask
 from user_dir.tpr.head import AGGREGATIONS, TPRLayer, bind, check_orthogonality, role_orthogonality
 from user_dir.tpr.head import warn_unreachable_orthogonality
@@ -33,14 +33,7 @@ MAX_POS = 16
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from transformers import BertConfig, BertTokenizerFast
-
-    path = tmp_path_factory.mktemp("tiny_bert")
-    BertTokenizerFast(vocab={w: i for i, w in enumerate(WORDS)}).save_pretrained(str(path))
-    BertConfig(vocab_size=len(WORDS), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-               intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
-               attention_probs_dropout_prob=0.0).save_pretrained(str(path))
-    return path
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny_bert"), WORDS)
 
 
 @pytest.fixture(scope="module")

@@ -165,25 +165,22 @@ class TopicVQSTSModel(HFSentenceClassifier):
     def _set_trainable(self) -> None:
         """Only the parameters of the current stage receive gradients (fairseq's optimizer and
         DDP see only those; frozen modules are never unused trainable parameters)."""
-        frozen_encoder = {n for n, p in self.backbone.named_parameters() if not p.requires_grad}
+        if self.stage == "sts":  # encoder (as --freeze-layers left it), attention, head: trainable
+            for module in (self.ntm, self.vqvae):
+                if module is not None:
+                    module.requires_grad_(False)
+            return
         self.requires_grad_(False)
         if self.stage == "ntm":
             if self.ntm is None:
                 raise HFSentenceConfigError("--topic-vq-stage ntm with --ablate topic-model: there is no topic model")
             self.ntm.requires_grad_(True)
-        elif self.stage == "vqvae":
-            self.vqvae.requires_grad_(True)
-            multistage = self.vqvae.freeze_codebook
-            if self.ntm is not None and not multistage:
-                self.ntm.requires_grad_(True)
-            if multistage:
-                self.vqvae.codebook.requires_grad_(False)
-        else:
-            for name, param in self.backbone.named_parameters():
-                param.requires_grad_(name not in frozen_encoder)
-            for module in (self.head, self.semantic_scores, self.enhancement):
-                if module is not None:
-                    module.requires_grad_(True)
+            return
+        self.vqvae.requires_grad_(True)
+        if self.vqvae.freeze_codebook:  # multistage: codebook (phi) and NTM held fixed
+            self.vqvae.codebook.requires_grad_(False)
+        elif self.ntm is not None:
+            self.ntm.requires_grad_(True)
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -254,7 +251,7 @@ class TopicVQSTSModel(HFSentenceClassifier):
         pooled = self.pool(hidden, net_input)
         if self.enhancement is not None:
             in_pair = net_input["piece_sentence"].ge(0)
-            enhanced = self.enhancement(hidden, z)[..., hidden.size(-1):]  # LayerNorm(Linear(Z)) [B, T, E']
+            enhanced = self.enhancement.features(z).to(hidden.dtype)  # LayerNorm(Linear(Z)) [B, T, E']
             keep = in_pair.unsqueeze(-1).to(enhanced.dtype)
             pooled = torch.cat([pooled, (enhanced * keep).sum(1) / keep.sum(1).clamp_min(1.0)], dim=-1)
         return self.classify(pooled), {"pooled": pooled, "hidden_states": hidden, "padding_mask": padding_mask}

@@ -134,13 +134,19 @@ class OutputEnhancement(nn.Module):
         self.proj = nn.Linear(code_dim, out_dim)
         self.norm = nn.LayerNorm(out_dim)
 
+    def features(self, z: Tensor) -> Tensor:
+        """The concatenated part alone: LayerNorm(Linear(z)) ``[B, T, E] -> [B, T, out_dim]``."""
+        if z.dim() != 3 or z.size(-1) != self.code_dim:
+            raise ValueError(f"z must be [B, T, {self.code_dim}], got {tuple(z.shape)}")
+        return self.norm(self.proj(z))
+
     def forward(self, hidden: Tensor, z: Tensor) -> Tensor:
         if hidden.dim() != 3 or z.dim() != 3 or hidden.shape[:2] != z.shape[:2] or z.size(-1) != self.code_dim:
             raise ValueError(
                 f"hidden must be [B, T, H] and z [B, T, {self.code_dim}] with the same B, T; got "
                 f"{tuple(hidden.shape)} and {tuple(z.shape)}"
             )
-        return torch.cat([hidden, self.norm(self.proj(z)).to(hidden.dtype)], dim=-1)
+        return torch.cat([hidden, self.features(z).to(hidden.dtype)], dim=-1)
 
 
 class SemanticAttentionContext:
