@@ -54,11 +54,15 @@ def load(path: str, data: str, tokenizer_dir=None, cpu: bool = False):
     return models[0].to(device).eval(), task
 
 
-@torch.no_grad()
 def predict(model, task, split: str, batch_size: int = 32, max_tokens=None) -> np.ndarray:
     """Model outputs for every example of ``split`` in file order: class ids ``[N]`` (int64)
     or scores ``[N]`` (float64, unclipped)."""
-    dataset = task.load_dataset(split)
+    return predict_dataset(model, task, task.load_dataset(split), batch_size, max_tokens, split)
+
+
+@torch.no_grad()
+def predict_dataset(model, task, dataset, batch_size: int = 32, max_tokens=None, name: str = "the dataset") -> np.ndarray:
+    """:func:`predict` for a dataset built by the caller (``HFSentenceDataset``), in its order."""
     iterator = task.get_batch_iterator(
         dataset=dataset, max_tokens=max_tokens, max_sentences=batch_size,
         max_positions=utils.resolve_max_positions(task.max_positions(), model.max_positions()),
@@ -72,7 +76,7 @@ def predict(model, task, split: str, batch_size: int = 32, max_tokens=None) -> n
         values = logits.float().view(-1) if task.is_regression else logits.argmax(-1)
         out[sample["id"].cpu().numpy()] = values.cpu().numpy()
     if np.isnan(out).any():
-        raise RuntimeError(f"{int(np.isnan(out).sum())} examples of {split} were not predicted")
+        raise RuntimeError(f"{int(np.isnan(out).sum())} examples of {name} were not predicted")
     return out if task.is_regression else out.astype(np.int64)
 
 

@@ -17,7 +17,7 @@ from fairseq import checkpoint_utils
 
 from conftest import REPO, venv_bin, save_tiny_bert
 from user_dir.hf_sentence.task import HFSentencePredictionConfig, HFSentencePredictionTask
-from user_dir.tpr.head import AGGREGATIONS, TPRLayer, bind, check_orthogonality, role_orthogonality
+from user_dir.tpr.head import AGGREGATIONS, Aggregation, TPRLayer, bind, check_orthogonality, role_orthogonality
 from user_dir.tpr.head import warn_unreachable_orthogonality
 from user_dir.tpr.model import BertLSTMClassifier, TPRClassifier
 from user_dir.tpr.transfer import PARTS, TPRTransferError, part_of
@@ -290,3 +290,13 @@ def test_fairseq_train_tpr_classifier_learns(tmp_path, data, tiny):
     assert re.search(r"\| valid \| epoch 010 \|.*role_orthogonality", log)
     state = checkpoint_utils.load_checkpoint_to_cpu(str(tmp_path / "ckpt" / "checkpoint_last.pt"))
     assert state["model"]["tpr.R"].shape == (4, 4)
+
+
+def test_concat_aggregation_equals_projecting_the_zero_padded_flattening():
+    torch.manual_seed(0)
+    aggregate = Aggregation("concat", 6, max_len=9, output_size=5)
+    x = torch.randn(3, 4, 6)
+    padding_mask = torch.tensor([[False] * 4, [False] * 3 + [True], [False, False, True, True]])
+    expected = x * (~padding_mask).unsqueeze(-1)
+    expected = aggregate.project(torch.nn.functional.pad(expected, (0, 0, 0, 5)).reshape(3, 54))
+    assert torch.allclose(aggregate(x, padding_mask), expected, atol=1e-6)

