@@ -80,7 +80,7 @@ def train(args, data: Path, save_dir: Path, log: Path, seed: int, model: List[st
         return best
     save_dir.mkdir(parents=True, exist_ok=True)
     cmd = [str(VENV_BIN / "fairseq-train"), str(data), "--user-dir", str(REPO / "user_dir"),
-           "--task", "hf_sentence_prediction", "--glue-task", args.glue_task, "--hf-tokenizer-dir", args.encoder_dir,
+           "--task", "hf_sentence_prediction", "--glue-task", args.glue_tasks[data], "--hf-tokenizer-dir", args.encoder_dir,
            "--max-positions", str(args.max_positions), "--criterion", "hf_sentence_prediction",
            "--optimizer", args.optimizer, "--lr", str(args.lr), "--lr-scheduler", "polynomial_decay",
            "--warmup-updates", str(max(1, round(args.warmup * args.total_updates[data]))),
@@ -114,7 +114,8 @@ def test_scores(checkpoint: Path, data: Path, out: Path) -> Dict[str, float]:
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     if proc.returncode != 0:
         raise RuntimeError(f"glue_predict.py failed on {checkpoint}: {proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    lines = proc.stdout.strip().splitlines()
+    return json.loads(lines[-1]) if lines else {}  # no scores: an unlabelled (GLUE) test.tsv
 
 
 def export_encoder(checkpoint: Path, dest: Path, tokenizer_dir: str) -> Path:
@@ -144,7 +145,7 @@ def run(args, name: str, data: Path, out: Path, seed: int, model: List[str], row
     best = train(args, data, out / name, log, seed, model)
     scores = test_scores(best, data, out / f"{name}.test.tsv")
     row = {**row, "run": name, "seed": seed, "dev_accuracy": dev_accuracy(log),
-           "test_accuracy": scores["accuracy"], "test": scores}
+           "test_accuracy": scores.get("accuracy"), "test": scores}
     result.write_text(json.dumps(row, indent=2) + "\n")
     for checkpoint in (out / name).glob("*.pt"):  # keep disk use bounded: sources are kept below
         if not row.get("keep_checkpoint"):
@@ -199,24 +200,33 @@ def summarise(rows: List[dict], source: str, target: str) -> dict:
     """Every row (mean/sd over seeds, gain over the same model's baseline) and Table 2's summary."""
     names = ["cls", "cls+encoder", "tpr"] + [combo_name(c) for c in COMBOS]
     table, lines = [], [f"{source} -> {target}",
-                        f"{'run':<28} {'seeds':>5} {'dev acc':>15} {'test acc':>15} {'test gain':>9}"]
+                        f"{'run':<28} {'seeds':>5} {'dev acc':>15} {'dev gain':>9} {'test acc':>15} {'test gain':>9}"]
     by_name = {n: [r for r in rows if r["run"] == n] for n in names}
     for name in names:
         chosen = by_name[name]
         if not chosen:
             continue
         baseline = by_name["cls" if name.startswith("cls") else "tpr"]
-        dev, test = [r["dev_accuracy"] for r in chosen], [r["test_accuracy"] for r in chosen]
-        base_test = {r["seed"]: r["test_accuracy"] for r in baseline}
-        gains = [r["test_accuracy"] - base_test[r["seed"]] for r in chosen if r["seed"] in base_test]
+        dev = [r["dev_accuracy"] for r in chosen]
+        test = [r["test_accuracy"] for r in chosen if r["test_accuracy"] is not None]
+        base_dev = {r["seed"]: r["dev_accuracy"] for r in baseline}
+        base_test = {r["seed"]: r["test_accuracy"] for r in baseline if r["test_accuracy"] is not None}
+        dev_gains = [r["dev_accuracy"] - base_dev[r["seed"]] for r in chosen if r["seed"] in base_dev]
+        gains = [r["test_accuracy"] - base_test[r["seed"]] for r in chosen
+                 if r["seed"] in base_test and r["test_accuracy"] is not None]
         entry = {"run": name, "model": chosen[0]["model"], "transfer": chosen[0]["transfer"],
                  "seeds": sorted(r["seed"] for r in chosen), "dev": dev, "test": test,
-                 "dev_mean": statistics.mean(dev), "test_mean": statistics.mean(test),
+                 "dev_mean": statistics.mean(dev), "dev_sd": statistics.stdev(dev) if len(dev) > 1 else 0.0,
+                 "test_mean": statistics.mean(test) if test else None,
                  "test_sd": statistics.stdev(test) if len(test) > 1 else 0.0,
+                 "dev_gain_mean": statistics.mean(dev_gains) if dev_gains else None,
                  "test_gain_mean": statistics.mean(gains) if gains else None}
         table.append(entry)
-        gain = f"{entry['test_gain_mean']:+9.2f}" if name not in ("cls", "tpr") and gains else " " * 9
-        lines.append(f"{name:<28} {len(chosen):>5} {mean_sd(dev):>15} {mean_sd(test):>15} {gain}")
+        transferred = name not in ("cls", "tpr")
+        dev_gain = f"{entry['dev_gain_mean']:+9.2f}" if transferred and dev_gains else " " * 9
+        gain = f"{entry['test_gain_mean']:+9.2f}" if transferred and gains else " " * 9
+        test_cell = mean_sd(test) if test else "n/a"
+        lines.append(f"{name:<28} {len(chosen):>5} {mean_sd(dev):>15} {dev_gain} {test_cell:>15} {gain}")
     paper = {}
     for model, base_name, candidates in (("BERT", "cls", ["cls+encoder"]),
                                          ("HUBERT", "tpr", [combo_name(c) for c in COMBOS])):
@@ -232,8 +242,8 @@ def summarise(rows: List[dict], source: str, target: str) -> dict:
                         "best_run": best["run"], "best_seed": best["seed"]}
         lines.append(f"Table 2 style, {model}: baseline dev {best_base['dev_accuracy']:.2f} -> fine-tuned dev "
                      f"{best['dev_accuracy']:.2f} ({best['run']}, seed {best['seed']}; gain "
-                     f"{paper[model]['gain_dev']:+.2f}); test {best_base['test_accuracy']:.2f} -> "
-                     f"{best['test_accuracy']:.2f}")
+                     f"{paper[model]['gain_dev']:+.2f}); test {best_base['test_accuracy']} -> "
+                     f"{best['test_accuracy']}")
     return {"source": source, "target": target, "rows": table, "table2": paper, "text": "\n".join(lines)}
 
 
@@ -249,6 +259,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--target", type=Path, required=True, help="target task directory")
     parser.add_argument("--both-directions", action="store_true", help="also run target -> source")
     parser.add_argument("--glue-task", default="SST-2", help="column layout of both tasks (hf_sentence_prediction)")
+    parser.add_argument("--source-glue-task", help="the source's layout when it differs (e.g. MNLI)")
+    parser.add_argument("--target-glue-task", help="the target's layout when it differs (e.g. RTE)")
     parser.add_argument("--encoder-dir", required=True, help="local Hugging Face encoder (and tokenizer) directory")
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
@@ -265,6 +277,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--epochs", type=int, default=10, help="the paper: 10 on source and target")
     parser.add_argument("--max-positions", type=int, default=128)
     parser.add_argument("--fairseq-extra", default="", help="more fairseq-train options, e.g. --fairseq-extra=--cpu (with =)")
+    parser.add_argument("--only-baselines", action="store_true",
+                        help="only the [CLS] and HUBERT runs on each task (e.g. to add seeds to the baselines)")
     parser.add_argument("--cleanup-exports", action="store_true", help="delete exported source encoders at the end")
     args = parser.parse_args(argv)
     args.tpr_args, args.fairseq_extra = args.tpr_args.split(), args.fairseq_extra.split()
@@ -274,13 +288,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.error(f"{data}: needs train.tsv, dev.tsv and test.tsv")
     if args.epochs < 1 or args.batch_size < 1 or not 0 <= args.warmup < 1:
         parser.error("--epochs and --batch-size must be >= 1 and --warmup in [0, 1)")
+    args.glue_tasks = {args.source: args.source_glue_task or args.glue_task,
+                       args.target: args.target_glue_task or args.glue_task}
     args.total_updates = {d: steps_per_epoch(d, args.batch_size) * args.epochs for d in (args.source, args.target)}
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     pairs = [(args.source, args.target)] + ([(args.target, args.source)] if args.both_directions else [])
-    rows = {pair: [] for pair in pairs}
+    rows: Dict[tuple, List[dict]] = {}
     for seed in args.seeds:
         for source, target in pairs:
-            rows[(source, target)] += transfer_runs(args, source, target, seed)
+            if args.only_baselines:
+                single_task_runs(args, source, seed)
+                single_task_runs(args, target, seed)
+            else:
+                transfer_runs(args, source, target, seed)
+    for source, target in pairs:  # every finished run of the run directory, any seed
+        out = args.run_dir / f"{source.name}-to-{target.name}"
+        found = list(out.glob("seed*/*.result.json")) + list((args.run_dir / target.name).glob("seed*/*.result.json"))
+        rows[(source, target)] = [dict(json.loads(p.read_text()), source=source.name) for p in sorted(found)]
     report = [summarise(r, s.name, t.name) for (s, t), r in rows.items()]
     (args.run_dir / "transfer.json").write_text(json.dumps(report, indent=2) + "\n")
     print("\n\n".join(r["text"] for r in report))
