@@ -341,3 +341,28 @@ def test_glue_recipe_runs_all_stages_on_mrpc_files(tmp_path, tiny):
         assert (tmp_path / "runs" / stage / "checkpoint_best.pt").is_file()
     lines = (tmp_path / "runs" / "MRPC.tsv").read_text().splitlines()
     assert lines[0] == "index\tprediction" and len(lines) == 13
+
+
+def test_ablated_vqvae_stage_initialises_from_the_full_ntm_checkpoint(task, tiny, tmp_path):
+    """Stage 2 of the no-topic-sensitive-encoder ablation starts from the shared stage-1 (NTM)
+    checkpoint, whose untrained VQ-VAE has tensors and shapes the ablated VQ-VAE lacks: only the
+    NTM is taken from it; the task stage stays strict."""
+    ntm_stage = make_model(task, tiny, "--topic-vq-stage", "ntm", seed=5)
+    path = tmp_path / "ntm.pt"
+    torch.save({"model": ntm_stage.state_dict(), "args": None,
+                "cfg": {"model": argparse.Namespace(topic_vq_stage="ntm")},  # as fairseq saves it
+                "extra_state": {},
+                "last_optimizer_state": None, "optimizer_history": [
+                    {"criterion_name": "HFSentencePredictionCriterion", "optimizer_name": "Adam",
+                     "lr_scheduler_state": {"best": None}, "num_updates": 0}]}, str(path))
+    extra = set(ntm_stage.state_dict()) - set(make_model(task, tiny, "--ablate", "topic-sensitive-encoder",
+                                                          "--topic-vq-stage", "vqvae").state_dict())
+    assert any(k.startswith("vqvae.") for k in extra)
+    ablated = make_model(task, tiny, "--ablate", "topic-sensitive-encoder", "--topic-vq-stage", "vqvae")
+    ablated.load_topic_vq(str(path))
+    for key, value in ablated.state_dict().items():
+        if key.startswith("ntm."):
+            assert torch.equal(value, ntm_stage.state_dict()[key]), key
+    sts = make_model(task, tiny, "--ablate", "topic-sensitive-encoder")
+    with pytest.raises(HFSentenceConfigError, match="(does not exist in this model|has shape)"):
+        sts.load_topic_vq(str(path))

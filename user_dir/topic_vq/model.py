@@ -194,13 +194,18 @@ class TopicVQSTSModel(HFSentenceClassifier):
         """Load the ``ntm.*`` and ``vqvae.*`` parameters of a previous stage's checkpoint."""
         from fairseq import checkpoint_utils
 
-        state = checkpoint_utils.load_checkpoint_to_cpu(path)["model"]
+        checkpoint = checkpoint_utils.load_checkpoint_to_cpu(path)
+        state = checkpoint["model"]
         own = self.state_dict()
         wanted = {k: v for k, v in state.items() if k.startswith(("ntm.", "vqvae."))}
         missing = [k for k in own if k.startswith(("ntm.", "vqvae.")) and k not in wanted]
         if self.stage == "sts" and any(k.startswith("vqvae.") for k in missing):
             raise HFSentenceConfigError(f"--topic-vq-init {path} has no VQ-VAE parameters ({missing[0]} ...): "
                                         "give the checkpoint of --topic-vq-stage vqvae")
+        if self.stage == "vqvae" and saved_stage(checkpoint) == "ntm":
+            # stage 2 takes the trained NTM of stage 1; that checkpoint's VQ-VAE is untrained (and an
+            # ablated VQ-VAE, e.g. without the topic-sensitive encoder, has other tensors)
+            wanted = {k: v for k, v in wanted.items() if k.startswith("ntm.")}
         for key, value in wanted.items():
             if key not in own:
                 raise HFSentenceConfigError(f"--topic-vq-init {path}: parameter {key} does not exist in this model "
@@ -308,3 +313,12 @@ def topic_vq_sts(args):
                         ("semantic_attention_layers", "last"), ("semantic_ffn_dim", 256), ("ablate", "")):
         _default(args, name, value)
     hf_sentence_classifier(args)
+
+
+def saved_stage(checkpoint: dict):
+    """The ``--topic-vq-stage`` a fairseq checkpoint was trained with (None if it does not say)."""
+    cfg = checkpoint.get("cfg")
+    model_cfg = cfg.get("model") if cfg is not None else None
+    if model_cfg is None:
+        model_cfg = checkpoint.get("args")
+    return getattr(model_cfg, "topic_vq_stage", None) if model_cfg is not None else None
