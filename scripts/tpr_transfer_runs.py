@@ -32,13 +32,13 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
-REPO = Path(__file__).resolve().parents[1]
-VENV_BIN = Path(sys.executable).parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fairseq_runs import REPO, fairseq_train, finished, test_scores  # noqa: E402
+
 PARTS = ("encoder", "roles", "fillers")
 COMBOS = [c for n in range(1, 4) for c in itertools.combinations(PARTS, n)]  # the 7 of Table 2
 SELECTORS = {"roles": "role_selector", "fillers": "filler_selector"}
@@ -76,24 +76,20 @@ def parse_combos(specs: Optional[Sequence[str]], error) -> List[tuple]:
 def train(args, data: Path, save_dir: Path, log: Path, seed: int, model: List[str]) -> Path:
     """``fairseq-train`` one run (skipped when its log says it finished); its best checkpoint."""
     best = save_dir / "checkpoint_best.pt"
-    if best.is_file() and log.is_file() and "done training" in log.read_text():
+    if best.is_file() and finished(log):
         return best
     save_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [str(VENV_BIN / "fairseq-train"), str(data), "--user-dir", str(REPO / "user_dir"),
-           "--task", "hf_sentence_prediction", "--glue-task", args.glue_tasks[data], "--hf-tokenizer-dir", args.encoder_dir,
-           "--max-positions", str(args.max_positions), "--criterion", "hf_sentence_prediction",
-           "--optimizer", args.optimizer, "--lr", str(args.lr), "--lr-scheduler", "polynomial_decay",
-           "--warmup-updates", str(max(1, round(args.warmup * args.total_updates[data]))),
-           "--total-num-update", str(args.total_updates[data]),
-           "--batch-size", str(args.batch_size), "--max-epoch", str(args.epochs), "--seed", str(seed),
-           "--best-checkpoint-metric", "accuracy", "--maximize-best-checkpoint-metric",
-           "--save-dir", str(save_dir), "--no-epoch-checkpoints", "--no-last-checkpoints", "--num-workers", "0",
-           "--required-batch-size-multiple", "1", "--no-progress-bar", "--log-format", "simple",
-           "--log-interval", "20", *model, *args.fairseq_extra]
-    with open(log, "w") as out:
-        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
-    if proc.returncode != 0:
-        raise RuntimeError(f"fairseq-train failed ({log}):\n{log.read_text()[-3000:]}")
+    fairseq_train([data, "--user-dir", REPO / "user_dir", "--task", "hf_sentence_prediction", "--glue-task",
+                   args.glue_tasks[data], "--hf-tokenizer-dir", args.encoder_dir, "--max-positions", args.max_positions,
+                   "--criterion", "hf_sentence_prediction", "--optimizer", args.optimizer, "--lr", args.lr,
+                   "--lr-scheduler", "polynomial_decay",
+                   "--warmup-updates", max(1, round(args.warmup * args.total_updates[data])),
+                   "--total-num-update", args.total_updates[data], "--batch-size", args.batch_size,
+                   "--max-epoch", args.epochs, "--seed", seed, "--best-checkpoint-metric", "accuracy",
+                   "--maximize-best-checkpoint-metric", "--save-dir", save_dir, "--no-epoch-checkpoints",
+                   "--no-last-checkpoints", "--num-workers", "0", "--required-batch-size-multiple", "1",
+                   "--no-progress-bar", "--log-format", "simple", "--log-interval", "20", *model, *args.fairseq_extra],
+                  log)
     return best
 
 
@@ -108,22 +104,11 @@ def dev_accuracy(log: Path) -> float:
     return best
 
 
-def test_scores(checkpoint: Path, data: Path, out: Path) -> Dict[str, float]:
-    cmd = [sys.executable, str(REPO / "scripts" / "glue_predict.py"), "--path", str(checkpoint), "--data", str(data),
-           "--split", "test", "--out", str(out), "--cpu"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-    if proc.returncode != 0:
-        raise RuntimeError(f"glue_predict.py failed on {checkpoint}: {proc.stderr[-3000:]}")
-    lines = proc.stdout.strip().splitlines()
-    return json.loads(lines[-1]) if lines else {}  # no scores: an unlabelled (GLUE) test.tsv
-
-
 def export_encoder(checkpoint: Path, dest: Path, tokenizer_dir: str) -> Path:
     """The fine-tuned encoder of an ``hf_sentence_classifier`` checkpoint as a Hugging Face
     directory (``save_pretrained`` + the tokenizer files), for ``--hf-model-dir``."""
     if (dest / "config.json").is_file():
         return dest
-    sys.path.insert(0, str(REPO / "scripts"))
     from glue_predict import load
 
     model, _task = load(str(checkpoint), str(checkpoint.parent), tokenizer_dir, cpu=True)
@@ -136,10 +121,12 @@ def export_encoder(checkpoint: Path, dest: Path, tokenizer_dir: str) -> Path:
     return dest
 
 
-def run(args, name: str, data: Path, out: Path, seed: int, model: List[str], row: dict) -> dict:
+def run(args, name: str, data: Path, out: Path, seed: int, model: List[str], row: dict, keep: bool = False) -> None:
+    """One run -> ``OUT/NAME.result.json`` (skipped if it exists); its checkpoint is deleted
+    unless ``keep`` (transfer sources)."""
     result = out / f"{name}.result.json"
     if result.is_file():
-        return json.loads(result.read_text())
+        return
     out.mkdir(parents=True, exist_ok=True)
     log = out / f"{name}.log"
     best = train(args, data, out / name, log, seed, model)
@@ -147,48 +134,40 @@ def run(args, name: str, data: Path, out: Path, seed: int, model: List[str], row
     row = {**row, "run": name, "seed": seed, "dev_accuracy": dev_accuracy(log),
            "test_accuracy": scores.get("accuracy"), "test": scores}
     result.write_text(json.dumps(row, indent=2) + "\n")
-    for checkpoint in (out / name).glob("*.pt"):  # keep disk use bounded: sources are kept below
-        if not row.get("keep_checkpoint"):
+    if not keep:  # bounded disk use
+        for checkpoint in (out / name).glob("*.pt"):
             checkpoint.unlink()
     print(json.dumps({k: v for k, v in row.items() if k != "test"}), flush=True)
-    return row
 
 
-def single_task_runs(args, data: Path, seed: int) -> Dict[str, dict]:
+def single_task_runs(args, data: Path, seed: int) -> None:
     """[CLS] baseline and HUBERT on one task (kept: they are transfer sources)."""
     out = args.run_dir / data.name / f"seed{seed}"
     encoder = ["--hf-model-dir", args.encoder_dir]
-    base = {"task": data.name, "keep_checkpoint": True}
-    return {
-        "cls": run(args, "cls", data, out, seed, ["--arch", "hf_sentence_classifier", *encoder],
-                   {**base, "model": "BERT", "transfer": []}),
-        "tpr": run(args, "tpr", data, out, seed, ["--arch", args.tpr_arch, *encoder, *args.tpr_args],
-                   {**base, "model": "HUBERT", "transfer": []}),
-    }
+    run(args, "cls", data, out, seed, ["--arch", "hf_sentence_classifier", *encoder],
+        {"task": data.name, "model": "BERT", "transfer": []}, keep=True)
+    run(args, "tpr", data, out, seed, ["--arch", args.tpr_arch, *encoder, *args.tpr_args],
+        {"task": data.name, "model": "HUBERT", "transfer": []}, keep=True)
 
 
-def transfer_runs(args, source: Path, target: Path, seed: int) -> List[dict]:
+def transfer_runs(args, source: Path, target: Path, seed: int) -> None:
     single_task_runs(args, source, seed)
-    baselines = single_task_runs(args, target, seed)
+    single_task_runs(args, target, seed)
     src = args.run_dir / source.name / f"seed{seed}"
     out = args.run_dir / f"{source.name}-to-{target.name}" / f"seed{seed}"
     row = {"task": target.name, "source": source.name}
-    rows = [dict(baselines["cls"], source=source.name), dict(baselines["tpr"], source=source.name)]
     exported = export_encoder(src / "cls" / "checkpoint_best.pt", out / "cls-encoder", args.encoder_dir)
-    rows.append(run(args, "cls+encoder", target, out, seed, ["--arch", "hf_sentence_classifier", "--hf-model-dir",
-                                                              str(exported)],
-                    {**row, "model": "BERT", "transfer": ["encoder"]}))
+    run(args, "cls+encoder", target, out, seed, ["--arch", "hf_sentence_classifier", "--hf-model-dir", str(exported)],
+        {**row, "model": "BERT", "transfer": ["encoder"]})
     for parts in args.combos:
         moved = transfer_parts(parts, args.with_selectors)
         model = ["--arch", args.tpr_arch, "--hf-model-dir", args.encoder_dir, *args.tpr_args,
                  "--tpr-transfer-from", str(src / "tpr" / "checkpoint_best.pt"), "--tpr-transfer", ",".join(moved)]
         if args.freeze:
             model += ["--tpr-freeze", ",".join(moved)]
-        rows.append(run(args, combo_name(parts), target, out, seed, model,
-                        {**row, "model": "HUBERT", "transfer": moved}))
+        run(args, combo_name(parts), target, out, seed, model, {**row, "model": "HUBERT", "transfer": moved})
     if args.cleanup_exports:
         shutil.rmtree(exported, ignore_errors=True)
-    return rows
 
 
 def mean_sd(values: Sequence[float]) -> str:
@@ -247,6 +226,14 @@ def summarise(rows: List[dict], source: str, target: str) -> dict:
     return {"source": source, "target": target, "rows": table, "table2": paper, "text": "\n".join(lines)}
 
 
+def finished_rows(run_dir: Path, source: Path, target: Path) -> List[dict]:
+    """Every finished run of ``run_dir`` for this pair, any seed: the target's baselines and
+    the transfer runs."""
+    found = list((run_dir / f"{source.name}-to-{target.name}").glob("seed*/*.result.json"))
+    found += list((run_dir / target.name).glob("seed*/*.result.json"))
+    return [dict(json.loads(p.read_text()), source=source.name) for p in sorted(found)]
+
+
 def steps_per_epoch(data: Path, batch_size: int) -> int:
     with open(data / "train.tsv", encoding="utf-8") as f:
         examples = sum(1 for line in f if line.strip()) - 1  # GLUE files have a header line
@@ -293,7 +280,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.total_updates = {d: steps_per_epoch(d, args.batch_size) * args.epochs for d in (args.source, args.target)}
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     pairs = [(args.source, args.target)] + ([(args.target, args.source)] if args.both_directions else [])
-    rows: Dict[tuple, List[dict]] = {}
     for seed in args.seeds:
         for source, target in pairs:
             if args.only_baselines:
@@ -301,11 +287,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 single_task_runs(args, target, seed)
             else:
                 transfer_runs(args, source, target, seed)
-    for source, target in pairs:  # every finished run of the run directory, any seed
-        out = args.run_dir / f"{source.name}-to-{target.name}"
-        found = list(out.glob("seed*/*.result.json")) + list((args.run_dir / target.name).glob("seed*/*.result.json"))
-        rows[(source, target)] = [dict(json.loads(p.read_text()), source=source.name) for p in sorted(found)]
-    report = [summarise(r, s.name, t.name) for (s, t), r in rows.items()]
+    report = [summarise(finished_rows(args.run_dir, s, t), s.name, t.name) for s, t in pairs]
     (args.run_dir / "transfer.json").write_text(json.dumps(report, indent=2) + "\n")
     print("\n\n".join(r["text"] for r in report))
     return 0
