@@ -41,13 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from glue_predict import load, predict_dataset  # noqa: E402  (also registers the task and models)
-from user_dir.hf_sentence.data import (  # noqa: E402
-    Examples,
-    HFSentenceDataset,
-    _rows,
-    encode,
-    topic_arrays,
-)
+from user_dir.hf_sentence.data import Examples, HFSentenceDataset, _rows  # noqa: E402
 
 ENTAILMENT, NON_ENTAILMENT = "entailment", "non-entailment"
 GOLD_LABELS = (ENTAILMENT, NON_ENTAILMENT)
@@ -141,11 +135,8 @@ def check_task(task, entailment_label: str) -> int:
 
 
 def hans_dataset(task, examples: Examples) -> HFSentenceDataset:
-    """The examples encoded as the task encodes a split (``task.load_dataset``), unlabelled."""
-    keep_words = bool(task.cfg.topic_features)
-    encoded = encode(task.tokenizer, examples, task.cfg.max_positions, keep_words)
-    topic = topic_arrays(encoded, task.topic_vocabulary) if keep_words else None
-    return HFSentenceDataset(encoded, None, task.padding_idx, shuffle=False, topic=topic)
+    """The examples encoded as the task encodes a split (``task.build_dataset``), unlabelled."""
+    return task.build_dataset(examples)
 
 
 def predict_classes(model, task, dataset: HFSentenceDataset, batch_size: int = 32,

@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     files = {n: getattr(args, f"{n}_file") for n in CORPORA if getattr(args, f"{n}_file") is not None}
     try:
         stats = prepare(args.out_dir, args.corpora, args.dev, args.test, args.seed, args.cache_dir, files)
-    except (DataError, ValueError) as err:
+    except ValueError as err:  # DataError is one too
         print(f"error: {err}", file=sys.stderr)
         return 1
     for name, s in stats.items():

@@ -37,6 +37,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import user_dir  # noqa: E402,F401  (registers the models; allow-lists checkpoint types)
+from user_dir.safe_loading import model_config  # noqa: E402
 from fairseq import checkpoint_utils  # noqa: E402
 from fairseq.data import Dictionary, data_utils  # noqa: E402
 from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY  # noqa: E402
@@ -84,8 +85,7 @@ def load_dictionary(data_dir: str = None, dict_path: str = None) -> Dictionary:
 
 
 def _model_args(state) -> Namespace:
-    cfg = state.get("cfg")
-    model_cfg = cfg["model"] if cfg is not None and "model" in cfg else state.get("args")
+    model_cfg = model_config(state)
     if model_cfg is None:
         raise ValueError("the checkpoint has no model configuration (cfg.model / args)")
     if isinstance(model_cfg, Namespace):

@@ -445,12 +445,10 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> int:
-    from registry_data import DataError
-
     args = parse_args(argv)
     try:
         run(args)
-    except (ValueError, OSError, DataError) as error:
+    except (ValueError, OSError) as error:  # registry_data.DataError is a ValueError
         print(f"tpr_roles_pos.py: error: {error}", file=sys.stderr)
         return 2
     return 0

@@ -179,6 +179,12 @@ def mean_sd(values: Sequence[float]) -> str:
     return f"{statistics.mean(values):6.2f} ± {statistics.stdev(values):4.2f}"
 
 
+def paired_gains(rows: List[dict], baseline: List[dict], key: str) -> List[float]:
+    """``row[key] - baseline[key]`` of the same seed, for the seeds both have a value for."""
+    base = {r["seed"]: r[key] for r in baseline if r[key] is not None}
+    return [r[key] - base[r["seed"]] for r in rows if r["seed"] in base and r[key] is not None]
+
+
 def summarise(rows: List[dict], source: str, target: str) -> dict:
     """Every row (mean/sd over seeds, gain over the same model's baseline) and Table 2's summary."""
     names = ["cls", "cls+encoder", "tpr"] + [combo_name(c) for c in COMBOS]
@@ -192,11 +198,8 @@ def summarise(rows: List[dict], source: str, target: str) -> dict:
         baseline = by_name["cls" if name.startswith("cls") else "tpr"]
         dev = [r["dev_accuracy"] for r in chosen]
         test = [r["test_accuracy"] for r in chosen if r["test_accuracy"] is not None]
-        base_dev = {r["seed"]: r["dev_accuracy"] for r in baseline}
-        base_test = {r["seed"]: r["test_accuracy"] for r in baseline if r["test_accuracy"] is not None}
-        dev_gains = [r["dev_accuracy"] - base_dev[r["seed"]] for r in chosen if r["seed"] in base_dev]
-        gains = [r["test_accuracy"] - base_test[r["seed"]] for r in chosen
-                 if r["seed"] in base_test and r["test_accuracy"] is not None]
+        dev_gains = paired_gains(chosen, baseline, "dev_accuracy")
+        gains = paired_gains(chosen, baseline, "test_accuracy")
         entry = {"run": name, "model": chosen[0]["model"], "transfer": chosen[0]["transfer"],
                  "seeds": sorted(r["seed"] for r in chosen), "dev": dev, "test": test,
                  "dev_mean": statistics.mean(dev), "dev_sd": statistics.stdev(dev) if len(dev) > 1 else 0.0,

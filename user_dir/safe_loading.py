@@ -7,6 +7,8 @@ arguments (``cfg["model"]``) and the numpy scalars/dtypes that fairseq's meters
 store in ``extra_state["metrics"]`` (BLEU counts). Exactly these are allow-listed here; any other
 global in a pickle (for example ``os.system`` via ``__reduce__``) is still refused
 by torch with an ``UnpicklingError``.
+
+:func:`model_config` reads a loaded checkpoint's model configuration, wherever fairseq put it.
 """
 
 import argparse
@@ -35,3 +37,13 @@ def checkpoint_types():
 def register_checkpoint_types() -> None:
     """Allow-list :func:`checkpoint_types` for ``torch.load(weights_only=True)``."""
     torch.serialization.add_safe_globals(checkpoint_types())
+
+
+def model_config(state: dict):
+    """The model configuration of a checkpoint loaded with ``load_checkpoint_to_cpu``:
+    ``cfg["model"]`` (an ``argparse.Namespace`` for legacy architectures, else a DictConfig),
+    or the pre-hydra ``args``; None when the checkpoint has neither."""
+    cfg = state.get("cfg")
+    if cfg is not None and cfg.get("model") is not None:
+        return cfg["model"]
+    return state.get("args")

@@ -33,6 +33,7 @@ from omegaconf import II
 from .data import (
     GLUE_TASKS,
     TASK_CHOICES,
+    Encoded,
     Examples,
     HFSentenceDataset,
     LabelSpec,
@@ -318,6 +319,16 @@ class HFSentencePredictionTask(FairseqTask):
         examples = read_tsv(self.split_path(split), self.layout, self.unlabelled_layout)
         return examples, encode(self.tokenizer, examples, self.cfg.max_positions, keep_words)
 
+    def build_dataset(self, examples: Examples, targets=None, shuffle: bool = False,
+                      encoded: Optional[Encoded] = None) -> HFSentenceDataset:
+        """``examples`` encoded as every split is (this task's tokenizer, ``--max-positions``
+        and, with ``--topic-features``, its topic vocabulary); ``encoded`` if already done."""
+        keep_words = bool(self.cfg.topic_features)
+        if encoded is None:
+            encoded = encode(self.tokenizer, examples, self.cfg.max_positions, keep_words)
+        topic = topic_arrays(encoded, self.topic_vocabulary) if keep_words else None
+        return HFSentenceDataset(encoded, targets, self.padding_idx, shuffle=shuffle, topic=topic)
+
     def load_dataset(self, split: str, epoch: int = 1, combine: bool = False, **kwargs):
         keep_words = bool(self.cfg.topic_features)
         if split_file(split) == "train.tsv" and self._train_cache is not None:
@@ -331,9 +342,8 @@ class HFSentencePredictionTask(FairseqTask):
             raise ValueError(f"{examples.path}: no label column (an unlabelled test layout): cannot train on it")
         else:
             targets = None
-        topic = topic_arrays(encoded, self.topic_vocabulary) if keep_words else None
         self.examples[split] = examples
-        self.datasets[split] = HFSentenceDataset(encoded, targets, self.padding_idx, shuffle=training, topic=topic)
+        self.datasets[split] = self.build_dataset(examples, targets, shuffle=training, encoded=encoded)
         truncated = int((self.datasets[split].sizes >= self.cfg.max_positions).sum())
         logger.info("%s: %d examples from %s (%s)%s", split, len(examples), examples.path,
                     "labelled" if targets is not None else "no labels",

@@ -317,8 +317,6 @@ def topic_vq_sts(args):
 
 def saved_stage(checkpoint: dict):
     """The ``--topic-vq-stage`` a fairseq checkpoint was trained with (None if it does not say)."""
-    cfg = checkpoint.get("cfg")
-    model_cfg = cfg.get("model") if cfg is not None else None
-    if model_cfg is None:
-        model_cfg = checkpoint.get("args")
-    return getattr(model_cfg, "topic_vq_stage", None) if model_cfg is not None else None
+    from user_dir.safe_loading import model_config
+
+    return getattr(model_config(checkpoint), "topic_vq_stage", None)
