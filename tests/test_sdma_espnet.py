@@ -81,7 +81,7 @@ def test_decoder_and_encoder_build_from_standard_arguments_alone():
     assert decoder.decoders[0].self_attn.sdma.options.mask_at_inference is False
     encoder = SDMATransformerEncoder(input_size=80)
     core = encoder.encoders[0].self_attn.sdma
-    assert (encoder.output_size(), core.options.num_clusters, core.options.num_query_clusters) == (256, 8, 4)
+    assert (encoder.output_size(), core.options.num_clusters, core.options.num_query_clusters) == (256, 8, 8)
     assert core.options.centroid_grad_scale == 5.0
 
 
@@ -184,21 +184,29 @@ def test_incremental_batch_score_equals_full_forward(mask_at_inference):
     torch.testing.assert_close(single, full[0, 3], rtol=1e-5, atol=1e-5)
 
 
-def test_mask_at_inference_changes_decoding_only_when_enabled():
+def test_mask_at_inference_governs_decoder_self_attention_only():
+    """The paper drops the decoder SELF-attention's mask at test time; cross-attention keeps its mask."""
     torch.manual_seed(0)
     kwargs = dict(vocab_size=13, encoder_output_size=32, attention_heads=2, linear_units=64, num_blocks=1)
     on = SDMATransformerDecoder(**kwargs, sdma_mask_at_inference=True).eval()
     off = SDMATransformerDecoder(**kwargs, sdma_mask_at_inference=False).eval()
     off.load_state_dict(on.state_dict())
-    vanilla = espnet_plugin_vanilla_decoder(kwargs)
-    vanilla.load_state_dict({k: v for k, v in on.state_dict().items() if ".sdma." not in k})
     for module in list(on.modules()) + list(off.modules()):
         if isinstance(module, SDMAMultiHeadedAttention):
             module.set_num_updates(10_000)
+    layer = off.decoders[0]
+    assert not layer.self_attn.sdma.active(False) and layer.src_attn.sdma.active(False)
     memory, ys = torch.randn(1, 5, 32), torch.tensor([[12, 3, 4]])
     args = (memory, torch.tensor([5]), ys, torch.tensor([3]))
-    torch.testing.assert_close(off(*args)[0], vanilla(*args)[0])
-    assert not torch.allclose(on(*args)[0], off(*args)[0])
+    # "off" is "on" with only the self-attention made plain (ESPnet's own attention, same weights)
+    plain_self = MultiHeadedAttention(2, 32, 0.0).eval()
+    plain_self.load_state_dict({k: v for k, v in on.decoders[0].self_attn.state_dict().items()
+                                if k.startswith("linear_")})
+    on.decoders[0].self_attn = plain_self
+    torch.testing.assert_close(off(*args)[0], on(*args)[0])
+    vanilla = espnet_plugin_vanilla_decoder(kwargs)
+    vanilla.load_state_dict({k: v for k, v in off.state_dict().items() if ".sdma." not in k})
+    assert not torch.allclose(off(*args)[0], vanilla(*args)[0], atol=1e-4)  # the cross mask acts
 
 
 def espnet_plugin_vanilla_decoder(kwargs):
@@ -260,6 +268,75 @@ def test_optimizer_steps_drive_the_mixing_weight_and_survive_reload():
     assert float(restored.decoder.decoders[1].src_attn.sdma.mix_weight) == pytest.approx(mixing_weight(3))
 
 
+def test_regulariser_is_normalised_like_espnets_attention_loss():
+    """Per-utterance regularisers summed ('sentence') and divided by ESPnet's CE normaliser: the
+    batch size by default (= the batch mean, as the authors' ESPnet code adds it), the number of
+    target tokens with length_normalized_loss: true."""
+    batch = tiny_batch()
+    num_tokens = float((batch[3] + 1).sum())
+    for conf, normaliser in ((dict(), 3.0), (dict(length_normalized_loss=True), num_tokens)):
+        torch.manual_seed(0)
+        model = SDMAASRTask.build_model(tiny_args(model_conf=dict(ctc_weight=0.3, lsm_weight=0.1, **conf)))
+        model.train()
+        loss, stats, _ = model(*batch)
+        w = model.sdma_loss_weights
+        mean_reg = (w["sdma_kl_weight"] * (stats["sdma_kl_z"] + stats["sdma_kl_q"])
+                    + w["sdma_dqq_weight"] * stats["sdma_dqq"] - w["sdma_dxq_weight"] * stats["sdma_dxq"]
+                    + w["sdma_diversity_weight"] * (stats["sdma_dv_z"] + stats["sdma_dv_q"]))
+        torch.testing.assert_close(stats["sdma_reg"], mean_reg * 3 / normaliser)
+        torch.testing.assert_close(loss, 0.3 * stats["loss_ctc"] + 0.7 * stats["loss_att"] + stats["sdma_reg"])
+
+
+def test_model_loss_per_utterance_is_unchanged_by_duplicating_the_batch():
+    """ESPnet's loss is per utterance: two copies of a batch give the same loss and regulariser."""
+    torch.manual_seed(0)
+    model = SDMAASRTask.build_model(tiny_args())
+    model.train()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    for core in model.sdma_cores:
+        core.options.noise_var = 0.0
+    speech, speech_lengths, text, text_lengths = tiny_batch()
+    _, one, _ = model(speech, speech_lengths, text, text_lengths)
+    _, two, _ = model(speech.repeat(2, 1), speech_lengths.repeat(2), text.repeat(2, 1), text_lengths.repeat(2))
+    for key in ("loss", "sdma_reg", *(f"sdma_{n}" for n in LOSS_NAMES)):
+        torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-5)
+
+
+def test_inference_uses_weights_written_through_data():
+    """An fp16 optimizer writes master weights with ``p.data.copy_`` (no version bump): decoding must
+    see them."""
+    torch.manual_seed(0)
+    encoder = SDMATransformerEncoder(input_size=20, output_size=32, attention_heads=2, linear_units=64,
+                                     num_blocks=2).eval()
+    for module in encoder.modules():
+        if isinstance(module, SDMAMultiHeadedAttention):
+            module.set_num_updates(10_000)
+    xs, lens = torch.randn(2, 40, 20), torch.tensor([40, 31])
+    with torch.no_grad():
+        encoder(xs, lens)
+        for module in encoder.modules():
+            if isinstance(module, SDMAMultiHeadedAttention):
+                gmm = module.sdma.feature_gmm
+                gmm.means.data.copy_(gmm.means.data + torch.randn_like(gmm.means))
+        after = encoder(xs, lens)[0]
+        fresh = SDMATransformerEncoder(input_size=20, output_size=32, attention_heads=2, linear_units=64,
+                                       num_blocks=2).eval()
+        fresh.load_state_dict(encoder.state_dict())
+        expected = fresh(xs, lens)[0]
+    torch.testing.assert_close(after, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_default_clusters_follow_the_authors_aishell_config():
+    """Table I's Aishell-1 "8/4": 8 clusters in the encoder (both GMMs), 4 in the decoder (both GMMs)."""
+    model = SDMAASRTask.build_model(tiny_args())
+    for path in ("encoder.encoders.0.self_attn", "decoder.decoders.0.self_attn", "decoder.decoders.0.src_attn"):
+        core = model.get_submodule(path).sdma
+        expected = 8 if path.startswith("encoder") else 4
+        assert (core.feature_gmm.num_clusters, core.query_gmm.num_clusters) == (expected, expected), path
+
+
 # --------------------------------------------------------------------------- bad input
 
 
@@ -269,6 +346,7 @@ def test_optimizer_steps_drive_the_mixing_weight_and_survive_reload():
         (dict(encoder_conf=dict(output_size=32, attention_heads=2, sdma_clusters=0)), "encoder_conf.sdma_clusters=0"),
         (dict(decoder_conf=dict(attention_heads=2, sdma_mode="fancy")), "decoder_conf.sdma_mode='fancy'"),
         (dict(model_conf=dict(sdma_dqq_weight=-1.0)), "model_conf.sdma_dqq_weight=-1.0"),
+        (dict(model_conf=dict(sdma_regulariser_scale="tokens")), "model_conf.sdma_regulariser_scale='tokens'"),
         (dict(encoder="transformer", decoder="transformer"), "model: sdma needs an SDMA encoder"),
     ],
 )

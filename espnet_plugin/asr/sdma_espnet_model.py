@@ -11,10 +11,12 @@ from typeguard import typechecked
 from user_dir.sdma.core import (
     LOSS_NAMES,
     LOSS_WEIGHTS,
+    REGULARISER_SCALES,
     SDMACore,
     SDMAConfigError,
     check_finite,
     collect_sdma_losses,
+    scale_regulariser,
     weighted_regulariser,
 )
 
@@ -27,11 +29,18 @@ class ESPnetSDMAASRModel(ESPnetASRModel):
         loss = ESPnet's CTC/attention loss + lambda_k (L_KL^z + L_KL^q) + lambda_q L_Dqq
                - lambda_x L_Dxq + lambda_d (L_DV^z + L_DV^q)
 
-    Each regulariser is a mean over tokens, heads and layers of one attention type,
-    summed over encoder self-, decoder self- and cross-attention
-    (:func:`user_dir.sdma.core.collect_sdma_losses`), and added once per batch, as the
-    authors' code adds them to the per-utterance ESPnet loss. Defaults: the paper's
-    Aishell-1 weights (lambda_k 0.001, lambda_q 30, lambda_x 4, lambda_d 1).
+    Each regulariser is computed per utterance (a mean over its tokens, the heads and the
+    layers of one attention type, summed over encoder self-, decoder self- and
+    cross-attention; :func:`user_dir.sdma.core.collect_sdma_losses`). The regulariser
+    total is built exactly as in the fairseq criterion (``sdma_regulariser_scale``:
+    ``sentence`` = sum over the batch's utterances, default; ``batch``; ``token``; see
+    :func:`user_dir.sdma.core.scale_regulariser`) and divided by the normaliser ESPnet
+    uses for its attention loss: the batch size (``length_normalized_loss: false``,
+    ESPnet's default; with ``sentence`` this is the batch MEAN added to the per-utterance
+    loss, as the authors' ESPnet code does) or the number of target tokens
+    (``length_normalized_loss: true``). So a lambda weighs an utterance's regularisers
+    against that utterance's summed CE in both toolkits. Defaults: the paper's Aishell-1
+    weights (lambda_k 0.001, lambda_q 30, lambda_x 4, lambda_d 1).
 
     Every term is reported as its own stat (``sdma_kl_z`` ... ``sdma_dv_q``, the weighted
     sum ``sdma_reg`` and the mixing weight ``sdma_mix``) on every step, zero when a term
@@ -45,8 +54,15 @@ class ESPnetSDMAASRModel(ESPnetASRModel):
 
     @typechecked
     def __init__(self, *args, sdma_kl_weight: float = 0.001, sdma_dqq_weight: float = 30.0,
-                 sdma_dxq_weight: float = 4.0, sdma_diversity_weight: float = 1.0, **kwargs):
+                 sdma_dxq_weight: float = 4.0, sdma_diversity_weight: float = 1.0,
+                 sdma_regulariser_scale: str = "sentence", **kwargs):
         super().__init__(*args, **kwargs)
+        if sdma_regulariser_scale not in REGULARISER_SCALES:
+            raise SDMAConfigError(
+                f"model_conf.sdma_regulariser_scale={sdma_regulariser_scale!r} is not one of "
+                f"{', '.join(REGULARISER_SCALES)}"
+            )
+        self.sdma_regulariser_scale = sdma_regulariser_scale
         self.sdma_loss_weights = {
             "sdma_kl_weight": sdma_kl_weight,
             "sdma_dqq_weight": sdma_dqq_weight,
@@ -84,12 +100,20 @@ class ESPnetSDMAASRModel(ESPnetASRModel):
         loss, stats, weight = super().forward(speech, speech_lengths, text, text_lengths, **kwargs)
         terms = collect_sdma_losses(self)
         check_finite(terms, ESPNET_ADVICE)
-        regulariser = weighted_regulariser(terms, self.sdma_loss_weights).to(loss.dtype)
+        per_utterance = weighted_regulariser(terms, self.sdma_loss_weights)  # (B,)
+        num_tokens = float((text_lengths + 1).sum())  # the attention targets, <eos> included
+        total = scale_regulariser(per_utterance, self.sdma_regulariser_scale, num_tokens)
+        normaliser = num_tokens if self.criterion_att.normalize_length else float(text.size(0))
+        regulariser = (total / normaliser).to(loss.dtype)
         loss = loss + regulariser
-        sdma_stats = {f"sdma_{name}": terms[name].detach() for name in LOSS_NAMES}
+        sdma_stats = {f"sdma_{name}": _utterance_mean(terms[name]).detach() for name in LOSS_NAMES}
         sdma_stats["sdma_reg"] = regulariser.detach()
         sdma_stats["sdma_mix"] = self.sdma_cores[0].mix_weight.detach().clone()
         stats.update(sdma_stats)
         stats["loss"] = loss.detach()
         return force_gatherable((loss, stats, weight), loss.device)
 
+
+def _utterance_mean(per_utterance: torch.Tensor) -> torch.Tensor:
+    """(B,) -> the batch mean (ESPnet's reporter weights stats by the batch size)."""
+    return per_utterance.mean() if per_utterance.dim() else per_utterance

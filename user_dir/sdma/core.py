@@ -46,6 +46,9 @@ LOSS_WEIGHTS = {
     "sdma_diversity_weight": ("lambda_d", ("dv_z", "dv_q"), 1.0),
 }
 
+# How the per-sentence regularisers enter the batch loss (see scale_regulariser).
+REGULARISER_SCALES = ("sentence", "batch", "token")
+
 _LOG_2PI = math.log(2.0 * math.pi)
 _MASK_FLOOR = 1e-6  # smallest semantic-mask value, keeps log M finite
 _LOGVAR_RANGE = (-9.0, 9.0)
@@ -125,37 +128,40 @@ class GaussianMixture(nn.Module):
         self.means = nn.Parameter(torch.randn(groups, num_clusters, dim))
         self.log_vars = nn.Parameter(torch.zeros(groups, num_clusters, dim))
         self.centroid_grad_scale = float(centroid_grad_scale)
-        self._cached_key = None  # parameter versions the inference weights were built from
-        self._cached_terms = None
         if self.centroid_grad_scale != 1.0:
             self.means.register_hook(self._scale_centroid_grad)
 
     def _scale_centroid_grad(self, grad: Tensor) -> Tensor:
         return grad * self.centroid_grad_scale
 
-    def log_joint(self, z: Tensor) -> Tensor:
+    def log_joint(self, z: Tensor, terms: Optional[Tuple[Tensor, Tensor, Tensor]] = None) -> Tensor:
         """log pi_c + log N(z | mu_c, sigma_c^2) for ``z`` of shape ``[..., G, d]`` -> ``[..., G, C]``.
 
         Computed in (at least) float32 by :class:`_GaussianLogJoint`, which saves only ``z``
-        for the backward pass.
+        for the backward pass. Without gradients, ``terms`` (from :meth:`inference_terms`)
+        may be passed by a caller that knows the parameters cannot have changed since they
+        were built (one beam search); otherwise they are rebuilt from the current
+        parameters on every call.
         """
         lead = z.shape[:-2]
         dtype = torch.promote_types(z.dtype, torch.float32)
         flat = z.to(dtype).reshape(-1, self.groups * self.dim)  # [N, G*d]
         if torch.is_grad_enabled():
             out = _GaussianLogJoint.apply(flat, self.means, self.log_vars, self.prior_logits)
-        else:  # inference: the weights only change when the parameters do
-            weight_sq, weight_lin, bias = self._inference_terms(dtype)
+        else:
+            # Never cached across calls on the module: fairseq's FP16Optimizer (and EMA, and
+            # anyone writing ``p.data``) changes the parameters without bumping their version
+            # counter or moving them, so a cache keyed on either serves stale weights.
+            if terms is None or terms[0].dtype != dtype:
+                terms = self.inference_terms(dtype)
+            weight_sq, weight_lin, bias = terms
             out = bias - 0.5 * torch.addmm(torch.mm(flat * flat, weight_sq), flat, weight_lin)
         return out.view(*lead, self.groups, self.num_clusters)
 
-    def _inference_terms(self, dtype):
-        params = (self.means, self.log_vars, self.prior_logits)
-        key = tuple((p._version, p.data_ptr()) for p in params) + (dtype, self.means.device)
-        if self._cached_key != key:
-            self._cached_terms = _gmm_terms(*(p.detach() for p in params), dtype)
-            self._cached_key = key
-        return self._cached_terms
+    def inference_terms(self, dtype: torch.dtype = torch.float32) -> Tuple[Tensor, Tensor, Tensor]:
+        """The expanded log-density of the CURRENT parameters, ``([G*d, G*C], [G*d, G*C], [G*C])``."""
+        with torch.no_grad():
+            return _gmm_terms(self.means, self.log_vars, self.prior_logits, dtype)
 
     def trace_precision(self) -> Tensor:
         """sum_d 1 / sigma_{c,d}^2, shape ``[G, C]`` (enters the KL of eq. 20)."""
@@ -218,18 +224,22 @@ class _GaussianLogJoint(torch.autograd.Function):
 # Regularisers. Layout: ``[L, T, B, n_h, C]`` -- the L layers of one attention
 # type are stacked so each term costs a handful of batched ops (not one set per
 # layer). ``valid`` is a float ``[T, B]`` mask of real (non-padding) query
-# positions, shared by the layers. Every function returns the mean over layers.
+# positions, shared by the layers. Every function returns one value PER SENTENCE,
+# ``[B]``: the mean over layers, heads and the sentence's own tokens (the 1/(N n_h n_q)
+# of eq. 20-23), as the authors' ``clustering()`` does; :func:`scale_regulariser`
+# turns the per-sentence values into the batch's loss term.
 # ----------------------------------------------------------------------------
 
 
-def _token_mean(per_token: Tensor, valid: Tensor) -> Tensor:
-    """Mean of ``[L, T, B]`` over layers and valid positions."""
-    return (per_token * valid).sum() / (valid.sum().clamp_min(1.0) * per_token.size(0))
+def _sentence_mean(per_token: Tensor, valid: Tensor) -> Tensor:
+    """``[L, T, B]`` -> ``[B]``: mean over layers and over each sentence's valid positions."""
+    n_q = valid.sum(0).clamp_min(1.0)  # [B]
+    return ((per_token * valid).sum(1) / n_q).mean(0)
 
 
 def vade_kl(log_joint: Tensor, log_resp: Tensor, trace_precision: Tensor, dim: int,
             posterior_var: float, valid: Tensor, resp: Optional[Tensor] = None) -> Tensor:
-    """KL(q(z, c | x) || p(z, c)) in the VaDE form, averaged over heads and tokens (eq. 20).
+    """KL(q(z, c | x) || p(z, c)) in the VaDE form per sentence, ``[B]`` (eq. 20).
 
     With q(z|x) = N(z, s2 I) and q(c|x) = p(c|z) (eq. 9), per token and head:
       sum_c q(c) KL(N(z, s2) || N(mu_c, sigma_c^2)) + KL(q(c) || pi)
@@ -243,11 +253,11 @@ def vade_kl(log_joint: Tensor, log_resp: Tensor, trace_precision: Tensor, dim: i
     trace = (resp * trace_precision[:, None, None]).sum(-1)
     const = 0.5 * dim * (_LOG_2PI + math.log(posterior_var) + 1.0)
     kl = (0.5 * posterior_var * trace - log_marginal).mean(-1) - const
-    return _token_mean(kl, valid)
+    return _sentence_mean(kl, valid)
 
 
 def cluster_diversity(resp: Tensor, valid: Tensor, alpha: float, beta: float) -> Tensor:
-    """L_DV of eq. (23), per sentence and head, averaged.
+    """L_DV of eq. (23) per sentence, ``[B]`` (mean over layers and heads).
 
     sum_ij [M_hat o (C C^T - I)]_ij^2 with M_hat = alpha I + beta (1 - I) equals
     alpha^2 sum_i (s_i - 1)^2 + beta^2 (||C^T C||_F^2 - sum_i s_i^2), s_i = ||C_i||^2,
@@ -259,11 +269,11 @@ def cluster_diversity(resp: Tensor, valid: Tensor, alpha: float, beta: float) ->
     diag = (alpha * alpha) * ((self_sim - 1.0) ** 2 * valid[None, :, :, None]).sum(1)  # [L, B, H]
     off = (beta * beta) * ((gram * gram).sum((-1, -2)) - (self_sim * self_sim).sum(1))
     n_q = valid.sum(0).clamp_min(1.0)[None, :, None]  # [1, B, 1]
-    return ((diag + off) / (n_q * n_q)).mean()
+    return ((diag + off) / (n_q * n_q)).mean((0, 2))
 
 
 def head_mi_upper_bound(log_joint_q: Tensor, resp_q: Tensor, valid: Tensor) -> Tensor:
-    """L_Dqq of eq. (21): -1/(n_q n_h^2) sum_i sum_{h != h'} log(1 - p(q_i^h | q_i^h')).
+    """L_Dqq of eq. (21) per sentence, ``[B]``: -1/(n_q n_h^2) sum_i sum_{h != h'} log(1 - p(q_i^h | q_i^h')).
 
     p(q_i^h | c) (eq. 17) = pi_c N(q_i^h | c) / sum_i' pi_c N(q_i'^h | c): a softmax over
     the sentence's tokens of the query GMM's log-joint (eq. 18);
@@ -276,11 +286,11 @@ def head_mi_upper_bound(log_joint_q: Tensor, resp_q: Tensor, valid: Tensor) -> T
     p_pair = torch.einsum("ltbhc,ltbgc->ltbhg", p_token_given_c, resp_q)  # [L, T, B, H, H']
     off_diag = 1.0 - torch.eye(n_h, device=p_pair.device, dtype=p_pair.dtype)
     neg_log = -torch.log1p(-p_pair.clamp(max=1.0 - 1e-6)) * off_diag
-    return _token_mean(neg_log.sum((-1, -2)) / (n_h * n_h), valid)
+    return _sentence_mean(neg_log.sum((-1, -2)) / (n_h * n_h), valid)
 
 
 def query_input_mi_lower_bound(resp_q: Tensor, valid: Tensor) -> Tensor:
-    """L_Dxq of eq. (22) with the critic f(q_i^h, x_j) = sum_c p(c|q_i^h) p(c|q_j^h) (eq. 19).
+    """L_Dxq of eq. (22) per sentence, ``[B]``, with the critic f(q_i^h, x_j) = sum_c p(c|q_i^h) p(c|q_j^h) (eq. 19).
 
     1/(n_q n_h) sum_i sum_h log softmax_j f(q_i^h, x_j) evaluated at j = i, with
     the softmax over the sentence's real tokens. Maximised (enters eq. 24 with -lambda_x).
@@ -292,7 +302,7 @@ def query_input_mi_lower_bound(resp_q: Tensor, valid: Tensor) -> Tensor:
     log_norm = torch.logsumexp(critic.masked_fill(key_pad, float("-inf")), dim=-1)  # [L, B, H, T]
     log_ratio = critic.diagonal(dim1=-2, dim2=-1) - log_norm
     per_token = log_ratio.mean(2).permute(0, 2, 1)  # [L, T, B]
-    return _token_mean(per_token, valid)
+    return _sentence_mean(per_token, valid)
 
 
 def semantic_log_mask(resp_query: Tensor, resp_key: Tensor, heads: Optional[int] = None) -> Tensor:
@@ -389,10 +399,13 @@ class SDMACore(nn.Module):
             return x + math.sqrt(self.options.noise_var) * torch.randn_like(x)
         return x
 
-    def cluster(self, x: Tensor) -> Tuple[Tensor, Tensor]:
-        """Feature clustering of eq. (9): ``x [..., n_h * d_k]`` -> (log-joint, log p(c|z)), ``[..., n_h, n_c]``."""
+    def cluster(self, x: Tensor, gmm_terms: Optional[Tuple[Tensor, Tensor, Tensor]] = None) -> Tuple[Tensor, Tensor]:
+        """Feature clustering of eq. (9): ``x [..., n_h * d_k]`` -> (log-joint, log p(c|z)), ``[..., n_h, n_c]``.
+
+        ``gmm_terms``: see :meth:`GaussianMixture.log_joint` (inference only).
+        """
         z = x.reshape(*x.shape[:-1], self.num_heads, self.head_dim)
-        log_joint = self.feature_gmm.log_joint(z)
+        log_joint = self.feature_gmm.log_joint(z, gmm_terms)
         return log_joint, torch.log_softmax(log_joint, dim=-1)
 
     def cluster_queries(self, q: Tensor) -> Tuple[Tensor, Tensor]:
@@ -436,10 +449,11 @@ class SDMACore(nn.Module):
 
 
 def sdma_losses(cores) -> Dict[str, Tensor]:
-    """The regularisers of SDMA modules of ONE attention type, averaged over them.
+    """The regularisers of SDMA modules of ONE attention type, per sentence (``[B]`` each).
 
     The modules' clustering tensors are stacked along a layer axis so each term is one
-    batched computation; modules without a recorded forward pass are skipped.
+    batched computation, averaged over the layers; modules without a recorded forward
+    pass are skipped.
     """
     items = [(c, c.pop_pending()) for c in cores]
     items = [(c, p) for c, p in items if p is not None]
@@ -470,12 +484,14 @@ def sdma_losses(cores) -> Dict[str, Tensor]:
 
 
 def collect_sdma_losses(model: nn.Module) -> Dict[str, Tensor]:
-    """Sum over attention types of the layer-mean of every SDMA loss (eq. 20-23, 24).
+    """Per-sentence SDMA losses (eq. 20-23): layer mean per attention type, summed over types.
 
     Modules are grouped by ``sdma_group`` (e.g. ``encoder_self``, ``decoder_self``,
     ``decoder_cross``): each group's terms are averaged over its layers (the 1/N of
-    eq. 20 and 23), and the groups are summed. Missing terms are reported as zero so
-    every term is present in every step's logging output. Clears the recorded passes.
+    eq. 20 and 23), and the groups are summed. Every value is ``[B]`` (one per sentence
+    of the batch); a term no module produced (e.g. the query terms of SMA-T) is zeros,
+    and when no SDMA module ran at all (V-T) every term is a 0-dim zero, so every term is
+    present in every step's logging output. Clears the recorded passes.
     """
     groups: Dict[str, list] = {}
     for module in model.modules():
@@ -485,11 +501,12 @@ def collect_sdma_losses(model: nn.Module) -> Dict[str, Tensor]:
                    None if pending["log_joint_q"] is None else tuple(pending["log_joint_q"].shape))
             groups.setdefault(key, []).append(module)
     per_group = [sdma_losses(cores) for cores in groups.values()]
-    device = next((v.device for g in per_group for v in g.values()), None)
+    present = [v for g in per_group for v in g.values()]
+    zeros = torch.zeros_like(present[0]) if present else torch.zeros(())
     total = {}
     for name in LOSS_NAMES:
         values = [g[name] for g in per_group if name in g]
-        total[name] = torch.stack(values).sum() if values else torch.zeros((), device=device)
+        total[name] = torch.stack(values).sum(0) if values else zeros
     return total
 
 
@@ -497,24 +514,47 @@ def check_finite(terms: Dict[str, Tensor], advice: str) -> None:
     """Raise FloatingPointError naming the first non-finite SDMA loss term (one sync when all are finite)."""
     if not terms:
         return
-    values = torch.stack([t.detach().float().reshape(()) for t in terms.values()])
+    values = torch.cat([t.detach().float().reshape(-1) for t in terms.values()])
     if bool(torch.isfinite(values).all()):
         return
     for name, value in terms.items():
         if not torch.isfinite(value).all():
-            raise FloatingPointError(f"SDMA loss term '{name}' is {float(value)} (NaN/inf). {advice}")
+            bad = value.detach().reshape(-1)
+            bad = bad[~torch.isfinite(bad)]
+            raise FloatingPointError(f"SDMA loss term '{name}' is {float(bad[0])} (NaN/inf) for "
+                                     f"{bad.numel()} of {value.numel()} sentence(s). {advice}")
 
 
 def weighted_regulariser(terms: Dict[str, Tensor], weights: Dict[str, float]) -> Tensor:
     """lambda_k (KL_z + KL_q) + lambda_q L_Dqq - lambda_x L_Dxq + lambda_d (DV_z + DV_q): eq. (24) without L_CE.
 
-    ``terms`` as returned by :func:`collect_sdma_losses`; ``weights`` keyed like
-    :data:`LOSS_WEIGHTS`. Zero-weighted terms are skipped. A float32 scalar.
+    ``terms`` as returned by :func:`collect_sdma_losses` (``[B]`` per sentence); ``weights``
+    keyed like :data:`LOSS_WEIGHTS`. Zero-weighted terms are skipped. Float32, one value
+    per sentence (``[B]``, or 0-dim when the terms are).
     """
-    device = next(iter(terms.values())).device
-    total = torch.zeros((), device=device)
+    total = torch.zeros_like(next(iter(terms.values())), dtype=torch.float32)
     for option, (_, names, sign) in LOSS_WEIGHTS.items():
         if weights[option]:
             for name in names:
                 total = total + sign * weights[option] * terms[name].float()
     return total
+
+
+def scale_regulariser(per_sentence: Tensor, scale: str, num_tokens: float) -> Tensor:
+    """The batch's regulariser term from per-sentence values ``[B]``, next to a token-SUMMED L_CE.
+
+    * ``sentence`` (default): the sum over the batch's sentences, as the authors' fairseq
+      criterion does (``.mean((1, 2)).sum()``); the whole loss is then extensive in the
+      batch (two copies of a sentence give twice every term) and the Table I lambdas weigh
+      each sentence's regularisers against that sentence's summed L_CE;
+    * ``batch``: the batch mean, added once per batch (~``nsentences`` times weaker);
+    * ``token``: the batch mean times ``num_tokens`` (eq. 24 read with a per-token L_CE;
+      ~tokens-per-sentence times stronger than ``sentence``).
+    """
+    if scale == "sentence":
+        return per_sentence.sum()
+    if scale == "batch":
+        return per_sentence.mean() if per_sentence.dim() else per_sentence
+    if scale == "token":
+        return (per_sentence.mean() if per_sentence.dim() else per_sentence) * float(num_tokens)
+    raise SDMAConfigError(f"regulariser scale {scale!r} is not one of {', '.join(REGULARISER_SCALES)}")

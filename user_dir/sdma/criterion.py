@@ -4,13 +4,17 @@
           + lambda_d (L_DV^z + L_DV^q)
 
 L_CE is fairseq's label-smoothed cross-entropy, summed over the batch's tokens (fairseq
-divides the gradient by the sample size). The regularisers (each a mean over tokens,
-heads and layers) are added once per batch, as the authors' fairseq criterion does; the
-lambdas of Table I were tuned that way. ``--sdma-per-token-regularisers`` multiplies them
-by the sample size instead (eq. 24 read with a per-token L_CE: the same lambdas are then
-~ntokens times stronger and slow early training markedly). Every logged value is a sum
-over batches, so ``logging_outputs_can_be_summed()`` holds and DDP reduction is exact
-(2 processes give the same update as one with ``--update-freq 2``).
+divides the gradient by the sample size). Every regulariser is computed per sentence (a
+mean over the sentence's tokens, the heads and the layers, eq. 20-23) and, by default
+(``--sdma-regulariser-scale sentence``), SUMMED over the batch's sentences, as the
+authors' fairseq criterion does (``.mean((1, 2)).sum()``): the whole loss is extensive in
+the batch, like L_CE, and the lambdas of Table I weigh each sentence's regularisers
+against its summed L_CE. ``batch`` adds the batch mean once instead (~``nsentences``
+times weaker; this plugin's default before issue 13), ``token`` the batch mean times the
+number of tokens (eq. 24 read with a per-token L_CE). Every logged value is a sum over
+sentences or batches, so ``logging_outputs_can_be_summed()`` holds and DDP reduction is
+exact (2 processes give the same update as one with ``--update-freq 2``); the ``sdma_*``
+terms are logged per sentence.
 """
 
 import math
@@ -24,7 +28,17 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 )
 from fairseq.logging import metrics
 
-from .core import LOSS_NAMES, LOSS_WEIGHTS, check_finite, collect_sdma_losses, weighted_regulariser
+from fairseq.dataclass import ChoiceEnum
+
+from .core import (
+    LOSS_NAMES,
+    LOSS_WEIGHTS,
+    REGULARISER_SCALES,
+    check_finite,
+    collect_sdma_losses,
+    scale_regulariser,
+    weighted_regulariser,
+)
 
 FAIRSEQ_ADVICE = ("Lower the learning rate, enable --fp16-scale-tolerance / bf16, or check the input data; "
                   "the last checkpoint is intact.")
@@ -44,10 +58,12 @@ class SDMACriterionConfig(LabelSmoothedCrossEntropyCriterionConfig):
     sdma_diversity_weight: Optional[float] = field(
         default=None, metadata={"help": "lambda_d of eq. (24); default: Table I (1)"}
     )
-    sdma_per_token_regularisers: bool = field(
-        default=False,
-        metadata={"help": "scale the regularisers by the sample size (per-token, like L_CE) instead of "
-                          "adding them once per batch as the authors' fairseq code does"},
+    sdma_regulariser_scale: ChoiceEnum(REGULARISER_SCALES) = field(
+        default="sentence",
+        metadata={"help": "how the per-sentence regularisers enter the token-summed loss: 'sentence' sums "
+                          "them over the batch's sentences (the authors' fairseq criterion; the Table I "
+                          "lambdas), 'batch' adds their batch mean once, 'token' the batch mean times the "
+                          "number of target tokens"},
     )
 
 
@@ -55,9 +71,12 @@ class SDMACriterionConfig(LabelSmoothedCrossEntropyCriterionConfig):
 class SDMALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion):
     def __init__(self, task, sentence_avg, label_smoothing, ignore_prefix_size=0, report_accuracy=False,
                  sdma_kl_weight=None, sdma_dqq_weight=None, sdma_dxq_weight=None, sdma_diversity_weight=None,
-                 sdma_per_token_regularisers=False):
+                 sdma_regulariser_scale="sentence"):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
-        self.per_token_regularisers = sdma_per_token_regularisers
+        if str(sdma_regulariser_scale) not in REGULARISER_SCALES:
+            raise ValueError(f"--sdma-regulariser-scale={sdma_regulariser_scale!r} is not one of "
+                             f"{', '.join(REGULARISER_SCALES)}")
+        self.regulariser_scale = str(sdma_regulariser_scale)
         self.weight_overrides = {
             "sdma_kl_weight": sdma_kl_weight,
             "sdma_dqq_weight": sdma_dqq_weight,
@@ -82,9 +101,10 @@ class SDMALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion)
         sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
         terms = collect_sdma_losses(model)
         check_finite(terms, FAIRSEQ_ADVICE)
-        regulariser = weighted_regulariser(terms, self.loss_weights(model)).to(loss)
+        per_sentence = weighted_regulariser(terms, self.loss_weights(model))  # [B]
+        regulariser = scale_regulariser(per_sentence, self.regulariser_scale, sample["ntokens"]).to(loss)
         ce_loss = loss
-        loss = loss + regulariser * (sample_size if self.per_token_regularisers else 1.0)
+        loss = loss + regulariser
         logging_output = {
             "loss": loss.data,
             "ce_loss": ce_loss.data,
@@ -92,10 +112,11 @@ class SDMALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion)
             "ntokens": sample["ntokens"],
             "nsentences": sample["target"].size(0),
             "sample_size": sample_size,
-            "sdma_batches": 1,
+            "sdma_reg": regulariser.data,
         }
-        for name in LOSS_NAMES:
-            logging_output["sdma_" + name] = terms[name].detach().float()
+        for name in LOSS_NAMES:  # summed over sentences here, per sentence in reduce_metrics
+            term = terms[name].detach().float()
+            logging_output["sdma_" + name] = term.sum() if term.dim() else term * sample["target"].size(0)
         if self.report_accuracy:
             n_correct, total = self.compute_accuracy(model, net_output, sample)
             logging_output["n_correct"] = n_correct.data
@@ -110,10 +131,12 @@ class SDMALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion)
             return
         ce_sum = sum(log.get("ce_loss", 0) for log in logging_outputs)
         metrics.log_scalar("ce_loss", ce_sum / sample_size / math.log(2), sample_size, round=3)
-        batches = sum(log.get("sdma_batches", 0) for log in logging_outputs)
+        reg_sum = sum(log.get("sdma_reg", 0) for log in logging_outputs)
+        metrics.log_scalar("sdma_reg", reg_sum / sample_size / math.log(2), sample_size, round=4)
+        nsentences = sum(log.get("nsentences", 0) for log in logging_outputs)
         for name in LOSS_NAMES:
             total = sum(log.get("sdma_" + name, 0) for log in logging_outputs)
-            metrics.log_scalar("sdma_" + name, total / max(batches, 1), batches, round=4)
+            metrics.log_scalar("sdma_" + name, total / max(nsentences, 1), nsentences, round=4)
 
     @staticmethod
     def logging_outputs_can_be_summed() -> bool:

@@ -77,7 +77,8 @@ class SDMAMultiheadAttention(MultiheadAttention):
 
         # eq. (8): one noisy sample z, clustered (eq. 9) and projected (Algorithm 1)
         z = core.perturb(query, self.training)
-        log_joint_z, log_resp_z = core.cluster(z)  # [T, B, H, C]
+        gmm_terms = self._decoding_gmm_terms(incremental_state)
+        log_joint_z, log_resp_z = core.cluster(z, gmm_terms)  # [T, B, H, C]
         resp_query = core.heads_first(log_resp_z.exp())  # [B*H, T, C]
 
         q = self.q_proj(z) * self.scaling
@@ -95,7 +96,7 @@ class SDMAMultiheadAttention(MultiheadAttention):
                         -1, self.beam_size, key_padding_mask.size(1)
                     )[:, 0, :]
             k, v = self.k_proj(key), self.v_proj(value)
-            key_resp = core.heads_first(core.cluster(key)[1].exp())
+            key_resp = core.heads_first(core.cluster(key, gmm_terms)[1].exp())
         else:
             k = v = None
 
@@ -192,6 +193,23 @@ class SDMAMultiheadAttention(MultiheadAttention):
             if not need_head_weights:
                 weights = weights.mean(dim=0)
         return attn, weights
+
+    def _decoding_gmm_terms(self, incremental_state):
+        """The feature GMM's inference weights, built once per beam search.
+
+        fairseq's generators create a fresh ``incremental_state`` for every batch they decode,
+        and the parameters cannot change within one, so the weights are kept there (under a
+        key of their own, which ``reorder_incremental_state`` leaves alone) instead of being
+        rebuilt at every step. Outside incremental decoding nothing is cached.
+        """
+        if incremental_state is None or torch.is_grad_enabled():
+            return None
+        cached = self.get_incremental_state(incremental_state, "sdma_gmm_terms")
+        if cached is None:
+            weight_sq, weight_lin, bias = self.sdma.feature_gmm.inference_terms()
+            cached = {"weight_sq": weight_sq, "weight_lin": weight_lin, "bias": bias}
+            self.set_incremental_state(incremental_state, "sdma_gmm_terms", cached)
+        return cached["weight_sq"], cached["weight_lin"], cached["bias"]
 
     def set_num_updates(self, num_updates: int) -> None:
         self.sdma.set_num_updates(num_updates)

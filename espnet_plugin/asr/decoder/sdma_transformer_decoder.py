@@ -1,6 +1,7 @@
 """Transformer decoder with SDMA self- and cross-attention (ESPnet2 ``decoder: sdma_transformer``)."""
 
 import contextlib
+import dataclasses
 from typing import Any, List, Tuple
 
 import torch
@@ -21,9 +22,12 @@ class SDMATransformerDecoder(TransformerDecoder):
 
     Constructible from ``vocab_size`` and ``encoder_output_size`` alone, like ESPnet's own
     decoders. The ``sdma_*`` arguments are those of
-    :class:`~espnet_plugin.asr.encoder.sdma_transformer_encoder.SDMATransformerEncoder`,
-    except ``sdma_mask_at_inference`` which defaults to False: the paper disregards the
-    decoder's semantic mask at test time.
+    :class:`~espnet_plugin.asr.encoder.sdma_transformer_encoder.SDMATransformerEncoder`
+    (the decoder's defaults: 4 feature and 4 query clusters, the authors' Aishell-1 setting),
+    except ``sdma_mask_at_inference``, which governs the decoder SELF-attention only and
+    defaults to False: the paper disregards the semantic mask of the decoder's
+    self-attention at test time. The cross-attention keeps its mask at inference, as in the
+    fairseq model.
 
     Shapes: ``forward(hs_pad (B, S, D), hlens (B,), ys_in_pad (B, L), ys_in_lens (B,))`` ->
     ``(B, L, vocab_size), (B,)``.
@@ -47,7 +51,7 @@ class SDMATransformerDecoder(TransformerDecoder):
         concat_after: bool = False,
         layer_drop_rate: float = 0.0,
         sdma_mode: str = "sdma",
-        sdma_clusters: int = 8,
+        sdma_clusters: int = 4,
         sdma_query_clusters: int = 4,
         sdma_mix_max: float = 0.9,
         sdma_mix_rate: float = 5e-4,
@@ -82,6 +86,7 @@ class SDMATransformerDecoder(TransformerDecoder):
             layer_drop_rate=layer_drop_rate,
             use_flash_attn=False,
         )
+        cross_options = dataclasses.replace(options, mask_at_inference=True)
         for layer in self.decoders if options.mode != "none" else ():  # "none": ESPnet's own attention
             layer.self_attn = SDMAMultiHeadedAttention(
                 attention_heads, encoder_output_size, self_attention_dropout_rate,
@@ -89,7 +94,7 @@ class SDMATransformerDecoder(TransformerDecoder):
             )
             layer.src_attn = SDMAMultiHeadedAttention(
                 attention_heads, encoder_output_size, src_attention_dropout_rate,
-                sdma=options, group="decoder_cross",
+                sdma=cross_options, group="decoder_cross",
             )
         # found once, not on every beam-search step (plain lists: not registered twice)
         self._sdma_attentions = [m for m in self.decoders.modules() if isinstance(m, SDMAMultiHeadedAttention)]

@@ -21,7 +21,8 @@ class SDMATransformerEncoder(TransformerEncoder):
         sdma_mode: ``sdma`` (SDMA-T), ``sma`` (no head disentanglement) or ``none``
             (ESPnet's plain attention).
         sdma_clusters: feature clusters n_c per head (8).
-        sdma_query_clusters: query clusters of the disentanglement GMM (4).
+        sdma_query_clusters: query clusters of the disentanglement GMM (8: the authors'
+            Aishell-1 code uses 8 clusters for both GMMs of the encoder, 4 for both of the decoder).
         sdma_mix_max, sdma_mix_rate: nu and the rate of the mixing weight (eq. 11).
         sdma_centroid_grad_scale: c_g, gradient multiplier of the GMM means (5).
         sdma_noise_var: sigma^2 of the training noise (eq. 8).
@@ -56,7 +57,7 @@ class SDMATransformerEncoder(TransformerEncoder):
         layer_drop_rate: float = 0.0,
         sdma_mode: str = "sdma",
         sdma_clusters: int = 8,
-        sdma_query_clusters: int = 4,
+        sdma_query_clusters: int = 8,
         sdma_mix_max: float = 0.9,
         sdma_mix_rate: float = 5e-4,
         sdma_centroid_grad_scale: float = 5.0,
