@@ -19,6 +19,7 @@ setup(
         "espnet==202511",
         "transformers>=5,<6",
         "sacrebleu>=2.4",
+        "sacremoses",
         "sentencepiece==0.2.0",
         "jieba",
         "matplotlib",

@@ -13,15 +13,26 @@ Ratios are to vanilla, measured in the same run; the models are interleaved over
 ``--repeats`` rounds and each number is the model's median. Prints a table, writes
 ``outputs/bench/sdma.json`` with ``train_wps_ratio``, ``peak_mem_ratio`` and
 ``generate_speed_ratio`` (SDMA-T / vanilla) plus every raw number.
+
+FLOPs (first, well under a minute on a CPU; ``--flops-only`` stops there): counted by PyTorch's
+``FlopCounterMode`` (``user_dir/sdma/flops.py``; matrix products only, elementwise ops
+not counted) for V-T, SMA-T and SDMA-T at the tiny and base IWSLT'14 configurations on a
+fixed synthetic batch: one training step (forward with the SDMA regularisers + backward)
+per target token, and one eval-mode forward per sentence (the paper's FLOPs column reads
+like the latter). Printed as a table; ``flops_ratio`` (SDMA-T / V-T, base, training per
+target token) and the whole table (``flops``) go into the JSON (``--flops-only`` updates
+only those two keys of an existing file).
 """
 
 import argparse
+import json
 import shutil
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quickstart import prepare_data  # noqa: E402
 from sdma_runs import (  # noqa: E402
@@ -36,6 +47,7 @@ from sdma_runs import (  # noqa: E402
     train_words_per_second,
     write_json,
 )
+from user_dir.sdma.flops import describe_setting, flops_table, table_rows  # noqa: E402
 
 CONFIGS = {
     # the paper's tiny setting (Table I, IWSLT'14 tiny: 256/512, 6+6 layers, 4 heads, 4/4 clusters)
@@ -58,6 +70,8 @@ def parse_args(argv=None):
     p.add_argument("--fp16", action="store_true")
     p.add_argument("--out", type=Path, default=REPO / "outputs" / "bench" / "sdma.json")
     p.add_argument("--data-dir", type=Path, default=REPO / "outputs" / "quickstart" / "data")
+    p.add_argument("--flops-only", action="store_true",
+                   help="count and print the FLOPs table only (under a minute on a CPU), no training or decoding")
     args = p.parse_args(argv)
     if args.updates < 10:
         p.error("--updates must be >= 10 (the first logged interval is warm-up)")
@@ -94,8 +108,28 @@ def measure(args, data_bin, save_dir, name, mode, device, precision):
     }
 
 
+def measure_flops():
+    """Count, print and return the FLOPs table (tiny and base, V-T / SMA-T / SDMA-T)."""
+    stage("FLOPs: FlopCounterMode, one training step and one eval forward per model (tiny, base)")
+    table = flops_table(("tiny", "base"))
+    rows = table_rows(table)
+    print_table(rows, list(rows[0].keys()), "SDMA FLOPs (torch.utils.flop_counter; training step = forward "
+                                            "with the SDMA regularisers + backward)")
+    print(describe_setting(table))
+    print("paper, for comparison (Table II, IWSLT'14 De-En base, FLOPs column, sentence length not given): "
+          "V-T 2.2G, SMA-T / SDMA-T 2.3G (+4.5% at the printed precision)", flush=True)
+    return {"flops_ratio": table["configs"]["base"]["SDMA-T"]["ratio_to_vt"], "flops": table}
+
+
 def main(argv=None):
     args = parse_args(argv)
+    flops = measure_flops()
+    if args.flops_only:
+        payload = json.loads(args.out.read_text()) if args.out.exists() else {}
+        payload.update(flops)
+        write_json(args.out, payload)
+        stage(f"flops_ratio (SDMA-T / V-T, base) = {flops['flops_ratio']:.4f}; updated {args.out}")
+        return
     data_bin = prepare_data(args.data_dir, max_words=10, vocab_size=2000)
     work = args.out.parent / args.config
     device = [] if args.gpu else ["--cpu"]
@@ -143,6 +177,7 @@ def main(argv=None):
         "raw": raw,
         "runs": runs,
         "repeats": args.repeats,
+        **flops,
     }
     write_json(args.out, payload)
     stage(f"wrote {args.out}")

@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
 # Evaluate a trained SDMA-T / SMA-T / V-T run as in the SDMA paper: average the last
-# 5 epoch checkpoints, decode the test set with beam 5, score detokenised BLEU with
-# sacreBLEU against the raw references, then measure attention redundancy.
+# 5 epoch checkpoints, decode the test set with beam 5, score BLEU two ways against the
+# raw references, then measure attention redundancy. The two BLEU scores:
+#   sacreBLEU (detokenised, 13a; zh for a Chinese target): the standard, comparable score;
+#   tokenized BLEU (fairseq-style, as the paper's Tables II-IV): Moses-tokenised hypotheses
+#     vs Moses-tokenised references, BLEU-4 as fairseq-generate / multi-bleu.perl, with the
+#     ##AT##-##AT## compound splitting of WMT'14 En-De for a German target
+#     (scripts/translation_bleu.py).
 #
 # usage: examples/sdma_translation/evaluate.sh SAVE_DIR DATA_BIN [OUT_DIR]
 #   SAVE_DIR  the run's checkpoints (checkpoint{epoch}.pt)
 #   DATA_BIN  the fairseq-preprocess output the run was trained on
-#   OUT_DIR   default SAVE_DIR/eval_${SUBSET}: gen.out, hyp.txt, bleu.txt
+#   OUT_DIR   default SAVE_DIR/eval_${SUBSET}: gen.out, hyp.txt, bleu.txt (sacreBLEU),
+#             bleu_tokenized.txt, bleu.json (both scores), hyp.tok.txt, ref.tok.txt
 # env: N_AVG=5 BEAM=5 LENPEN=1.0 BATCH_SIZE=128 SUBSET=test
 #      REF=DATA_BIN/../spm/${SUBSET}.${TGT}.raw (written by scripts/prepare_translation.py)
 #      SACREBLEU_TOK (default: zh for a Chinese target, else 13a)  PYTHON  SKIP_REDUNDANCY=0
+#      COMPOUND_SPLIT=auto|1|0 (auto: on for a German target, i.e. WMT'14 En-De)
+#      BLEU_TOKENIZER=auto|moses|zh|none (tokenized BLEU; auto: zh for a Chinese target, else moses)
 #      GEN_ARGS (extra fairseq-generate options, space-separated, e.g. "--cpu --max-len-b 50")
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -41,6 +49,12 @@ TGT=${pair#*-}
 REF=${REF:-$(dirname "$DATA_BIN")/spm/$SUBSET.$TGT.raw}
 [[ -f "$REF" ]] || { echo "error: reference $REF not found (set REF=...)" >&2; exit 2; }
 case $TGT in zh*) TOK=${SACREBLEU_TOK:-zh} ;; *) TOK=${SACREBLEU_TOK:-13a} ;; esac
+case ${COMPOUND_SPLIT:-auto} in
+    auto) case $TGT in de*) split=(--compound-split) ;; *) split=() ;; esac ;;
+    1) split=(--compound-split) ;;
+    0) split=() ;;
+    *) echo "error: COMPOUND_SPLIT must be auto, 1 or 0, not '$COMPOUND_SPLIT'" >&2; exit 2 ;;
+esac
 mkdir -p "$OUT_DIR"
 read -r -a gen_args <<< "${GEN_ARGS:-}"
 
@@ -67,6 +81,10 @@ fi
 
 echo "[evaluate] sacreBLEU (tokenize $TOK) against $REF -> $OUT_DIR/bleu.txt"
 "$(tool sacrebleu)" "$REF" -i "$OUT_DIR/hyp.txt" -tok "$TOK" | tee "$OUT_DIR/bleu.txt"
+
+echo "[evaluate] BLEU scores ($TGT, $n_hyp sentences) -> $OUT_DIR/bleu.json, $OUT_DIR/bleu_tokenized.txt"
+"$PYTHON" "$ROOT/scripts/translation_bleu.py" --hyp "$OUT_DIR/hyp.txt" --ref "$REF" --lang "$TGT" \
+    --sacrebleu-tokenize "$TOK" --tokenizer "${BLEU_TOKENIZER:-auto}" "${split[@]}" --out-dir "$OUT_DIR"
 
 if [[ "${SKIP_REDUNDANCY:-0}" == 1 ]]; then
     exit 0
