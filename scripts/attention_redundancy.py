@@ -18,10 +18,18 @@ How the formulas are read here
 * JS is the Jensen-Shannon *divergence* in bits (log base 2), i.e. the square of
   ``scipy.spatial.distance.jensenshannon(p, q, base=2)``.  The n-ary JS of LR is
   the generalised divergence with equal weights,
-  ``JS(P_1..P_n) = H(mean_h P_h) - mean_h H(P_h)``, which lies in [0, log2 n];
-  hence LR lies in [0, log2 n_h]: log2 n_h when all heads of a layer attend
-  identically, 0 when their rows have disjoint supports.  The pairwise JS of HR
-  lies in [0, 1], so HR lies in [0, 1].
+  ``JS(P_1..P_n) = H(mean_h P_h) - mean_h H(P_h)``, which lies in [0, log2 n].
+* LR is reported on the paper's [0, 1] scale: the printed formula divided by
+  log2 n_h, ``LR = 1/N sum_n (log2 n_h - 1/n_q sum_i JS) / log2 n_h``, as the
+  authors' ``utils.py`` computes it (hence the paper's LR values of 0.5-0.79
+  for 4- and 8-head models alike).  1 when all heads of every layer attend
+  identically, 0 when their rows have disjoint supports.  The undivided value
+  of the printed formula, in [0, log2 n_h] bits, is reported as ``LR_bits``.
+  With a single head (n_h = 1, log2 n_h = 0) LR is undefined: the result holds
+  ``LR = None`` (JSON null) with an ``LR_note`` saying why, ``LR_bits`` is 0,
+  and the tensor function :func:`layer_redundancy` raises :class:`RedundancyError`.
+* The pairwise JS of HR lies in [0, 1], so 1 - JS and HR lie in [0, 1] too (no
+  rescaling).
 * HR's double sums run over *all* ordered pairs of (layer, head), identical
   pairs included (they contribute 1 - 0 = 1), exactly as written; the
   normaliser is (N n_h)^2.
@@ -29,7 +37,10 @@ How the formulas are read here
   (``encoder_self``), decoder self-attention (``decoder_self``) and
   encoder-decoder attention (``decoder_cross``): N and n_h are those of the
   attention type, and HR pairs heads of the same type only.  (The authors' code
-  used the encoder attention for all three; this script does not.)
+  used the encoder attention for all three; this script does not.  The
+  paper's published LR / HR values (Tables II-IV, VII) are therefore encoder
+  self-attention numbers: compare them with ``encoder_self``; the JSON says so
+  too, in ``compare_with_paper`` and ``notes``.)
 * Rows i run over the real (non-padding) query positions of a sentence: source
   tokens incl. the final ``</s>`` for the encoder, the decoder inputs
   (``</s> y_1 .. y_{m-1}``, teacher-forced on the reference target) for the
@@ -49,13 +60,21 @@ How the formulas are read here
 Usage::
 
     python scripts/attention_redundancy.py --path CKPT DATA_BIN --subset test \
-        [--max-sentences N] [--batch-size B] [--json OUT.json] [--user-dir user_dir]
+        [--max-sentences N] [--batch-size B] [--json OUT.json] [--user-dir user_dir] \
+        [--hr-matrix] [--heatmap OUT.png [--heatmap-kind encoder_self|decoder_self|decoder_cross|all]]
+
+``--hr-matrix`` adds each type's head-pair HR matrix (``HR_matrix``, ``[N n_h, N n_h]``)
+to the JSON; ``--heatmap`` also draws it (Figs. 10-11; implies ``--hr-matrix``).
+``scripts/plot_head_redundancy.py`` draws the matrices of several JSON files side
+by side (V-T vs SDMA-T, as in the paper's figures).
 
 Python::
 
     from attention_redundancy import attention_redundancy, layer_redundancy, head_redundancy
     result = attention_redundancy("ckpt.pt", subset="test", data="data-bin")
     result = attention_redundancy(models, task, "test", max_sentences=100)
+    result["encoder_self"]["LR"]       # [0, 1], the paper's scale (None for one head)
+    result["encoder_self"]["LR_bits"]  # the printed formula, [0, log2 n_h]
 """
 
 from __future__ import annotations
@@ -157,9 +176,23 @@ def _prepare(attn: Tensor, query_mask: Optional[Tensor], key_mask: Optional[Tens
     return attn, query_mask, single
 
 
-def layer_redundancy(attn: Tensor, query_mask: Optional[Tensor] = None,
-                     key_mask: Optional[Tensor] = None) -> Tensor:
-    """LR of one attention type, in bits: ``log2 n_h - JS`` averaged over rows, then layers.
+def lr_divisor(n_heads: int) -> float:
+    """log2 n_h, which takes LR from bits to the paper's [0, 1] scale.
+
+    Raises :class:`RedundancyError` for ``n_heads < 2``: with one head log2 n_h = 0 and
+    the normalised LR is undefined (``LR_bits`` is 0, see :func:`layer_redundancy_bits`).
+    """
+    if n_heads < 2:
+        raise RedundancyError(
+            f"LR on the paper's [0, 1] scale, (log2 n_h - JS) / log2 n_h, is undefined for n_h = {n_heads} "
+            "head(s) (log2 1 = 0); LR_bits (= 0 for one head) and HR are defined"
+        )
+    return math.log2(n_heads)
+
+
+def layer_redundancy_bits(attn: Tensor, query_mask: Optional[Tensor] = None,
+                          key_mask: Optional[Tensor] = None) -> Tensor:
+    """LR as printed in the paper, in bits: ``log2 n_h - JS`` averaged over rows, then layers.
 
     Args:
         attn: attention rows, ``[N, n_h, T, S]`` (one sentence) or ``[N, n_h, B, T, S]``
@@ -167,7 +200,8 @@ def layer_redundancy(attn: Tensor, query_mask: Optional[Tensor] = None,
         query_mask: ``[T]`` / ``[B, T]`` bool, True = real query position (default: all).
         key_mask: ``[S]`` / ``[B, S]`` bool, True = real key (default: all).
     Returns:
-        a scalar tensor (one sentence) or ``[B]`` (per sentence); in [0, log2 n_h].
+        a scalar tensor (one sentence) or ``[B]`` (per sentence); in [0, log2 n_h]
+        (0 for a single head).
     """
     attn, query_mask, single = _prepare(attn, query_mask, key_mask)
     n_h = attn.size(1)
@@ -178,11 +212,25 @@ def layer_redundancy(attn: Tensor, query_mask: Optional[Tensor] = None,
     return lr[0] if single else lr
 
 
+def layer_redundancy(attn: Tensor, query_mask: Optional[Tensor] = None,
+                     key_mask: Optional[Tensor] = None) -> Tensor:
+    """LR on the paper's [0, 1] scale: :func:`layer_redundancy_bits` divided by log2 n_h.
+
+    The authors' ``utils.py`` value, ``(log2 n_h - JS) / log2 n_h`` averaged over rows and
+    layers: 1 when the heads of every layer attend identically, 0 when their rows have
+    disjoint supports.  Same arguments and shapes as :func:`layer_redundancy_bits`
+    (``attn`` is ``[N, n_h, T, S]`` or ``[N, n_h, B, T, S]``; returns a scalar or ``[B]``).
+    Raises :class:`RedundancyError` for ``n_h = 1`` (undefined, see :func:`lr_divisor`).
+    """
+    divisor = lr_divisor(attn.size(1)) if attn.dim() in (4, 5) else None  # n_h = 1 fails before any work
+    return layer_redundancy_bits(attn, query_mask, key_mask) / divisor  # (bad shapes raise in there)
+
+
 def head_redundancy(attn: Tensor, query_mask: Optional[Tensor] = None, key_mask: Optional[Tensor] = None,
                     return_matrix: bool = False) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """HR of one attention type: mean over all (N n_h)^2 ordered head pairs of mean_i (1 - JS).
 
-    Same arguments as :func:`layer_redundancy`. The pairwise JS of every row is a
+    Same arguments as :func:`layer_redundancy_bits`. The pairwise JS of every row is a
     batched computation over the K (K - 1) / 2 unordered pairs of the K = N n_h
     heads (JS is symmetric, identical pairs contribute 1), chunked over rows to
     bound memory.
@@ -320,6 +368,104 @@ def masks_for(sample: dict, pad: int) -> Dict[str, Tuple[Tensor, Tensor]]:
 
 
 # ----------------------------------------------------------------------------
+# Accumulation over batches and the result's structure
+# ----------------------------------------------------------------------------
+
+LR_SCALE = (
+    "LR = mean over layers of (log2 n_h - mean_i JS) / log2 n_h, in [0, 1]: the paper's scale (Tables II-IV, VII; "
+    "the authors' utils.py divides the printed formula by log2 n_h); null for n_h = 1 (log2 1 = 0). "
+    "LR_bits = mean over layers of (log2 n_h - mean_i JS), the printed formula undivided, in [0, log2 n_h] bits. "
+    "JS in bits (log base 2)."
+)
+HR_SCALE = ("HR = mean over all ordered (layer, head) pairs of the same attention type of mean_i (1 - JS), "
+            "JS of two distributions in bits, in [0, 1]; HR_matrix[k1][k2] is that pair's mean_i (1 - JS), "
+            "k = layer * heads + head (0-based), and HR is its mean")
+PAPER_COMPARISON = ("The paper's published LR / HR (Tables II-IV, VII) were computed from the encoder self-attention: "
+                    "the authors' code passed enc_attn in place of all three attention types (encoder self, decoder "
+                    "self, cross), so compare them with encoder_self.")
+SINGLE_HEAD_NOTE = "LR is undefined for a single head per layer (log2 1 = 0); LR_bits is 0, HR is defined"
+
+
+def head_labels(layers: int, heads: int) -> List[str]:
+    """``["L0H0", "L0H1", ...]``: the row/column labels of an HR matrix (0-based layer, head)."""
+    return [f"L{n}H{h}" for n in range(layers) for h in range(heads)]
+
+
+def redundancy_entry(lr_bits: float, hr: float, layers: int, heads: int,
+                     hr_matrix: Optional[Tensor] = None) -> dict:
+    """One attention type's result: ``LR`` ([0, 1], None for one head), ``LR_bits``, ``HR``,
+    ``layers``, ``heads`` and, given ``hr_matrix`` ``[N n_h, N n_h]``, ``HR_matrix`` (nested
+    lists) with its ``HR_matrix_labels``."""
+    entry = {"LR": None if heads < 2 else lr_bits / lr_divisor(heads), "LR_bits": lr_bits, "HR": hr,
+             "layers": layers, "heads": heads}
+    if heads < 2:
+        entry["LR_note"] = SINGLE_HEAD_NOTE
+    if hr_matrix is not None:
+        entry["HR_matrix"] = hr_matrix.tolist()
+        entry["HR_matrix_labels"] = head_labels(layers, heads)
+    return entry
+
+
+class RedundancyAccumulator:
+    """Sums of per-sentence LR (bits) and HR of each attention type over batches.
+
+    ``add`` one attention type of one batch at a time; ``result`` averages over the
+    sentences with equal weight and builds the result dictionary.
+    """
+
+    def __init__(self, return_matrices: bool = False):
+        self.return_matrices = return_matrices
+        self.sums = {kind: {"LR_bits": 0.0, "HR": 0.0} for kind in ATTENTION_TYPES}
+        self.counts = dict.fromkeys(ATTENTION_TYPES, 0)
+        self.shapes: Dict[str, Tuple[int, int]] = {}
+        self.matrices: Dict[str, Tensor] = {}
+
+    def add(self, kind: str, attn: Tensor, query_mask: Tensor, key_mask: Tensor) -> None:
+        """Add one batch of one type: ``attn`` ``[N, n_h, B, T, S]``, ``query_mask`` ``[B, T]``,
+        ``key_mask`` ``[B, S]`` (bool, True = real position)."""
+        if kind not in self.sums:
+            raise RedundancyError(f"unknown attention type {kind!r}; expected one of {', '.join(ATTENTION_TYPES)}")
+        if attn.dim() != 5:
+            raise RedundancyError(f"{kind}: expected attention [N, n_h, B, T, S], got shape {tuple(attn.shape)}")
+        expected = (query_mask.size(0), query_mask.size(1), key_mask.size(1))
+        if tuple(attn.shape[2:]) != expected:
+            raise RedundancyError(f"{kind}: attention of shape {tuple(attn.shape[2:])} [B, T, S] does not match "
+                                  f"the batch {expected}")
+        shape = (attn.size(0), attn.size(1))
+        if self.shapes.setdefault(kind, shape) != shape:
+            raise RedundancyError(f"{kind}: {shape} [layers, heads] differs from an earlier batch's {self.shapes[kind]}")
+        self.sums[kind]["LR_bits"] += layer_redundancy_bits(attn, query_mask, key_mask).sum().item()
+        if self.return_matrices:
+            hr, matrix = head_redundancy(attn, query_mask, key_mask, return_matrix=True)
+            total = matrix.sum(0)
+            self.matrices[kind] = total + self.matrices[kind] if kind in self.matrices else total
+        else:
+            hr = head_redundancy(attn, query_mask, key_mask)
+        self.sums[kind]["HR"] += hr.sum().item()
+        self.counts[kind] += attn.size(2)
+
+    def result(self) -> dict:
+        """``{type: entry or None (type absent), "sentences": n, "LR_scale", "HR_scale",
+        "compare_with_paper", "notes"}``; entries as :func:`redundancy_entry`, averaged over sentences."""
+        present = [kind for kind in ATTENTION_TYPES if self.counts[kind]]
+        if not present:
+            raise RedundancyError("no attention was measured")
+        result: dict = {}
+        for kind in ATTENTION_TYPES:
+            n = self.counts[kind]
+            if not n:
+                result[kind] = None
+                continue
+            matrix = self.matrices[kind] / n if self.return_matrices else None
+            result[kind] = redundancy_entry(self.sums[kind]["LR_bits"] / n, self.sums[kind]["HR"] / n,
+                                            *self.shapes[kind], hr_matrix=matrix)
+        result["sentences"] = self.counts[present[0]]
+        result.update(LR_scale=LR_SCALE, HR_scale=HR_SCALE, compare_with_paper="encoder_self",
+                      notes=PAPER_COMPARISON)
+        return result
+
+
+# ----------------------------------------------------------------------------
 # Loading and the corpus-level measurement
 # ----------------------------------------------------------------------------
 
@@ -409,10 +555,14 @@ def attention_redundancy(
         batch_size: sentences per forward pass (results do not depend on it).
         device: default cuda when available, else cpu.
         return_matrices: also return each type's ``HR_matrix`` (``[N n_h, N n_h]`` nested
-            lists, averaged over sentences; cf. Figs. 10-11).
+            lists, averaged over sentences, whose mean is HR; Figs. 10-11) and its
+            ``HR_matrix_labels`` (``"L<layer>H<head>"``, 0-based).
     Returns:
-        ``{"encoder_self": {"LR": .., "HR": ..}, "decoder_self": {..}, "decoder_cross": {..},
-        "sentences": n}`` (a type the model lacks, e.g. without cross-attention, maps to None).
+        ``{"encoder_self": {"LR", "LR_bits", "HR", "layers", "heads"}, "decoder_self": {..},
+        "decoder_cross": {..}, "sentences": n, "LR_scale", "HR_scale", "compare_with_paper",
+        "notes"}``: LR on the paper's [0, 1] scale (None, with an ``LR_note``, for one head),
+        LR_bits the printed formula in bits (see :class:`RedundancyAccumulator`); a type the
+        model lacks, e.g. without cross-attention, maps to None.
     """
     if isinstance(models_or_path, (str, os.PathLike)):
         if data is None and task is None:
@@ -446,9 +596,7 @@ def attention_redundancy(
     if task.target_dictionary.pad() != pad:
         raise RedundancyError("source and target dictionaries use different padding indices")
 
-    sums = {kind: {"LR": 0.0, "HR": 0.0} for kind in ATTENTION_TYPES}
-    matrices: Dict[str, Optional[Tensor]] = {kind: None for kind in ATTENTION_TYPES}
-    present = set()
+    accumulator = RedundancyAccumulator(return_matrices)
     try:
         with torch.no_grad(), capture_attention(model) as store:
             for batch in _batches(dataset, range(n), batch_size):
@@ -465,45 +613,31 @@ def attention_redundancy(
                     attn = torch.stack(layers)  # [N, n_h, B, T, S]
                     for i in range(len(layers)):
                         layers[i] = None
-                    expected = (query_mask.shape[0], query_mask.shape[1], key_mask.shape[1])
-                    if tuple(attn.shape[2:]) != expected:
-                        raise RedundancyError(
-                            f"{kind}: attention of shape {tuple(attn.shape[2:])} [B, T, S] does not match "
-                            f"the batch {expected}"
-                        )
-                    present.add(kind)
-                    sums[kind]["LR"] += layer_redundancy(attn, query_mask, key_mask).sum().item()
-                    if return_matrices:
-                        hr, matrix = head_redundancy(attn, query_mask, key_mask, return_matrix=True)
-                        total = matrix.sum(0)
-                        matrices[kind] = total if matrices[kind] is None else matrices[kind] + total
-                    else:
-                        hr = head_redundancy(attn, query_mask, key_mask)
-                    sums[kind]["HR"] += hr.sum().item()
+                    accumulator.add(kind, attn, query_mask, key_mask)
     finally:
         model.train(was_training)
+    return accumulator.result()
 
-    result: dict = {}
-    for kind in ATTENTION_TYPES:
-        if kind not in present:
-            result[kind] = None
-            continue
-        result[kind] = {"LR": sums[kind]["LR"] / n, "HR": sums[kind]["HR"] / n}
-        if return_matrices:
-            result[kind]["HR_matrix"] = (matrices[kind] / n).tolist()
-    result["sentences"] = n
-    return result
+
+def _cell(value: Optional[float], width: int) -> str:
+    return f"{'n/a':>{width}}" if value is None else f"{value:>{width}.4f}"
 
 
 def format_table(result: dict) -> str:
-    lines = [f"{'attention':<15}{'LR (bits)':>12}{'HR':>10}"]
+    """The result as a table; LR on the paper's [0, 1] scale and in bits, in labelled columns."""
+    lines = [f"{'attention':<15}{'heads':>6}{'LR [0,1]':>10}{'LR bits':>10}{'HR [0,1]':>10}"]
     for kind in ATTENTION_TYPES:
         values = result.get(kind)
         if values is None:
-            lines.append(f"{kind:<15}{'-':>12}{'-':>10}")
+            lines.append(f"{kind:<15}{'-':>6}{'-':>10}{'-':>10}{'-':>10}")
         else:
-            lines.append(f"{kind:<15}{values['LR']:>12.4f}{values['HR']:>10.4f}")
-    lines.append(f"({result['sentences']} sentences; LR in [0, log2 n_h], HR in [0, 1]; lower = less redundant)")
+            lines.append(f"{kind:<15}{values['heads']:>6}{_cell(values['LR'], 10)}"
+                         f"{_cell(values['LR_bits'], 10)}{_cell(values['HR'], 10)}")
+    lines.append(f"({result['sentences']} sentences; lower = less redundant)")
+    lines.append("LR [0,1] = (log2 n_h - mean JS) / log2 n_h, the paper's scale (n/a for 1 head); "
+                 "LR bits = log2 n_h - mean JS, in [0, log2 n_h]; HR = mean over head pairs of 1 - JS, in [0, 1]")
+    lines.append("The paper's LR/HR (Tables II-IV, VII) are encoder self-attention values (the authors' code "
+                 "used it for all three types): compare them with encoder_self.")
     return "\n".join(lines)
 
 
@@ -517,6 +651,29 @@ def report(result: dict, json_path: Optional[str] = None) -> None:
         print(f"wrote {out}")
 
 
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--json``, ``--hr-matrix``, ``--heatmap``, ``--heatmap-kind`` (shared with the ESPnet script)."""
+    parser.add_argument("--json", default=None, metavar="OUT.json", help="write the results as JSON")
+    parser.add_argument("--hr-matrix", action="store_true",
+                        help="add each type's head-pair HR matrix (HR_matrix, [layers*heads]^2) to the JSON")
+    parser.add_argument("--heatmap", default=None, metavar="OUT.png",
+                        help="draw the head-pair HR matrix as a heat map, as in Figs. 10-11 (implies --hr-matrix)")
+    parser.add_argument("--heatmap-kind", default="encoder_self", choices=[*ATTENTION_TYPES, "all"],
+                        help="attention type(s) of the heat map (default: encoder_self, the paper's figures)")
+
+
+def write_outputs(result: dict, args: argparse.Namespace, name: str) -> None:
+    """Print the table, write ``--json`` and draw ``--heatmap`` (``name`` titles the panels)."""
+    report(result, args.json)
+    if args.heatmap:
+        import plot_head_redundancy
+
+        kinds = [k for k in ATTENTION_TYPES if result[k] is not None] if args.heatmap_kind == "all" \
+            else [args.heatmap_kind]
+        plot_head_redundancy.plot_results([(name, result)], kinds, args.heatmap)
+        print(f"wrote {args.heatmap}")
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description="Layer / head redundancy (LR, HR) of the encoder self-, decoder self- and "
@@ -527,11 +684,9 @@ def parse_args(argv=None):
     parser.add_argument("--subset", default="test", help="split to evaluate (default: test)")
     parser.add_argument("--max-sentences", type=int, default=None, help="evaluate only the first N sentences")
     parser.add_argument("--batch-size", type=int, default=32, help="sentences per forward pass (default: 32)")
-    parser.add_argument("--json", default=None, metavar="OUT.json", help="write the results as JSON")
     parser.add_argument("--user-dir", default=None, help="fairseq --user-dir (this repo's user_dir is always imported)")
     parser.add_argument("--cpu", action="store_true", help="run on CPU even when CUDA is available")
-    parser.add_argument("--hr-matrix", action="store_true",
-                        help="add each type's head-by-head HR matrix to the JSON (as in Figs. 10-11)")
+    add_output_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -541,12 +696,13 @@ def main(argv=None) -> int:
     try:
         result = attention_redundancy(
             args.path, None, args.subset, args.max_sentences, data=args.data, batch_size=args.batch_size,
-            device="cpu" if args.cpu else None, user_dir=args.user_dir, return_matrices=args.hr_matrix,
+            device="cpu" if args.cpu else None, user_dir=args.user_dir,
+            return_matrices=args.hr_matrix or bool(args.heatmap),
         )
+        write_outputs(result, args, str(Path(Path(args.path).parent.name, Path(args.path).name)))
     except (FileNotFoundError, RedundancyError) as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 2
-    report(result, args.json)
     return 0
 
 

@@ -2,9 +2,10 @@
 """Layer redundancy (LR) and head redundancy (HR) of an ESPnet2 attention-based ASR model.
 
 The ESPnet2 counterpart of ``scripts/attention_redundancy.py`` (fairseq): same
-metrics (SDMA paper, Sec. IV-A2, Table VII), same math (its ``layer_redundancy`` /
-``head_redundancy`` are imported, not re-implemented), same result structure and
-table.  Read that script's docstring for how the formulas are interpreted.
+metrics (SDMA paper, Sec. IV-A2, Table VII), same math (its
+``RedundancyAccumulator`` is imported, not re-implemented), same result
+structure, table and output options (``--json``, ``--hr-matrix``, ``--heatmap``).
+Read that script's docstring for how the formulas are interpreted.
 
 * LR and HR are computed separately for the encoder self-attention
   (``encoder_self``, ``model.encoder.encoders[i].self_attn``), the decoder
@@ -46,7 +47,12 @@ Usage::
 
     python scripts/espnet_attention_redundancy.py --asr-train-config exp/asr/config.yaml \
         --asr-model-file exp/asr/valid.acc.ave.pth --data-dir data/test \
-        [--max-utterances N] [--batch-size 1] [--json OUT.json] [--device cpu]
+        [--max-utterances N] [--batch-size 1] [--json OUT.json] [--device cpu] \
+        [--hr-matrix] [--heatmap OUT.png [--heatmap-kind encoder_self|decoder_self|decoder_cross|all]]
+
+``LR`` is on the paper's [0, 1] scale (``LR_bits``: the printed formula, in bits);
+the paper's Table VII values are encoder self-attention numbers (see the fairseq
+script's docstring and the JSON's ``notes``).
 
 Python::
 
@@ -77,10 +83,10 @@ for _path in (str(SCRIPTS), str(REPO)):  # scripts/ has no __init__; REPO holds 
 
 from attention_redundancy import (  # noqa: E402
     ATTENTION_TYPES,
+    RedundancyAccumulator,
     RedundancyError,
-    head_redundancy,
-    layer_redundancy,
-    report,
+    add_output_arguments,
+    write_outputs,
 )
 from espnet2.fileio.read_text import read_2columns_text  # noqa: E402
 
@@ -325,42 +331,21 @@ def teacher_forced_forward(model, wavs: List[np.ndarray], token_ids: List[List[i
 # ----------------------------------------------------------------------------
 
 
-class RedundancyAccumulator:
-    """Sums of per-utterance LR and HR of each attention type, over batches."""
+def stack_layers(kind: str, layers: List[Optional[Tensor]]) -> Tensor:
+    """``(N, n_head, B, T, S)`` from the per-layer captures ``(n_head, B, T, S)``, which are then cleared."""
+    if any(layer is None for layer in layers):
+        raise RedundancyError(f"{kind}: not every layer's attention was called in the forward pass")
+    attn = torch.stack(layers)
+    layers[:] = [None] * len(layers)
+    return attn
 
-    def __init__(self):
-        self.sums = {kind: {"LR": 0.0, "HR": 0.0} for kind in ATTENTION_TYPES}
-        self.utterances = 0
 
-    def add(self, store: Dict[str, List[Optional[Tensor]]], masks: Dict[str, Tuple[Tensor, Tensor]]) -> None:
-        """Add one batch: ``store[type]`` = per-layer ``(n_head, B, T, S)``, ``masks[type]`` =
-        ``(query mask (B, T), key mask (B, S))``."""
-        for kind in ATTENTION_TYPES:
-            attn = self.stack(kind, store[kind])  # (N, n_head, B, T, S)
-            query_mask, key_mask = masks[kind]
-            expected = (query_mask.size(0), query_mask.size(1), key_mask.size(1))
-            if tuple(attn.shape[2:]) != expected:
-                raise RedundancyError(f"{kind}: attention of shape {tuple(attn.shape[2:])} (B, T, S) does not "
-                                      f"match the batch {expected}")
-            self.sums[kind]["LR"] += layer_redundancy(attn, query_mask, key_mask).sum().item()
-            self.sums[kind]["HR"] += head_redundancy(attn, query_mask, key_mask).sum().item()
-        self.utterances += masks["encoder_self"][0].size(0)
-
-    @staticmethod
-    def stack(kind: str, layers: List[Optional[Tensor]]) -> Tensor:
-        """``(N, n_head, B, T, S)`` from the per-layer captures, which are then cleared."""
-        if any(layer is None for layer in layers):
-            raise RedundancyError(f"{kind}: not every layer's attention was called in the forward pass")
-        attn = torch.stack(layers)
-        layers[:] = [None] * len(layers)
-        return attn
-
-    def result(self) -> dict:
-        """``{type: {"LR", "HR"} averaged over utterances, ..., "sentences": n}``."""
-        n = self.utterances
-        result = {kind: {"LR": sums["LR"] / n, "HR": sums["HR"] / n} for kind, sums in self.sums.items()}
-        result["sentences"] = n
-        return result
+def add_batch(accumulator: RedundancyAccumulator, store: Dict[str, List[Optional[Tensor]]],
+              masks: Dict[str, Tuple[Tensor, Tensor]]) -> None:
+    """Add one batch of every type: ``store[type]`` = per-layer ``(n_head, B, T, S)``,
+    ``masks[type]`` = ``(query mask (B, T), key mask (B, S))``."""
+    for kind in ATTENTION_TYPES:
+        accumulator.add(kind, stack_layers(kind, store[kind]), *masks[kind])
 
 
 # ----------------------------------------------------------------------------
@@ -380,7 +365,7 @@ def _forward_or_explain(model, wavs, token_ids, uttids, device):
 
 def espnet_attention_redundancy(asr_train_config: str, asr_model_file: str, data_dir: str,
                                 max_utterances: Optional[int] = None, batch_size: int = 1,
-                                device: str = "cpu") -> dict:
+                                device: str = "cpu", return_matrices: bool = False) -> dict:
     """LR and HR of each attention type of an ESPnet2 ASR model on a Kaldi data directory.
 
     Args:
@@ -390,9 +375,12 @@ def espnet_attention_redundancy(asr_train_config: str, asr_model_file: str, data
         max_utterances: evaluate the first N utterances of ``text`` (all by default).
         batch_size: utterances per forward pass.
         device: torch device, e.g. ``cpu`` or ``cuda``.
+        return_matrices: also return each type's head-pair ``HR_matrix`` (Figs. 10-11).
     Returns:
-        ``{"encoder_self": {"LR": .., "HR": ..}, "decoder_self": {..}, "decoder_cross": {..},
-        "sentences": n}`` (n utterances), the structure of ``attention_redundancy()``.
+        the structure of ``attention_redundancy()`` (n utterances under ``sentences``):
+        ``{"encoder_self": {"LR" ([0, 1], the paper's scale; None for one head), "LR_bits",
+        "HR", "layers", "heads"}, "decoder_self": {..}, "decoder_cross": {..}, "sentences": n,
+        "LR_scale", "HR_scale", "compare_with_paper", "notes"}``.
     """
     if batch_size < 1:
         raise RedundancyError(f"batch_size={batch_size} must be >= 1")
@@ -407,12 +395,12 @@ def espnet_attention_redundancy(asr_train_config: str, asr_model_file: str, data
     wav_scp = Path(data_dir) / "wav.scp"
     lengths = [wav_length(utt, sample_rate, wav_scp) for utt in utterances]
     token_ids = [encode_text(utt.text) for utt in utterances]
-    accumulator = RedundancyAccumulator()
+    accumulator = RedundancyAccumulator(return_matrices)
     with torch.no_grad(), capture_attention(modules) as store:
         for batch in length_sorted_batches(lengths, batch_size):
             masks = _forward_or_explain(model, [read_wav(utterances[i]) for i in batch],
                                         [token_ids[i] for i in batch], [utterances[i].uttid for i in batch], device)
-            accumulator.add(store, masks)
+            add_batch(accumulator, store, masks)
     return accumulator.result()
 
 
@@ -427,8 +415,8 @@ def parse_args(argv=None):
     parser.add_argument("--max-utterances", type=int, default=None, help="evaluate only the first N utterances")
     parser.add_argument("--batch-size", type=int, default=1, help="utterances per forward pass (default: 1 = "
                         "no padding, batch-independent results, as ESPnet's asr_inference)")
-    parser.add_argument("--json", default=None, metavar="OUT.json", help="write the results as JSON")
     parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    add_output_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -438,12 +426,12 @@ def main(argv=None) -> int:
     try:
         result = espnet_attention_redundancy(
             args.asr_train_config, args.asr_model_file, args.data_dir, max_utterances=args.max_utterances,
-            batch_size=args.batch_size, device=args.device,
+            batch_size=args.batch_size, device=args.device, return_matrices=args.hr_matrix or bool(args.heatmap),
         )
+        write_outputs(result, args, str(Path(Path(args.asr_model_file).parent.name, Path(args.asr_model_file).name)))
     except (FileNotFoundError, RedundancyError) as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 2
-    report(result, args.json)
     return 0
 
 

@@ -30,8 +30,9 @@ TOKENS = ["<blank>", "<unk>", "a", "b", "c", "<space>", "<sos/eos>"]
 UTTERANCES = {"utt1": (0.5, "ab c"), "utt2": (1.0, "cab ba"), "utt3": (0.7, "bx")}
 
 
-def _build_model(out_dir):
-    """Write a tiny transformer ASR model's ``config.yaml`` and ``model.pth`` into ``out_dir``."""
+def _build_model(out_dir, heads=N_HEADS):
+    """Write a tiny transformer ASR model's ``config.yaml`` and ``model.pth`` (``heads`` attention
+    heads in every attention) into ``out_dir``."""
     from espnet2.tasks.asr import ASRTask
 
     args = ASRTask.get_parser().parse_args([
@@ -42,10 +43,10 @@ def _build_model(out_dir):
         "--frontend_conf", "{n_fft: 512, hop_length: 160, n_mels: 20}",
         "--normalize", "none",
         "--encoder", "transformer",
-        "--encoder_conf", f"{{output_size: 32, attention_heads: {N_HEADS}, linear_units: 64, "
+        "--encoder_conf", f"{{output_size: 32, attention_heads: {heads}, linear_units: 64, "
                           "num_blocks: 2, input_layer: conv2d}",
         "--decoder", "transformer",
-        "--decoder_conf", f"{{attention_heads: {N_HEADS}, linear_units: 64, num_blocks: 2}}",
+        "--decoder_conf", f"{{attention_heads: {heads}, linear_units: 64, num_blocks: 2}}",
         "--model_conf", "{ctc_weight: 0.3}",
     ])
     args.token_list = list(TOKENS)
@@ -85,6 +86,21 @@ def asr(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def asr_with_heads(tmp_path_factory, asr):
+    """``heads -> (config.yaml, model.pth, data_dir)`` of the tiny model with that many heads
+    (random weights, built on demand, no training; the data directory of ``asr``)."""
+    built = {N_HEADS: asr}
+
+    def build(heads):
+        if heads not in built:
+            config, model_file = _build_model(tmp_path_factory.mktemp(f"espnet_asr_{heads}_heads"), heads)
+            built[heads] = (str(config), str(model_file), asr[2])
+        return built[heads]
+
+    return build
+
+
+@pytest.fixture(scope="module")
 def result(asr):
     return ear.espnet_attention_redundancy(*asr, batch_size=2)
 
@@ -99,7 +115,7 @@ def _js_bits(rows):
 
 
 def _lr_hr_by_hand(layers):
-    """LR, HR of one utterance from its per-layer attention ``[(n_head, T, S)]`` (real rows/keys only)."""
+    """LR in bits, HR of one utterance from its per-layer attention ``[(n_head, T, S)]`` (real rows/keys only)."""
     heads = np.concatenate(layers)  # (N n_head, T, S)
     lr = np.mean([math.log2(N_HEADS) - np.mean([_js_bits(a[:, i]) for i in range(a.shape[1])]) for a in layers])
     hr = np.mean([np.mean([1 - _js_bits(np.stack([p[i], q[i]])) for i in range(heads.shape[1])])
@@ -109,9 +125,14 @@ def _lr_hr_by_hand(layers):
 
 def test_result_ranges_and_structure(result):
     assert result["sentences"] == len(UTTERANCES)
+    assert result["compare_with_paper"] == "encoder_self" and "enc_attn" in result["notes"]
+    assert "/ log2 n_h" in result["LR_scale"]
     for kind in ear.ATTENTION_TYPES:
-        assert 0.0 <= result[kind]["LR"] <= math.log2(N_HEADS) + 1e-6
+        assert 0.0 <= result[kind]["LR"] <= 1.0 + 1e-6
+        assert 0.0 <= result[kind]["LR_bits"] <= math.log2(N_HEADS) + 1e-6
+        assert result[kind]["LR"] == pytest.approx(result[kind]["LR_bits"] / math.log2(N_HEADS))
         assert 0.0 <= result[kind]["HR"] <= 1.0 + 1e-6
+        assert (result[kind]["layers"], result[kind]["heads"]) == (2, N_HEADS)
     # the three types differ (the authors' code reported the encoder's for all three)
     lrs = [result[kind]["LR"] for kind in ear.ATTENTION_TYPES]
     assert len({round(v, 4) for v in lrs}) == 3
@@ -148,8 +169,9 @@ def test_padded_batch_matches_hand_computation(asr):
             rows, keys = {"encoder_self": (t_enc, t_enc), "decoder_self": (t_dec, t_dec),
                           "decoder_cross": (t_dec, t_enc)}[kind]
             per_utterance.append(_lr_hr_by_hand([a[b, :, :rows, :keys] for a in layers]))
-        lr, hr = np.mean(per_utterance, axis=0)
-        assert got[kind]["LR"] == pytest.approx(lr, abs=1e-5)
+        lr_bits, hr = np.mean(per_utterance, axis=0)
+        assert got[kind]["LR_bits"] == pytest.approx(lr_bits, abs=1e-5)
+        assert got[kind]["LR"] == pytest.approx(lr_bits / math.log2(N_HEADS), abs=1e-5)
         assert got[kind]["HR"] == pytest.approx(hr, abs=1e-5)
 
 
@@ -166,10 +188,11 @@ def test_batching_is_exact_without_audio_padding(asr, tmp_path):
         assert batched[kind]["HR"] == pytest.approx(one_by_one[kind]["HR"], abs=1e-5)
 
 
-def test_identical_heads_give_maximal_redundancy_for_that_type_only(asr, tmp_path):
+@pytest.mark.parametrize("heads", [N_HEADS, 4])
+def test_identical_heads_give_maximal_redundancy_for_that_type_only(asr_with_heads, tmp_path, heads):
     """Zero query projections in the cross-attention: every head of every layer attends
-    uniformly over the real encoder frames, so LR = log2 n_h and HR = 1 there."""
-    config, model_file, data_dir = asr
+    uniformly over the real encoder frames, so LR = 1 (LR_bits = log2 n_h) and HR = 1 there."""
+    config, model_file, data_dir = asr_with_heads(heads)
     state = torch.load(model_file)
     for key in state:
         if ".src_attn.linear_q." in key:
@@ -177,22 +200,66 @@ def test_identical_heads_give_maximal_redundancy_for_that_type_only(asr, tmp_pat
     uniform_cross = tmp_path / "model.pth"
     torch.save(state, uniform_cross)
     got = ear.espnet_attention_redundancy(config, str(uniform_cross), data_dir, batch_size=3)
-    assert got["decoder_cross"]["LR"] == pytest.approx(math.log2(N_HEADS), abs=1e-6)
+    assert got["decoder_cross"]["heads"] == heads
+    assert got["decoder_cross"]["LR"] == pytest.approx(1.0, abs=1e-6)
+    assert got["decoder_cross"]["LR_bits"] == pytest.approx(math.log2(heads), abs=1e-6)
     assert got["decoder_cross"]["HR"] == pytest.approx(1.0, abs=1e-6)
     for kind in ("encoder_self", "decoder_self"):
-        assert got[kind]["LR"] < math.log2(N_HEADS) - 1e-3
+        assert got[kind]["LR"] < 1.0 - 1e-3
         assert got[kind]["HR"] < 1.0 - 1e-3
 
 
-def test_cli_writes_json_and_restores_fast_paths(asr, tmp_path, capsys):
-    config, model_file, data_dir = asr
-    out = tmp_path / "out" / "redundancy.json"
+def test_single_head_model_reports_lr_as_undefined(asr_with_heads, tmp_path, capsys):
+    """n_h = 1: LR null with a note (log2 1 = 0), LR_bits 0, HR and its heat map still there."""
+    config, model_file, data_dir = asr_with_heads(1)
+    out, png = tmp_path / "one_head.json", tmp_path / "one_head.png"
     assert ear.main(["--asr-train-config", config, "--asr-model-file", model_file, "--data-dir", data_dir,
-                     "--max-utterances", "2", "--batch-size", "8", "--json", str(out)]) == 0
+                     "--json", str(out), "--heatmap", str(png)]) == 0, capsys.readouterr().err
+    stdout = capsys.readouterr().out
+    text = out.read_text()
+    assert "NaN" not in text
+    written = json.loads(text)
+    for kind in ear.ATTENTION_TYPES:
+        entry = written[kind]
+        assert entry["heads"] == 1 and entry["LR"] is None and "single head" in entry["LR_note"]
+        assert entry["LR_bits"] == pytest.approx(0.0, abs=1e-9)
+        assert 0.0 < entry["HR"] < 1.0  # the two layers' heads differ
+        row = next(line.split() for line in stdout.splitlines() if line.startswith(kind))
+        assert row[1:3] == ["1", "n/a"]
+    assert written["encoder_self"]["HR_matrix_labels"] == ["L0H0", "L1H0"]
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_writes_json_and_restores_fast_paths(asr, tmp_path, capsys, monkeypatch):
+    import matplotlib.image
+    import plot_head_redundancy as phr
+
+    drawn = []  # the matrices draw_heatmaps hands to matplotlib, per call
+    original = phr.draw_heatmaps
+
+    def spy(panels, out, **kwargs):
+        drawn.append(original(panels, out, **kwargs))
+        return drawn[-1]
+
+    monkeypatch.setattr(phr, "draw_heatmaps", spy)
+    config, model_file, data_dir = asr
+    out, png = tmp_path / "out" / "redundancy.json", tmp_path / "out" / "hr.png"
+    assert ear.main(["--asr-train-config", config, "--asr-model-file", model_file, "--data-dir", data_dir,
+                     "--max-utterances", "2", "--batch-size", "8", "--json", str(out), "--heatmap", str(png)]) == 0
     stdout = capsys.readouterr().out
     assert "decoder_cross" in stdout and "(2 sentences" in stdout
+    assert "LR [0,1]" in stdout and "LR bits" in stdout and "compare them with encoder_self" in stdout
     written = json.loads(out.read_text())
-    assert set(written) == {*ear.ATTENTION_TYPES, "sentences"} and written["sentences"] == 2
+    assert set(written) == {*ear.ATTENTION_TYPES, "sentences", "LR_scale", "HR_scale", "compare_with_paper",
+                            "notes"}
+    assert written["sentences"] == 2
+    # --heatmap: the encoder self-attention's head-pair matrix, 2 layers x 2 heads, as in the JSON
+    matrix = np.array(written["encoder_self"]["HR_matrix"])
+    assert matrix.shape == (4, 4) and matrix.mean() == pytest.approx(written["encoder_self"]["HR"], abs=1e-6)  # float32
+    assert len(drawn) == 1 and len(drawn[0]) == 1
+    np.testing.assert_array_equal(drawn[0][0], matrix)
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert matplotlib.image.imread(str(png)).ndim == 3
 
     model, _ = ear.load_asr_model(config, model_file, "cpu")
     module = model.encoder.encoders[0].self_attn

@@ -1,4 +1,5 @@
-"""scripts/attention_redundancy.py (LR / HR) and scripts/plot_sdma_attention.py (Fig. 6).
+"""scripts/attention_redundancy.py (LR / HR), scripts/plot_head_redundancy.py (Figs. 10-11)
+and scripts/plot_sdma_attention.py (Fig. 6).
 
 The end-to-end tests build their own tiny data (fairseq-preprocess) and two tiny
 checkpoints (fairseq-train --max-update 5, ``transformer`` and
@@ -25,6 +26,7 @@ SCRIPTS = REPO / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 import attention_redundancy as ar  # noqa: E402
+import plot_head_redundancy as phr  # noqa: E402
 import plot_sdma_attention as psa  # noqa: E402
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -74,16 +76,85 @@ def test_generalized_js_is_entropy_of_mean_minus_mean_entropy():
     np.testing.assert_allclose(moved.numpy(), ref, atol=1e-10)
 
 
-def test_layer_redundancy_bounds():
-    n_layers, n_h, T = 3, 4, 4
+@pytest.mark.parametrize("n_h", [2, 4, 8])
+def test_layer_redundancy_on_the_papers_scale(n_h):
+    """LR is the authors' (log2 n_h - JS) / log2 n_h in [0, 1]; LR_bits the undivided formula."""
+    n_layers, T = 3, 4
     same = _rows(n_layers, 1, T, 6, seed=4).expand(n_layers, n_h, T, 6)
-    assert ar.layer_redundancy(same).item() == pytest.approx(math.log2(n_h))
+    assert ar.layer_redundancy(same).item() == pytest.approx(1.0)
+    assert ar.layer_redundancy_bits(same).item() == pytest.approx(math.log2(n_h))
     # every head of a row attends to a different key (disjoint one-hot rows)
     eye = torch.eye(n_h, dtype=torch.float64)
     disjoint = eye[None, :, None, :].expand(n_layers, n_h, T, n_h)
     assert ar.layer_redundancy(disjoint).item() == pytest.approx(0.0, abs=1e-12)
-    rand = ar.layer_redundancy(_rows(n_layers, n_h, T, 6, seed=5)).item()
-    assert 0.0 < rand < math.log2(n_h)
+    assert ar.layer_redundancy_bits(disjoint).item() == pytest.approx(0.0, abs=1e-12)
+    for seed in range(5):
+        attn = _rows(n_layers, n_h, 2, T, 6, seed=50 + seed, sparsity=0.5 * (seed % 2))
+        lr, bits = ar.layer_redundancy(attn), ar.layer_redundancy_bits(attn)
+        assert torch.all((lr > 0.0) & (lr < 1.0)), lr
+        torch.testing.assert_close(lr, bits / math.log2(n_h))
+
+
+def test_layer_redundancy_hand_computed():
+    """4 heads, one row: three heads on key 0, one split over keys 0 and 1.
+
+    mixture (7/8, 1/8): H = 7/8 log2(8/7) + 1/8 * 3; mean entropy (0 + 0 + 0 + 1) / 4;
+    LR_bits = 2 - JS, LR = LR_bits / 2."""
+    rows = torch.tensor([[1.0, 0, 0, 0], [1.0, 0, 0, 0], [1.0, 0, 0, 0], [0.5, 0.5, 0, 0]], dtype=torch.float64)
+    js = (7 / 8 * math.log2(8 / 7) + 3 / 8) - 1 / 4  # 0.29356...
+    attn = rows[None, :, None, :]  # [N=1, n_h=4, T=1, S=4]
+    assert ar.layer_redundancy_bits(attn).item() == pytest.approx(2 - js, abs=1e-12)
+    assert ar.layer_redundancy(attn).item() == pytest.approx((2 - js) / 2, abs=1e-12)
+    assert ar.layer_redundancy(attn).item() == pytest.approx(0.8532178, abs=1e-7)
+    # two pairs of identical one-hot heads: JS = 1 bit, LR = (2 - 1) / 2 = 0.5
+    pairs = torch.eye(4, dtype=torch.float64)[[0, 0, 1, 1]][None, :, None, :]
+    assert ar.layer_redundancy(pairs).item() == pytest.approx(0.5)
+    # 8 heads, four on each of two keys: JS = 1 bit, LR_bits = 3 - 1 = 2, LR = 2 / 3
+    halves = torch.eye(8, dtype=torch.float64)[[0] * 4 + [1] * 4][None, :, None, :]
+    assert ar.layer_redundancy_bits(halves).item() == pytest.approx(2.0)
+    assert ar.layer_redundancy(halves).item() == pytest.approx(2 / 3)
+    # layers are averaged: the four-head row above and a layer of identical heads
+    two_layers = torch.cat([attn, rows[:1].expand(4, 4)[None, :, None, :]])
+    assert ar.layer_redundancy(two_layers).item() == pytest.approx(((2 - js) / 2 + 1.0) / 2, abs=1e-12)
+
+
+def test_single_head_lr_is_undefined():
+    """n_h = 1: log2 1 = 0, the normalised LR is undefined (named error / null), LR_bits = 0, HR defined."""
+    attn = _rows(3, 1, 2, 5, 6, seed=11)  # [N=3, n_h=1, B=2, T=5, S=6]
+    with pytest.raises(ar.RedundancyError, match=r"undefined for n_h = 1"):
+        ar.layer_redundancy(attn)
+    with pytest.raises(ar.RedundancyError, match=r"undefined for n_h = 1"):
+        ar.lr_divisor(1)
+    torch.testing.assert_close(ar.layer_redundancy_bits(attn), torch.zeros(2, dtype=torch.float64))
+    hr = ar.head_redundancy(attn)  # 3 x 3 pairs of the layers' single heads
+    assert torch.all((hr > 0.0) & (hr < 1.0))
+
+    accumulator = ar.RedundancyAccumulator(return_matrices=True)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    accumulator.add("encoder_self", attn, mask, torch.ones(2, 6, dtype=torch.bool))
+    result = accumulator.result()
+    entry = result["encoder_self"]
+    assert entry["LR"] is None and entry["LR_bits"] == pytest.approx(0.0, abs=1e-12)
+    assert "undefined for a single head" in entry["LR_note"]
+    assert entry["HR"] == pytest.approx(hr.mean().item())
+    assert (entry["layers"], entry["heads"]) == (3, 1) and entry["HR_matrix_labels"] == ["L0H0", "L1H0", "L2H0"]
+    assert result["decoder_self"] is None and result["sentences"] == 2
+    text = json.dumps(result, allow_nan=False)  # null, not NaN: strict JSON
+    assert json.loads(text)["encoder_self"]["LR"] is None
+    row = next(line for line in ar.format_table(result).splitlines() if line.startswith("encoder_self"))
+    assert row.split()[1:3] == ["1", "n/a"]
+
+
+def test_hr_is_on_the_unit_interval():
+    """1 - JS of two distributions, JS in bits, lies in [0, 1]: HR and every matrix cell do."""
+    for seed, sparsity in ((12, 0.0), (13, 0.6), (14, 0.9)):
+        attn = _rows(3, 4, 2, 6, 5, seed=seed, sparsity=sparsity)
+        hr, matrix = ar.head_redundancy(attn, return_matrix=True)
+        assert torch.all((matrix >= 0.0) & (matrix <= 1.0)) and torch.all((hr >= 0.0) & (hr <= 1.0))
+    disjoint = torch.eye(8, dtype=torch.float64).reshape(2, 4, 1, 8)  # 8 heads on 8 different keys
+    hr, matrix = ar.head_redundancy(disjoint, return_matrix=True)
+    torch.testing.assert_close(matrix, torch.eye(8, dtype=torch.float64))  # off-diagonal 1 - JS = 1 - 1 = 0
+    assert hr.item() == pytest.approx(1 / 8)
 
 
 def test_head_redundancy_identical_heads_and_naive_reference():
@@ -105,14 +176,15 @@ def test_head_redundancy_identical_heads_and_naive_reference():
     assert torch.allclose(matrix.diagonal(), torch.ones(6, dtype=matrix.dtype))
     assert torch.allclose(matrix, matrix.T)
     assert matrix.mean().item() == pytest.approx(hr.item())
-    naive_lr = np.mean([
+    naive_lr_bits = np.mean([
         math.log2(3) - np.mean([
             (lambda rows: (lambda h: h(rows.mean(0)) - np.mean([h(r) for r in rows]))(
                 lambda p: -(p[p > 0] * np.log2(p[p > 0])).sum()))(a[n, :, i])
             for i in range(5)])
         for n in range(2)
     ])
-    assert ar.layer_redundancy(attn).item() == pytest.approx(naive_lr, abs=1e-10)
+    assert ar.layer_redundancy_bits(attn).item() == pytest.approx(naive_lr_bits, abs=1e-10)
+    assert ar.layer_redundancy(attn).item() == pytest.approx(naive_lr_bits / math.log2(3), abs=1e-10)
 
 
 def test_head_redundancy_is_chunked_without_changing_results(monkeypatch):
@@ -203,7 +275,8 @@ def tiny(tmp_path_factory):
         with open(root / f"{name}.out", "w") as out, open(root / f"{name}.err", "w") as err:
             scripts[name] = subprocess.Popen(
                 [sys.executable, str(SCRIPTS / "attention_redundancy.py"), "--path", str(path), str(data),
-                 "--subset", "test", "--batch-size", "5", "--json", str(root / f"{name}.json")],
+                 "--subset", "test", "--batch-size", "5", "--json", str(root / f"{name}.json"),
+                 "--heatmap", str(root / f"{name}.png")],
                 stdout=out, stderr=err, env=ENV, cwd=REPO)
     yield {"root": root, "data": str(data), "scripts": scripts, **{k: str(v) for k, v in ckpts.items()}}
     for proc in scripts.values():
@@ -281,10 +354,16 @@ def test_three_attention_types_are_measured_separately(loaded, name):
     model, task = loaded[name]
     result = ar.attention_redundancy(model, task, "test")
     assert result["sentences"] == 12
-    assert set(result) == {"encoder_self", "decoder_self", "decoder_cross", "sentences"}
+    assert set(result) == {"encoder_self", "decoder_self", "decoder_cross", "sentences",
+                           "LR_scale", "HR_scale", "compare_with_paper", "notes"}
+    assert result["compare_with_paper"] == "encoder_self" and "enc_attn" in result["notes"]
+    assert "/ log2 n_h" in result["LR_scale"] and "[0, 1]" in result["LR_scale"]
     values = {k: (result[k]["LR"], result[k]["HR"]) for k in ar.ATTENTION_TYPES}
     for k, (lr, hr) in values.items():
-        assert 0.0 <= lr <= 2.0 and 0.0 <= hr <= 1.0, (k, lr, hr)
+        assert 0.0 <= lr <= 1.0 and 0.0 <= hr <= 1.0, (k, lr, hr)  # the paper's scale for both
+        assert (result[k]["layers"], result[k]["heads"]) == (2, 4)
+        assert result[k]["LR_bits"] == pytest.approx(2.0 * lr)  # log2 4 = 2 bits
+        assert "HR_matrix" not in result[k]
     for a, b in itertools.combinations(ar.ATTENTION_TYPES, 2):  # the authors' code reported one number thrice
         assert abs(values[a][0] - values[b][0]) > 1e-4 and abs(values[a][1] - values[b][1]) > 1e-4, (a, b, values)
 
@@ -295,7 +374,7 @@ def test_results_do_not_depend_on_padding(loaded):
     alone = ar.attention_redundancy(model, task, "test", max_sentences=8, batch_size=1)
     padded = ar.attention_redundancy(model, task, "test", max_sentences=8, batch_size=8)
     for kind in ar.ATTENTION_TYPES:
-        for metric in ("LR", "HR"):
+        for metric in ("LR", "LR_bits", "HR"):
             assert padded[kind][metric] == pytest.approx(alone[kind][metric], abs=1e-5)
     # with an extra padding column appended to every sentence's keys
     task.load_dataset("test")
@@ -351,16 +430,89 @@ def test_errors(tiny, loaded, capsys):
 # ----------------------------------------------------------------------------
 
 
+def _assert_png(path):
+    """``path`` is a PNG that decodes to an RGB(A) image."""
+    import matplotlib.image
+
+    assert path.is_file() and path.stat().st_size > 10_000
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    image = matplotlib.image.imread(str(path))
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """Records the matrices ``plot_head_redundancy.draw_heatmaps`` really hands to matplotlib."""
+    calls = []
+    original = phr.draw_heatmaps
+
+    def spy(panels, out, **kwargs):
+        result = original(panels, out, **kwargs)
+        calls.append({"out": out, "titles": [p[0] for p in panels], "labels": [p[2] for p in panels],
+                      "matrices": result})
+        return result
+
+    monkeypatch.setattr(phr, "draw_heatmaps", spy)
+    return calls
+
+
 @pytest.mark.parametrize("name", list(ARCHS))
 def test_redundancy_script_end_to_end(tiny, script_runs, name):
     code, out, err = script_runs[name]
     assert code == 0, err[-3000:]
     result = json.loads((tiny["root"] / f"{name}.json").read_text())
-    assert result["sentences"] == 12
+    assert result["sentences"] == 12 and result["compare_with_paper"] == "encoder_self"
+    header = next(line for line in out.splitlines() if line.startswith("attention")).split()
+    assert header == ["attention", "heads", "LR", "[0,1]", "LR", "bits", "HR", "[0,1]"]
+    assert "compare them with encoder_self" in out
     for kind in ar.ATTENTION_TYPES:
         assert kind in out
-        assert set(result[kind]) == {"LR", "HR"}
-        assert 0.0 <= result[kind]["LR"] <= 2.0 and 0.0 <= result[kind]["HR"] <= 1.0
+        entry = result[kind]
+        assert set(entry) == {"LR", "LR_bits", "HR", "layers", "heads", "HR_matrix", "HR_matrix_labels"}
+        assert 0.0 <= entry["LR"] <= 1.0 and 0.0 <= entry["HR"] <= 1.0
+        assert entry["LR_bits"] == pytest.approx(2.0 * entry["LR"])
+        row = next(line.split() for line in out.splitlines() if line.startswith(kind))
+        assert [float(v) for v in row[2:]] == pytest.approx([entry["LR"], entry["LR_bits"], entry["HR"]], abs=1e-4)
+        matrix = np.array(entry["HR_matrix"])
+        assert matrix.shape == (8, 8) and matrix.mean() == pytest.approx(entry["HR"], abs=1e-6)  # float32
+        assert entry["HR_matrix_labels"] == [f"L{n}H{h}" for n in range(2) for h in range(4)]
+    _assert_png(tiny["root"] / f"{name}.png")  # --heatmap: the encoder self-attention's matrix
+
+
+def test_heatmap_option_plots_the_json_matrices(loaded, tiny, drawn, capsys):
+    """``--heatmap OUT.png --heatmap-kind all``: one panel per type, each the JSON's HR_matrix."""
+    png, out = tiny["root"] / "heat" / "all.png", tiny["root"] / "heat" / "all.json"
+    code = ar.main(["--path", tiny["sdma"], tiny["data"], "--max-sentences", "4", "--cpu",
+                    "--json", str(out), "--heatmap", str(png), "--heatmap-kind", "all"])
+    assert code == 0, capsys.readouterr().err
+    assert f"wrote {png}" in capsys.readouterr().out
+    _assert_png(png)
+    result = json.loads(out.read_text())
+    (call,) = drawn
+    assert call["out"] == str(png) and len(call["matrices"]) == 3
+    for kind, matrix, labels, title in zip(ar.ATTENTION_TYPES, call["matrices"], call["labels"], call["titles"]):
+        np.testing.assert_array_equal(matrix, np.array(result[kind]["HR_matrix"]))
+        assert labels == result[kind]["HR_matrix_labels"] and kind in title
+    # without HR_matrix in a JSON the plotting script says how to get it
+    bare = tiny["root"] / "heat" / "bare.json"
+    bare.write_text(json.dumps(ar.attention_redundancy(*loaded["sdma"], "test", max_sentences=2)))
+    assert phr.main([str(bare), "--out", str(tiny["root"] / "heat" / "x.png")]) == 2
+    assert "--hr-matrix" in capsys.readouterr().err
+
+
+def test_plot_head_redundancy_side_by_side(tiny, script_runs, drawn, capsys):
+    """Figs. 10-11: V-T and SDMA-T encoder matrices from the two JSON files, one colour scale."""
+    assert all(code == 0 for code, _, _ in script_runs.values())
+    png = tiny["root"] / "fig10.png"
+    files = [str(tiny["root"] / f"{name}.json") for name in ("transformer", "sdma")]
+    assert phr.main([*files, "--names", "V-T", "SDMA-T", "--out", str(png)]) == 0, capsys.readouterr().err
+    _assert_png(png)
+    (call,) = drawn
+    assert [t.split(":")[0] for t in call["titles"]] == ["V-T", "SDMA-T"]
+    for path, matrix in zip(files, call["matrices"]):
+        np.testing.assert_array_equal(matrix, np.array(json.loads(Path(path).read_text())["encoder_self"]["HR_matrix"]))
+    assert phr.main([*files, "--names", "V-T", "--out", str(png)]) == 2
+    assert "1 --names for 2 result files" in capsys.readouterr().err
 
 
 def test_plot_script_writes_png(tiny, capsys):
