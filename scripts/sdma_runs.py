@@ -6,7 +6,9 @@ and is also kept for parsing.
 """
 
 import json
+import math
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -42,6 +44,7 @@ def run_streaming(cmd: Sequence, log_path: Path, echo_filter: Optional[str] = No
     log_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.time()
     lines: List[str] = []
+    arrived: List[float] = []
     pattern = re.compile(echo_filter) if echo_filter else None
     with open(log_path, "w") as log, subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
@@ -49,6 +52,7 @@ def run_streaming(cmd: Sequence, log_path: Path, echo_filter: Optional[str] = No
         for line in proc.stdout:
             log.write(line)
             lines.append(line)
+            arrived.append(time.time() - start)
             if pattern is None or pattern.search(line):
                 print("    " + line.rstrip()[-200:], flush=True)
         proc.wait()
@@ -56,7 +60,8 @@ def run_streaming(cmd: Sequence, log_path: Path, echo_filter: Optional[str] = No
         tail = "".join(lines[-40:])
         raise SystemExit(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{tail}\nfull log: {log_path}")
     text = "".join(lines)
-    result = {"log": text, "seconds": time.time() - start}
+    # line_seconds[i]: when lines[i] arrived, in seconds after the start (fairseq flushes each line)
+    result = {"log": text, "seconds": time.time() - start, "lines": lines, "line_seconds": arrived}
     match = re.search(r"PEAK_RSS_MB=([0-9.]+)", text)
     if match:
         result["peak_rss_mb"] = float(match.group(1))
@@ -70,6 +75,57 @@ def train_words_per_second(log: str, skip_first: int = 1) -> float:
     if not values:
         values = [float(v) for v in re.findall(r"\| train \|.*?\| wps ([0-9.]+)", log)]
     return sum(values) / len(values) if values else float("nan")
+
+
+def train_inner_intervals(log: str) -> List[Dict[str, float]]:
+    """fairseq's logged training intervals (``train_inner`` lines) in order: ``num_updates`` at the
+    interval's end, ``wps`` (words/s), ``wpb`` (words per batch) and ``loss``."""
+    intervals = []
+    for line in log.splitlines():
+        if "train_inner" not in line:
+            continue
+        fields = dict(re.findall(r"(\w+)=([-+0-9.eE]+|nan|inf)", line))
+        if {"num_updates", "wps", "wpb"} <= fields.keys():
+            intervals.append({"num_updates": int(fields["num_updates"]), "wps": float(fields["wps"]),
+                              "wpb": float(fields["wpb"]), "loss": float(fields.get("loss", "nan"))})
+    return intervals
+
+
+def segment_words_per_second(log: str, start_update: int = 0, skip_first: int = 1) -> Dict[str, float]:
+    """Training words/s of one ``fairseq-train`` process that started (or resumed) at ``start_update``.
+
+    Sum of words over sum of seconds of its logged intervals after the first ``skip_first``
+    (the first interval holds the first steps after start-up); an interval of n updates holds
+    ``wpb * n`` words in ``wpb * n / wps`` seconds. Process start-up, the final validation and
+    checkpoint are outside every interval, so they do not count.
+    """
+    timed = []
+    previous = start_update
+    for interval in train_inner_intervals(log):
+        n = interval["num_updates"] - previous
+        previous = interval["num_updates"]
+        if n > 0 and interval["wps"] > 0:
+            words = interval["wpb"] * n
+            timed.append((words, words / interval["wps"]))
+    used = timed[skip_first:] or timed
+    words, seconds = sum(w for w, _ in used), sum(s for _, s in used)
+    return {"words": words, "seconds": seconds, "intervals": len(used),
+            "words_per_second": words / seconds if seconds > 0 else float("nan")}
+
+
+def ratio_stats(values: Sequence[float]) -> Dict:
+    """min / median / max of per-round ratios (NaN-free), and the ratios themselves."""
+    finite = [v for v in values if not math.isnan(v)]
+    if not finite:
+        return {"per_round": list(values), "min": float("nan"), "median": float("nan"), "max": float("nan")}
+    return {"per_round": list(values), "min": min(finite), "median": statistics.median(finite),
+            "max": max(finite)}
+
+
+def resumed_update(log: str) -> int:
+    """The update count of the checkpoint a ``fairseq-train`` run resumed from (0: a fresh run)."""
+    match = re.search(r"[Ll]oaded checkpoint .*?\(epoch \d+ @ (\d+) updates\)", log)
+    return int(match.group(1)) if match else 0
 
 
 def last_num_updates(log: str) -> int:
