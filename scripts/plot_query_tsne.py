@@ -23,7 +23,6 @@ Library: ``user_dir.sdma.analysis`` (collect_queries, embed_queries, draw_query_
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -141,9 +140,7 @@ def main(argv=None) -> int:
     print(format_table(result["checkpoints"]))
     print(f"wrote {args.out}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        analysis.write_json_report(args.json, result)
     return 0
 
 

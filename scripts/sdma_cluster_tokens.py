@@ -27,7 +27,6 @@ cluster_usage, model_cluster_usage).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -132,9 +131,7 @@ def main(argv=None) -> int:
     print(format_clusters(report))
     print(format_usage(report["cluster_usage"], report["cluster_usage_num_clusters"]))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        analysis.write_json_report(args.json, report)
     return 0
 
 

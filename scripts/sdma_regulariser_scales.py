@@ -12,12 +12,16 @@ Reports the validation perplexity after every ``--validate-every`` updates and, 
 SDMA-T model, the cluster usage on the test split (perplexity of the average
 responsibilities per head, in [1, n_c]; 1 = every token in one cluster), averaged per
 attention type, plus the head the demo's Fig. 6 shows (last encoder layer, head 0).
-Writes ``outputs/regulariser_scales/results.json``.
+Each model writes ``OUT_DIR/<model>/result.json`` when it finishes, so models can run in
+separate processes (``--only``) and a finished model is not trained again; the table and
+``OUT_DIR/results.json`` collect every finished model.
 
     .venv/bin/python scripts/sdma_regulariser_scales.py --updates 400 --validate-every 100
+    .venv/bin/python scripts/sdma_regulariser_scales.py --report-only
 """
 
 import argparse
+import json
 import re
 import shutil
 import statistics
@@ -81,6 +85,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--usage-sentences", type=int, default=1000, help="test sentences for the cluster usage")
     p.add_argument("--only", nargs="+", choices=sorted(runs()), help="train only these models")
+    p.add_argument("--report-only", action="store_true", help="train nothing; print the finished models")
     p.add_argument("--out-dir", type=Path, default=REPO / "outputs" / "regulariser_scales")
     p.add_argument("--data-dir", type=Path, default=REPO / "outputs" / "quickstart" / "data")
     args = p.parse_args(argv)
@@ -89,33 +94,55 @@ def parse_args(argv=None):
     return args
 
 
+def run_dir(out_dir: Path, name: str) -> Path:
+    return out_dir / name.replace(" ", "_")
+
+
+def finished_runs(out_dir: Path) -> Dict[str, Dict]:
+    """Every model with a ``result.json``, in the order of :func:`runs`."""
+    out = {}
+    for name in runs():
+        path = run_dir(out_dir, name) / "result.json"
+        if path.exists():
+            entry = json.loads(path.read_text())
+            entry["valid_ppl"] = {int(u): v for u, v in entry["valid_ppl"].items()}
+            out[name] = entry
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    data_bin = prepare_data(args.data_dir, max_words=10, vocab_size=2000, seed=args.seed)
-    results = {"updates": args.updates, "validate_every": args.validate_every, "seed": args.seed, "runs": {}}
-    for name, model_args in runs().items():
-        if args.only and name not in args.only:
-            continue
-        save_dir = args.out_dir / name.replace(" ", "_")
-        stage(f"train {name} for {args.updates} updates")
-        log = train(data_bin, save_dir, model_args, args.updates, args.validate_every, args.seed)["log"]
-        entry = {"valid_ppl": validation_perplexities(log)}
-        if name != "V-T":
-            stage(f"cluster usage of {name} on the test split")
-            entry["cluster_usage"] = usage_summary(save_dir / "checkpoint_last.pt", data_bin, args.usage_sentences)
-        results["runs"][name] = entry
-        write_json(args.out_dir / "results.json", results)  # after every model: a partial run keeps its rows
-    checkpoints = sorted({u for r in results["runs"].values() for u in r["valid_ppl"]})
+    if not args.report_only:
+        data_bin = prepare_data(args.data_dir, max_words=10, vocab_size=2000, seed=args.seed)
+        done = finished_runs(args.out_dir)
+        for name, model_args in runs().items():
+            if (args.only and name not in args.only) or name in done:
+                continue
+            save_dir = run_dir(args.out_dir, name)
+            stage(f"train {name} for {args.updates} updates")
+            log = train(data_bin, save_dir, model_args, args.updates, args.validate_every, args.seed)["log"]
+            entry = {"updates": args.updates, "seed": args.seed, "valid_ppl": validation_perplexities(log)}
+            if name != "V-T":
+                stage(f"cluster usage of {name} on the test split")
+                entry["cluster_usage"] = usage_summary(save_dir / "checkpoint_last.pt", data_bin,
+                                                       args.usage_sentences)
+            write_json(save_dir / "result.json", entry)
+    results = finished_runs(args.out_dir)
+    if not results:
+        stage(f"no finished model under {args.out_dir}")
+        return 1
+    write_json(args.out_dir / "results.json", {"runs": results})
+    checkpoints = sorted({u for r in results.values() for u in r["valid_ppl"]})
     rows = []
-    for name, entry in results["runs"].items():
+    for name, entry in results.items():
         row = {"model": name, **{f"ppl@{u}": entry["valid_ppl"].get(u, float("nan")) for u in checkpoints}}
         for kind, value in entry.get("cluster_usage", {}).get("mean_per_type", {}).items():
             row[f"usage {kind}"] = value
         rows.append(row)
     columns = list(dict.fromkeys(c for row in rows for c in row))
     print_table([{c: row.get(c, "") for c in columns} for row in rows], columns,
-                f"SDMA regulariser scale: valid ppl after N updates (Ding de-en, seed {args.seed}); "
-                "cluster usage = perplexity of the mean responsibilities per head, in [1, n_c]")
+                "SDMA regulariser scale: valid ppl after N updates (Ding de-en); cluster usage = "
+                "perplexity of the mean responsibilities per head, in [1, n_c]")
     stage(f"wrote {args.out_dir / 'results.json'}")
     return 0
 
