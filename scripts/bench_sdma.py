@@ -32,7 +32,6 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quickstart import prepare_data  # noqa: E402
 from sdma_runs import (  # noqa: E402

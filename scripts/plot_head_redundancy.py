@@ -37,7 +37,6 @@ logging.getLogger("matplotlib").setLevel(logging.WARNING)  # fairseq sets the ro
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention_redundancy import ATTENTION_TYPES, RedundancyError, head_labels  # noqa: E402
 
 Panel = Tuple[str, np.ndarray, List[str]]  # (title, matrix [K, K], K axis labels)

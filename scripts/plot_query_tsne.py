@@ -26,13 +26,11 @@ import argparse
 import logging
 import os
 import sys
-from pathlib import Path
 from typing import List, Optional
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-from attention_redundancy import RedundancyError, check_subset, load_models  # noqa: E402
+from attention_redundancy import RedundancyError, check_subset, load_models
 
-from user_dir.sdma import analysis  # noqa: E402
+from user_dir.sdma import analysis
 
 DEFAULT_TSNE_POINTS = 20_000  # Barnes-Hut t-SNE of more points takes minutes on a CPU
 

@@ -29,13 +29,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 from typing import Dict, List
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
-from attention_redundancy import RedundancyError, check_subset, load_models  # noqa: E402
+from attention_redundancy import RedundancyError, check_subset, load_models
 
-from user_dir.sdma import analysis  # noqa: E402
+from user_dir.sdma import analysis
 
 DEFAULT_TOP_TOKENS = 15
 

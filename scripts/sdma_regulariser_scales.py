@@ -29,10 +29,9 @@ import sys
 from pathlib import Path
 from typing import Dict, List
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from quickstart import MODEL_SIZE, OPTIMIZATION, prepare_data  # noqa: E402
-from sdma_runs import REPO, USER_DIR, console_script, print_table, run_streaming, stage, write_json  # noqa: E402
+from quickstart import MODEL_SIZE, OPTIMIZATION, prepare_data
+from sdma_runs import REPO, USER_DIR, console_script, print_table, run_streaming, stage, write_json
 
 SCALES = ("sentence", "batch", "token")
 _VALID = re.compile(r"valid on 'valid' subset.*?\| ppl ([0-9.]+).*?\| num_updates (\d+)")

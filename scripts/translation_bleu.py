@@ -21,9 +21,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from user_dir.sdma.bleu import (  # noqa: E402
+from user_dir.sdma.bleu import (
     PAPER_LABEL,
     SACREBLEU_LABEL,
     TOKENIZERS,

@@ -252,7 +252,7 @@ def test_quickstart_end_to_end_interleaved(tmp_path, capsys):
     # segments change nothing: the same 4 updates in one process give the same weights
     single = qs.train_segment(prep / "bin", tmp_path / "single", qs.MODELS["V-T"][1], 1, 0, 4, 1, "train.log")
     assert single["end"] == 4
-    split = torch.load(out / "vanilla" / "checkpoint_last.pt", map_location="cpu")["model"]
-    whole = torch.load(tmp_path / "single" / "checkpoint_last.pt", map_location="cpu")["model"]
+    split = torch.load(out / "vanilla" / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
+    whole = torch.load(tmp_path / "single" / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
     assert split.keys() == whole.keys()
     assert all(torch.equal(split[k], whole[k]) for k in split)
