@@ -26,5 +26,5 @@ setup(
         "scipy",
         "scikit-learn",
     ],
-    extras_require={"test": ["pytest", "pytest-timeout"]},
+    extras_require={"test": ["pytest", "pytest-timeout", "hypothesis"]},
 )

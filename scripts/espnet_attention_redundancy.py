@@ -41,7 +41,9 @@ Data: a Kaldi-style directory with ``wav.scp`` (``uttid /path/to.wav``, plain
 sound files readable by soundfile at the frontend's sampling rate; relative
 paths are relative to the working directory) and ``text`` (``uttid transcript``).
 The utterances of ``text`` are evaluated in its order (the first N with
-``--max-utterances``).
+``--max-utterances``). Both files (and ``utt2spk`` when present) are read by
+``espnet_plugin/data_dir.py`` (ESPnet's parsing, errors naming ``file:line``) and
+must hold the same utterance ids.
 
 Usage::
 
@@ -88,7 +90,6 @@ from attention_redundancy import (  # noqa: E402
     add_output_arguments,
     write_outputs,
 )
-from espnet2.fileio.read_text import read_2columns_text  # noqa: E402
 
 # attribute of each decoder layer that holds the attention of each decoder type
 _DECODER_ATTRIBUTES = {"decoder_self": "self_attn", "decoder_cross": "src_attn"}
@@ -119,16 +120,16 @@ def read_data_dir(data_dir: str, max_utterances: Optional[int] = None) -> List[U
     for path in (wav_scp, text):
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found (a Kaldi data directory needs wav.scp and text)")
-    wavs = read_2columns_text(wav_scp)
-    transcripts = read_2columns_text(text)
-    missing = [uttid for uttid in transcripts if uttid not in wavs]
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" ... ({len(missing)} in all)" if len(missing) > 5 else "")
-        raise RedundancyError(f"utterance ids of {text} missing from {wav_scp}: {shown}")
-    uttids = list(transcripts)[:max_utterances]
+    from espnet_plugin.data_dir import KaldiDataDirError, read_data_dir as read_kaldi_data_dir
+
+    try:  # the plugin's reader: ESPnet's parsing, file:line errors, the same ids in every file
+        kaldi = read_kaldi_data_dir(root)
+    except KaldiDataDirError as error:
+        raise RedundancyError(str(error)) from error
+    uttids = kaldi.uttids[:max_utterances]
     if not uttids:
         raise RedundancyError(f"no utterances to evaluate in {text} (max_utterances={max_utterances})")
-    return [Utterance(uttid, wavs[uttid], transcripts[uttid]) for uttid in uttids]
+    return [Utterance(uttid, kaldi.wav_scp[uttid], kaldi.text[uttid]) for uttid in uttids]
 
 
 def wav_length(utt: Utterance, sample_rate: int, wav_scp: Path) -> int:
@@ -169,10 +170,9 @@ def load_asr_model(asr_train_config: str, asr_model_file: str, device: str):
     for path in (asr_train_config, asr_model_file):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"file not found: {path}")
-    import espnet_plugin  # noqa: F401  (registers the SDMA classes in ESPnet's class choices)
-    from espnet2.tasks.asr import ASRTask
+    from espnet_plugin.safe_loading import build_asr_model_from_file  # registers the SDMA classes
 
-    model, train_args = ASRTask.build_model_from_file(asr_train_config, asr_model_file, device)
+    model, train_args = build_asr_model_from_file(asr_train_config, asr_model_file, device)
     model.eval()
     return model, train_args
 

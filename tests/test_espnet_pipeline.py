@@ -155,6 +155,118 @@ def test_driver_rejects_impossible_options(tmp_path):
         driver.parse_args(["--conf-dir", str(tmp_path)])
 
 
+def train_command(work, out, launcher=("-m", "espnet_plugin.bin.asr_train")):
+    """The recipe's training command (tiny SDMA config) on the pipeline's data, into ``out``."""
+    data, stats = work / "corpus" / "data", work / "stats"
+    command = [sys.executable, *launcher, "--use_preprocessor", "true", "--token_type", "char",
+               "--token_list", str(work / "tokens.txt"), "--non_linguistic_symbols", "none", "--cleaner", "none",
+               "--g2p", "none", "--ngpu", "0", "--num_workers", "0", "--use_tensorboard", "false",
+               "--config", str(work.parent / "conf" / "train_asr_sdma_transformer.yaml"), "--output_dir", str(out),
+               "--frontend_conf", "fs=16k", "--normalize", "global_mvn",
+               "--normalize_conf", f"stats_file={stats / 'train' / 'feats_stats.npz'}",
+               "--train_shape_file", str(stats / "train" / "speech_shape"),
+               "--train_shape_file", str(stats / "train" / "text_shape.char"),
+               "--valid_shape_file", str(stats / "valid" / "speech_shape"),
+               "--valid_shape_file", str(stats / "valid" / "text_shape.char"),
+               "--fold_length", "80000", "--fold_length", "150", "--max_epoch", "1"]
+    for split, prefix in (("train", "train"), ("dev", "valid")):
+        command += [f"--{prefix}_data_path_and_name_and_type", f"{data / split / 'wav.scp'},speech,sound",
+                    f"--{prefix}_data_path_and_name_and_type", f"{data / split / 'text'},text,text"]
+    return command
+
+
+class CodeRunningPickle:
+    """Unpickling it runs a shell command (``__reduce__`` -> ``os.system``)."""
+
+    def __init__(self, command):
+        self.command = command
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (self.command,))
+
+
+def malicious_model_file(path, marker):
+    """A model file whose pickle creates ``marker`` when loaded with ``weights_only=False``."""
+    import torch
+
+    torch.save({"encoder.embed.0.weight": CodeRunningPickle(f"touch {marker}")}, path)
+    return path
+
+
+def assert_refused(proc, marker, path):
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-2000:]
+    assert "UnsafeModelFileError" in output and f"refused to load {path}" in output, output[-3000:]
+    assert "posix.system" in output
+    assert not marker.exists(), "the payload ran"
+
+
+def test_malicious_model_file_is_refused_on_every_espnet_entry_point(pipeline, tmp_path):
+    """asr_inference (direct and through the asr.sh shim), --resume, --init_param, the redundancy
+    script and Speech2Text-style loading through the task: the payload never runs."""
+    from espnet_plugin.safe_loading import UnsafeModelFileError
+    from espnet_plugin.tasks.sdma_asr import SDMAASRTask
+
+    work, _ = pipeline
+    exp, data = work / "exp" / "sdma", work / "corpus" / "data"
+    marker = tmp_path / "payload_ran"
+    evil = malicious_model_file(tmp_path / "evil.pth", marker)
+
+    def run_cli(command):
+        return subprocess.run([str(c) for c in command], capture_output=True, text=True, cwd=REPO, timeout=600)
+
+    decode = ["--ngpu", "0", "--batch_size", "1", "--asr_train_config", exp / "config.yaml", "--asr_model_file", evil,
+              "--data_path_and_name_and_type", f"{data / 'test' / 'wav.scp'},speech,sound",
+              "--key_file", data / "test" / "wav.scp", "--output_dir", tmp_path / "decode"]
+    assert_refused(run_cli([sys.executable, "-m", "espnet_plugin.bin.asr_inference", *decode]), marker, evil)
+    assert_refused(run_cli([sys.executable, "-m", "espnet_plugin.bin.python_shim", "-m", "espnet2.bin.asr_inference",
+                            *decode]), marker, evil)
+    # any command the shim runs for asr.sh, even one asking for weights_only=False
+    assert_refused(run_cli([sys.executable, "-m", "espnet_plugin.bin.python_shim", "-c",
+                            f"import torch; torch.load({str(evil)!r}, weights_only=False)"]), marker, evil)
+    assert_refused(run_cli([sys.executable, REPO / "scripts" / "espnet_attention_redundancy.py",
+                            "--asr-train-config", exp / "config.yaml", "--asr-model-file", evil,
+                            "--data-dir", data / "test"]), marker, evil)
+
+    resume_dir = tmp_path / "resume"
+    resume_dir.mkdir()
+    malicious_model_file(resume_dir / "checkpoint.pth", marker)
+    assert_refused(run_cli(train_command(work, resume_dir) + ["--resume", "true"]), marker,
+                   resume_dir / "checkpoint.pth")
+    assert_refused(run_cli(train_command(work, tmp_path / "init") + ["--init_param", str(evil)]), marker, evil)
+
+    with pytest.raises(UnsafeModelFileError, match="posix.system"):
+        SDMAASRTask.build_model_from_file(exp / "config.yaml", evil, "cpu")
+    assert not marker.exists()
+
+
+def test_real_checkpoints_load_with_the_allow_list(pipeline):
+    """The resume state and the model files ESPnet wrote pass the safe loader; torch.load is restored after."""
+    import torch
+
+    from espnet_plugin.safe_loading import espnet_checkpoint_types, weights_only_loading
+
+    work, _ = pipeline
+    exp = work / "exp" / "sdma"
+    allowed = {f"{t.__module__}.{t.__qualname__}" for t in espnet_checkpoint_types()}
+    # in a fresh interpreter: this one has registered the allow-list already
+    unsafe = set(json.loads(subprocess.run(
+        [sys.executable, "-c", "import json, sys, torch; print(json.dumps("
+         "torch.serialization.get_unsafe_globals_in_checkpoint(sys.argv[1])))", str(exp / "checkpoint.pth")],
+        capture_output=True, text=True, check=True).stdout))
+    assert "datetime.timedelta" in unsafe and unsafe <= allowed
+    original = torch.load
+    with weights_only_loading():
+        assert torch.load is not original
+        state = torch.load(exp / "checkpoint.pth", map_location="cpu", weights_only=False)  # forced safe
+        model = torch.load(driver.trained_model(work, "sdma"), map_location="cpu")
+    assert torch.load is original
+    assert {"model", "reporter", "optimizers", "schedulers"} <= set(state)
+    assert "num_updates" in state["model"] and "num_updates" in model
+
+
 def test_two_process_cpu_training_with_espnets_distributed_launcher(pipeline, tmp_path):
     """ESPnet DDP (gloo, 2 CPU processes): same stat keys on both ranks, update counter = optimizer steps."""
     import socket
@@ -162,27 +274,13 @@ def test_two_process_cpu_training_with_espnets_distributed_launcher(pipeline, tm
     import torch
 
     work, _ = pipeline
-    data, stats = work / "corpus" / "data", work / "stats"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "ddp"
-    base = [sys.executable, "-m", "espnet_plugin.bin.asr_train", "--use_preprocessor", "true", "--token_type", "char",
-            "--token_list", str(work / "tokens.txt"), "--non_linguistic_symbols", "none", "--cleaner", "none",
-            "--g2p", "none", "--ngpu", "0", "--num_workers", "0", "--use_tensorboard", "false",
-            "--config", str(work.parent / "conf" / "train_asr_sdma_transformer.yaml"), "--output_dir", str(out),
-            "--frontend_conf", "fs=16k", "--normalize", "global_mvn",
-            "--normalize_conf", f"stats_file={stats / 'train' / 'feats_stats.npz'}",
-            "--train_shape_file", str(stats / "train" / "speech_shape"),
-            "--train_shape_file", str(stats / "train" / "text_shape.char"),
-            "--valid_shape_file", str(stats / "valid" / "speech_shape"),
-            "--valid_shape_file", str(stats / "valid" / "text_shape.char"),
-            "--fold_length", "80000", "--fold_length", "150", "--max_epoch", "1",
-            "--multiprocessing_distributed", "false", "--dist_world_size", "2", "--dist_backend", "gloo",
-            "--dist_init_method", f"tcp://127.0.0.1:{port}"]
-    for split, prefix in (("train", "train"), ("dev", "valid")):
-        base += [f"--{prefix}_data_path_and_name_and_type", f"{data / split / 'wav.scp'},speech,sound",
-                 f"--{prefix}_data_path_and_name_and_type", f"{data / split / 'text'},text,text"]
+    base = train_command(work, out) + [
+        "--multiprocessing_distributed", "false", "--dist_world_size", "2", "--dist_backend", "gloo",
+        "--dist_init_method", f"tcp://127.0.0.1:{port}"]
     procs = [subprocess.Popen(base + ["--dist_rank", str(r), "--local_rank", str(r)], cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     logs = [p.communicate(timeout=600)[0] for p in procs]

@@ -5,7 +5,8 @@
 shim imports the plugin first (registering its classes), runs ``espnet2.bin.asr_train``
 and ``espnet2.bin.asr_inference`` as the plugin's launchers (whose training task advances
 the SDMA update counter and is what multi-GPU workers unpickle), and runs anything else
-(``-m module``, ``-c code`` or ``script.py``) unchanged.
+(``-m module``, ``-c code`` or ``script.py``) unchanged, except that every ``torch.load``
+reads with ``weights_only=True`` (:mod:`espnet_plugin.safe_loading`).
 """
 
 import runpy
@@ -24,7 +25,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         sys.exit(USAGE)
     import espnet_plugin  # noqa: F401  (registers the SDMA classes)
+    from espnet_plugin.safe_loading import weights_only_loading
 
+    with weights_only_loading():
+        _run(argv)
+
+
+def _run(argv: List[str]) -> None:
     if argv[0] == "-m" and len(argv) > 1:
         module = REDIRECTS.get(argv[1], argv[1])
         sys.argv = [argv[1]] + argv[2:]

@@ -21,6 +21,7 @@ from espnet2.tasks import asr as espnet_asr
 from espnet_plugin.asr.decoder.sdma_transformer_decoder import SDMATransformerDecoder
 from espnet_plugin.asr.encoder.sdma_transformer_encoder import SDMATransformerEncoder
 from espnet_plugin.asr.sdma_espnet_model import ESPnetSDMAASRModel
+from espnet_plugin.safe_loading import weights_only_loading
 
 PLUGIN_CLASSES = (
     (espnet_asr.encoder_choices, "sdma_transformer", SDMATransformerEncoder),
@@ -53,6 +54,20 @@ class SDMAASRTask(espnet_asr.ASRTask):
     counting optimizer steps (not forward passes) keeps it right under ``accum_grad`` and
     skipped non-finite steps, and it is a model buffer, so ``--resume`` restores it.
     """
+
+    @classmethod
+    def main_worker(cls, args) -> None:
+        """ESPnet's worker (training, ``--resume``, ``--init_param``, n-best averaging), with
+        every model file read by ``torch.load(weights_only=True)``: spawned multi-GPU workers
+        start here, so each applies the safe loader itself."""
+        with weights_only_loading():
+            super().main_worker(args)
+
+    @classmethod
+    def build_model_from_file(cls, *args, **kwargs):
+        """``ASRTask.build_model_from_file`` with the model file read by the safe loader."""
+        with weights_only_loading():
+            return super().build_model_from_file(*args, **kwargs)
 
     @classmethod
     def build_optimizers(cls, args, model: torch.nn.Module) -> List[torch.optim.Optimizer]:
