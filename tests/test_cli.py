@@ -187,7 +187,9 @@ def test_nan_loss_term_stops_training_naming_it(trained, data_bin, tmp_path):
     proc = run(train_cmd(data_bin, tmp_path / "ck", "--restore-file", tmp_path / "diverged.pt",
                          "--max-update", "45", "--max-epoch", "100", "--disable-validation"), check=False)
     assert proc.returncode != 0
-    assert "SDMA loss term 'kl_z' is nan" in proc.stdout + proc.stderr
+    output = proc.stdout + proc.stderr
+    assert "SDMA loss term 'kl_z' is nan" in output
+    assert f"First non-finite parameter {key} " in output  # the diagnosis names the poisoned tensor
 
 
 @pytest.mark.parametrize(
@@ -201,10 +203,24 @@ def test_nan_loss_term_stops_training_naming_it(trained, data_bin, tmp_path):
     ],
 )
 def test_bad_cli_options_fail_early_with_the_option_name(data_bin, tmp_path, extra, message):
+    """Like argparse's own errors: one line ``fairseq-train: error: ...``, exit status 2, no traceback."""
     proc = run(train_cmd(data_bin, tmp_path, "--max-update", "1", *extra), check=False)
-    assert proc.returncode != 0
-    assert message in proc.stderr + proc.stdout
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("fairseq-train: error: ") and message in last, proc.stderr[-2000:]
     assert not list(tmp_path.glob("checkpoint*.pt"))
+
+
+def test_other_exceptions_keep_their_traceback(tmp_path):
+    """Only the plugin's configuration errors are shortened; a defect keeps its traceback."""
+    code = ("import sys; import user_dir; from user_dir.errors import PluginConfigError; "
+            "raise (PluginConfigError if sys.argv[1] == 'config' else KeyError)('--x=0 must be >= 1')")
+    config = run([sys.executable, "-c", code, "config"], check=False)
+    assert config.returncode == 2 and config.stderr.strip().splitlines()[-1] == "python: error: --x=0 must be >= 1"
+    assert "Traceback" not in config.stderr
+    defect = run([sys.executable, "-c", code, "defect"], check=False)
+    assert defect.returncode == 1 and "Traceback" in defect.stderr and "KeyError" in defect.stderr
 
 
 def test_missing_data_files_are_named(data_bin, tmp_path):

@@ -262,3 +262,36 @@ def test_sentence_scaled_regulariser_is_extensive():
     assert core.scale_regulariser(torch.zeros(()), "sentence", 12) == 0.0  # V-T: no SDMA module ran
     with pytest.raises(core.SDMAConfigError, match="tokens"):
         core.scale_regulariser(per_sentence, "tokens", 12)
+
+
+def test_nan_diagnosis_names_the_first_non_finite_parameter_or_activation():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    assert core.first_nonfinite_parameter(model) is None
+    assert core.first_nonfinite_activation(model, lambda: model(x)) is None
+    assert core.diagnose_nonfinite(model, lambda: model(x)).startswith("All parameters are finite and re-running")
+
+    with torch.no_grad():  # an overflow inside the network: finite parameters, inf activation
+        model[0].weight.fill_(1e38)
+    message = core.diagnose_nonfinite(model, lambda: model(x * 10))
+    assert "first non-finite activation: output of 0 (Linear)" in message and "its inputs were finite" in message
+
+    with torch.no_grad():
+        model[0].weight.fill_(0.1)
+        model[2].bias[1] = float("nan")
+    assert core.diagnose_nonfinite(model, lambda: model(x)) == \
+        "First non-finite parameter 2.bias [2]: 1 of 2 values non-finite"
+    assert "its inputs were already non-finite" in core.first_nonfinite_activation(
+        model, lambda: model(x.masked_fill(torch.zeros_like(x, dtype=torch.bool).index_fill(1, torch.tensor([0]), True),
+                                           float("nan"))))
+
+
+def test_check_finite_runs_the_diagnosis_only_on_failure():
+    def diagnose():
+        raise AssertionError("the hot path must not diagnose")
+
+    core.check_finite({"kl_z": torch.zeros(3)}, "advice", diagnose=diagnose)
+    with pytest.raises(FloatingPointError, match=r"SDMA loss term 'dqq' is nan .* First non-finite buffer b \[1\]"):
+        core.check_finite({"kl_z": torch.zeros(3), "dqq": torch.tensor([0.0, float("nan")])}, "advice",
+                          diagnose=lambda: "First non-finite buffer b [1]: 1 of 1 values non-finite")

@@ -355,6 +355,47 @@ def test_impossible_options_name_the_config_key(overrides, message):
         SDMAASRTask.build_model(tiny_args(**overrides))
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(encoder_conf=dict(output_size=32, attention_heads=3)),
+         "encoder_conf.attention_heads=3 does not divide encoder_conf.output_size=32"),
+        (dict(encoder_conf=dict(output_size=32, attention_heads=2), decoder_conf=dict(attention_heads=5)),
+         "decoder_conf.attention_heads=5 does not divide encoder_conf.output_size=32"),
+        (dict(encoder_conf=dict(output_size=32, attention_heads=2, dropout_rate=1.5)),
+         "encoder_conf.dropout_rate=1.5 must lie in [0, 1)"),
+        (dict(encoder_conf=dict(output_size=32, attention_heads=2, num_blocks=2, interctc_layer_idx=[2])),
+         "encoder_conf.interctc_layer_idx=[2]"),
+        (dict(model_conf=dict(ctc_weight=1.5)), "model_conf.ctc_weight=1.5 must lie in [0, 1]"),
+    ],
+)
+def test_what_espnet_asserts_is_checked_first_and_named_by_its_yaml_key(overrides, message):
+    """ESPnet would fail with a bare AssertionError; the plugin names the key (a PluginConfigError)."""
+    from espnet_plugin.asr.sdma_attention import ESPnetConfigError
+    from user_dir.errors import PluginConfigError
+
+    with pytest.raises(ESPnetConfigError) as error:
+        SDMAASRTask.build_model(tiny_args(**overrides))
+    assert message in str(error.value) and isinstance(error.value, PluginConfigError)
+
+
+def test_configuration_errors_reach_the_user_as_one_line(tmp_path):
+    """Through ESPnet's own launcher: exit status 2, ``asr_train.py: error: <key> ...``, no traceback."""
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text("".join(f"{t}\n" for t in TOKENS), encoding="utf-8")
+    command = [sys.executable, "-m", "espnet_plugin.bin.asr_train", "--dry_run", "true", "--ngpu", "0",
+               "--token_list", tokens, "--token_type", "char", "--output_dir", tmp_path / "exp",
+               "--encoder", "sdma_transformer", "--encoder_conf", "output_size=32", "--encoder_conf", "attention_heads=3",
+               "--decoder", "sdma_transformer", "--model", "sdma"]
+    for split in ("train", "valid"):  # required by ESPnet's parser; a dry run reads no data
+        command += [f"--{split}_data_path_and_name_and_type", "wav.scp,speech,sound", f"--{split}_shape_file", "x"]
+    out = subprocess.run([str(c) for c in command], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        "asr_train: error: encoder_conf.attention_heads=3 does not divide encoder_conf.output_size=32")
+
+
 def test_unknown_option_is_refused_by_name():
     with pytest.raises(TypeError, match="sdma_clustres"):
         SDMAASRTask.build_model(tiny_args(encoder_conf=dict(output_size=32, attention_heads=2, sdma_clustres=4)))

@@ -1,15 +1,22 @@
 """fairseq ``--user-dir`` package of the latent-structure toolkit.
 
 ``fairseq-train --user-dir user_dir ...`` imports this package, which registers
-every model, criterion and task below and allow-lists the few extra types that
+every model, criterion and task below, reports configuration errors as one line
+(``user_dir/errors.py``) and allow-lists the few extra types that
 fairseq checkpoints contain for torch's safe loader (``weights_only=True``).
+It also makes fairseq's ``translation`` task rebuild its batch iterator every epoch,
+so that a resumed run is bit-identical to a continuous one (``user_dir/exact_resume.py``).
 """
 
-from . import safe_loading
+from . import errors, safe_loading
 
 safe_loading.register_checkpoint_types()
+errors.install_excepthook()  # PluginConfigError -> one line, exit status 2
 
 from . import sdma  # noqa: E402,F401  (registration)
 from . import sentence_vae, qkvae, optimus  # noqa: E402,F401  (registration)
 from . import hf_sentence, topic_vq  # noqa: E402,F401  (registration)
 from . import tpr  # noqa: E402,F401  (registration)
+from . import exact_resume  # noqa: E402
+
+exact_resume.patch_fairseq_tasks()  # translation: bit-identical resume (user_dir/exact_resume.py)

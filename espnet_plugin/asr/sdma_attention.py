@@ -10,15 +10,53 @@ full-sequence scores without an extra cache.
 """
 
 import math
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 from espnet.nets.pytorch_backend.transformer.attention import MultiHeadedAttention
 from torch import Tensor
 
+from user_dir.errors import PluginConfigError
 from user_dir.sdma.core import SDMACore, SDMAOptions, mix_attention, semantic_log_mask
 
 ATTENTION_GROUPS = ("encoder_self", "decoder_self", "decoder_cross")
+
+
+class ESPnetConfigError(PluginConfigError):
+    """A training-config value ESPnet would reject with a bare assert (the message names the YAML key)."""
+
+
+def check_transformer_conf(conf_name: str, *, width: int, width_key: str, attention_heads: int,
+                           linear_units: int, num_blocks: int, dropout_rates: dict,
+                           interctc_layer_idx: Iterable[int] = ()) -> None:
+    """Check what ESPnet's transformer asserts (or fails on later) and name the YAML key.
+
+    ``width`` is the attention dimension and ``width_key`` the key it comes from (the
+    decoder's width is ``encoder_conf.output_size``).
+    """
+    def positive(key, value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ESPnetConfigError(f"{key}={value!r} must be an integer >= 1")
+
+    positive(width_key, width)
+    positive(f"{conf_name}.attention_heads", attention_heads)
+    positive(f"{conf_name}.linear_units", linear_units)
+    positive(f"{conf_name}.num_blocks", num_blocks)
+    if width % attention_heads != 0:
+        divisors = [h for h in range(1, min(width, 16) + 1) if width % h == 0]
+        raise ESPnetConfigError(
+            f"{conf_name}.attention_heads={attention_heads} does not divide {width_key}={width}: each head "
+            f"gets {width_key} / attention_heads dimensions; choose one of {divisors} (or change {width_key})"
+        )
+    for name, rate in dropout_rates.items():
+        if not (isinstance(rate, (int, float)) and 0.0 <= rate < 1.0):
+            raise ESPnetConfigError(f"{conf_name}.{name}={rate!r} must lie in [0, 1)")
+    layers = list(interctc_layer_idx or ())
+    if layers and not (0 < min(layers) and max(layers) < num_blocks):
+        raise ESPnetConfigError(
+            f"{conf_name}.interctc_layer_idx={layers}: intermediate CTC layers must lie in "
+            f"1 .. num_blocks - 1 = {num_blocks - 1}"
+        )
 
 
 class SDMAMultiHeadedAttention(MultiHeadedAttention):

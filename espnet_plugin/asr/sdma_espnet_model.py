@@ -8,6 +8,7 @@ from espnet2.asr.espnet_model import ESPnetASRModel
 from espnet2.torch_utils.device_funcs import force_gatherable
 from typeguard import typechecked
 
+from espnet_plugin.asr.sdma_attention import ESPnetConfigError
 from user_dir.sdma.core import (
     LOSS_NAMES,
     LOSS_WEIGHTS,
@@ -15,6 +16,7 @@ from user_dir.sdma.core import (
     SDMACore,
     SDMAConfigError,
     check_finite,
+    diagnose_nonfinite,
     collect_sdma_losses,
     scale_regulariser,
     weighted_regulariser,
@@ -56,6 +58,11 @@ class ESPnetSDMAASRModel(ESPnetASRModel):
     def __init__(self, *args, sdma_kl_weight: float = 0.001, sdma_dqq_weight: float = 30.0,
                  sdma_dxq_weight: float = 4.0, sdma_diversity_weight: float = 1.0,
                  sdma_regulariser_scale: str = "sentence", **kwargs):
+        for key, low, high in (("ctc_weight", 0.0, 1.0), ("interctc_weight", 0.0, 1.0 - 1e-12)):
+            value = kwargs.get(key)
+            if value is not None and not (isinstance(value, (int, float)) and low <= value <= high):
+                raise ESPnetConfigError(f"model_conf.{key}={value!r} must lie in "
+                                        f"[0, 1{']' if key == 'ctc_weight' else ')'}")
         super().__init__(*args, **kwargs)
         if sdma_regulariser_scale not in REGULARISER_SCALES:
             raise SDMAConfigError(
@@ -99,7 +106,8 @@ class ESPnetSDMAASRModel(ESPnetASRModel):
             core.pending = None  # nothing recorded by an earlier encode()/inference call
         loss, stats, weight = super().forward(speech, speech_lengths, text, text_lengths, **kwargs)
         terms = collect_sdma_losses(self)
-        check_finite(terms, ESPNET_ADVICE)
+        check_finite(terms, ESPNET_ADVICE, diagnose=lambda: diagnose_nonfinite(
+            self, lambda: ESPnetASRModel.forward(self, speech, speech_lengths, text, text_lengths, **kwargs)))
         per_utterance = weighted_regulariser(terms, self.sdma_loss_weights)  # (B,)
         num_tokens = float((text_lengths + 1).sum())  # the attention targets, <eos> included
         total = scale_regulariser(per_utterance, self.sdma_regulariser_scale, num_tokens)

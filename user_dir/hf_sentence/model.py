@@ -37,6 +37,7 @@ import torch
 from fairseq.models import BaseFairseqModel, register_model, register_model_architecture
 from torch import Tensor, nn
 
+from user_dir.errors import PluginConfigError
 from user_dir.optimus.pretrained import WEIGHT_FILES
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ PADDING_OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert", "mpnet")
 POOLINGS = ("cls", "mean")
 
 
-class HFSentenceConfigError(ValueError):
+class HFSentenceConfigError(PluginConfigError):
     """An impossible model option or Hugging Face directory (the message names which)."""
 
 

@@ -36,6 +36,7 @@ from .core import (
     REGULARISER_SCALES,
     check_finite,
     collect_sdma_losses,
+    diagnose_nonfinite,
     scale_regulariser,
     weighted_regulariser,
 )
@@ -74,8 +75,8 @@ class SDMALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion)
                  sdma_regulariser_scale="sentence"):
         super().__init__(task, sentence_avg, label_smoothing, ignore_prefix_size, report_accuracy)
         if str(sdma_regulariser_scale) not in REGULARISER_SCALES:
-            raise ValueError(f"--sdma-regulariser-scale={sdma_regulariser_scale!r} is not one of "
-                             f"{', '.join(REGULARISER_SCALES)}")
+            raise SDMAConfigError(f"--sdma-regulariser-scale={sdma_regulariser_scale!r} is not one of "
+                                  f"{', '.join(REGULARISER_SCALES)}")
         self.regulariser_scale = str(sdma_regulariser_scale)
         self.weight_overrides = {
             "sdma_kl_weight": sdma_kl_weight,
@@ -85,7 +86,7 @@ class SDMALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion)
         }
         for name, value in self.weight_overrides.items():
             if value is not None and (value < 0 or not math.isfinite(value)):
-                raise ValueError(f"--{name.replace('_', '-')}={value}: loss weights must be finite and >= 0")
+                raise SDMAConfigError(f"--{name.replace('_', '-')}={value}: loss weights must be finite and >= 0")
 
     def loss_weights(self, model):
         model_defaults = getattr(_unwrap(model), "sdma_loss_weights", {})
@@ -100,7 +101,8 @@ class SDMALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion)
         loss, nll_loss = self.compute_loss(model, net_output, sample, reduce=reduce)
         sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
         terms = collect_sdma_losses(model)
-        check_finite(terms, FAIRSEQ_ADVICE)
+        check_finite(terms, FAIRSEQ_ADVICE,
+                     diagnose=lambda: diagnose_nonfinite(model, lambda: model(**sample["net_input"])))
         per_sentence = weighted_regulariser(terms, self.loss_weights(model))  # [B]
         regulariser = scale_regulariser(per_sentence, self.regulariser_scale, sample["ntokens"]).to(loss)
         ce_loss = loss

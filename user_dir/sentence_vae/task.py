@@ -84,7 +84,7 @@ class SentenceVAEConfig(FairseqDataclass):
 
 def _require_data(path: str) -> str:
     if not path:
-        raise ValueError("--task sentence_vae needs the data directory (the positional DATA argument)")
+        raise PluginConfigError("--task sentence_vae needs the data directory (the positional DATA argument)")
     return path
 
 
@@ -180,6 +180,12 @@ class SentenceVAETask(FairseqTask):
         if counter is not None:
             counter.set_num_updates(update_num + 1)
         return result
+
+    def can_reuse_epoch_itr(self, dataset) -> bool:
+        """Never: every epoch's batches are made under ``--seed`` + epoch, so a resumed run
+        gets the batches of the continuous one (fairseq's cached iterator keeps the batches of
+        the epoch it was built in: see ``user_dir/exact_resume.py``)."""
+        return False
 
     def max_positions(self):
         return (self.cfg.max_positions, self.cfg.max_positions)

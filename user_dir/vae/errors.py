@@ -1,5 +1,7 @@
 """The one configuration error of the VAE utilities."""
 
+from user_dir.errors import PluginConfigError
 
-class VAEConfigError(ValueError):
+
+class VAEConfigError(PluginConfigError):
     """An impossible VAE hyper-parameter (the message names the option and what is allowed)."""

@@ -9,7 +9,11 @@ from espnet2.asr.decoder.transformer_decoder import TransformerDecoder
 from espnet.nets.pytorch_backend.nets_utils import make_pad_mask
 from typeguard import typechecked
 
-from espnet_plugin.asr.sdma_attention import SDMAMultiHeadedAttention, sdma_options_from_conf
+from espnet_plugin.asr.sdma_attention import (
+    SDMAMultiHeadedAttention,
+    check_transformer_conf,
+    sdma_options_from_conf,
+)
 
 
 class SDMATransformerDecoder(TransformerDecoder):
@@ -62,6 +66,14 @@ class SDMATransformerDecoder(TransformerDecoder):
         sdma_diversity_beta: float = 0.75,
         sdma_mask_at_inference: bool = False,
     ):
+        check_transformer_conf(
+            "decoder_conf", width=encoder_output_size, width_key="encoder_conf.output_size",
+            attention_heads=attention_heads, linear_units=linear_units, num_blocks=num_blocks,
+            dropout_rates={"dropout_rate": dropout_rate, "positional_dropout_rate": positional_dropout_rate,
+                           "self_attention_dropout_rate": self_attention_dropout_rate,
+                           "src_attention_dropout_rate": src_attention_dropout_rate,
+                           "layer_drop_rate": layer_drop_rate},
+        )
         options = sdma_options_from_conf(
             "decoder_conf", mode=sdma_mode, clusters=sdma_clusters, query_clusters=sdma_query_clusters,
             mix_max=sdma_mix_max, mix_rate=sdma_mix_rate, centroid_grad_scale=sdma_centroid_grad_scale,

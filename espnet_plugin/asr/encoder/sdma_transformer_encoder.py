@@ -7,7 +7,11 @@ from espnet2.asr.ctc import CTC
 from espnet2.asr.encoder.transformer_encoder import TransformerEncoder
 from typeguard import typechecked
 
-from espnet_plugin.asr.sdma_attention import SDMAMultiHeadedAttention, sdma_options_from_conf
+from espnet_plugin.asr.sdma_attention import (
+    SDMAMultiHeadedAttention,
+    check_transformer_conf,
+    sdma_options_from_conf,
+)
 
 
 class SDMATransformerEncoder(TransformerEncoder):
@@ -67,6 +71,13 @@ class SDMATransformerEncoder(TransformerEncoder):
         sdma_diversity_beta: float = 0.75,
         sdma_mask_at_inference: bool = True,
     ):
+        check_transformer_conf(
+            "encoder_conf", width=output_size, width_key="encoder_conf.output_size",
+            attention_heads=attention_heads, linear_units=linear_units, num_blocks=num_blocks,
+            dropout_rates={"dropout_rate": dropout_rate, "positional_dropout_rate": positional_dropout_rate,
+                           "attention_dropout_rate": attention_dropout_rate, "layer_drop_rate": layer_drop_rate},
+            interctc_layer_idx=interctc_layer_idx,
+        )
         options = sdma_options_from_conf(
             "encoder_conf", mode=sdma_mode, clusters=sdma_clusters, query_clusters=sdma_query_clusters,
             mix_max=sdma_mix_max, mix_rate=sdma_mix_rate, centroid_grad_scale=sdma_centroid_grad_scale,

@@ -1,0 +1,63 @@
+"""The base of the plugin's user-facing errors, and how they reach the user.
+
+Every error the user fixes by changing an option, a configuration key or an input file
+(``SDMAConfigError``, ``VAEConfigError``, ``GlueDataError``, ...) derives from
+:class:`PluginConfigError` (a ``ValueError``, so ``except ValueError`` keeps working).
+Raised and not caught in a command-line program (``fairseq-train --user-dir user_dir``,
+``fairseq-generate``, the ESPnet launchers, ``scripts/*.py``), it is printed as one line,
+argparse style, and the process exits with status 2::
+
+    fairseq-train: error: --sdma-clusters=0: the number of GMM clusters must be an integer >= 1
+
+Any other exception keeps its full traceback: those are defects, not user errors.
+Importing ``user_dir`` or ``espnet_plugin`` installs the hook (:func:`install_excepthook`).
+"""
+
+import logging
+import os
+import sys
+import types
+from typing import Optional, Type
+
+EXIT_STATUS = 2  # argparse's status for usage errors
+
+
+class PluginConfigError(ValueError):
+    """An option, configuration key or input file the user has to fix (message says which and how)."""
+
+
+def program_name() -> str:
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    if name in ("", "-c", "-m", "__main__.py"):
+        return "python"
+    return name[:-3] if name.endswith(".py") else name
+
+
+def report(error: BaseException) -> str:
+    """The one line the user sees: ``<program>: error: <message>``."""
+    message = " ".join(str(error).split("\n")) if str(error) else type(error).__name__
+    return f"{program_name()}: error: {message}"
+
+
+def _plugin_excepthook(exc_type: Type[BaseException], exc: BaseException,
+                       tb: Optional[types.TracebackType]) -> None:
+    if isinstance(exc, PluginConfigError):
+        logging.shutdown()  # flush log files: nothing written so far is lost
+        sys.stdout.flush()
+        sys.stderr.write(report(exc) + "\n")
+        sys.stderr.flush()
+        # sys.exit() inside an excepthook is ignored by the interpreter; the process is
+        # already ending with an uncaught exception, so leave with argparse's status.
+        os._exit(EXIT_STATUS)
+    _previous_excepthook(exc_type, exc, tb)
+
+
+_previous_excepthook = sys.excepthook
+
+
+def install_excepthook() -> None:
+    """Report uncaught :class:`PluginConfigError` as one line with exit status 2 (idempotent)."""
+    global _previous_excepthook
+    if sys.excepthook is not _plugin_excepthook:
+        _previous_excepthook = sys.excepthook
+        sys.excepthook = _plugin_excepthook
