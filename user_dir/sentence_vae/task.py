@@ -32,6 +32,8 @@ from fairseq.dataclass import FairseqDataclass
 from fairseq.tasks import FairseqTask, register_task
 from omegaconf import II
 
+from user_dir.errors import PluginConfigError
+
 logger = logging.getLogger(__name__)
 
 
