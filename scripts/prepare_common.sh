@@ -7,10 +7,24 @@ if [[ -z "${PYTHON:-}" ]]; then
     if [[ -x "$ROOT/.venv/bin/python" ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
 fi
 WORKERS=${WORKERS:-$(nproc 2>/dev/null || echo 1)}
+die() { echo "error: $*" >&2; exit 2; }
+
+# Options of prepare_translation.py from the environment (exit 2 on a bad value, like its own errors):
+#   OVERWRITE=1            --overwrite (replace OUT_DIR/bin of a previous run)
+#   MAX_POSITIONS=N        --max-positions N (the model's limit; default 1024, fairseq's)
+#   TOO_LONG=truncate|skip what to do with sentences over it (default: refuse, naming them)
 PREPARE_EXTRA=()
 if [[ "${OVERWRITE:-0}" == 1 ]]; then PREPARE_EXTRA+=(--overwrite); fi
-
-die() { echo "error: $*" >&2; exit 2; }
+if [[ -n "${MAX_POSITIONS:-}" ]]; then
+    [[ "$MAX_POSITIONS" =~ ^[0-9]+$ ]] || die "MAX_POSITIONS must be a number of tokens, not '$MAX_POSITIONS'"
+    PREPARE_EXTRA+=(--max-positions "$MAX_POSITIONS")
+fi
+case "${TOO_LONG:-}" in
+    "") ;;
+    truncate) PREPARE_EXTRA+=(--truncate) ;;
+    skip) PREPARE_EXTRA+=(--skip) ;;
+    *) die "TOO_LONG must be truncate or skip, not '$TOO_LONG'" ;;
+esac
 
 # require_pair PREFIX LANG1 LANG2: both PREFIX.LANG files must exist.
 require_pair() {

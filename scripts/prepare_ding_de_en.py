@@ -27,7 +27,11 @@ normalised:
   ``jds.``, ``sth.``, ``sb.`` or an ellipsis (``…``/``...``): those are phrase
   templates such as ``to be followed by sth.``, not sentences.
 
-Exact duplicate pairs are removed (first occurrence kept).  The pairs are
+Exact duplicate pairs are removed (first occurrence kept).  Nothing is dropped
+silently: lines without exactly one `` :: `` (``malformed``) or with a different number of
+sub-entries on the two sides (``misaligned``) are counted with the filter rejections and
+printed.  A line that is not UTF-8 stops the run naming ``file:line``; errors end the
+command line with one ``prepare_ding_de_en.py: error: ...`` line and exit status 2.  The pairs are
 shuffled with ``--seed`` and split deterministically into test, valid and train
 (in that order), written as ``OUT/{train,valid,test}.{de,en}``.
 
@@ -49,8 +53,9 @@ import re
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
+PROG = "prepare_ding_de_en.py"
 DEFAULT_SOURCE = Path("/usr/share/trans/de-en")
 SPLITS = ("train", "valid", "test")
 LANGS = ("de", "en")
@@ -73,13 +78,22 @@ FILTERS = {
     "template": "no placeholders (etw./jdm./sth./sb.) or ellipses",
     "too_long": "at most --max-words words per side",
 }
+# lines that give no sub-entry pairs at all (counted, never dropped silently)
+LINE_REJECTIONS = {
+    "malformed": "lines without exactly one ' :: '",
+    "misaligned": "lines with a different number of ' | ' sub-entries on the two sides",
+}
 
 
 class MissingSourceError(FileNotFoundError):
     """The Ding dictionary file is not installed."""
 
 
-class EmptyCorpusError(ValueError):
+class DingDataError(ValueError):
+    """The Ding file (or the options) cannot give a corpus; the message says where and what to do."""
+
+
+class EmptyCorpusError(DingDataError):
     """No sentence pair survived the filters."""
 
 
@@ -111,32 +125,51 @@ def rejection_reason(de: str, en: str, max_words: Optional[int] = None) -> Optio
     return None
 
 
+def classify_line(line: str) -> Tuple[str, List[Pair]]:
+    """(kind, cleaned (German, English) sub-entry pairs) of one dictionary line.
+
+    ``kind`` is ``"blank"``, ``"comment"`` (``#...``), ``"malformed"`` (not exactly one
+    `` :: ``) or ``"misaligned"`` (different numbers of `` | `` sub-entries), all without
+    pairs, or ``"entry"``.
+    """
+    line = line.rstrip("\r\n")
+    if not line.strip():
+        return "blank", []
+    if line.startswith("#"):
+        return "comment", []
+    sides = line.split(" :: ")
+    if len(sides) != 2:
+        return "malformed", []
+    german, english = (side.split(" | ") for side in sides)
+    if len(german) != len(english):
+        return "misaligned", []
+    return "entry", [(clean_text(de), clean_text(en)) for de, en in zip(german, english)]
+
+
 def aligned_subentries(line: str) -> List[Pair]:
     """The cleaned (German, English) sub-entry pairs of one dictionary line.
 
     Comment lines, lines without exactly one `` :: `` and lines whose sides have a
     different number of `` | `` sub-entries give no pairs.
     """
-    line = line.rstrip("\r\n")
-    if not line.strip() or line.startswith("#"):
-        return []
-    sides = line.split(" :: ")
-    if len(sides) != 2:
-        return []
-    german, english = (side.split(" | ") for side in sides)
-    if len(german) != len(english):
-        return []
-    return [(clean_text(de), clean_text(en)) for de, en in zip(german, english)]
+    return classify_line(line)[1]
 
 
 def parse_lines(lines: Iterable[str], max_words: Optional[int] = None,
                 stats: Optional[Counter] = None) -> List[Pair]:
-    """Sentence pairs from dictionary lines, filtered and deduplicated (order kept)."""
+    """Sentence pairs from dictionary lines, filtered and deduplicated (order kept).
+
+    ``stats`` counts every rejection: per filter (:data:`FILTERS`), ``duplicate``, and the
+    lines without pairs of :data:`LINE_REJECTIONS`; ``kept`` is the number of pairs.
+    """
     stats = Counter() if stats is None else stats
     seen = set()
     pairs: List[Pair] = []
     for line in lines:
-        for pair in aligned_subentries(line):
+        kind, subentries = classify_line(line)
+        if kind in LINE_REJECTIONS:
+            stats[kind] += 1
+        for pair in subentries:
             reason = rejection_reason(*pair, max_words=max_words)
             if reason is not None:
                 stats[reason] += 1
@@ -160,17 +193,34 @@ def check_source(source: Path) -> Path:
     return source
 
 
+def read_lines(path: Path) -> Iterator[str]:
+    """The lines of ``path`` (split on ``\\n``), each decoded as strict UTF-8.
+
+    A line that is not UTF-8 raises :class:`DingDataError` naming ``file:line``; no byte
+    is replaced.
+    """
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, 1):
+            try:
+                yield raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise DingDataError(
+                    f"{path}:{number}: not valid UTF-8 (byte 0x{raw[error.start]:02x} at byte {error.start + 1} of "
+                    f"the line); the Ding file is UTF-8: reinstall trans-de-en, or convert the file "
+                    f"(iconv -t UTF-8) or fix that line"
+                ) from None
+
+
 def read_pairs(source: Path = DEFAULT_SOURCE, max_words: Optional[int] = None,
                stats: Optional[Counter] = None) -> List[Pair]:
     """All kept sentence pairs of the Ding file ``source``.
 
-    Raises :class:`MissingSourceError` if the file is absent and
-    :class:`EmptyCorpusError` (naming the filter that removed the last pairs) if
-    nothing is left.
+    Raises :class:`MissingSourceError` if the file is absent, :class:`DingDataError`
+    naming ``file:line`` at a line that is not UTF-8, and :class:`EmptyCorpusError`
+    (naming the filter that removed the last pairs) if nothing is left.
     """
     stats = Counter() if stats is None else stats
-    with open(check_source(source), encoding="utf-8") as handle:
-        pairs = parse_lines(handle, max_words=max_words, stats=stats)
+    pairs = parse_lines(read_lines(check_source(source)), max_words=max_words, stats=stats)
     if not pairs:
         raise EmptyCorpusError(_empty_message(source, stats, max_words))
     return pairs
@@ -179,7 +229,9 @@ def read_pairs(source: Path = DEFAULT_SOURCE, max_words: Optional[int] = None,
 def _empty_message(source: Path, stats: Counter, max_words: Optional[int]) -> str:
     rejected = {reason: stats[reason] for reason in FILTERS if stats[reason]}
     if not rejected:
-        return f"no aligned 'German :: English' sub-entries found in {source}; is it a Ding dictionary file?"
+        lines = "; ".join(f"{stats[kind]} {text}" for kind, text in LINE_REJECTIONS.items() if stats[kind])
+        return (f"no aligned 'German :: English' sub-entries found in {source}"
+                + (f" ({lines})" if lines else "") + "; is it a Ding dictionary file?")
     last = [reason for reason in FILTERS if stats[reason]][-1]
     rule = FILTERS[last] + (f" (--max-words {max_words})" if last == "too_long" else "")
     summary = ", ".join(f"{reason}={count}" for reason, count in rejected.items())
@@ -191,9 +243,9 @@ def split_pairs(pairs: Sequence[Pair], valid_size: int = 500, test_size: int = 1
                 seed: int = 1) -> Dict[str, List[Pair]]:
     """Shuffle with ``seed`` and cut test, then valid, then train (deterministic)."""
     if valid_size < 0 or test_size < 0:
-        raise ValueError("--valid-size and --test-size must be >= 0")
+        raise DingDataError("--valid-size and --test-size must be >= 0")
     if valid_size + test_size >= len(pairs):
-        raise ValueError(
+        raise DingDataError(
             f"only {len(pairs)} pairs for --valid-size {valid_size} + --test-size {test_size}; "
             f"at least one training pair is needed: lower the sizes or relax --max-words"
         )
@@ -239,21 +291,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def rejection_summary(stats: Counter) -> str:
+    """``reason=count`` for every rejection in ``stats`` (lines and sub-entry pairs), or ``none``."""
+    reasons = list(LINE_REJECTIONS) + list(FILTERS) + ["duplicate"]
+    return ", ".join(f"{reason}={stats[reason]}" for reason in reasons if stats[reason]) or "none"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, int]:
-    args = build_parser().parse_args(argv)
+    """Command line; every error ends it with one ``prepare_ding_de_en.py: error: ...`` line on stderr and
+    exit status 2 (argparse's convention)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.max_words is not None and args.max_words < MIN_WORDS:
-        raise SystemExit(f"error: --max-words must be >= {MIN_WORDS} (the minimum sentence length)")
+        parser.error(f"--max-words must be >= {MIN_WORDS} (the minimum sentence length)")
+    for option in ("valid_size", "test_size"):
+        if getattr(args, option) < 1:
+            parser.error(f"--{option.replace('_', '-')} must be >= 1: an empty split would reach "
+                         f"fairseq-preprocess, which writes an empty (unusable) binary file")
+    stats: Counter = Counter()
     try:
-        counts = build_corpus(args.out_dir, args.source, args.max_words,
-                              args.valid_size, args.test_size, args.seed)
-    except MissingSourceError as error:
-        print(f"error: {error}", file=sys.stderr)
+        pairs = read_pairs(args.source, max_words=args.max_words, stats=stats)
+        counts = write_split(split_pairs(pairs, args.valid_size, args.test_size, args.seed), args.out_dir)
+    except (MissingSourceError, DingDataError) as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
-    except (EmptyCorpusError, ValueError) as error:
-        raise SystemExit(f"error: {error}") from None
     total = sum(counts.values())
     print(f"[prepare_ding] pairs: {total} (train {counts['train']}, valid {counts['valid']}, "
           f"test {counts['test']}) -> {args.out_dir}")
+    print(f"[prepare_ding] rejected: {rejection_summary(stats)}")
     return counts
 
 

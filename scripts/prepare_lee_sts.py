@@ -19,11 +19,19 @@ only 50 documents), seeded: fold k's test set is the k-th fifth of a random perm
 ``--dev-fraction`` of the remaining pairs is the dev set used for model selection.
 
     python scripts/prepare_lee_sts.py --out-dir outputs/lee_sts [--folds 5] [--seed 1]
+
+Bad data is named: a blank line between documents (it would shift the document numbering of
+the ratings matrix; ``file:line``), a ratings file that is not a square matrix of numbers in
+[0, 1] of the documents' size, a fold with an empty split. A line of ``lee.cor`` that is not
+UTF-8 is decoded with U+FFFD for the bad bytes and named in a warning (``file:line``): gensim's
+copy has one Latin-1 ``£`` on line 41, which earlier runs read the same way. Errors end the
+command with one ``prepare_lee_sts.py: error: ...`` line and exit status 2.
 """
 
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 from typing import List, Sequence, Tuple
 
@@ -32,6 +40,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from registry_data import DataError, fetch_members  # noqa: E402
 
+PROG = "prepare_lee_sts.py"
 GENSIM = "gensim==4.4.0"
 DOCUMENTS = "gensim/test/test_data/lee.cor"
 RATINGS = "gensim/test/test_data/similarities0-1.txt"
@@ -41,20 +50,60 @@ STSB_HEADER = ["index", "genre", "filename", "year", "old_index", "source1", "so
 Pair = Tuple[int, int, float]  # (document i, document j, score on 1-5)
 
 
-def read_documents(path: Path) -> List[str]:
-    docs = [" ".join(line.split()) for line in path.read_text(encoding="utf-8", errors="replace").splitlines()]
-    docs = [d for d in docs if d]
+def read_documents(path: Path, warn=None) -> List[str]:
+    """One whitespace-normalised document per line (split on ``\\n``), in file order.
+
+    A line that is not UTF-8 is decoded with U+FFFD for its bad bytes and reported through
+    ``warn(message)`` (default: a ``prepare_lee_sts.py: warning: file:line: ...`` line on
+    stderr). Trailing blank lines are ignored; a blank line before the last document raises
+    DataError (``file:line``): document ``i`` is row ``i`` of the ratings matrix.
+    """
+    path = Path(path)
+    if warn is None:
+        def warn(message):
+            print(f"{PROG}: warning: {message}", file=sys.stderr)
+    docs = []
+    for number, raw in enumerate(path.read_bytes().split(b"\n"), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            line = raw.decode("utf-8", errors="replace")
+            warn(f"{path}:{number}: byte 0x{raw[error.start]:02x} at byte {error.start + 1} of the line is not "
+                 f"UTF-8; read as U+FFFD (gensim's lee.cor has one Latin-1 byte, on line 41)")
+        docs.append(" ".join(line.split()))
+    while docs and not docs[-1]:
+        docs.pop()
     if not docs:
-        raise DataError(f"{path}: no documents")
+        raise DataError(f"{path}: no documents (expected one document per line)")
+    blank = [number for number, doc in enumerate(docs, 1) if not doc]
+    if blank:
+        raise DataError(f"{path}:{blank[0]}: blank line before the last document ({len(blank)} such line(s)); "
+                        f"document i must be line i to match row i of the ratings matrix: remove the blank lines")
     return docs
 
 
 def read_pairs(path: Path, num_documents: int) -> List[Pair]:
-    """The upper triangle of the rating matrix as (i, j, 5 x rating) pairs, i < j."""
-    matrix = np.loadtxt(path)
+    """The upper triangle of the rating matrix as (i, j, 5 x rating) pairs, i < j.
+
+    DataError (naming the file) unless it is a ``num_documents`` square matrix of numbers whose
+    upper triangle lies in [0, 1].
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # numpy's "empty input file": the shape check names it
+            matrix = np.loadtxt(path, ndmin=2)
+    except ValueError as error:  # UnicodeDecodeError is one too
+        raise DataError(f"{path}: not a matrix of numbers ({error}); expected similarities0-1.txt: "
+                        f"one whitespace-separated row of ratings in [0, 1] per document") from None
     if matrix.shape != (num_documents, num_documents):
         raise DataError(f"{path}: a {matrix.shape} matrix for {num_documents} documents")
     rows, cols = np.triu_indices(num_documents, 1)
+    upper = matrix[rows, cols]
+    bad = np.flatnonzero(~((upper >= 0.0) & (upper <= 1.0)))  # also NaN
+    if bad.size:
+        i, j = int(rows[bad[0]]), int(cols[bad[0]])
+        raise DataError(f"{path}: {bad.size} rating(s) outside [0, 1], the first {float(matrix[i, j])!r} at "
+                        f"row {i + 1}, column {j + 1}; the file holds mean ratings divided by 5")
     return [(int(i), int(j), round(5.0 * float(matrix[i, j]), 6)) for i, j in zip(rows, cols)]
 
 
@@ -70,8 +119,14 @@ def folds(pairs: Sequence[Pair], num_folds: int, dev_fraction: float, seed: int)
     for k, test_idx in enumerate(parts):
         rest = np.concatenate([p for m, p in enumerate(parts) if m != k])
         num_dev = max(1, int(round(dev_fraction * len(rest))))
-        result.append(([pairs[i] for i in rest[num_dev:]], [pairs[i] for i in rest[:num_dev]],
-                       [pairs[i] for i in test_idx]))
+        parts_k = ([pairs[i] for i in rest[num_dev:]], [pairs[i] for i in rest[:num_dev]],
+                   [pairs[i] for i in test_idx])
+        for name, part in zip(("train", "dev", "test"), parts_k):
+            if not part:
+                raise DataError(f"fold {k}: the {name} split would be empty ({len(pairs)} rated pairs for "
+                                f"--folds={num_folds}, --dev-fraction={dev_fraction}); use fewer folds or more "
+                                f"documents")
+        result.append(parts_k)
     return result
 
 

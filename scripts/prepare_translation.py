@@ -7,14 +7,30 @@ languages with the same number of lines.
 
 Pipeline (one ``[prepare] stage: ...`` line each)::
 
-    check      the six raw files exist, are UTF-8 and line-aligned per split
+    check      the six raw files exist, are non-empty, UTF-8 (else file:line is named)
+               and line-aligned per split
     normalise  whitespace; --lowercase; --jieba word segmentation of the zh side(s)
                -> OUT/text/{split}.{lang}; references -> OUT/spm/{valid,test}.{lang}.raw
     spm        train one joint (--joint) or one model per language on train text
                -> OUT/spm/spm.{joint|lang}.model
     encode     all splits to pieces -> OUT/spm/{split}.{lang}; train pairs that are
                empty or longer than --max-len pieces on either side are dropped
+    length     every split against --max-positions (the model's limit, counted in
+               pieces + the end-of-sentence token fairseq appends): refused, naming
+               the count and the first file:line, unless --truncate or --skip
     binarise   fairseq-preprocess -> OUT/bin (with --joined-dictionary for --joint)
+
+Two length limits, on purpose:  --max-len is data cleaning as in fairseq's recipes
+(clean-corpus-n): train pairs that are empty or longer than it are dropped and counted,
+valid/test are never touched.  --max-positions is the model's hard limit (fairseq's
+--max-source-positions/--max-target-positions, 1024 for fairseq's transformer and every
+sdma_transformer_* architecture): a longer sentence in any split cannot be trained on or
+translated, so it is refused unless you choose --truncate (cut to max-positions - 1
+pieces) or --skip (drop the pair from both sides and from the .raw references); how many
+were cut or dropped is printed.  Nothing is dropped silently.
+
+Every problem with the inputs ends the run before fairseq-preprocess with one line
+``prepare_translation.py: error: ...`` (what, where, what to do) and exit status 2.
 
 ``OUT/spm/test.{lang}.raw`` is the detokenised reference for sacreBLEU: the raw
 text with only whitespace normalisation and (with --lowercase) lowercasing, no
@@ -43,8 +59,12 @@ import sys
 from pathlib import Path
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
+PROG = "prepare_translation.py"
 SPLITS = ("train", "valid", "test")
 REFERENCE_SPLITS = ("valid", "test")
+# fairseq's DEFAULT_MAX_SOURCE_POSITIONS / DEFAULT_MAX_TARGET_POSITIONS; no architecture of
+# the plugin (user_dir/sdma/model.py) or of the demo/recipes changes them.
+MAX_POSITIONS = 1024
 INPUT_SENTENCE_SIZE = 2_000_000
 ENCODE_CHUNK = 10_000
 JIEBA_PARALLEL_MIN_LINES = 20_000
@@ -77,19 +97,40 @@ def normalise_whitespace(line: str) -> str:
     return " ".join(line.split())
 
 
+def not_utf8_message(path: Path, number: int, raw: bytes, error: UnicodeDecodeError) -> str:
+    """``file:line: ...`` for a line that is not UTF-8 (1-based line, 1-based byte in the line)."""
+    return (f"{path}:{number}: not valid UTF-8 (byte 0x{raw[error.start]:02x} at byte {error.start + 1} of "
+            f"the line); convert the file to UTF-8 (e.g. iconv -f ISO-8859-1 -t UTF-8) or fix that line")
+
+
 def read_lines(path: Path) -> Iterator[str]:
-    """Lines of a UTF-8 file without their line ending (split on ``\\n`` only)."""
-    try:
-        with open(path, encoding="utf-8", newline="\n") as handle:
-            for line in handle:
-                yield line.rstrip("\n").rstrip("\r")
-    except UnicodeDecodeError as error:
-        raise PrepareError(f"{path} is not valid UTF-8 ({error}); convert it with iconv first") from None
+    """Lines of a UTF-8 file without their line ending (split on ``\\n`` only).
+
+    Decoded line by line (strict), so a bad byte raises :class:`PrepareError` naming
+    ``file:line``; nothing is replaced.
+    """
+    path = Path(path)
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise PrepareError(not_utf8_message(path, number, raw, error)) from None
+            yield line.rstrip("\n").rstrip("\r")
 
 
 def count_lines(path: Path) -> int:
     """Number of lines of a UTF-8 text file."""
     return sum(1 for _ in read_lines(path))
+
+
+def scan_lines(path: Path) -> Tuple[int, int]:
+    """(lines, non-blank lines) of a UTF-8 text file; :class:`PrepareError` at a non-UTF-8 line."""
+    lines = non_blank = 0
+    for line in read_lines(path):
+        lines += 1
+        non_blank += bool(line.strip())
+    return lines, non_blank
 
 
 def raw_path(prefix: str, lang: str) -> Path:
@@ -98,20 +139,31 @@ def raw_path(prefix: str, lang: str) -> Path:
 
 
 def check_parallel(prefix: str, src: str, tgt: str, split: str) -> int:
-    """Check that ``prefix.src`` and ``prefix.tgt`` exist and are line-aligned; return the line count."""
+    """Check ``prefix.src`` and ``prefix.tgt``: present, UTF-8, not empty, line-aligned; return the line count.
+
+    Raises :class:`PrepareError` naming the file (and ``file:line`` for a non-UTF-8 line).
+    """
     paths = [raw_path(prefix, src), raw_path(prefix, tgt)]
     missing = [str(path) for path in paths if not path.is_file()]
     if missing:
         raise PrepareError(f"{split}: missing input file(s) {', '.join(missing)} "
                            f"(expected {{prefix}}.{{lang}} for --{split}-prefix {prefix})")
-    counts = [count_lines(path) for path in paths]
+    counts = []
+    for path in paths:
+        lines, non_blank = scan_lines(path)
+        if lines == 0:
+            raise PrepareError(f"{split}: {path} is empty (0 lines); every split needs sentence pairs: "
+                               f"fill it or point --{split}-prefix at the right files")
+        if non_blank == 0:
+            raise PrepareError(f"{split}: {path} has {lines} line(s), all blank; every split needs sentence "
+                               f"pairs: fill it or point --{split}-prefix at the right files")
+        counts.append(lines)
     if counts[0] != counts[1]:
         raise PrepareError(
-            f"{split}: {paths[0]} has {counts[0]} lines but {paths[1]} has {counts[1]}; "
-            f"the two sides of a parallel corpus must be line-aligned"
+            f"{split}: {paths[0]} has {counts[0]} lines but {paths[1]} has {counts[1]}; the two sides of a "
+            f"parallel corpus must be line-aligned (line i of one translates line i of the other): "
+            f"find the missing or extra line(s) and fix one of the files"
         )
-    if counts[0] == 0:
-        raise PrepareError(f"{split}: {paths[0]} and {paths[1]} are empty")
     return counts[0]
 
 
@@ -254,7 +306,10 @@ def encode_file(model_path: Path, in_path: Path, out_path: Path, workers: int = 
 
 def filter_by_length(src_in: Path, tgt_in: Path, src_out: Path, tgt_out: Path,
                      max_len: int) -> Tuple[int, int]:
-    """Keep pairs with 1..max_len tokens on both sides; return (kept, dropped)."""
+    """Keep pairs with 1..max_len tokens on both sides; return (kept, dropped).
+
+    The pipeline applies the same rule to train in :func:`fit_split`.
+    """
     kept = dropped = 0
     with open(src_out, "w", encoding="utf-8", newline="\n") as src_handle, \
             open(tgt_out, "w", encoding="utf-8", newline="\n") as tgt_handle:
@@ -267,6 +322,76 @@ def filter_by_length(src_in: Path, tgt_in: Path, src_out: Path, tgt_out: Path,
             tgt_handle.write(tgt_line + "\n")
             kept += 1
     return kept, dropped
+
+
+def fit_split(split: str, spm_dir: Path, langs: Sequence[str], raw_paths: Sequence[Path], max_positions: int,
+              policy: Optional[str] = None, max_len: Optional[int] = None) -> Dict[str, object]:
+    """Write ``spm_dir/{split}.{lang}`` from the encoded ``spm_dir/{split}.{lang}.pieces`` (then removed).
+
+    Pair by pair, line ``i`` of the pieces being line ``i`` of ``raw_paths`` (1-based):
+
+    * ``max_len`` (train only): a pair that is empty or has more than ``max_len`` pieces on a
+      side is dropped (counted in ``dropped``), the recipe's data cleaning;
+    * a pair with a side of more than ``max_positions - 1`` pieces (fairseq appends ``</s>``)
+      is counted in ``too_long`` (``first``: raw file, line and length in tokens of the first)
+      and, by ``policy``: kept as it is (None: the caller refuses the run), cut to
+      ``max_positions - 1`` pieces (``"truncate"``) or dropped from both sides (``"skip"``;
+      for valid/test also from the ``{split}.{lang}.raw`` references, which stay aligned).
+
+    Returns ``{"passed": pairs after the max_len cleaning, "kept": pairs written,
+    "dropped": ..., "too_long": ..., "first": (path, line, tokens) or None}``.
+    """
+    if policy not in (None, "truncate", "skip"):
+        raise ValueError(f"policy must be None, 'truncate' or 'skip', not {policy!r}")
+    spm_dir = Path(spm_dir)
+    limit = max_positions - 1
+    inputs = [spm_dir / f"{split}.{lang}.pieces" for lang in langs]
+    stats: Dict[str, object] = {"passed": 0, "kept": 0, "dropped": 0, "too_long": 0, "first": None}
+    skipped = set()
+    with contextlib.ExitStack() as stack:
+        handles = [stack.enter_context(open(spm_dir / f"{split}.{lang}", "w", encoding="utf-8", newline="\n"))
+                   for lang in langs]
+        for number, sides in enumerate(zip(*(read_lines(path) for path in inputs)), 1):
+            pieces = [side.split() for side in sides]
+            lengths = [len(side) for side in pieces]
+            if max_len is not None and (min(lengths) < 1 or max(lengths) > max_len):
+                stats["dropped"] += 1
+                continue
+            stats["passed"] += 1
+            over = [index for index, length in enumerate(lengths) if length > limit]
+            if over:
+                stats["too_long"] += 1
+                if stats["first"] is None:
+                    stats["first"] = (Path(raw_paths[over[0]]), number, lengths[over[0]] + 1)
+                if policy == "skip":
+                    skipped.add(number)
+                    continue
+                if policy == "truncate":
+                    sides = [" ".join(side[:limit]) for side in pieces]
+            for handle, side in zip(handles, sides):
+                handle.write(side + "\n")
+            stats["kept"] += 1
+    for path in inputs:
+        path.unlink()
+    if skipped and split in REFERENCE_SPLITS:
+        for lang in langs:
+            reference = spm_dir / f"{split}.{lang}.raw"
+            if reference.exists():
+                kept = [line for number, line in enumerate(read_lines(reference), 1) if number not in skipped]
+                write_lines(reference, kept)
+    return stats
+
+
+def too_long_message(fitted: Dict[str, Dict[str, object]], max_positions: int) -> str:
+    """The refusal for sentences over ``max_positions`` (count, first file:line, the two choices)."""
+    total = sum(stats["too_long"] for stats in fitted.values())
+    per_split = ", ".join(f"{split} {stats['too_long']}" for split, stats in fitted.items())
+    path, line, tokens = next(stats["first"] for stats in fitted.values() if stats["first"] is not None)
+    return (f"{total} sentence pair(s) have a side longer than --max-positions {max_positions} tokens after "
+            f"sentencepiece encoding, counting the end-of-sentence token fairseq appends ({per_split}); the first "
+            f"is {path}:{line} with {tokens} tokens. fairseq cannot train on or translate them: pass --truncate "
+            f"(cut them to {max_positions - 1} pieces) or --skip (drop those pairs from both sides), or raise "
+            f"--max-positions together with the model's --max-source-positions/--max-target-positions")
 
 
 # ----------------------------------------------------------------------------- fairseq
@@ -364,15 +489,31 @@ def prepare(args: argparse.Namespace) -> Path:
     stage(f"encode: {', '.join(SPLITS)} -> {spm_dir}")
     for split in SPLITS:
         for lang in langs:
-            name = f"{split}.{lang}" + (".unfiltered" if split == "train" else "")
-            encode_file(models[lang], text_dir / f"{split}.{lang}", spm_dir / name, args.workers)
-    kept, dropped = filter_by_length(*(spm_dir / f"train.{lang}.unfiltered" for lang in langs),
-                                     *(spm_dir / f"train.{lang}" for lang in langs), args.max_len)
-    for lang in langs:
-        (spm_dir / f"train.{lang}.unfiltered").unlink()
-    if kept == 0:
+            encode_file(models[lang], text_dir / f"{split}.{lang}", spm_dir / f"{split}.{lang}.pieces",
+                        args.workers)
+    max_positions = getattr(args, "max_positions", MAX_POSITIONS)
+    policy = "truncate" if getattr(args, "truncate", False) else "skip" if getattr(args, "skip", False) else None
+    fitted = {split: fit_split(split, spm_dir, langs, [raw_path(prefixes[split], lang) for lang in langs],
+                               max_positions, policy, args.max_len if split == "train" else None)
+              for split in SPLITS}
+    train = fitted["train"]
+    if train["passed"] == 0:
         raise PrepareError(f"no training pair has 1..{args.max_len} pieces on both sides; raise --max-len")
-    stage(f"filter: kept {kept} train pairs, dropped {dropped} (empty or > {args.max_len} pieces)")
+    stage(f"filter: kept {train['passed']} train pairs, dropped {train['dropped']} "
+          f"(empty or > {args.max_len} pieces)")
+    too_long = sum(stats["too_long"] for stats in fitted.values())
+    if too_long and policy is None:
+        raise PrepareError(too_long_message(fitted, max_positions))
+    if too_long:
+        done = "truncated to" if policy == "truncate" else "skipped (both sides) as longer than"
+        stage(f"length: {too_long} pair(s) {done} {max_positions - 1} pieces + </s> ("
+              + ", ".join(f"{split} {stats['too_long']}" for split, stats in fitted.items()) + ")")
+    else:
+        stage(f"length: every sentence fits --max-positions {max_positions}")
+    for split, stats in fitted.items():
+        if stats["kept"] == 0:
+            raise PrepareError(f"{split}: no pair left after --skip (all {stats['passed']} have a side longer "
+                               f"than {max_positions - 1} pieces); use --truncate or raise --max-positions")
 
     stage(f"binarise: fairseq-preprocess{' --joined-dictionary' if args.joint else ''} -> {bin_dir}")
     return run_fairseq_preprocess(spm_dir, bin_dir, args.src, args.tgt, args.joint, args.workers)
@@ -406,7 +547,22 @@ def build_parser() -> argparse.ArgumentParser:
     text.add_argument("--jieba", action="store_true", help="segment the zh side(s) into words with jieba first")
     text.add_argument("--lowercase", action="store_true", help="lowercase all text (and the references)")
     text.add_argument("--max-len", type=int, default=250,
-                      help="drop train pairs with more pieces than this on either side (default: %(default)s)")
+                      help="data cleaning as in fairseq's recipes: drop (and count) train pairs that are empty or "
+                           "have more pieces than this on either side; valid/test are kept whole "
+                           "(default: %(default)s)")
+    length = parser.add_argument_group(
+        "model length limit",
+        "unlike --max-len (cleaning of train only), --max-positions is the model's hard limit and applies "
+        "to every split; a longer sentence is refused unless --truncate or --skip is given")
+    length.add_argument("--max-positions", type=int, default=MAX_POSITIONS, metavar="N",
+                        help="the model's --max-source-positions/--max-target-positions: at most N-1 pieces "
+                             "per sentence, fairseq appends </s> (default: %(default)s, fairseq's and every "
+                             "sdma_transformer_* architecture's)")
+    too_long = length.add_mutually_exclusive_group()
+    too_long.add_argument("--truncate", action="store_true",
+                          help="cut longer sentences to N-1 pieces (the .raw references stay whole)")
+    too_long.add_argument("--skip", action="store_true",
+                          help="drop pairs with a longer side from both sides (and from the .raw references)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the binarised data of a previous run in OUT/bin")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
@@ -435,6 +591,8 @@ def validate_args(args: argparse.Namespace, error: Callable[[str], None]) -> arg
         error("--jieba segments Chinese, but neither --src nor --tgt is zh")
     if args.max_len < 1 or args.workers < 1:
         error("--max-len and --workers must be >= 1")
+    if getattr(args, "max_positions", MAX_POSITIONS) < 2:
+        error("--max-positions must be >= 2 (one piece and fairseq's end-of-sentence token)")
     return args
 
 
@@ -445,11 +603,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Command line; a :class:`PrepareError` ends it with one ``prepare_translation.py: error: ...`` line on
+    stderr and exit status 2 (as argparse does for usage errors)."""
     args = parse_args(argv)
     try:
         bin_dir = prepare(args)
     except PrepareError as error:
-        raise SystemExit(f"error: {error}") from None
+        print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     stage(f"done: {bin_dir}")
 
 

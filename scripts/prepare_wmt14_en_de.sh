@@ -14,6 +14,8 @@
 # env: TRAIN_PREFIX VALID_PREFIX TEST_PREFIX (override the file prefixes),
 #      VOCAB=44000 MODEL_TYPE=bpe WORKERS=$(nproc) PYTHON=...
 #      OVERWRITE=1 (replace OUT_DIR/bin from a previous run)
+#      MAX_POSITIONS=1024 (the model's limit in subword tokens + </s>; longer sentences are
+#      refused, naming the count and the first file:line) TOO_LONG=truncate|skip (or cut/drop them)
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/prepare_common.sh"
 

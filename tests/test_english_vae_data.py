@@ -76,3 +76,53 @@ def test_bad_options_and_tiny_corpora_are_refused(tmp_path):
     oanc = tagged_corpus(tmp_path / "oanc.txt", n=10)
     with pytest.raises(prep.DataError, match="fewer than --valid-size"):
         prep.prepare(tmp_path / "out", ["oanc"], valid_size=10, test_size=20, oanc_file=oanc, probe_size=0)
+
+
+def test_non_utf8_line_is_named_with_file_and_line(tmp_path, capsys):
+    oanc = tagged_corpus(tmp_path / "oanc.txt", n=30)
+    lines = oanc.read_bytes().split(b"\n")
+    lines[11] = b"caf\xe9/NN " + lines[11]
+    oanc.write_bytes(b"\n".join(lines))
+    with pytest.raises(prep.DataError, match=r"oanc\.txt:12: not valid UTF-8 \(byte 0xe9 at byte 4 of the line\)"):
+        prep.read_oanc(oanc)
+    code = prep.main(["--out-dir", str(tmp_path / "out"), "--sources", "oanc", "--oanc-file", str(oanc)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith(f"prepare_english_vae_data.py: error: {oanc}:12: not valid UTF-8")
+    assert not (tmp_path / "out" / "bin").exists()
+
+
+def test_empty_splits_are_refused_before_binarization(tmp_path):
+    for option in ("--valid-size", "--test-size"):
+        with pytest.raises(SystemExit) as exit_info:
+            prep.parse_args(["--out-dir", str(tmp_path), option, "0"])
+        assert exit_info.value.code == 2
+    with pytest.raises(SystemExit):
+        prep.parse_args(["--out-dir", str(tmp_path), "--max-tokens", "1024"])  # > sentence_vae max positions - 1
+    oanc = tagged_corpus(tmp_path / "oanc.txt", n=60)
+    with pytest.raises(prep.DataError, match="every split needs at least one sentence"):
+        prep.prepare(tmp_path / "out", ["oanc"], valid_size=0, test_size=5, oanc_file=oanc, probe_size=0)
+    assert not (tmp_path / "out" / "bin").exists()
+
+
+def test_ding_errors_reach_the_vae_prep_as_data_errors(tmp_path):
+    source = tmp_path / "de-en"
+    source.write_bytes(b"Das ist ein Satz hier. :: This is a sentence here.\nGr\xf6\xdfe :: size\n")
+    with pytest.raises(prep.DataError, match=r"de-en:2: not valid UTF-8"):
+        prep.prepare(tmp_path / "out", ["ding"], probe_size=0, ding_source=source)
+    with pytest.raises(prep.DataError, match="apt-get install trans-de-en"):
+        prep.prepare(tmp_path / "out", ["ding"], probe_size=0, ding_source=tmp_path / "missing")
+
+
+def test_summary_counts_the_sentences_left_out(tmp_path, monkeypatch):
+    monkeypatch.setattr(prep, "binarize", lambda *args, **kwargs: None)  # the text splits are what counts here
+    oanc = tagged_corpus(tmp_path / "oanc.txt", n=120)
+    with open(oanc, "a") as f:
+        f.write("Dogs/NNS bark/VBP ./.\n")  # 3 tokens: under --min-tokens 4
+    summary = prep.prepare(tmp_path / "out", ["oanc"], valid_size=5, test_size=5, threshold=1, probe_size=0,
+                           oanc_file=oanc)
+    sentences = [tuple(tokens) for tokens, _ in prep.read_oanc(oanc)]
+    kept = sum(summary["sentences"].values())
+    assert summary["dropped"]["length"] == sum(1 for s in sentences if not 4 <= len(s) <= 25) >= 1
+    assert summary["dropped"]["duplicate"] > 0  # 120 draws from a few patterns repeat
+    assert kept + summary["dropped"]["length"] + summary["dropped"]["duplicate"] == len(sentences)
