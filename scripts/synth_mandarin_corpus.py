@@ -302,17 +302,46 @@ def _write_lines(path: Path, lines: Sequence[str]) -> None:
     path.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
 
 
+def kaldi_data_dir():
+    """``espnet_plugin/data_dir.py``, the plugin's Kaldi data-directory reader, loaded by path:
+    it is plain Python, while ``import espnet_plugin`` would load ESPnet."""
+    name = "espnet_plugin_data_dir"
+    if name not in sys.modules:
+        import importlib.util
+
+        path = Path(__file__).resolve().parents[1] / "espnet_plugin" / "data_dir.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
 def write_data_dir(data_dir: Path, utterances: Sequence[Utterance], wav_dir: Path) -> None:
-    """Write wav.scp, text, utt2spk and spk2utt, sorted by id in C-locale (code point) order."""
+    """Write wav.scp, text, utt2spk and spk2utt, sorted by id in C-locale (code point) order,
+    and read wav.scp, text and utt2spk back as ESPnet will (``espnet_plugin/data_dir.py``):
+    a KaldiDataDirError (a ValueError) if they do not hold exactly what was meant."""
     data_dir.mkdir(parents=True, exist_ok=True)
     utts = sorted(utterances, key=lambda u: u.id)
-    _write_lines(data_dir / "wav.scp", [f"{u.id} {(wav_dir / f'{u.id}.wav').resolve()}" for u in utts])
-    _write_lines(data_dir / "text", [f"{u.id} {u.sentence}" for u in utts])
-    _write_lines(data_dir / "utt2spk", [f"{u.id} {u.speaker.id}" for u in utts])
+    columns = {
+        "wav.scp": lambda u: str((wav_dir / f"{u.id}.wav").resolve()),
+        "text": lambda u: u.sentence,
+        "utt2spk": lambda u: u.speaker.id,
+    }
+    for name, value in columns.items():
+        _write_lines(data_dir / name, [f"{u.id} {value(u)}" for u in utts])
     spk2utt: dict[str, list[str]] = {}
     for u in utts:
         spk2utt.setdefault(u.speaker.id, []).append(u.id)
     _write_lines(data_dir / "spk2utt", [f"{spk} {' '.join(ids)}" for spk, ids in sorted(spk2utt.items())])
+    kaldi = kaldi_data_dir()
+    written = kaldi.read_data_dir(data_dir)  # refuses repeated ids, ids missing from a file, ...
+    tables = {"wav.scp": written.wav_scp, "text": written.text, "utt2spk": written.utt2spk}
+    for name, value in columns.items():
+        for u in utts:
+            if tables[name].get(u.id) != value(u):
+                raise kaldi.KaldiDataDirError(f"{data_dir / name}: utterance {u.id} would be read back as "
+                                              f"{tables[name].get(u.id)!r}, not {value(u)!r}")
 
 
 # ---------------------------------------------------------------------------

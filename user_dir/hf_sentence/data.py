@@ -30,7 +30,11 @@ MNLI's splits are named after its files: ``--valid-subset dev_matched`` (or
 ``--skip-header``; its column count is the first row's, and a file whose rows are too short
 to hold the label column (a test file) is read without labels. Files are read with
 ``csv.QUOTE_NONE`` (GLUE sentences contain unbalanced quotes), UTF-8 with an optional BOM;
-blank lines are skipped; line numbers in errors are the file's physical lines (1-based).
+lines end at ``\\n``, ``\\r\\n`` or ``\\r``; blank lines are skipped (with a warning naming the
+first); line numbers in errors are the file's physical lines (1-based). Every problem with a
+file's contents (bytes that are not UTF-8, a row with the wrong number of columns, a label
+outside the classes or the range, a score float32 cannot hold, a field over the csv module's
+131072-character limit) raises :class:`GlueDataError` naming ``file:line``.
 
 **Pieces and words.** Each example is encoded with the tokenizer's own single/pair encoding
 (``[CLS] a [SEP] b [SEP]`` for BERT), truncated to ``max_positions`` pieces
@@ -44,9 +48,11 @@ Everything is stored in flat numpy arrays (:class:`Ragged`), a few bytes per pie
 400k pairs fit comfortably in memory.
 """
 
+import codecs
 import csv
 import logging
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -54,10 +60,17 @@ import numpy as np
 import torch
 from fairseq.data import FairseqDataset, data_utils
 
+from user_dir.errors import PluginConfigError
+
 logger = logging.getLogger(__name__)
 
 INDEX_FIELDS = ("index", "id")  # first header field of GLUE's unlabelled test files
 ENCODE_CHUNK = 2048  # examples per tokenizer call
+
+
+class GlueDataError(PluginConfigError):
+    """A TSV file that cannot be read with its layout or label spec; the message names ``file:line``
+    (a ``ValueError``, as every :class:`~user_dir.errors.PluginConfigError`)."""
 
 
 # ----------------------------------------------------------------------------- layouts
@@ -154,27 +167,58 @@ class Examples:
         return f"{self.path}:{self.lines[i]}"
 
 
+_LINE_BREAK = re.compile(r"\r\n|\r|\n")
+
+
+def _not_utf8(path: str) -> GlueDataError:
+    """The error for a file that is not UTF-8, naming the line (and character) of the first bad byte."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if data.startswith(codecs.BOM_UTF8):
+        data = data[len(codecs.BOM_UTF8):]
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        before = data[:error.start].decode("utf-8")
+        line = len(_LINE_BREAK.findall(before)) + 1
+        column = len(before) - max(before.rfind("\n"), before.rfind("\r"))
+        return GlueDataError(f"{path}:{line}: not UTF-8 (byte 0x{data[error.start]:02x} at character "
+                             f"{column} of the line)")
+    return GlueDataError(f"{path}: not UTF-8")  # not reached: the text reader failed on these bytes
+
+
 def _rows(path: str):
     """(line number, fields) of the non-blank lines of a TSV file."""
+    blank, first_blank = 0, None
     with open(path, encoding="utf-8-sig", newline="") as f:
         reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
-        for row in reader:
-            if row:  # blank lines are skipped
-                yield reader.line_num, row
+        try:
+            for row in reader:
+                if row:
+                    yield reader.line_num, row
+                else:  # blank lines are skipped, and counted
+                    blank += 1
+                    first_blank = first_blank or reader.line_num
+        except UnicodeDecodeError:
+            raise _not_utf8(path) from None
+        except csv.Error as error:  # e.g. a field over csv.field_size_limit() characters
+            raise GlueDataError(f"{path}:{reader.line_num}: {error}") from None
+    if blank:
+        logger.warning("%s: skipped %d blank line(s), the first at line %d", path, blank, first_blank)
 
 
 def read_tsv(path: str, layout: Layout, unlabelled: Optional[Layout] = None) -> Examples:
     """Read ``path`` with ``layout``, or with ``unlabelled`` when the file is a GLUE test file
     (first header field ``index``/``id`` and ``unlabelled.num_columns`` columns).
 
-    Raises ValueError naming ``file:line`` for a row with the wrong number of columns, and for
-    a file without examples.
+    Raises :class:`GlueDataError` naming ``file:line`` for a row with the wrong number of
+    columns, for bytes that are not UTF-8, and for a file without examples.
     """
     rows = _rows(path)
     try:
         first = next(rows)
     except StopIteration:
-        raise ValueError(f"{path}: empty file, no examples") from None
+        raise GlueDataError(f"{path}: empty file, no examples") from None
     head = first[1]
     if (unlabelled is not None and len(head) == unlabelled.num_columns
             and head[0].strip().lower() in INDEX_FIELDS):
@@ -183,21 +227,22 @@ def read_tsv(path: str, layout: Layout, unlabelled: Optional[Layout] = None) -> 
     if layout.num_columns is None:  # custom / MNLI: the header's (first row's) count
         needed = max(c for c in (layout.sentence1, layout.sentence2) if c is not None)
         if expected <= needed:
-            raise ValueError(f"{path}:{first[0]}: {expected} tab-separated columns, but the sentence "
-                             f"columns need at least {needed + 1} ({layout.describe()})")
+            raise GlueDataError(f"{path}:{first[0]}: {expected} tab-separated columns, but the sentence "
+                                f"columns need at least {needed + 1} ({layout.describe()})")
         if layout.label is not None and expected <= layout.label:  # custom: rows too short -> no labels
             layout = Layout(None, layout.header, layout.sentence1, layout.sentence2, None)
     label = layout.label_column(expected)
     if label is not None and label in (layout.sentence1, layout.sentence2):
-        raise ValueError(f"{path}:{first[0]}: {expected} tab-separated columns: the label column {label} "
-                         f"would be a sentence column ({layout.describe()}); is this the right file/layout?")
+        raise GlueDataError(f"{path}:{first[0]}: {expected} tab-separated columns: the label column {label} "
+                            f"would be a sentence column ({layout.describe()}); is this the right "
+                            f"file/layout?")
     out = Examples(path, [], [] if layout.sentence2 is not None else None,
                    [] if layout.label is not None else None, [], [])
 
     def add(line: int, row: List[str]) -> None:
         if len(row) != expected:
-            raise ValueError(f"{path}:{line}: {len(row)} tab-separated columns, expected {expected} "
-                             f"({layout.describe()})")
+            raise GlueDataError(f"{path}:{line}: {len(row)} tab-separated columns, expected {expected} "
+                                f"({layout.describe()})")
         out.sentences1.append(row[layout.sentence1])
         if out.sentences2 is not None:
             out.sentences2.append(row[layout.sentence2])
@@ -208,13 +253,13 @@ def read_tsv(path: str, layout: Layout, unlabelled: Optional[Layout] = None) -> 
 
     if layout.header:
         if len(head) != expected:  # a GLUE file's header (custom files take their count from it)
-            raise ValueError(f"{path}:{first[0]}: header has {len(head)} columns, expected {expected}")
+            raise GlueDataError(f"{path}:{first[0]}: header has {len(head)} columns, expected {expected}")
     else:
         add(*first)
     for line, row in rows:
         add(line, row)
     if not len(out):
-        raise ValueError(f"{path}: no examples (only a header line)")
+        raise GlueDataError(f"{path}: no examples (only a header line)")
     return out
 
 
@@ -238,7 +283,8 @@ class LabelSpec:
 def parse_labels(examples: Examples, spec: LabelSpec) -> np.ndarray:
     """The label column as class ids (int64 ``[N]``) or scores (float32 ``[N]``).
 
-    Raises ValueError naming ``file:line`` for a label outside the classes or the range.
+    Raises :class:`GlueDataError` naming ``file:line`` for a label outside the classes or the
+    range, and for a score that is not a finite float32.
     """
     assert examples.labels is not None
     if not spec.is_regression:
@@ -246,8 +292,8 @@ def parse_labels(examples: Examples, spec: LabelSpec) -> np.ndarray:
         out = np.empty(len(examples), dtype=np.int64)
         for i, value in enumerate(examples.labels):
             if value not in index:
-                raise ValueError(f"{examples.where(i)}: label {value!r} is not one of the "
-                                 f"{len(spec.names)} classes {list(spec.names)}")
+                raise GlueDataError(f"{examples.where(i)}: label {value!r} is not one of the "
+                                    f"{len(spec.names)} classes {list(spec.names)}")
             out[i] = index[value]
         return out
     out = np.empty(len(examples), dtype=np.float32)
@@ -255,14 +301,19 @@ def parse_labels(examples: Examples, spec: LabelSpec) -> np.ndarray:
         try:
             score = float(value)
         except ValueError:
-            raise ValueError(f"{examples.where(i)}: label {value!r} is not a number "
-                             f"(regression task)") from None
+            raise GlueDataError(f"{examples.where(i)}: label {value!r} is not a number "
+                                f"(regression task)") from None
         if not math.isfinite(score):
-            raise ValueError(f"{examples.where(i)}: label {value!r} is not finite")
+            raise GlueDataError(f"{examples.where(i)}: label {value!r} is not finite")
         if spec.range is not None and not spec.range[0] <= score <= spec.range[1]:
-            raise ValueError(f"{examples.where(i)}: label {score:g} outside the label range "
-                             f"[{spec.range[0]:g}, {spec.range[1]:g}] (--label-range)")
-        out[i] = score
+            raise GlueDataError(f"{examples.where(i)}: label {score:g} outside the label range "
+                                f"[{spec.range[0]:g}, {spec.range[1]:g}] (--label-range)")
+        with np.errstate(over="ignore"):
+            stored = np.float32(score)
+        if not np.isfinite(stored):  # finite as a float64, infinite as the float32 target
+            raise GlueDataError(f"{examples.where(i)}: label {value!r} is too large for a float32 "
+                                f"score (|score| <= {float(np.finfo(np.float32).max):g})")
+        out[i] = stored
     return out
 
 

@@ -116,6 +116,8 @@ def parse_thresholds(spec: str) -> Dict[Optional[str], float]:
     for entry in str(spec).split(","):
         latent, named, text = entry.rpartition("=")
         key = latent.strip() if named else None
+        if key == "":
+            raise VAEConfigError(f"{THRESHOLD_OPTION} {spec!r}: {entry.strip()!r} has an empty latent name")
         if key in out:
             raise VAEConfigError(f"{THRESHOLD_OPTION} {spec!r}: two thresholds for {key or 'the default'}")
         try:

@@ -29,11 +29,15 @@ from .errors import VAEConfigError
 
 SCHEDULE_OPTION = "--beta-schedule"
 AE_STEPS_OPTION = "--ae-steps"
+MAX_UPDATES = 2**63 - 1  # a 64-bit update counter; larger step counts overflow float division
 
 
 def _check_steps(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise VAEConfigError(f"{name}={value!r} must be an integer number of updates >= 0")
+    if value > MAX_UPDATES:
+        raise VAEConfigError(f"{name}={value!r} is more updates than a 64-bit counter holds "
+                             f"(at most 2**63 - 1)")
 
 
 def _check_beta(name: str, value: float) -> None:
@@ -90,6 +94,8 @@ class CyclicalSchedule:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise VAEConfigError(f"{name}={value!r} must be an integer >= 1")
+            if value > MAX_UPDATES:
+                raise VAEConfigError(f"{name}={value!r} must be at most 2**63 - 1")
         ratios = (self.zero_ratio, self.increase_ratio, self.constant_ratio)
         for name, value in zip(("zero_ratio", "increase_ratio", "constant_ratio"), ratios):
             if not 0.0 <= value <= 1.0:

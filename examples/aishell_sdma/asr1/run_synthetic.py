@@ -47,30 +47,33 @@ class PipelineError(RuntimeError):
 # ----------------------------------------------------------------------------- checks
 
 
+def kaldi_data_dir():
+    """``espnet_plugin/data_dir.py``, the plugin's Kaldi data-directory reader, loaded by path:
+    it is plain Python, while ``import espnet_plugin`` loads ESPnet into this driver process."""
+    name = "espnet_plugin_data_dir"
+    if name not in sys.modules:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(name, REPO / "espnet_plugin" / "data_dir.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
 def check_data_dir(data_dir: Path) -> int:
-    """Validate an ESPnet data directory; returns the number of utterances."""
-    ids = {}
-    for name in ("wav.scp", "text"):
-        path = data_dir / name
-        if not path.is_file():
-            raise PipelineError(f"{path}: missing (a data directory needs wav.scp and text)")
-        entries = {}
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            parts = line.split(maxsplit=1)
-            if len(parts) != 2:
-                raise PipelineError(f"{path}:{number}: expected '<utterance-id> <{name}>', got {line!r}")
-            entries[parts[0]] = parts[1]
-        if not entries:
-            raise PipelineError(f"{path}: empty")
-        ids[name] = entries
-    missing = sorted(set(ids["text"]) - set(ids["wav.scp"]))
-    if missing:
-        raise PipelineError(f"{data_dir / 'text'}: utterance {missing[0]} (and {len(missing) - 1} more) "
-                            f"not in {data_dir / 'wav.scp'}")
-    for uttid, wav in ids["wav.scp"].items():
+    """Validate an ESPnet data directory (wav.scp and text, utt2spk when present, read as ESPnet
+    reads them, with the same utterance ids; every audio file exists); returns the number of
+    utterances."""
+    kaldi = kaldi_data_dir()
+    try:
+        data = kaldi.read_data_dir(data_dir)
+    except kaldi.KaldiDataDirError as error:
+        raise PipelineError(str(error)) from error
+    for uttid, wav in data.wav_scp.items():
         if not Path(wav).is_file():
             raise PipelineError(f"{data_dir / 'wav.scp'}: {uttid}: audio file {wav} does not exist")
-    return len(ids["wav.scp"])
+    return len(data)
 
 
 def check_model_files(asr_train_config: Path, asr_model_file: Path) -> None:
@@ -214,9 +217,12 @@ def stage_decode(args, work: Path, system: str) -> None:
 
 def read_kaldi_text(path: Path) -> Dict[str, str]:
     """``{uttid: characters}`` of a Kaldi ``text`` file, spaces between tokens removed."""
-    from espnet2.fileio.read_text import read_2columns_text
-
-    return {uttid: text.replace(" ", "") for uttid, text in read_2columns_text(path).items()}
+    kaldi = kaldi_data_dir()
+    try:
+        table = kaldi.read_kaldi_table(path, value_required=False, what="transcript")
+    except kaldi.KaldiDataDirError as error:
+        raise PipelineError(str(error)) from error
+    return {uttid: text.replace(" ", "") for uttid, text in table.items()}
 
 
 def character_error_rate(refs: Dict[str, str], hyps: Dict[str, str]) -> Dict[str, float]:
