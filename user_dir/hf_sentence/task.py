@@ -274,6 +274,12 @@ class HFSentencePredictionTask(FairseqTask):
     def max_positions(self):
         return self.cfg.max_positions
 
+    def can_reuse_epoch_itr(self, dataset) -> bool:
+        """Never: every epoch's batches are made under ``--seed`` + epoch, so a resumed run
+        gets the batches of the continuous one (fairseq's cached iterator keeps the batches of
+        the epoch it was built in: see ``user_dir/exact_resume.py``)."""
+        return False
+
     # ------------------------------------------------------------ topic vocabulary
     @property
     def topic_vocabulary(self):
