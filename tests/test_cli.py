@@ -133,6 +133,37 @@ def test_malicious_pickle_is_refused(tmp_path):
         checkpoint_utils.load_checkpoint_to_cpu(str(path))
 
 
+def test_every_fairseq_entry_point_refuses_a_code_running_checkpoint(data_bin, tmp_path):
+    """fairseq's CLIs and the plugin's scripts: the payload never runs, the refusal is torch's safe loader."""
+    marker = tmp_path / "payload_ran"
+
+    class WritesMarker:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    evil = tmp_path / "evil.pt"
+    torch.save({"model": {}, "payload": WritesMarker()}, evil)
+    scripts = REPO / "scripts"
+    commands = {
+        "fairseq-generate": [venv_bin("fairseq-generate"), data_bin, "--user-dir", REPO / "user_dir", "--path", evil,
+                             "--cpu", "--gen-subset", "valid", "--max-tokens", "500"],
+        "fairseq-train --restore-file": train_cmd(data_bin, tmp_path / "ck", "--restore-file", evil,
+                                                  "--max-update", "1"),
+        "vae_eval.py": [sys.executable, scripts / "vae_eval.py", data_bin, "--path", evil, "--cpu"],
+        "attention_redundancy.py": [sys.executable, scripts / "attention_redundancy.py", data_bin, "--path", evil],
+        "glue_predict.py": [sys.executable, scripts / "glue_predict.py", "--path", evil, "--data", tmp_path,
+                            "--out", tmp_path / "out.tsv", "--cpu"],
+        "average_checkpoints.py": [sys.executable, scripts / "average_checkpoints.py", "--inputs", evil, evil,
+                                   "--output", tmp_path / "avg.pt"],
+    }
+    for name, command in commands.items():
+        proc = run(command, check=False)
+        output = proc.stdout + proc.stderr
+        assert proc.returncode != 0, name
+        assert "weights_only" in output or "Unpickl" in output, f"{name}: {output[-2000:]}"
+        assert not marker.exists(), f"{name} ran the payload"
+
+
 def test_restore_file_resumes_schedule_and_g(trained, data_bin, tmp_path):
     save_dir, _ = trained
     state = torch.load(save_dir / "checkpoint_last.pt", map_location="cpu")
