@@ -25,6 +25,10 @@ setup(
         "matplotlib",
         "scipy",
         "scikit-learn",
+        # TensorBoard logging: fairseq's --tensorboard-logdir and ESPnet's --use_tensorboard write
+        # through torch.utils.tensorboard (needs tensorboard); fairseq also imports tensorboardX.
+        "tensorboard",
+        "tensorboardX",
     ],
     extras_require={"test": ["pytest", "pytest-timeout", "hypothesis"]},
 )

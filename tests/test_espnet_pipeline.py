@@ -291,3 +291,27 @@ def test_two_process_cpu_training_with_espnets_distributed_launcher(pipeline, tm
     steps = int(results[0].split("total_count=")[1].split(",")[0])
     state = torch.load(out / "1epoch.pth", map_location="cpu", weights_only=True)
     assert steps > 0 and int(state["num_updates"]) == steps
+
+
+def test_use_tensorboard_writes_the_sdma_stats(pipeline, tmp_path):
+    """``--use_tensorboard true`` (needs the ``tensorboard`` package, in setup.py): ESPnet's
+    event files under OUT/tensorboard/{train,valid} hold the SDMA regularisers of the reporter."""
+    import math
+
+    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
+    from user_dir.sdma.core import LOSS_NAMES
+
+    work, _ = pipeline
+    out = tmp_path / "tb"
+    proc = subprocess.run(train_command(work, out) + ["--use_tensorboard", "true"],  # argparse: the last one wins
+                          capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert yaml.safe_load((out / "config.yaml").read_text(encoding="utf-8"))["use_tensorboard"] is True
+    for split in ("train", "valid"):
+        acc = EventAccumulator(str(out / "tensorboard" / split), size_guidance={SCALARS: 0})
+        acc.Reload()
+        tags = set(acc.Tags()[SCALARS])
+        expected = {"loss", "sdma_reg", "sdma_mix"} | {f"sdma_{name}" for name in LOSS_NAMES}
+        assert expected <= tags, (split, sorted(expected - tags), sorted(tags))
+        assert all(math.isfinite(e.value) for tag in expected for e in acc.Scalars(tag)), split
