@@ -8,7 +8,7 @@ setup(
     description="SDMA, QKVAE/ADVAE, Optimus, topic-VQ STS and TPR heads as fairseq/ESPnet plugins",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    packages=find_packages(include=["user_dir", "user_dir.*", "espnet_plugin", "espnet_plugin.*"]),
+    packages=find_packages(include=["latent_core", "latent_core.*", "user_dir", "user_dir.*", "espnet_plugin", "espnet_plugin.*"]),
     python_requires=">=3.11,<3.12",
     # Exact versions live in constraints.txt (make install); fairseq-fixed must be
     # built with --no-build-isolation after torch, which scripts/install.sh does.

@@ -8,6 +8,6 @@ sdma_transformer`` and ``model: sdma`` in ESPnet2's ASR task. Train and decode w
 """
 
 from espnet_plugin.tasks.sdma_asr import SDMAASRTask, register  # noqa: F401  (registers at import)
-from user_dir.errors import install_excepthook  # noqa: E402
+from latent_core.errors import install_excepthook  # noqa: E402
 
 install_excepthook()  # configuration errors (PluginConfigError) -> one line, exit status 2

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
+from latent_core.errors import PluginConfigError
+
 PathLike = Union[str, Path]
 
 REQUIRED_FILES = ("wav.scp", "text")
@@ -46,7 +48,7 @@ SHOWN_IDS = 5  # ids named in a mismatch message
 _LINE_BREAK = re.compile(r"\r\n|\r|\n")
 
 
-class KaldiDataDirError(ValueError):
+class KaldiDataDirError(PluginConfigError):
     """A Kaldi data directory or table that cannot be read; the message names ``file:line``."""
 
 

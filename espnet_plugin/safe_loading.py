@@ -31,7 +31,7 @@ from typing import Iterator, List
 
 import torch
 
-from user_dir.safe_loading import checkpoint_types
+from latent_core.safe_loading import checkpoint_types
 
 _ORIGINAL_TORCH_LOAD = torch.load
 _depth = 0

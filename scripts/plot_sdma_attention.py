@@ -9,7 +9,7 @@ split and one encoder layer/head of an ``sdma_transformer`` checkpoint, draws
     (tokens x clusters), from ``module.sdma.cluster(x)`` on the layer's attention
     input x (captured with a forward pre-hook on the layer's ``self_attn``; in
     eval mode there is no sampling noise, so z = x);
-(b) the semantic mask M of eq. (10), ``user_dir.sdma.core.semantic_mask`` of those
+(b) the semantic mask M of eq. (10), ``latent_core.sdma.semantic_mask`` of those
     responsibilities (rows = query tokens i, columns = key tokens j, rows sum to 1);
 (c) the plain softmax attention A of eq. (1) of the same SDMA layer/head (the
     module run with its mixing weight temporarily set to 0, so A_hat = A);
@@ -125,7 +125,7 @@ def sentence(task, subset: str, index: int):
 
 def sdma_panels(model, sample, layer: int, head: int, path: str = "checkpoint") -> dict:
     """Responsibilities [T, C], semantic mask M [T, T], plain A [T, T] and mixed A_hat [T, T]."""
-    from user_dir.sdma.core import SDMACore, semantic_mask
+    from latent_core.sdma import SDMACore, semantic_mask
 
     layer, n_layers, module = encoder_self_attention(model, layer)
     core = getattr(module, "sdma", None)

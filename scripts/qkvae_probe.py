@@ -37,7 +37,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import user_dir  # noqa: E402,F401  (registers the models; allow-lists checkpoint types)
-from user_dir.safe_loading import model_config  # noqa: E402
+from latent_core.safe_loading import model_config  # noqa: E402
 from fairseq import checkpoint_utils  # noqa: E402
 from fairseq.data import Dictionary, data_utils  # noqa: E402
 from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY  # noqa: E402

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import REPO, venv_bin
-from user_dir.sdma.core import mixing_weight
+from latent_core.sdma import mixing_weight
 
 DING = Path("/usr/share/trans/de-en")
 pytestmark = pytest.mark.skipif(not DING.exists(), reason="apt-get install trans-de-en (make install does)")
@@ -104,7 +104,7 @@ def test_generate_and_interactive_load_with_the_safe_loader(trained, data_bin):
 
 
 def test_checkpoint_contains_only_allowlisted_types(trained):
-    from user_dir.safe_loading import checkpoint_types
+    from latent_core.safe_loading import checkpoint_types
 
     save_dir, _ = trained
     allowed = {f"{t.__module__}.{t.__name__}" for t in checkpoint_types()}
@@ -245,7 +245,7 @@ def test_bad_cli_options_fail_early_with_the_option_name(data_bin, tmp_path, ext
 
 def test_other_exceptions_keep_their_traceback(tmp_path):
     """Only the plugin's configuration errors are shortened; a defect keeps its traceback."""
-    code = ("import sys; import user_dir; from user_dir.errors import PluginConfigError; "
+    code = ("import sys; import user_dir; from latent_core.errors import PluginConfigError; "
             "raise (PluginConfigError if sys.argv[1] == 'config' else KeyError)('--x=0 must be >= 1')")
     config = run([sys.executable, "-c", code, "config"], check=False)
     assert config.returncode == 2 and config.stderr.strip().splitlines()[-1] == "python: error: --x=0 must be >= 1"

@@ -300,7 +300,7 @@ def test_use_tensorboard_writes_the_sdma_stats(pipeline, tmp_path):
 
     from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
 
-    from user_dir.sdma.core import LOSS_NAMES
+    from latent_core.sdma import LOSS_NAMES
 
     work, _ = pipeline
     out = tmp_path / "tb"

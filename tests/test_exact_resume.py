@@ -36,7 +36,7 @@ import pytest
 import torch
 
 from conftest import REPO, save_tiny_bert, venv_bin
-from user_dir.sdma.core import mixing_weight
+from latent_core.sdma import mixing_weight
 
 DE_EN = Path("/usr/share/trans/de-en")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}

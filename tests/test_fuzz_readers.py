@@ -1,7 +1,7 @@
 """Property-based tests (hypothesis) of every reader of user files.
 
 Readers: GLUE TSV files (``user_dir/hf_sentence/data.py``: ``read_tsv``, ``parse_labels``), the
-``--beta-schedule`` and ``--kl-threshold`` parsers (``user_dir/vae/schedules.py``,
+``--beta-schedule`` and ``--kl-threshold`` parsers (``latent_core/vae/schedules.py``,
 ``user_dir/sentence_vae/criterion.py``, ``KLRegularizer``), ``--tpr-transfer`` part lists
 (``user_dir/tpr/transfer.py``) and Kaldi data directories (``espnet_plugin/data_dir.py``).
 
@@ -26,8 +26,8 @@ from user_dir.hf_sentence.data import GLUE_TASKS, Examples, GlueDataError, Label
     parse_labels, read_tsv
 from user_dir.sentence_vae.criterion import parse_thresholds
 from user_dir.tpr.transfer import ALIASES, PARTS, TPRTransferError, parse_parts
-from user_dir.vae import KL_GRANULARITIES, KL_SCOPES, KL_VARIANTS, KLRegularizer, VAEConfigError
-from user_dir.vae.schedules import (
+from latent_core.vae import KL_GRANULARITIES, KL_SCOPES, KL_VARIANTS, KLRegularizer, VAEConfigError
+from latent_core.vae.schedules import (
     MAX_UPDATES,
     AutoEncoderPhase,
     ConstantSchedule,

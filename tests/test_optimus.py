@@ -21,7 +21,7 @@ from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
 from user_dir.optimus import OptimusConfigError, OptimusModel
 from user_dir.optimus.model import build_encoder, optimus_base, optimus_small
 from user_dir.optimus.pretrained import inspect_pretrained_directory
-from user_dir.vae import DiagonalGaussian
+from latent_core.vae import DiagonalGaussian
 
 WORDS = "the a cat dog sat on mat ran fast slow big small red green".split()
 SENTENCES = ["the cat sat on the mat", "a dog ran fast", "the big red dog sat", "a small green cat ran slow"]

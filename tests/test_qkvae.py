@@ -18,7 +18,7 @@ from user_dir.qkvae import ADVAEModel, BartInitError, QKVAEModel
 from user_dir.qkvae.bart_init import tokenize_lines, write_fairseq_dictionary
 from user_dir.qkvae.encoder import SIGMA_FLOOR
 from user_dir.sentence_vae.base import SentenceVAEEncoder
-from user_dir.vae import DiagonalGaussian, VAEConfigError
+from latent_core.vae import DiagonalGaussian, VAEConfigError
 
 WORDS = "the a cat dog sat ran on under mat rug big small quickly slowly".split()
 SENTENCES = [

@@ -17,7 +17,7 @@ import torch
 from conftest import REPO
 from test_redundancy import loaded, tiny  # noqa: F401  (session fixtures: tiny data and checkpoints)
 from user_dir.sdma import analysis
-from user_dir.sdma.core import SDMACore, SDMAOptions
+from latent_core.sdma import SDMACore, SDMAOptions
 
 sys.path.insert(0, str(REPO / "scripts"))
 

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from user_dir.sdma import core
-from user_dir.sdma.core import GaussianMixture, SDMACore, SDMAOptions
+from latent_core import sdma as core
+from latent_core.sdma import GaussianMixture, SDMACore, SDMAOptions
 
 
 @pytest.fixture

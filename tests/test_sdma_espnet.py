@@ -17,7 +17,7 @@ from espnet_plugin.asr.encoder.sdma_transformer_encoder import SDMATransformerEn
 from espnet_plugin.asr.sdma_attention import SDMAMultiHeadedAttention  # noqa: E402
 from espnet_plugin.asr.sdma_espnet_model import ESPnetSDMAASRModel  # noqa: E402
 from espnet_plugin.tasks.sdma_asr import SDMAASRTask  # noqa: E402
-from user_dir.sdma.core import LOSS_NAMES, SDMAConfigError, SDMAOptions, mixing_weight  # noqa: E402
+from latent_core.sdma import LOSS_NAMES, SDMAConfigError, SDMAOptions, mixing_weight  # noqa: E402
 
 from conftest import REPO  # noqa: E402
 
@@ -372,7 +372,7 @@ def test_impossible_options_name_the_config_key(overrides, message):
 def test_what_espnet_asserts_is_checked_first_and_named_by_its_yaml_key(overrides, message):
     """ESPnet would fail with a bare AssertionError; the plugin names the key (a PluginConfigError)."""
     from espnet_plugin.asr.sdma_attention import ESPnetConfigError
-    from user_dir.errors import PluginConfigError
+    from latent_core.errors import PluginConfigError
 
     with pytest.raises(ESPnetConfigError) as error:
         SDMAASRTask.build_model(tiny_args(**overrides))

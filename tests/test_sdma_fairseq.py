@@ -5,7 +5,7 @@ import torch
 from fairseq import options, tasks
 from fairseq.sequence_generator import SequenceGenerator
 
-from user_dir.sdma.core import SDMACore, SDMAConfigError
+from latent_core.sdma import SDMACore, SDMAConfigError
 from user_dir.sdma.fairseq_attention import SDMAMultiheadAttention
 
 VOCAB = 30

@@ -35,7 +35,7 @@ sys.path.insert(0, str(TESTS))
 import sentence_vae_toy_model  # noqa: E402,F401  (registers test_gru_vae)
 from user_dir.sentence_vae import evaluate, generate  # noqa: E402
 from user_dir.sentence_vae.criterion import SentenceVAECriterion  # noqa: E402
-from user_dir.vae import DiagonalGaussian, VAEConfigError  # noqa: E402
+from latent_core.vae import DiagonalGaussian, VAEConfigError  # noqa: E402
 
 DE_EN = Path("/usr/share/trans/de-en")
 LATENTS = ("z_syn", "z_sem")  # the test double's default latents

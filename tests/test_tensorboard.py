@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, venv_bin
-from user_dir.sdma.core import LOSS_NAMES
+from latent_core.sdma import LOSS_NAMES
 
 DE_EN = Path("/usr/share/trans/de-en")
 pytestmark = pytest.mark.skipif(not DE_EN.is_file(), reason="apt-get install trans-de-en (make install does)")

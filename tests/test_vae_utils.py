@@ -1,4 +1,4 @@
-"""The shared VAE utilities (user_dir/vae) against hand-computed values and closed forms."""
+"""The shared VAE utilities (latent_core/vae) against hand-computed values and closed forms."""
 
 import math
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.distributions import MultivariateNormal, Normal, kl_divergence
 
-from user_dir.vae import (
+from latent_core.vae import (
     AutoEncoderPhase,
     ConstantSchedule,
     CyclicalSchedule,

@@ -2,13 +2,13 @@
 
 ``fairseq-train --user-dir user_dir ...`` imports this package, which registers
 every model, criterion and task below, reports configuration errors as one line
-(``user_dir/errors.py``) and allow-lists the few extra types that
+(``latent_core/errors.py``) and allow-lists the few extra types that
 fairseq checkpoints contain for torch's safe loader (``weights_only=True``).
 It also makes fairseq's ``translation`` task rebuild its batch iterator every epoch,
 so that a resumed run is bit-identical to a continuous one (``user_dir/exact_resume.py``).
 """
 
-from . import errors, safe_loading
+from latent_core import errors, safe_loading
 
 safe_loading.register_checkpoint_types()
 errors.install_excepthook()  # PluginConfigError -> one line, exit status 2

@@ -1,6 +1,6 @@
 """ESPnet adapter of the SDMA core: a drop-in ``MultiHeadedAttention``.
 
-The equations live in :mod:`user_dir.sdma.core` (one implementation for fairseq and
+The equations live in :mod:`latent_core.sdma` (one implementation for fairseq and
 ESPnet); this file only maps ESPnet's batch-first tensors and boolean masks onto it.
 
 ESPnet's incremental decoding re-runs self-attention over the cached layer inputs of the
@@ -16,8 +16,8 @@ import torch
 from espnet.nets.pytorch_backend.transformer.attention import MultiHeadedAttention
 from torch import Tensor
 
-from user_dir.errors import PluginConfigError
-from user_dir.sdma.core import SDMACore, SDMAOptions, mix_attention, semantic_log_mask
+from latent_core.errors import PluginConfigError
+from latent_core.sdma import SDMACore, SDMAOptions, mix_attention, semantic_log_mask
 
 ATTENTION_GROUPS = ("encoder_self", "decoder_self", "decoder_cross")
 

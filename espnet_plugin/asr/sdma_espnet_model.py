@@ -9,7 +9,7 @@ from espnet2.torch_utils.device_funcs import force_gatherable
 from typeguard import typechecked
 
 from espnet_plugin.asr.sdma_attention import ESPnetConfigError
-from user_dir.sdma.core import (
+from latent_core.sdma import (
     LOSS_NAMES,
     LOSS_WEIGHTS,
     REGULARISER_SCALES,
@@ -33,10 +33,10 @@ class ESPnetSDMAASRModel(ESPnetASRModel):
 
     Each regulariser is computed per utterance (a mean over its tokens, the heads and the
     layers of one attention type, summed over encoder self-, decoder self- and
-    cross-attention; :func:`user_dir.sdma.core.collect_sdma_losses`). The regulariser
+    cross-attention; :func:`latent_core.sdma.collect_sdma_losses`). The regulariser
     total is built exactly as in the fairseq criterion (``sdma_regulariser_scale``:
     ``sentence`` = sum over the batch's utterances, default; ``batch``; ``token``; see
-    :func:`user_dir.sdma.core.scale_regulariser`) and divided by the normaliser ESPnet
+    :func:`latent_core.sdma.scale_regulariser`) and divided by the normaliser ESPnet
     uses for its attention loss: the batch size (``length_normalized_loss: false``,
     ESPnet's default; with ``sentence`` this is the batch MEAN added to the per-utterance
     loss, as the authors' ESPnet code does) or the number of target tokens

@@ -60,7 +60,7 @@ import numpy as np
 import torch
 from fairseq.data import FairseqDataset, data_utils
 
-from user_dir.errors import PluginConfigError
+from latent_core.errors import PluginConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ ENCODE_CHUNK = 2048  # examples per tokenizer call
 
 class GlueDataError(PluginConfigError):
     """A TSV file that cannot be read with its layout or label spec; the message names ``file:line``
-    (a ``ValueError``, as every :class:`~user_dir.errors.PluginConfigError`)."""
+    (a ``ValueError``, as every :class:`~latent_core.errors.PluginConfigError`)."""
 
 
 # ----------------------------------------------------------------------------- layouts

@@ -37,7 +37,7 @@ import torch
 from fairseq.models import BaseFairseqModel, register_model, register_model_architecture
 from torch import Tensor, nn
 
-from user_dir.errors import PluginConfigError
+from latent_core.errors import PluginConfigError
 from user_dir.optimus.pretrained import WEIGHT_FILES
 
 logger = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from user_dir.vae import VAEConfigError
+from latent_core.vae import VAEConfigError
 
 logger = logging.getLogger(__name__)
 

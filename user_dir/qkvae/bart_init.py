@@ -42,7 +42,7 @@ from typing import Dict, Iterable, List, Tuple
 
 import torch
 
-from user_dir.vae import VAEConfigError
+from latent_core.vae import VAEConfigError
 
 CONFIG_FILE = "config.json"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",

@@ -41,7 +41,7 @@ from fairseq.models.transformer import TransformerConfig, TransformerModel
 from fairseq.models.transformer.transformer_base import Embedding
 from fairseq.models.transformer.transformer_legacy import base_architecture
 
-from user_dir.vae import VAEConfigError
+from latent_core.vae import VAEConfigError
 
 from .bart_init import initialise_from_bart
 from .decoder import ADVAEDecoder, QKVDecoder

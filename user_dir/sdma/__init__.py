@@ -2,7 +2,7 @@
 
 Importing this package registers the fairseq model ``sdma_transformer`` (and its
 architectures) and the criterion ``sdma_label_smoothed_cross_entropy``. The attention
-core (``user_dir.sdma.core``) is plain PyTorch and is shared with the ESPnet plugin,
+core (``latent_core.sdma``) is plain PyTorch and is shared with the ESPnet plugin,
 which also works in an environment without fairseq.
 """
 

@@ -17,7 +17,7 @@ Chien & Huang, "Latent Semantic and Disentangled Attention", TPAMI 2024
   :func:`model_cluster_usage` (a model and a split; compare checkpoints with it).
 
 Works on models loaded by fairseq (``checkpoint_utils.load_model_ensemble_and_task``,
-which reads checkpoints with torch's safe loader, see ``user_dir/safe_loading.py``);
+which reads checkpoints with torch's safe loader, see ``latent_core/safe_loading.py``);
 the vanilla ``transformer`` and ``sdma_transformer`` (whose attention modules are
 :class:`~user_dir.sdma.fairseq_attention.SDMAMultiheadAttention`). Shapes follow
 fairseq: T time, B batch, n_h heads, d_k head size, C clusters, V vocabulary size,
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .core import SDMACore
+from latent_core.sdma import SDMACore
 
 ATTENTION_TYPES = ("encoder_self", "decoder_self", "decoder_cross")
 # which side's tokens are the query positions of each attention type

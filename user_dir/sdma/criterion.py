@@ -30,7 +30,7 @@ from fairseq.logging import metrics
 
 from fairseq.dataclass import ChoiceEnum
 
-from .core import (
+from latent_core.sdma import (
     LOSS_NAMES,
     LOSS_WEIGHTS,
     REGULARISER_SCALES,

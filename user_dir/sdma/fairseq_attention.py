@@ -13,7 +13,7 @@ from fairseq import utils
 from fairseq.modules.multihead_attention import MultiheadAttention
 from torch import Tensor
 
-from .core import SDMACore, SDMAOptions, mix_attention, semantic_log_mask
+from latent_core.sdma import SDMACore, SDMAOptions, mix_attention, semantic_log_mask
 
 
 class SDMAMultiheadAttention(MultiheadAttention):
@@ -21,7 +21,7 @@ class SDMAMultiheadAttention(MultiheadAttention):
 
     Args are those of fairseq's ``MultiheadAttention`` plus ``sdma`` (the options)
     and ``group`` (``encoder_self``, ``decoder_self`` or ``decoder_cross``: how the
-    losses are averaged, see :func:`user_dir.sdma.core.collect_sdma_losses`).
+    losses are averaged, see :func:`latent_core.sdma.collect_sdma_losses`).
 
     Input/output shapes are fairseq's: query ``[T, B, E]``, key/value ``[S, B, E]``,
     ``key_padding_mask [B, S]`` (True = pad); returns ``([T, B, E], weights)`` with the

@@ -153,7 +153,7 @@ def _quiet_fairseq():
 
 def model_dimensions(model) -> Dict[str, int]:
     """Sizes that FLOPs scale with: layers, embedding size, heads, SDMA clusters (0 for V-T)."""
-    from .core import SDMACore
+    from latent_core.sdma import SDMACore
 
     cores = [m for m in model.modules() if isinstance(m, SDMACore)]
     query = [c.query_gmm.num_clusters for c in cores if c.query_gmm is not None]

@@ -22,7 +22,7 @@ from fairseq.models.transformer.transformer_legacy import base_architecture
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 
-from .core import LOSS_WEIGHTS, SDMA_MODES, SDMAConfigError, SDMAOptions, collect_sdma_losses
+from latent_core.sdma import LOSS_WEIGHTS, SDMA_MODES, SDMAConfigError, SDMAOptions, collect_sdma_losses
 from .fairseq_attention import SDMAMultiheadAttention
 
 # lambda_k, lambda_q, lambda_x, lambda_d of eq. (24); Table I defaults per architecture

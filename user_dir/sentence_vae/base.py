@@ -18,7 +18,7 @@ A sentence VAE is a ``FairseqEncoderDecoderModel`` whose
 
 * **decoder** (a ``FairseqIncrementalDecoder``) conditions on ``encoder_out["latents"]`` only
   and returns ``(logits [B, T, V], extra)`` with ``extra["posteriors"]`` = the
-  :class:`~user_dir.vae.DiagonalGaussian` of each latent (built by :func:`posteriors_of`), so
+  :class:`~latent_core.vae.DiagonalGaussian` of each latent (built by :func:`posteriors_of`), so
   the ``sentence_vae`` criterion gets everything from one ``model(**net_input)`` call, and
   ``extra["attn"]`` (``None``, or ``[attention [B, T, S]]``): fairseq's ``SequenceGenerator``
   reads ``extra["attn"]`` at every step and fails with ``KeyError: 'attn'`` without it.
@@ -34,7 +34,7 @@ import torch
 from fairseq.models import FairseqEncoder
 from torch import Tensor
 
-from user_dir.vae import DiagonalGaussian
+from latent_core.vae import DiagonalGaussian
 
 EncoderOut = Dict[str, Dict[str, Tensor]]
 

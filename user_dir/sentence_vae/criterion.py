@@ -5,7 +5,7 @@
 (QKVAE eq. 1 with one beta per latent, Section 4.3; Optimus eq. 5-6 and 9.) NLL is the
 reconstruction cross-entropy summed over the target tokens (sentence + EOS), optionally
 label-smoothed (``--label-smoothing``, default 0); KL_term is the KL of each latent's
-posterior from N(0, I) through :class:`user_dir.vae.KLRegularizer` (``--kl-variant``
+posterior from N(0, I) through :class:`latent_core.vae.KLRegularizer` (``--kl-variant``
 beta|free_bits|hinge with threshold lambda ``--kl-threshold``, ``--kl-scope``,
 ``--kl-granularity``), summed over the batch. beta_latent(t) comes from ``--beta-schedule``
 (``--ae-steps``: beta = 0 before that update) as a pure function of fairseq's update counter t.
@@ -53,7 +53,7 @@ from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.logging import metrics
 from omegaconf import II
 
-from user_dir.vae import (
+from latent_core.vae import (
     KL_GRANULARITIES,
     KL_SCOPES,
     KL_VARIANTS,

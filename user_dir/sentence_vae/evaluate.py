@@ -43,7 +43,7 @@ from fairseq import checkpoint_utils, utils
 import numpy as np
 from fairseq.data import BaseWrapperDataset
 
-from user_dir.vae import (
+from latent_core.vae import (
     VAEConfigError,
     active_units,
     elbo_terms,
@@ -83,7 +83,7 @@ def model_device(model) -> torch.device:
 
 # ------------------------------------------------------------------------- scoring
 def log_likelihood_fn(model, encoder_out, prev_output_tokens, target, pad: int):
-    """The ``log_likelihood_fn`` of :mod:`user_dir.vae.evaluation` for one batch.
+    """The ``log_likelihood_fn`` of :mod:`latent_core.vae.evaluation` for one batch.
 
     Maps samples {latent: ``[n, B, D]``} to log p(x | z_i) ``[n, B]`` (summed over the target
     tokens) with one decoder pass over the ``[n * B]`` batch whose row i * B + b is sentence b

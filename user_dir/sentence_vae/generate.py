@@ -34,7 +34,7 @@ import torch
 from fairseq.data import data_utils
 from torch import Tensor
 
-from user_dir.vae import VAEConfigError
+from latent_core.vae import VAEConfigError
 
 from .evaluate import load_sentence_vae, model_device
 

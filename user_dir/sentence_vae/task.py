@@ -32,7 +32,7 @@ from fairseq.dataclass import FairseqDataclass
 from fairseq.tasks import FairseqTask, register_task
 from omegaconf import II
 
-from user_dir.errors import PluginConfigError
+from latent_core.errors import PluginConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -317,6 +317,6 @@ def topic_vq_sts(args):
 
 def saved_stage(checkpoint: dict):
     """The ``--topic-vq-stage`` a fairseq checkpoint was trained with (None if it does not say)."""
-    from user_dir.safe_loading import model_config
+    from latent_core.safe_loading import model_config
 
     return getattr(model_config(checkpoint), "topic_vq_stage", None)

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from ..vae.distributions import DiagonalGaussian
+from latent_core.vae.distributions import DiagonalGaussian
 
 
 class NTMOutput(NamedTuple):

@@ -13,6 +13,8 @@ from typing import Dict, List, Tuple
 
 from torch import nn
 
+from latent_core.errors import PluginConfigError
+
 logger = logging.getLogger(__name__)
 
 # part -> parameter-name prefixes in TPRClassifier's state dict (a prefix ending in "." is a
@@ -27,7 +29,7 @@ PARTS: Dict[str, Tuple[str, ...]] = {
 ALIASES = {"selectors": ("role_selector", "filler_selector")}
 
 
-class TPRTransferError(ValueError):
+class TPRTransferError(PluginConfigError):
     """A transfer/freeze request that cannot be honoured (the message names the parameter)."""
 
 

@@ -109,7 +109,7 @@ def regularize_latents(kls: Mapping[str, Tensor], betas: Mapping[str, float],
     """Apply ``regularizer`` to several latents, each with its own beta (QKVAE Section 4.3).
 
     ``kls``: name -> per-dimension KL ``[B, D_name]``; ``betas``: name -> beta (e.g. from
-    :func:`user_dir.vae.schedules.parse_beta_schedules`). Returns the summed loss (scalar)
+    :func:`latent_core.vae.schedules.parse_beta_schedules`). Returns the summed loss (scalar)
     and the per-latent :class:`KLTerm`.
     """
     if not kls:

@@ -34,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from user_dir.errors import PluginConfigError
+from latent_core.errors import PluginConfigError
 
 SDMA_MODES = ("sdma", "sma", "none")
 # Names of the regularisers every SDMA module reports (eq. 20, 21, 22, 23).

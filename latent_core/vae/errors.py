@@ -1,6 +1,6 @@
 """The one configuration error of the VAE utilities."""
 
-from user_dir.errors import PluginConfigError
+from latent_core.errors import PluginConfigError
 
 
 class VAEConfigError(PluginConfigError):
