@@ -31,3 +31,26 @@ def save_tiny_bert(path: Path, words) -> Path:
                intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
                attention_probs_dropout_prob=0.0).save_pretrained(str(path))  # no dropout: learns in few epochs
     return path
+
+
+DING_DE_EN = Path("/usr/share/trans/de-en")  # the Debian Ding dictionary (apt-get install trans-de-en)
+
+
+def english_phrases(n: int, min_words: int = 4, max_words: int = 10):
+    """The first ``n`` English sides of the Ding dictionary with ``min_words``..``max_words`` words:
+    first alternative, annotations dropped, lower-cased (the sentence-VAE tests' corpus)."""
+    import re
+
+    out = []
+    with open(DING_DE_EN, encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("#") or "::" not in line:
+                continue
+            first = re.split(r"[|;]", line.split("::", 1)[1])[0]
+            first = re.sub(r"\[[^\]]*\]|\{[^}]*\}|<[^>]*>|\([^)]*\)", " ", first).lower()
+            words = re.findall(r"[a-z]+", first)
+            if min_words <= len(words) <= max_words:
+                out.append(" ".join(words))
+                if len(out) == n:
+                    break
+    return out

@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, save_tiny_bert, venv_bin
+from conftest import REPO, english_phrases, save_tiny_bert, venv_bin
 from latent_core.sdma import mixing_weight
 
 DE_EN = Path("/usr/share/trans/de-en")
@@ -182,22 +182,6 @@ def test_sdma_translation_resume_is_bit_identical(translation_bin, tmp_path):
 
 
 # -------------------------------------------------------------------- (b) sentence VAE
-def english_phrases(n, min_words=4, max_words=10):
-    out = []
-    with open(DE_EN, encoding="utf-8") as f:
-        for line in f:
-            if line.startswith("#") or "::" not in line:
-                continue
-            first = re.split(r"[|;]", line.split("::", 1)[1])[0]
-            first = re.sub(r"\[[^\]]*\]|\{[^}]*\}|<[^>]*>|\([^)]*\)", " ", first).lower()
-            words = re.findall(r"[a-z]+", first)
-            if min_words <= len(words) <= max_words:
-                out.append(" ".join(words))
-                if len(out) == n:
-                    break
-    return out
-
-
 @pytest.fixture(scope="module")
 def vae_bin(tmp_path_factory):
     root = tmp_path_factory.mktemp("vae")

@@ -33,6 +33,7 @@ REPO = TESTS.parent
 sys.path.insert(0, str(TESTS))
 
 import sentence_vae_toy_model  # noqa: E402,F401  (registers test_gru_vae)
+from conftest import english_phrases  # noqa: E402
 from user_dir.sentence_vae import evaluate, generate  # noqa: E402
 from user_dir.sentence_vae.criterion import SentenceVAECriterion  # noqa: E402
 from latent_core.vae import DiagonalGaussian, VAEConfigError  # noqa: E402
@@ -44,22 +45,6 @@ MAX_UPDATE_1, MAX_UPDATE_2 = 12, 40
 
 
 # --------------------------------------------------------------------------- data
-def english_phrases(n: int, min_words: int = 4, max_words: int = 10):
-    out = []
-    with open(DE_EN, encoding="utf-8") as f:
-        for line in f:
-            if line.startswith("#") or "::" not in line:
-                continue
-            first = re.split(r"[|;]", line.split("::", 1)[1])[0]
-            first = re.sub(r"\[[^\]]*\]|\{[^}]*\}|<[^>]*>|\([^)]*\)", " ", first).lower()
-            words = re.findall(r"[a-z]+", first)
-            if min_words <= len(words) <= max_words:
-                out.append(" ".join(words))
-                if len(out) == n:
-                    break
-    return out
-
-
 def grammar_sentences(n: int, seed: int = 0):
     rng = random.Random(seed)
     subjects = ["the cat", "a dog", "my friend", "the old man", "a child", "the teacher"]

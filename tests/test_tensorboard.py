@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, venv_bin
+from conftest import REPO, english_phrases, venv_bin
 from latent_core.sdma import LOSS_NAMES
 
 DE_EN = Path("/usr/share/trans/de-en")
@@ -129,23 +129,6 @@ def test_fairseq_sdma_run_writes_the_sdma_terms_to_tensorboard(translation_bin, 
 
 
 # --------------------------------------------------------------------- (b) sentence VAE
-def english_phrases(n, min_words=4, max_words=10):
-    """English sides of the Ding dictionary: first alternative, annotations dropped, lower-cased."""
-    out = []
-    with open(DE_EN, encoding="utf-8") as f:
-        for line in f:
-            if line.startswith("#") or "::" not in line:
-                continue
-            first = re.split(r"[|;]", line.split("::", 1)[1])[0]
-            first = re.sub(r"\[[^\]]*\]|\{[^}]*\}|<[^>]*>|\([^)]*\)", " ", first).lower()
-            words = re.findall(r"[a-z]+", first)
-            if min_words <= len(words) <= max_words:
-                out.append(" ".join(words))
-                if len(out) == n:
-                    break
-    return out
-
-
 @pytest.fixture(scope="module")
 def vae_bin(tmp_path_factory):
     root = tmp_path_factory.mktemp("vae_tb")
