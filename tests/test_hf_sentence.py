@@ -30,6 +30,7 @@ from user_dir.hf_sentence.criterion import HFSentencePredictionCriterion, HFSent
 from user_dir.hf_sentence.data import GLUE_TASKS, read_tsv
 from user_dir.hf_sentence.model import HFSentenceClassifier, HFSentenceConfigError
 from user_dir.hf_sentence.task import HFSentencePredictionConfig, HFSentencePredictionTask
+from user_dir.topic_vq.task import TopicSentencePredictionConfig, TopicSentencePredictionTask
 from user_dir.topic_vq.vocabulary import TopicVocabulary, check_num_topics
 
 FIRST = ["alpha", "bravo", "charlie"]
@@ -52,9 +53,12 @@ def write(path, lines, bom=False):
 
 
 def make_task(data, tokenizer_dir, **options):
-    cfg = HFSentencePredictionConfig(data=str(data), hf_tokenizer_dir=str(tokenizer_dir), train_subset="train",
-                                     **options)
-    return HFSentencePredictionTask.setup_task(cfg)
+    """The plain task; with topic options, the topic-VQ subclass (user_dir/topic_vq/task.py)."""
+    topic = any(name.startswith("topic_") for name in options)
+    config, task = ((TopicSentencePredictionConfig, TopicSentencePredictionTask) if topic
+                    else (HFSentencePredictionConfig, HFSentencePredictionTask))
+    cfg = config(data=str(data), hf_tokenizer_dir=str(tokenizer_dir), train_subset="train", **options)
+    return task.setup_task(cfg)
 
 
 def make_model(task, *extra, tiny_dir=None, seed=0, cls=HFSentenceClassifier):
@@ -265,8 +269,9 @@ def test_topic_features_words_and_bags(tmp_path, tiny):
     assert next(words) == ["unseen", "cat", "words"]
     # the vocabulary travels in the task state: a task set up from a checkpoint does not read train.tsv
     (tmp_path / "train.tsv").unlink()
-    cfg = HFSentencePredictionConfig(data=str(tmp_path), hf_tokenizer_dir=str(tiny), train_subset="train", **options)
-    restored = HFSentencePredictionTask.setup_task(cfg, from_checkpoint=True)
+    cfg = TopicSentencePredictionConfig(data=str(tmp_path), hf_tokenizer_dir=str(tiny), train_subset="train",
+                                        **options)
+    restored = TopicSentencePredictionTask.setup_task(cfg, from_checkpoint=True)
     restored.load_state_dict(pickle.loads(pickle.dumps(task.state_dict())))
     assert restored.topic_vocabulary == vocab
     again = restored.load_dataset("valid")
