@@ -597,9 +597,9 @@ def run(cmd, **kwargs):
     return proc
 
 
-def train_cmd(data, tiny, save_dir, *extra):
+def train_cmd(data, tiny, save_dir, *extra, task="hf_sentence_prediction"):
     return [str(c) for c in [
-        venv_bin("fairseq-train"), data, "--user-dir", REPO / "user_dir", "--task", "hf_sentence_prediction",
+        venv_bin("fairseq-train"), data, "--user-dir", REPO / "user_dir", "--task", task,
         "--hf-tokenizer-dir", tiny, "--arch", "hf_sentence_classifier", "--hf-config", tiny,
         "--criterion", "hf_sentence_prediction", "--optimizer", "adam", "--lr", "2e-3", "--batch-size", "16",
         "--max-positions", "32", "--pooler-dropout", "0", "--cpu", "--no-progress-bar", "--log-format",
@@ -607,8 +607,8 @@ def train_cmd(data, tiny, save_dir, *extra):
         "--num-workers", "0", *extra]]
 
 
-def train(data, tiny, save_dir, *extra):
-    return run(train_cmd(data, tiny, save_dir, *extra))
+def train(data, tiny, save_dir, *extra, task="hf_sentence_prediction"):
+    return run(train_cmd(data, tiny, save_dir, *extra, task=task))
 
 
 def valid_values(log, key):
@@ -617,8 +617,10 @@ def valid_values(log, key):
 
 def test_fairseq_train_learns_and_glue_predict_writes_a_submission(tmp_path, tiny):
     data = write_mrpc(tmp_path / "data", random.Random(1))
+    # the topic-VQ extension of the task: its vocabulary must travel in the checkpoint to glue_predict
     proc = train(data, tiny, tmp_path / "ckpt", "--glue-task", "MRPC", "--max-epoch", "30", "--topic-features",
-                 "--best-checkpoint-metric", "f1", "--maximize-best-checkpoint-metric")
+                 "--best-checkpoint-metric", "f1", "--maximize-best-checkpoint-metric",
+                 task="topic_vq_sentence_prediction")
     log = proc.stdout + proc.stderr
     f1 = valid_values(log, "f1")
     accuracy = valid_values(log, "accuracy")

@@ -4,8 +4,7 @@
 * :mod:`.vqvae` topic-enhanced VQ-VAE (Section 3.2, eq. 1 and 6);
 * :mod:`.semantic_attention` semantics-driven attention for Hugging Face encoders (eq. 4-5);
 * :mod:`.vocabulary` the topic and VQ vocabularies built from a training split;
-* :mod:`.task` the task ``topic_vq_sentence_prediction`` (hf_sentence_prediction + topic features;
-  also installed as ``hf_sentence_prediction`` for old command lines and checkpoints);
+* :mod:`.task` the task ``topic_vq_sentence_prediction`` (hf_sentence_prediction + topic features);
 * :mod:`.model` the fairseq model ``topic_vq_sts`` (task ``topic_vq_sentence_prediction``).
 """
 

@@ -9,12 +9,7 @@ trained with even when the data directory changes; batches then also carry ``wor
 
 The shared base (:mod:`user_dir.hf_sentence`) knows nothing of topics: this package extends it
 through the hooks ``keep_words`` / ``extra_features`` and a task-state factory.
-
-**Compatibility**: the task is also installed under the name ``hf_sentence_prediction`` (the
-name the topic features had before they moved here), so command lines such as
-``--task hf_sentence_prediction --topic-features`` and checkpoints whose ``cfg.task._name`` is
-``hf_sentence_prediction`` keep working; without ``--topic-features`` it is exactly the base
-task. New recipes use ``--task topic_vq_sentence_prediction``.
+Without ``--topic-features`` it is exactly ``hf_sentence_prediction``.
 """
 
 import logging
@@ -23,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import FrozenSet, List
 
 import numpy as np
-from fairseq.tasks import TASK_DATACLASS_REGISTRY, TASK_REGISTRY, register_task
+from fairseq.tasks import register_task
 
 from ..hf_sentence.data import Encoded, Ragged
 from ..hf_sentence.task import HFSentencePredictionConfig, HFSentencePredictionTask
@@ -32,7 +27,6 @@ from .vocabulary import TopicVocabulary
 logger = logging.getLogger(__name__)
 
 TASK_NAME = "topic_vq_sentence_prediction"
-LEGACY_TASK_NAME = "hf_sentence_prediction"
 TOPIC_STATE = "topic_vocabulary"
 
 
@@ -133,18 +127,3 @@ class TopicSentencePredictionTask(HFSentencePredictionTask):
                     self.cfg.topic_stop_words, vocabulary.vq_size)
         return vocabulary.state_dict()
 
-
-def install_legacy_name() -> None:
-    """Serve ``--task hf_sentence_prediction`` with this task (its topic options included), as
-    before the topic features moved out of :mod:`user_dir.hf_sentence`: old command lines and
-    checkpoints (``cfg.task._name == "hf_sentence_prediction"``, ``topic_features: true``)."""
-    from hydra.core.config_store import ConfigStore
-
-    TASK_REGISTRY[LEGACY_TASK_NAME] = TopicSentencePredictionTask
-    TASK_DATACLASS_REGISTRY[LEGACY_TASK_NAME] = TopicSentencePredictionConfig
-    node = TopicSentencePredictionConfig()
-    node._name = LEGACY_TASK_NAME
-    ConfigStore.instance().store(name=LEGACY_TASK_NAME, group="task", node=node, provider="fairseq")
-
-
-install_legacy_name()
