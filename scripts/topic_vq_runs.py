@@ -48,7 +48,7 @@ def fairseq_train(args, fold: Path, save_dir: Path, extra: List[str], log: Path)
     if (save_dir / "checkpoint_last.pt").is_file() and finished(log):
         return
     save_dir.mkdir(parents=True, exist_ok=True)
-    run_fairseq_train([fold, "--user-dir", REPO / "user_dir", "--task", "hf_sentence_prediction", "--glue-task",
+    run_fairseq_train([fold, "--user-dir", REPO / "user_dir", "--task", "topic_vq_sentence_prediction", "--glue-task",
                        args.glue_task, "--hf-tokenizer-dir", args.encoder_dir, "--max-positions", args.max_positions,
                        "--topic-features", "--criterion", "hf_sentence_prediction", "--optimizer", "adam",
                        "--adam-betas", "(0.9,0.999)", "--save-dir", save_dir, "--no-epoch-checkpoints",

@@ -30,6 +30,7 @@ from user_dir.hf_sentence.criterion import HFSentencePredictionCriterion, HFSent
 from user_dir.hf_sentence.data import GLUE_TASKS, read_tsv
 from user_dir.hf_sentence.model import HFSentenceClassifier, HFSentenceConfigError
 from user_dir.hf_sentence.task import HFSentencePredictionConfig, HFSentencePredictionTask
+from user_dir.topic_vq.task import TopicSentencePredictionConfig, TopicSentencePredictionTask
 from user_dir.topic_vq.vocabulary import TopicVocabulary, check_num_topics
 
 FIRST = ["alpha", "bravo", "charlie"]
@@ -52,9 +53,12 @@ def write(path, lines, bom=False):
 
 
 def make_task(data, tokenizer_dir, **options):
-    cfg = HFSentencePredictionConfig(data=str(data), hf_tokenizer_dir=str(tokenizer_dir), train_subset="train",
-                                     **options)
-    return HFSentencePredictionTask.setup_task(cfg)
+    """The plain task; with topic options, the topic-VQ subclass (user_dir/topic_vq/task.py)."""
+    topic = any(name.startswith("topic_") for name in options)
+    config, task = ((TopicSentencePredictionConfig, TopicSentencePredictionTask) if topic
+                    else (HFSentencePredictionConfig, HFSentencePredictionTask))
+    cfg = config(data=str(data), hf_tokenizer_dir=str(tokenizer_dir), train_subset="train", **options)
+    return task.setup_task(cfg)
 
 
 def make_model(task, *extra, tiny_dir=None, seed=0, cls=HFSentenceClassifier):
@@ -265,8 +269,9 @@ def test_topic_features_words_and_bags(tmp_path, tiny):
     assert next(words) == ["unseen", "cat", "words"]
     # the vocabulary travels in the task state: a task set up from a checkpoint does not read train.tsv
     (tmp_path / "train.tsv").unlink()
-    cfg = HFSentencePredictionConfig(data=str(tmp_path), hf_tokenizer_dir=str(tiny), train_subset="train", **options)
-    restored = HFSentencePredictionTask.setup_task(cfg, from_checkpoint=True)
+    cfg = TopicSentencePredictionConfig(data=str(tmp_path), hf_tokenizer_dir=str(tiny), train_subset="train",
+                                        **options)
+    restored = TopicSentencePredictionTask.setup_task(cfg, from_checkpoint=True)
     restored.load_state_dict(pickle.loads(pickle.dumps(task.state_dict())))
     assert restored.topic_vocabulary == vocab
     again = restored.load_dataset("valid")
@@ -592,9 +597,9 @@ def run(cmd, **kwargs):
     return proc
 
 
-def train_cmd(data, tiny, save_dir, *extra):
+def train_cmd(data, tiny, save_dir, *extra, task="hf_sentence_prediction"):
     return [str(c) for c in [
-        venv_bin("fairseq-train"), data, "--user-dir", REPO / "user_dir", "--task", "hf_sentence_prediction",
+        venv_bin("fairseq-train"), data, "--user-dir", REPO / "user_dir", "--task", task,
         "--hf-tokenizer-dir", tiny, "--arch", "hf_sentence_classifier", "--hf-config", tiny,
         "--criterion", "hf_sentence_prediction", "--optimizer", "adam", "--lr", "2e-3", "--batch-size", "16",
         "--max-positions", "32", "--pooler-dropout", "0", "--cpu", "--no-progress-bar", "--log-format",
@@ -602,8 +607,8 @@ def train_cmd(data, tiny, save_dir, *extra):
         "--num-workers", "0", *extra]]
 
 
-def train(data, tiny, save_dir, *extra):
-    return run(train_cmd(data, tiny, save_dir, *extra))
+def train(data, tiny, save_dir, *extra, task="hf_sentence_prediction"):
+    return run(train_cmd(data, tiny, save_dir, *extra, task=task))
 
 
 def valid_values(log, key):
@@ -612,8 +617,10 @@ def valid_values(log, key):
 
 def test_fairseq_train_learns_and_glue_predict_writes_a_submission(tmp_path, tiny):
     data = write_mrpc(tmp_path / "data", random.Random(1))
+    # the topic-VQ extension of the task: its vocabulary must travel in the checkpoint to glue_predict
     proc = train(data, tiny, tmp_path / "ckpt", "--glue-task", "MRPC", "--max-epoch", "30", "--topic-features",
-                 "--best-checkpoint-metric", "f1", "--maximize-best-checkpoint-metric")
+                 "--best-checkpoint-metric", "f1", "--maximize-best-checkpoint-metric",
+                 task="topic_vq_sentence_prediction")
     log = proc.stdout + proc.stderr
     f1 = valid_values(log, "f1")
     accuracy = valid_values(log, "accuracy")

@@ -20,6 +20,7 @@ from fairseq import checkpoint_utils
 from conftest import REPO, venv_bin, save_tiny_bert
 from user_dir.hf_sentence.model import HFSentenceConfigError
 from user_dir.hf_sentence.task import HFSentencePredictionConfig, HFSentencePredictionTask
+from user_dir.topic_vq.task import TopicSentencePredictionConfig, TopicSentencePredictionTask
 from user_dir.topic_vq.model import ABLATIONS, TopicVQSTSModel
 
 TOPICS = {"animal": "cat dog bird horse cow sheep goat mouse".split(),
@@ -64,10 +65,10 @@ def data(tmp_path_factory):
 
 
 def make_task(data, tiny):
-    cfg = HFSentencePredictionConfig(data=str(data), hf_tokenizer_dir=str(tiny), train_subset="train",
+    cfg = TopicSentencePredictionConfig(data=str(data), hf_tokenizer_dir=str(tiny), train_subset="train",
                                      sentence1_column=0, sentence2_column=1, label_column=2, skip_header=True,
-                                     num_classes=2, topic_features=True, max_positions=32)
-    return HFSentencePredictionTask.setup_task(cfg)
+                                        num_classes=2, topic_features=True, max_positions=32)
+    return TopicSentencePredictionTask.setup_task(cfg)
 
 
 def make_model(task, tiny, *extra, seed=0):
@@ -255,7 +256,7 @@ def run(cmd):
 
 
 def train(data, tiny, save_dir, *extra):
-    return run([venv_bin("fairseq-train"), data, "--user-dir", REPO / "user_dir", "--task", "hf_sentence_prediction",
+    return run([venv_bin("fairseq-train"), data, "--user-dir", REPO / "user_dir", "--task", "topic_vq_sentence_prediction",
                 "--hf-tokenizer-dir", tiny, "--sentence1-column", "0", "--sentence2-column", "1", "--label-column", "2",
                 "--skip-header", "--num-classes", "2", "--topic-features", "--max-positions", "32",
                 "--arch", "topic_vq_sts", "--hf-config", tiny, "--num-topics", "4", "--criterion",

@@ -30,8 +30,8 @@ in both runs: exactly what fairseq's own ``--update-epoch-batch-itr True`` does 
 ``can_reuse_epoch_itr`` False, ``fairseq_task.py`` line 271), and also what fairseq already
 does for sharded data. Done
 
-* in the plugin's own tasks (``sentence_vae``, ``hf_sentence_prediction``, which the topic-VQ
-  models use too): each overrides ``can_reuse_epoch_itr`` to return False;
+* in the plugin's own tasks (``sentence_vae``, ``hf_sentence_prediction`` and its topic-VQ
+  subclass ``topic_vq_sentence_prediction``): each overrides ``can_reuse_epoch_itr`` to return False;
 * for fairseq's ``translation`` task (SDMA translation, the plain transformer baselines) by
   :func:`patch_fairseq_tasks` at ``import user_dir``: it sets
   ``TranslationTask.can_reuse_epoch_itr`` (subclasses that do not override it follow).

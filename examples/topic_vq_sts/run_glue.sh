@@ -23,7 +23,7 @@ case $task in  # Table 7: K, NTM batch/epochs/lr, VQ batch/lr, model batch/epoch
   *) echo "unknown TASK $task (MRPC, STS-B or QQP)" >&2; exit 2 ;;
 esac
 ne=${NTM_EPOCHS:-$ne}; ve=${VQ_EPOCHS:-10}; e=${EPOCHS:-$e}; K=${NUM_TOPICS:-$K}; len=${MAX_LEN:-$len}  # overrides (smoke tests, small data)
-common=("$data" --user-dir "$here/user_dir" --task hf_sentence_prediction --glue-task "$task"
+common=("$data" --user-dir "$here/user_dir" --task topic_vq_sentence_prediction --glue-task "$task"
         --hf-tokenizer-dir "$encoder" --max-positions "$len" --topic-features --criterion hf_sentence_prediction
         --optimizer adam --adam-betas "(0.9,0.999)" --seed "$seed" --no-epoch-checkpoints
         --required-batch-size-multiple 1 ${FAIRSEQ_EXTRA:-})

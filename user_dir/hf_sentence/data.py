@@ -42,7 +42,7 @@ outside the classes or the range, a score float32 cannot hold, a field over the 
 (``encoding.sequence_ids``: 0/1, -1 for special tokens) and its word within that sentence
 (``encoding.word_ids``: the tokenizer's pre-tokenisation words, -1 for special tokens).
 With topic features, the words themselves (``encoding.word_to_chars`` spans of the original
-text, lower-cased) are looked up in a :class:`~user_dir.topic_vq.vocabulary.TopicVocabulary`.
+text, lower-cased) are looked up by a subclass of the task (``user_dir/topic_vq/task.py``).
 
 Everything is stored in flat numpy arrays (:class:`Ragged`), a few bytes per piece, so QQP's
 400k pairs fit comfortably in memory.
@@ -422,25 +422,6 @@ def encode(tokenizer, examples: Examples, max_positions: int, keep_words: bool =
 
 
 # ----------------------------------------------------------------------------- dataset
-@dataclass
-class TopicArrays:
-    """Per sentence s: VQ ids (``vq[s]``) and topic ids (``topic[s]``, -1 = not a topic word)
-    of every word; ``topic_size`` V_topic."""
-
-    vq: List[Ragged]
-    topic: List[Ragged]
-    topic_size: int
-
-
-def topic_arrays(encoded: Encoded, vocabulary) -> TopicArrays:
-    """Look the encoded words up in a :class:`~user_dir.topic_vq.vocabulary.TopicVocabulary`."""
-    vq_of = np.array([int(vocabulary.vq_ids([w])[0]) for w in encoded.lexicon] or [0], dtype=np.int32)
-    topic_of = np.array([vocabulary.topic_index.get(w, -1) for w in encoded.lexicon] or [-1], dtype=np.int32)
-    vq = [Ragged(vq_of[r.values], r.offsets) for r in encoded.words]
-    topic = [Ragged(topic_of[r.values], r.offsets) for r in encoded.words]
-    return TopicArrays(vq, topic, vocabulary.topic_size)
-
-
 class HFSentenceDataset(FairseqDataset):
     """Encoded examples, their targets (or None: unlabelled) and optional topic features.
 
@@ -461,7 +442,9 @@ class HFSentenceDataset(FairseqDataset):
     """
 
     def __init__(self, encoded: Encoded, targets: Optional[np.ndarray], pad_id: int,
-                 shuffle: bool = False, topic: Optional[TopicArrays] = None):
+                 shuffle: bool = False, topic=None):
+        # topic: None, or per-sentence arrays with .vq, .topic (lists of Ragged) and .topic_size
+        # (user_dir/topic_vq/task.py: TopicArrays)
         super().__init__()
         if targets is not None and len(targets) != len(encoded):
             raise ValueError(f"{len(targets)} targets for {len(encoded)} examples")

@@ -38,7 +38,7 @@ from fairseq.models import BaseFairseqModel, register_model, register_model_arch
 from torch import Tensor, nn
 
 from latent_core.errors import PluginConfigError
-from user_dir.optimus.pretrained import WEIGHT_FILES
+from ..hf_pretrained import inspect_hf_directory
 
 logger = logging.getLogger(__name__)
 
@@ -86,16 +86,8 @@ def read_config(spec: str, option: str) -> dict:
 
 def inspect_encoder_directory(path: str, option: str = "--hf-model-dir") -> dict:
     """Check a pre-trained directory before loading (config.json, model_type, weights)."""
-    if not os.path.isdir(path):
-        raise HFSentenceConfigError(f"{option} {path}: no such directory")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise HFSentenceConfigError(
-            f"{option} {path}: no config.json; expected a Hugging Face model directory "
-            f"(save_pretrained() output: config.json and model.safetensors or pytorch_model.bin)")
-    config = read_config(path, option)
-    if not any(os.path.isfile(os.path.join(path, name)) for name in WEIGHT_FILES):
-        raise HFSentenceConfigError(f"{option} {path}: no weights file (looked for {', '.join(WEIGHT_FILES)})")
-    return config
+    return inspect_hf_directory(path, option, HFSentenceConfigError,
+                                validate=lambda config, where: _check_model_type(config, option, where))
 
 
 def make_config(config: dict):

@@ -8,15 +8,15 @@ files, tokenised by a Hugging Face fast tokenizer.
 ``--label-names``), ``--num-classes 1`` is regression (STS-B: scores in ``--label-range``
 0,5). Batches are described in :class:`~.data.HFSentenceDataset`.
 
-**Topic features** (``--topic-features``): the task builds a
-:class:`~user_dir.topic_vq.vocabulary.TopicVocabulary` from the words of ``train.tsv``
-(deterministic: every DDP rank builds the same one) and keeps it in its checkpointed state
-(``task.state_dict()``), so a reloaded model sees the vocabulary it was trained with even
-when the data directory changes; batches then also carry ``words_s`` and ``bow_s``.
+**Extensions**: a subclass adds per-example features without this package knowing them
+(``user_dir/topic_vq/task.py`` adds the topic vocabulary and bags of words): it overrides
+:attr:`keep_words` (keep each example's words when encoding), :meth:`extra_features` (arrays
+handed to :class:`~.data.HFSentenceDataset` as ``topic``) and may register task-state
+factories. This package imports no paper package (``tests/test_package_layers.py``).
 
 For models: ``task.tokenizer``, ``task.num_classes``, ``task.is_regression``,
-``task.padding_idx``, ``task.max_positions()``, ``task.topic_vocabulary`` (None without
-topic features) and ``task.building_from_checkpoint`` (True while
+``task.padding_idx``, ``task.max_positions()``, ``task.topic_vocabulary`` (None here; set by
+subclasses with topic features) and ``task.building_from_checkpoint`` (True while
 ``checkpoint_utils.load_model_ensemble_and_task`` builds the model, whose weights are then
 overwritten: a model may skip loading pre-trained weights).
 """
@@ -24,7 +24,7 @@ overwritten: a model may skip loading pre-trained weights).
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.tasks import FairseqTask, register_task
@@ -42,14 +42,12 @@ from .data import (
     parse_labels,
     read_tsv,
     split_file,
-    topic_arrays,
 )
 
 logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json",
                    "spiece.model", "sentencepiece.bpe.model")
-TOPIC_STATE = "topic_vocabulary"
 
 
 @dataclass
@@ -82,13 +80,6 @@ class HFSentencePredictionConfig(FairseqDataclass):
     max_positions: int = field(
         default=128, metadata={"help": "truncate examples to this many pieces, special tokens included "
                                        "(pairs: longest_first)"})
-    topic_features: bool = field(
-        default=False, metadata={"help": "add words_s / bow_s (topic-VQ models) to every batch"})
-    topic_min_count: int = field(
-        default=3, metadata={"help": "topic vocabulary: words seen at least this often in train.tsv"})
-    topic_stop_words: str = field(
-        default="sklearn", metadata={"help": "stop words left out of the topic vocabulary: sklearn (its "
-                                             "English list), none, or a file with one word per line"})
     train_subset: str = II("dataset.train_subset")
 
 
@@ -185,20 +176,6 @@ def load_tokenizer(path: str):
     return tokenizer
 
 
-def stop_words(spec: str) -> FrozenSet[str]:
-    """--topic-stop-words: 'sklearn', 'none' or a file with one word per line."""
-    if spec == "sklearn":
-        from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS
-
-        return frozenset(ENGLISH_STOP_WORDS)
-    if spec == "none":
-        return frozenset()
-    if not os.path.isfile(spec):
-        raise ValueError(f"--topic-stop-words {spec!r}: expected sklearn, none or an existing file")
-    with open(spec, encoding="utf-8") as f:
-        return frozenset(line.strip().lower() for line in f if line.strip())
-
-
 # ------------------------------------------------------------------------------- task
 @register_task("hf_sentence_prediction", dataclass=HFSentencePredictionConfig)
 class HFSentencePredictionTask(FairseqTask):
@@ -212,9 +189,7 @@ class HFSentencePredictionTask(FairseqTask):
         self.glue = GLUE_TASKS.get(str(cfg.glue_task))
         self.examples: Dict[str, Examples] = {}  # raw fields of each loaded split (for predictions)
         self.building_from_checkpoint = False
-        self._topic_vocabulary = None
-        self._train_cache = None  # (examples, encoded) of train.tsv, read for the vocabulary
-        self.state.add_factory(TOPIC_STATE, self._build_topic_vocabulary_state)
+        self._train_cache = None  # (examples, encoded) of train.tsv when a subclass read it early
 
     @classmethod
     def setup_task(cls, cfg: HFSentencePredictionConfig, **kwargs):
@@ -223,15 +198,11 @@ class HFSentencePredictionTask(FairseqTask):
                              f"test.tsv (the positional DATA argument); got {cfg.data!r}")
         if cfg.max_positions < 2:
             raise ValueError(f"--max-positions {cfg.max_positions} must be >= 2 (special tokens count)")
-        if cfg.topic_min_count < 1:
-            raise ValueError(f"--topic-min-count {cfg.topic_min_count} must be >= 1")
         labels = label_spec(cfg)
         layouts(cfg)  # check the columns before the (slower) tokenizer
         task = cls(cfg, load_tokenizer(cfg.hf_tokenizer_dir), labels)
         logger.info("%s: %s, %s", cfg.glue_task, "pairs" if task.is_pair else "single sentences",
                     "regression" if labels.is_regression else f"{labels.num_classes} classes {list(labels.names)}")
-        if cfg.topic_features and not kwargs.get("from_checkpoint", False):
-            task.topic_vocabulary  # noqa: B018  (built now, from train.tsv; a checkpoint brings its own)
         return task
 
     # ------------------------------------------------------------------ properties
@@ -280,38 +251,20 @@ class HFSentencePredictionTask(FairseqTask):
         the epoch it was built in: see ``user_dir/exact_resume.py``)."""
         return False
 
-    # ------------------------------------------------------------ topic vocabulary
+    # ------------------------------------------------------------ extension hooks
     @property
     def topic_vocabulary(self):
-        """The :class:`~user_dir.topic_vq.vocabulary.TopicVocabulary` (None without
-        --topic-features): from the checkpoint's task state, else built from train.tsv."""
-        if not self.cfg.topic_features:
-            return None
-        if self._topic_vocabulary is None:
-            from user_dir.topic_vq.vocabulary import TopicVocabulary
+        """None: plain sentence prediction has no topic features (``user_dir/topic_vq/task.py``)."""
+        return None
 
-            self._topic_vocabulary = TopicVocabulary.from_state_dict(getattr(self.state, TOPIC_STATE))
-        return self._topic_vocabulary
+    @property
+    def keep_words(self) -> bool:
+        """Whether encoding keeps each example's words (for :meth:`extra_features`)."""
+        return False
 
-    def load_state_dict(self, state_dict):
-        super().load_state_dict(state_dict)
-        self._topic_vocabulary = None
-
-    def _build_topic_vocabulary_state(self) -> dict:
-        from user_dir.topic_vq.vocabulary import TopicVocabulary
-
-        examples, encoded = self._read_encoded("train", keep_words=True)
-        self._train_cache = (examples, encoded)
-        sentences = (words for s in range(encoded.num_sentences) for words in encoded.word_lists(s))
-        try:
-            vocabulary = TopicVocabulary.build(sentences, self.cfg.topic_min_count,
-                                               stop_words(self.cfg.topic_stop_words))
-        except ValueError as error:
-            raise ValueError(f"{examples.path}: {error}") from error
-        logger.info("topic vocabulary from %s: %d topic words (min count %d, stop words %s), %d VQ words",
-                    examples.path, vocabulary.topic_size, self.cfg.topic_min_count,
-                    self.cfg.topic_stop_words, vocabulary.vq_size)
-        return vocabulary.state_dict()
+    def extra_features(self, encoded: Encoded):
+        """Per-example arrays for :class:`~.data.HFSentenceDataset` (its ``topic`` argument); None here."""
+        return None
 
     # ------------------------------------------------------------------------ data
     def split_path(self, split: str) -> str:
@@ -328,19 +281,17 @@ class HFSentencePredictionTask(FairseqTask):
     def build_dataset(self, examples: Examples, targets=None, shuffle: bool = False,
                       encoded: Optional[Encoded] = None) -> HFSentenceDataset:
         """``examples`` encoded as every split is (this task's tokenizer, ``--max-positions``
-        and, with ``--topic-features``, its topic vocabulary); ``encoded`` if already done."""
-        keep_words = bool(self.cfg.topic_features)
+        and a subclass's :meth:`extra_features`); ``encoded`` if already done."""
         if encoded is None:
-            encoded = encode(self.tokenizer, examples, self.cfg.max_positions, keep_words)
-        topic = topic_arrays(encoded, self.topic_vocabulary) if keep_words else None
-        return HFSentenceDataset(encoded, targets, self.padding_idx, shuffle=shuffle, topic=topic)
+            encoded = encode(self.tokenizer, examples, self.cfg.max_positions, self.keep_words)
+        return HFSentenceDataset(encoded, targets, self.padding_idx, shuffle=shuffle,
+                                 topic=self.extra_features(encoded))
 
     def load_dataset(self, split: str, epoch: int = 1, combine: bool = False, **kwargs):
-        keep_words = bool(self.cfg.topic_features)
         if split_file(split) == "train.tsv" and self._train_cache is not None:
             (examples, encoded), self._train_cache = self._train_cache, None
         else:
-            examples, encoded = self._read_encoded(split, keep_words)
+            examples, encoded = self._read_encoded(split, self.keep_words)
         training = split == self.cfg.train_subset
         if examples.labels is not None:
             targets = parse_labels(examples, self.labels)

@@ -33,14 +33,10 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from latent_core.vae import VAEConfigError
 
+from ..hf_pretrained import WEIGHT_FILES, inspect_hf_directory  # noqa: F401  (WEIGHT_FILES: re-exported)
+
 logger = logging.getLogger(__name__)
 
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
 MODEL_TYPES = {"bert": "a BERT-architecture encoder", "gpt2": "a GPT-2-architecture decoder"}
 VOCAB_FILES = {"bert": ("vocab.txt", "tokenizer.json"), "gpt2": ("vocab.json", "tokenizer.json")}
 # symbols fairseq's Dictionary.finalize(padding_factor=...) appends; they never occur in data
@@ -75,30 +71,18 @@ def inspect_pretrained_directory(path: str, option: str, expected_type: str) -> 
     (missing config.json or weights, wrong ``model_type`` -- e.g. a GPT-2 directory given
     as ``--bert-dir`` --, missing vocabulary file, vocabulary larger than the embedding).
     """
-    if not os.path.isdir(path):
-        raise OptimusConfigError(f"{option} {path}: no such directory")
+    def check_type(config: dict, config_path: str) -> None:
+        model_type = config.get("model_type")
+        if model_type != expected_type:
+            raise OptimusConfigError(
+                f"{option} {path}: config.json has model_type {model_type!r}, expected {expected_type!r} "
+                f"({MODEL_TYPES[expected_type]}); check that --bert-dir names a BERT directory and "
+                f"--gpt2-dir a GPT-2 directory"
+            )
+
+    config = inspect_hf_directory(path, option, OptimusConfigError, validate=check_type)
+    model_type = config["model_type"]
     config_path = os.path.join(path, "config.json")
-    if not os.path.isfile(config_path):
-        raise OptimusConfigError(
-            f"{option} {path}: no config.json; expected a Hugging Face model directory "
-            f"(save_pretrained() output: config.json, model.safetensors or pytorch_model.bin, vocabulary)"
-        )
-    try:
-        with open(config_path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError) as error:
-        raise OptimusConfigError(f"{option} {config_path}: unreadable config.json ({error})") from error
-    model_type = config.get("model_type")
-    if model_type != expected_type:
-        raise OptimusConfigError(
-            f"{option} {path}: config.json has model_type {model_type!r}, expected {expected_type!r} "
-            f"({MODEL_TYPES[expected_type]}); check that --bert-dir names a BERT directory and "
-            f"--gpt2-dir a GPT-2 directory"
-        )
-    if not any(os.path.isfile(os.path.join(path, name)) for name in WEIGHT_FILES):
-        raise OptimusConfigError(
-            f"{option} {path}: no weights file (looked for {', '.join(WEIGHT_FILES)})"
-        )
     if not isinstance(config.get("vocab_size"), int):
         raise OptimusConfigError(f"{option} {config_path}: config.json has no integer vocab_size")
     vocab, vocab_file = read_vocabulary(path, option, expected_type)

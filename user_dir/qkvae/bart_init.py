@@ -35,7 +35,6 @@ byte-level BPE tokens separated by spaces. Both need BART's tokenizer files in t
 """
 
 import argparse
-import json
 import os
 import sys
 from typing import Dict, Iterable, List, Tuple
@@ -44,9 +43,9 @@ import torch
 
 from latent_core.vae import VAEConfigError
 
+from ..hf_pretrained import WEIGHT_FILES, inspect_hf_directory  # noqa: F401  (WEIGHT_FILES: re-exported)
+
 CONFIG_FILE = "config.json"
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
-                "pytorch_model.bin.index.json")
 
 
 class BartInitError(VAEConfigError):
@@ -55,29 +54,14 @@ class BartInitError(VAEConfigError):
 
 def load_bart_config(bart_dir: str) -> dict:
     """``config.json`` of a BART directory as a dict, after checking the files are there."""
-    if not os.path.isdir(bart_dir):
-        raise BartInitError(f"--bart-dir {bart_dir!r} is not a directory")
-    path = os.path.join(bart_dir, CONFIG_FILE)
-    if not os.path.isfile(path):
-        raise BartInitError(
-            f"--bart-dir {bart_dir!r} has no {CONFIG_FILE} (expected a Hugging Face BART model "
-            "directory written by save_pretrained)"
-        )
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError) as err:
-        raise BartInitError(f"{path}: cannot be read as JSON ({err})") from err
-    if not isinstance(config, dict):
-        raise BartInitError(f"{path}: expected a JSON object")
-    if config.get("model_type") != "bart":
-        raise BartInitError(
-            f"{path}: field 'model_type' is {config.get('model_type')!r}, expected 'bart' "
-            "(only BART checkpoints can initialise QKVAE/ADVAE)"
-        )
-    if not any(os.path.isfile(os.path.join(bart_dir, name)) for name in WEIGHT_FILES):
-        raise BartInitError(f"--bart-dir {bart_dir!r} has no weights file (one of {', '.join(WEIGHT_FILES)})")
-    return config
+    def check_type(config: dict, path: str) -> None:
+        if config.get("model_type") != "bart":
+            raise BartInitError(
+                f"{path}: field 'model_type' is {config.get('model_type')!r}, expected 'bart' "
+                "(only BART checkpoints can initialise QKVAE/ADVAE)"
+            )
+
+    return inspect_hf_directory(bart_dir, "--bart-dir", BartInitError, validate=check_type)
 
 
 def _bart_field(config: dict, field: str, default=None):

@@ -120,7 +120,7 @@ class TopicVQSTSModel(HFSentenceClassifier):
         vocabulary = getattr(task, "topic_vocabulary", None)
         if vocabulary is None:
             raise HFSentenceConfigError("--arch topic_vq_sts needs the task's topic features: add --topic-features "
-                                        "(task hf_sentence_prediction)")
+                                        "(task topic_vq_sentence_prediction)")
         validate_topic_args(args)
         check_num_topics(args.num_topics, vocabulary)
         ablations = parse_ablations(args.ablate)
