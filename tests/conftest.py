@@ -54,3 +54,43 @@ def english_phrases(n: int, min_words: int = 4, max_words: int = 10):
                 if len(out) == n:
                     break
     return out
+
+
+def run_checked(cmd, timeout=600, **kwargs):
+    """Run a command (paths allowed); AssertionError with the output's tail when it fails."""
+    import subprocess
+
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, **kwargs)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(map(str, cmd))} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def small_translation_bin(tmp_path_factory):
+    """400 training pairs of the Ding dictionary (at most 8 words; 50 valid, 50 test),
+    sentencepiece (joint, 300), binarized by ``scripts/prepare_translation.py``."""
+    work = tmp_path_factory.mktemp("ding_small")
+    run_checked([sys.executable, REPO / "scripts/prepare_ding_de_en.py", "--out-dir", work / "all",
+                 "--max-words", "8", "--valid-size", "50", "--test-size", "50"])
+    (work / "raw").mkdir()
+    for split, n in (("train", 400), ("valid", 50), ("test", 50)):
+        for lang in ("de", "en"):
+            lines = (work / "all" / f"{split}.{lang}").read_text(encoding="utf-8").splitlines(True)[:n]
+            (work / "raw" / f"{split}.{lang}").write_text("".join(lines), encoding="utf-8")
+    run_checked([sys.executable, REPO / "scripts/prepare_translation.py", "--train-prefix", work / "raw/train",
+                 "--valid-prefix", work / "raw/valid", "--test-prefix", work / "raw/test", "--src", "de",
+                 "--tgt", "en", "--joint", "--vocab-size", "300", "--out-dir", work / "prep", "--workers", "1"])
+    return work / "prep" / "bin"
+
+
+@pytest.fixture(scope="session")
+def small_vae_bin(tmp_path_factory):
+    """240 English Ding phrases (200 train, 40 valid), binarized with ``fairseq-preprocess --only-source``."""
+    root = tmp_path_factory.mktemp("vae_small")
+    lines = english_phrases(240)
+    (root / "train.txt").write_text("\n".join(lines[:200]) + "\n")
+    (root / "valid.txt").write_text("\n".join(lines[200:]) + "\n")
+    run_checked([venv_bin("fairseq-preprocess"), "--only-source", "--trainpref", root / "train.txt", "--validpref",
+                 root / "valid.txt", "--destdir", root / "bin", "--workers", "1"])
+    return root / "bin"

@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, english_phrases, save_tiny_bert, venv_bin
+from conftest import REPO, save_tiny_bert, venv_bin
 from latent_core.sdma import mixing_weight
 
 DE_EN = Path("/usr/share/trans/de-en")
@@ -140,28 +140,11 @@ def assert_fairseq_states_identical(a, b):
 
 
 # ------------------------------------------------------------- (a) SDMA translation
-@pytest.fixture(scope="module")
-def translation_bin(tmp_path_factory):
-    """400 training pairs of the Ding dictionary (at most 8 words), sentencepiece, binarized."""
-    work = tmp_path_factory.mktemp("ding")
-    run([sys.executable, REPO / "scripts/prepare_ding_de_en.py", "--out-dir", work / "all", "--max-words", "8",
-         "--valid-size", "50", "--test-size", "50"])
-    (work / "raw").mkdir()
-    for split, n in (("train", 400), ("valid", 50), ("test", 50)):
-        for lang in ("de", "en"):
-            lines = (work / "all" / f"{split}.{lang}").read_text(encoding="utf-8").splitlines(True)[:n]
-            (work / "raw" / f"{split}.{lang}").write_text("".join(lines), encoding="utf-8")
-    run([sys.executable, REPO / "scripts/prepare_translation.py", "--train-prefix", work / "raw/train",
-         "--valid-prefix", work / "raw/valid", "--test-prefix", work / "raw/test", "--src", "de", "--tgt", "en",
-         "--joint", "--vocab-size", "300", "--out-dir", work / "prep", "--workers", "1"])
-    return work / "prep" / "bin"
-
-
 @needs_ding
-def test_sdma_translation_resume_is_bit_identical(translation_bin, tmp_path):
+def test_sdma_translation_resume_is_bit_identical(small_translation_bin, tmp_path):
     def train(save_dir, max_update):
         return run([
-            venv_bin("fairseq-train"), translation_bin, "--user-dir", REPO / "user_dir",
+            venv_bin("fairseq-train"), small_translation_bin, "--user-dir", REPO / "user_dir",
             "--arch", "sdma_transformer_iwslt_de_en_tiny", "--encoder-layers", "1", "--decoder-layers", "1",
             "--encoder-embed-dim", "32", "--decoder-embed-dim", "32", "--encoder-ffn-embed-dim", "64",
             "--decoder-ffn-embed-dim", "64", "--dropout", "0.1", "--sdma-noise-var", "0.01",
@@ -182,24 +165,13 @@ def test_sdma_translation_resume_is_bit_identical(translation_bin, tmp_path):
 
 
 # -------------------------------------------------------------------- (b) sentence VAE
-@pytest.fixture(scope="module")
-def vae_bin(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vae")
-    lines = english_phrases(240)
-    (root / "train.txt").write_text("\n".join(lines[:200]) + "\n")
-    (root / "valid.txt").write_text("\n".join(lines[200:]) + "\n")
-    run([venv_bin("fairseq-preprocess"), "--only-source", "--trainpref", root / "train.txt", "--validpref",
-         root / "valid.txt", "--destdir", root / "bin", "--workers", "1"])
-    return root / "bin"
-
-
 @needs_ding
-def test_sentence_vae_resume_is_bit_identical(vae_bin, tmp_path):
+def test_sentence_vae_resume_is_bit_identical(small_vae_bin, tmp_path):
     schedule = "linear:0:100:1.0"  # beta = t / 100: changes at every update of both runs
 
     def train(save_dir, max_update):
         return run([
-            venv_bin("fairseq-train"), vae_bin, "--user-dir", REPO / "user_dir", "--task", "sentence_vae",
+            venv_bin("fairseq-train"), small_vae_bin, "--user-dir", REPO / "user_dir", "--task", "sentence_vae",
             "--arch", "qkvae_small", "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
             "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64", "--encoder-attention-heads", "4",
             "--decoder-attention-heads", "4", "--encoder-layers", "1", "--decoder-layers", "1",

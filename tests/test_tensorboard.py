@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, english_phrases, venv_bin
+from conftest import REPO, venv_bin
 from latent_core.sdma import LOSS_NAMES
 
 DE_EN = Path("/usr/share/trans/de-en")
@@ -91,27 +91,10 @@ def logged_values(log, tag, name):
 
 
 # ------------------------------------------------------------------ (a) SDMA translation
-@pytest.fixture(scope="module")
-def translation_bin(tmp_path_factory):
-    """400 training pairs of the Ding dictionary (at most 8 words), sentencepiece, binarized."""
-    work = tmp_path_factory.mktemp("ding_tb")
-    run([sys.executable, REPO / "scripts/prepare_ding_de_en.py", "--out-dir", work / "all", "--max-words", "8",
-         "--valid-size", "50", "--test-size", "50"])
-    (work / "raw").mkdir()
-    for split, n in (("train", 400), ("valid", 50), ("test", 50)):
-        for lang in ("de", "en"):
-            lines = (work / "all" / f"{split}.{lang}").read_text(encoding="utf-8").splitlines(True)[:n]
-            (work / "raw" / f"{split}.{lang}").write_text("".join(lines), encoding="utf-8")
-    run([sys.executable, REPO / "scripts/prepare_translation.py", "--train-prefix", work / "raw/train",
-         "--valid-prefix", work / "raw/valid", "--test-prefix", work / "raw/test", "--src", "de", "--tgt", "en",
-         "--joint", "--vocab-size", "300", "--out-dir", work / "prep", "--workers", "1"])
-    return work / "prep" / "bin"
-
-
-def test_fairseq_sdma_run_writes_the_sdma_terms_to_tensorboard(translation_bin, tmp_path):
+def test_fairseq_sdma_run_writes_the_sdma_terms_to_tensorboard(small_translation_bin, tmp_path):
     logdir = tmp_path / "tb"
     log = run([
-        venv_bin("fairseq-train"), translation_bin, "--user-dir", REPO / "user_dir", *TINY_SDMA,
+        venv_bin("fairseq-train"), small_translation_bin, "--user-dir", REPO / "user_dir", *TINY_SDMA,
         "--task", "translation", "--criterion", "sdma_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
         "--lr", "2e-3", "--max-tokens", "500", "--max-update", MAX_UPDATE, "--validate-interval-updates", "3",
         "--save-dir", tmp_path / "ckpt", "--tensorboard-logdir", logdir, *COMMON,
@@ -129,21 +112,10 @@ def test_fairseq_sdma_run_writes_the_sdma_terms_to_tensorboard(translation_bin, 
 
 
 # --------------------------------------------------------------------- (b) sentence VAE
-@pytest.fixture(scope="module")
-def vae_bin(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vae_tb")
-    lines = english_phrases(240)
-    (root / "train.txt").write_text("\n".join(lines[:200]) + "\n")
-    (root / "valid.txt").write_text("\n".join(lines[200:]) + "\n")
-    run([venv_bin("fairseq-preprocess"), "--only-source", "--trainpref", root / "train.txt", "--validpref",
-         root / "valid.txt", "--destdir", root / "bin", "--workers", "1"])
-    return root / "bin"
-
-
-def test_fairseq_sentence_vae_run_writes_kl_and_beta_to_tensorboard(vae_bin, tmp_path):
+def test_fairseq_sentence_vae_run_writes_kl_and_beta_to_tensorboard(small_vae_bin, tmp_path):
     logdir = tmp_path / "tb"
     log = run([
-        venv_bin("fairseq-train"), vae_bin, "--user-dir", REPO / "user_dir", "--task", "sentence_vae", *TINY_QKVAE,
+        venv_bin("fairseq-train"), small_vae_bin, "--user-dir", REPO / "user_dir", "--task", "sentence_vae", *TINY_QKVAE,
         "--criterion", "sentence_vae", "--beta-schedule", "linear:0:10:1.0", "--kl-variant", "free_bits",
         "--kl-threshold", "0.05", "--lr", "1e-3", "--batch-size", "16", "--max-update", MAX_UPDATE,
         "--validate-interval-updates", "3", "--save-dir", tmp_path / "ckpt", "--tensorboard-logdir", logdir,
