@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from user_dir.hf_sentence.data import GLUE_TASKS, Examples, GlueDataError, LabelSpec, Layout, \
     parse_labels, read_tsv
-from user_dir.sentence_vae.criterion import parse_thresholds
+from latent_core.vae.kl import parse_kl_thresholds
 from user_dir.tpr.transfer import ALIASES, PARTS, TPRTransferError, parse_parts
 from latent_core.vae import KL_GRANULARITIES, KL_SCOPES, KL_VARIANTS, KLRegularizer, VAEConfigError
 from latent_core.vae.schedules import (
@@ -439,7 +439,7 @@ THRESHOLD_TOKENS = ["0.05", "0", "1", "-0.0", "-1", "nan", "inf", "-inf", "1e400
        st.sampled_from(KL_VARIANTS), st.sampled_from(KL_SCOPES), st.sampled_from(KL_GRANULARITIES))
 def test_kl_thresholds_parse_or_raise_named_error(spec, variant, scope, granularity):
     try:
-        thresholds = parse_thresholds(spec)
+        thresholds = parse_kl_thresholds(spec)
     except VAEConfigError as error:
         assert "--kl-threshold" in str(error)
         event("refused")
@@ -479,9 +479,9 @@ def test_kl_thresholds_round_trip(named, default, pad, random):
     expected = dict(named)
     if default is not None:
         expected[None] = default
-    assert parse_thresholds(",".join(entries)) == expected
+    assert parse_kl_thresholds(",".join(entries)) == expected
     with pytest.raises(VAEConfigError, match="two thresholds for"):
-        parse_thresholds(",".join(entries + [entries[-1]]))
+        parse_kl_thresholds(",".join(entries + [entries[-1]]))
 
 
 # ======================================================================== --tpr-transfer parts

@@ -456,3 +456,15 @@ def test_vae_generate_script(trained, monkeypatch, capsys):
                    "a b", "c d", monkeypatch=monkeypatch)
     assert exit_info.value.code == 2
     assert "--latent z_x: the model's latents are z_syn, z_sem" in capsys.readouterr().err
+
+
+def test_the_kl_threshold_has_one_default_and_one_validator():
+    from latent_core.vae.kl import DEFAULT_KL_THRESHOLD, KLRegularizer, check_threshold
+    from user_dir.sentence_vae.criterion import SentenceVAECriterionConfig
+
+    assert float(SentenceVAECriterionConfig().kl_threshold) == KLRegularizer().threshold == DEFAULT_KL_THRESHOLD
+    for bad in (-0.1, float("nan"), float("inf"), True):
+        with pytest.raises(VAEConfigError, match="must be a finite number >= 0"):
+            check_threshold(bad)
+        with pytest.raises(VAEConfigError, match="must be a finite number >= 0"):
+            KLRegularizer(threshold=bad)

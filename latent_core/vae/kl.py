@@ -25,7 +25,7 @@ scopes are on the same scale and agree when nothing is thresholded.
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Mapping, NamedTuple, Tuple
+from typing import Dict, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -35,6 +35,38 @@ from .errors import VAEConfigError
 KL_VARIANTS = ("beta", "free_bits", "hinge")
 KL_SCOPES = ("example", "batch")
 KL_GRANULARITIES = ("dimension", "latent")
+DEFAULT_KL_THRESHOLD = 0.05  # lambda in nats per unit: QKVAE (Appendix B); Optimus' tables vary it
+THRESHOLD_OPTION = "--kl-threshold"
+
+
+def check_threshold(value: float, context: str = THRESHOLD_OPTION) -> float:
+    """The one check of a KL threshold lambda: a finite number >= 0 (VAEConfigError otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and value >= 0):
+        raise VAEConfigError(f"{context}: lambda={value} must be a finite number >= 0")
+    return float(value)
+
+
+def parse_kl_thresholds(spec: str) -> Dict[Optional[str], float]:
+    """``--kl-threshold`` -> {latent or None (the default entry): lambda}.
+
+    ``spec``: a number, or comma-separated ``[LATENT=]NUMBER`` (``z_syn=0.05,z_sem=0.1``).
+    """
+    out: Dict[Optional[str], float] = {}
+    for entry in str(spec).split(","):
+        latent, named, text = entry.rpartition("=")
+        key = latent.strip() if named else None
+        where = f"{THRESHOLD_OPTION} {spec!r}"
+        if key == "":
+            raise VAEConfigError(f"{where}: {entry.strip()!r} has an empty latent name")
+        if key in out:
+            raise VAEConfigError(f"{where}: two thresholds for {key or 'the default'}")
+        try:
+            value = float(text)
+        except ValueError:
+            raise VAEConfigError(f"{where}: {text.strip()!r} is not a number") from None
+        out[key] = check_threshold(value, where)
+    return out
 
 
 class KLTerm(NamedTuple):
@@ -69,7 +101,7 @@ class KLRegularizer:
     """
 
     variant: str = "free_bits"
-    threshold: float = 0.0  # lambda
+    threshold: float = DEFAULT_KL_THRESHOLD  # lambda
     scope: str = "example"
     granularity: str = "dimension"
 
@@ -79,8 +111,7 @@ class KLRegularizer:
                                        ("--kl-granularity", self.granularity, KL_GRANULARITIES)):
             if value not in allowed:
                 raise VAEConfigError(f"{option}={value!r} is not one of {', '.join(allowed)}")
-        if not (math.isfinite(self.threshold) and self.threshold >= 0):
-            raise VAEConfigError(f"--kl-threshold={self.threshold}: lambda must be a finite number >= 0")
+        check_threshold(self.threshold, f"{THRESHOLD_OPTION}={self.threshold}")
 
     def _threshold(self, units: Tensor) -> Tensor:
         if self.variant == "free_bits":

@@ -62,11 +62,10 @@ from latent_core.vae import (
     parse_beta_schedules,
     parse_schedule,
 )
+from latent_core.vae.kl import DEFAULT_KL_THRESHOLD, THRESHOLD_OPTION, parse_kl_thresholds
 
 from .base import posteriors_of
 from .task import model_num_updates, unwrap_model
-
-THRESHOLD_OPTION = "--kl-threshold"
 
 
 @dataclass
@@ -88,7 +87,7 @@ class SentenceVAECriterionConfig(FairseqDataclass):
                           "hinge: beta*sum KL_u [KL_u > lambda] (Optimus' code)"},
     )
     kl_threshold: str = field(
-        default="0.05",
+        default=str(DEFAULT_KL_THRESHOLD),
         metadata={"help": "lambda in nats per unit (QKVAE: 0.05): a number, or comma-separated "
                           "[LATENT=]NUMBER, e.g. z_syn=0.05,z_sem=0.05"},
     )
@@ -110,26 +109,6 @@ class SentenceVAECriterionConfig(FairseqDataclass):
     max_update: int = II("optimization.max_update")
 
 
-def parse_thresholds(spec: str) -> Dict[Optional[str], float]:
-    """``--kl-threshold`` -> {latent or None (default entry): lambda}; values checked >= 0."""
-    out: Dict[Optional[str], float] = {}
-    for entry in str(spec).split(","):
-        latent, named, text = entry.rpartition("=")
-        key = latent.strip() if named else None
-        if key == "":
-            raise VAEConfigError(f"{THRESHOLD_OPTION} {spec!r}: {entry.strip()!r} has an empty latent name")
-        if key in out:
-            raise VAEConfigError(f"{THRESHOLD_OPTION} {spec!r}: two thresholds for {key or 'the default'}")
-        try:
-            value = float(text)
-        except ValueError:
-            raise VAEConfigError(f"{THRESHOLD_OPTION} {spec!r}: {text.strip()!r} is not a number") from None
-        if not (math.isfinite(value) and value >= 0):
-            raise VAEConfigError(f"{THRESHOLD_OPTION} {spec!r}: lambda={value} must be a finite number >= 0")
-        out[key] = value
-    return out
-
-
 @register_criterion("sentence_vae", dataclass=SentenceVAECriterionConfig)
 class SentenceVAECriterion(FairseqCriterion):
     def __init__(self, task, cfg: SentenceVAECriterionConfig):
@@ -148,7 +127,7 @@ class SentenceVAECriterion(FairseqCriterion):
             raise VAEConfigError(f"--ae-steps={cfg.ae_steps} must be an integer number of updates >= 0")
         for entry in cfg.beta_schedule.split(","):
             parse_schedule(entry.rpartition("=")[2], self.total_updates)
-        self.thresholds = parse_thresholds(cfg.kl_threshold)
+        self.thresholds = parse_kl_thresholds(cfg.kl_threshold)
         for latent, value in self.thresholds.items():
             KLRegularizer(cfg.kl_variant, value, cfg.kl_scope, cfg.kl_granularity)
         self.num_updates = 0
