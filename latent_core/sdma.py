@@ -48,6 +48,18 @@ LOSS_WEIGHTS = {
     "sdma_diversity_weight": ("lambda_d", ("dv_z", "dv_q"), 1.0),
 }
 
+
+
+def check_loss_weight(name: str, value: float, option: str) -> float:
+    """The one check of an eq. (24) weight (``name`` a key of :data:`LOSS_WEIGHTS`, ``option`` how
+    the user spelled it, e.g. ``--sdma-kl-weight`` or ``model_conf.sdma_kl_weight``): finite, >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and value >= 0):
+        raise SDMAConfigError(f"{option}={value}: the weight {LOSS_WEIGHTS[name][0]} of eq. (24) "
+                              "must be a finite number >= 0")
+    return float(value)
+
+
 # How the per-sentence regularisers enter the batch loss (see scale_regulariser).
 REGULARISER_SCALES = ("sentence", "batch", "token")
 

@@ -295,3 +295,10 @@ def test_check_finite_runs_the_diagnosis_only_on_failure():
     with pytest.raises(FloatingPointError, match=r"SDMA loss term 'dqq' is nan .* First non-finite buffer b \[1\]"):
         core.check_finite({"kl_z": torch.zeros(3), "dqq": torch.tensor([0.0, float("nan")])}, "advice",
                           diagnose=lambda: "First non-finite buffer b [1]: 1 of 1 values non-finite")
+
+
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf"), True, "1"])
+def test_one_loss_weight_validator_names_the_option_and_the_symbol(value):
+    with pytest.raises(core.SDMAConfigError, match=r"model_conf\.sdma_dqq_weight=.*lambda_q of eq\. \(24\)"):
+        core.check_loss_weight("sdma_dqq_weight", value, "model_conf.sdma_dqq_weight")
+    assert core.check_loss_weight("sdma_dqq_weight", 30, "--sdma-dqq-weight") == 30.0

@@ -1,6 +1,5 @@
 """Joint CTC/attention ASR model with the SDMA regularisers (ESPnet2 ``model: sdma``)."""
 
-import math
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -11,13 +10,13 @@ from typeguard import typechecked
 from espnet_plugin.asr.sdma_attention import ESPnetConfigError
 from latent_core.sdma import (
     LOSS_NAMES,
-    LOSS_WEIGHTS,
     REGULARISER_SCALES,
     SDMACore,
     SDMAConfigError,
     check_finite,
-    diagnose_nonfinite,
+    check_loss_weight,
     collect_sdma_losses,
+    diagnose_nonfinite,
     scale_regulariser,
     weighted_regulariser,
 )
@@ -77,11 +76,7 @@ class ESPnetSDMAASRModel(ESPnetASRModel):
             "sdma_diversity_weight": sdma_diversity_weight,
         }
         for name, value in self.sdma_loss_weights.items():
-            if not math.isfinite(value) or value < 0:
-                raise SDMAConfigError(
-                    f"model_conf.{name}={value}: the weight {LOSS_WEIGHTS[name][0]} of eq. (24) "
-                    "must be a finite number >= 0"
-                )
+            check_loss_weight(name, value, f"model_conf.{name}")
         self.sdma_cores: List[SDMACore] = [m for m in self.modules() if isinstance(m, SDMACore)]
         if not self.sdma_cores:
             raise SDMAConfigError(

@@ -33,7 +33,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from latent_core.vae import VAEConfigError
 
-from ..hf_pretrained import WEIGHT_FILES, inspect_hf_directory  # noqa: F401  (WEIGHT_FILES: re-exported)
+from ..hf_pretrained import inspect_hf_directory
 
 logger = logging.getLogger(__name__)
 

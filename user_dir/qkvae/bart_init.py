@@ -43,7 +43,7 @@ import torch
 
 from latent_core.vae import VAEConfigError
 
-from ..hf_pretrained import WEIGHT_FILES, inspect_hf_directory  # noqa: F401  (WEIGHT_FILES: re-exported)
+from ..hf_pretrained import inspect_hf_directory
 
 CONFIG_FILE = "config.json"
 

@@ -34,7 +34,9 @@ from latent_core.sdma import (
     LOSS_NAMES,
     LOSS_WEIGHTS,
     REGULARISER_SCALES,
+    SDMAConfigError,
     check_finite,
+    check_loss_weight,
     collect_sdma_losses,
     diagnose_nonfinite,
     scale_regulariser,
@@ -85,8 +87,8 @@ class SDMALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion)
             "sdma_diversity_weight": sdma_diversity_weight,
         }
         for name, value in self.weight_overrides.items():
-            if value is not None and (value < 0 or not math.isfinite(value)):
-                raise SDMAConfigError(f"--{name.replace('_', '-')}={value}: loss weights must be finite and >= 0")
+            if value is not None:
+                check_loss_weight(name, value, "--" + name.replace("_", "-"))
 
     def loss_weights(self, model):
         model_defaults = getattr(_unwrap(model), "sdma_loss_weights", {})

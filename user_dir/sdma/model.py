@@ -22,7 +22,14 @@ from fairseq.models.transformer.transformer_legacy import base_architecture
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 
-from latent_core.sdma import LOSS_WEIGHTS, SDMA_MODES, SDMAConfigError, SDMAOptions, collect_sdma_losses
+from latent_core.sdma import (
+    LOSS_WEIGHTS,
+    SDMA_MODES,
+    SDMAConfigError,
+    SDMAOptions,
+    check_loss_weight,
+    collect_sdma_losses,
+)
 from .fairseq_attention import SDMAMultiheadAttention
 
 # lambda_k, lambda_q, lambda_x, lambda_d of eq. (24); Table I defaults per architecture
@@ -235,8 +242,7 @@ def validate_sdma_args(args) -> None:
         if value is not None and value < 1:
             raise SDMAConfigError(f"--{name.replace('_', '-')}={value}: the number of clusters must be >= 1")
     for name in LOSS_WEIGHT_ARGS:
-        if getattr(args, name) < 0:
-            raise SDMAConfigError(f"--{name.replace('_', '-')}={getattr(args, name)}: loss weights must be >= 0")
+        check_loss_weight(name, getattr(args, name), "--" + name.replace("_", "-"))
     for side in ("encoder", "decoder"):
         sdma_options(args, side).validate()
 
