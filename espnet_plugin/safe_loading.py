@@ -75,13 +75,13 @@ def safe_torch_load(f, map_location=None, pickle_module=None, *, weights_only=No
         return _ORIGINAL_TORCH_LOAD(f, map_location=map_location, pickle_module=pickle_module,
                                     weights_only=True, **kwargs)
     except pickle.UnpicklingError as error:
-        unsafe = [name for name in _unsafe_globals(f)
-                  if name not in {f"{t.__module__}.{t.__qualname__}" for t in espnet_checkpoint_types()}]
+        allowed = espnet_checkpoint_types()
+        allowed_names = {f"{t.__module__}.{t.__qualname__}" for t in allowed}
+        unsafe = [name for name in _unsafe_globals(f) if name not in allowed_names]
         found = f" it references {', '.join(unsafe)}," if unsafe else ""
         raise UnsafeModelFileError(
             f"refused to load {_describe(f)}:{found} which an ESPnet model file or checkpoint never "
-            f"contains (allowed besides tensors: "
-            f"{', '.join(sorted(t.__qualname__ for t in espnet_checkpoint_types()))}). Loading it "
+            f"contains (allowed besides tensors: {', '.join(sorted(t.__qualname__ for t in allowed))}). Loading it "
             f"could run code from the file: if you wrote it yourself, re-save it as a plain state dict "
             f"(torch.save(model.state_dict(), path)); otherwise do not use it."
         ) from error

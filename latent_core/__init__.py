@@ -7,6 +7,7 @@
   KL with free bits/thresholds, beta schedules, importance-weighted bounds, MI, active units);
 * :mod:`latent_core.errors`: ``PluginConfigError``, the base of every user-facing error, and
   the hook that reports it as one line;
+* :mod:`latent_core.kaldi_data`: the Kaldi data-directory reader (read as ESPnet reads it);
 * :mod:`latent_core.safe_loading`: the non-tensor types the toolkits' checkpoints contain,
   for ``torch.load(weights_only=True)``.
 

@@ -42,7 +42,7 @@ sound files readable by soundfile at the frontend's sampling rate; relative
 paths are relative to the working directory) and ``text`` (``uttid transcript``).
 The utterances of ``text`` are evaluated in its order (the first N with
 ``--max-utterances``). Both files (and ``utt2spk`` when present) are read by
-``espnet_plugin/data_dir.py`` (ESPnet's parsing, errors naming ``file:line``) and
+``latent_core/kaldi_data.py`` (ESPnet's parsing, errors naming ``file:line``) and
 must hold the same utterance ids.
 
 Usage::
@@ -120,7 +120,7 @@ def read_data_dir(data_dir: str, max_utterances: Optional[int] = None) -> List[U
     for path in (wav_scp, text):
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found (a Kaldi data directory needs wav.scp and text)")
-    from espnet_plugin.data_dir import KaldiDataDirError, read_data_dir as read_kaldi_data_dir
+    from latent_core.kaldi_data import KaldiDataDirError, read_data_dir as read_kaldi_data_dir
 
     try:  # the plugin's reader: ESPnet's parsing, file:line errors, the same ids in every file
         kaldi = read_kaldi_data_dir(root)

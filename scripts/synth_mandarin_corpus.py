@@ -49,6 +49,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from latent_core import kaldi_data as kaldi  # the Kaldi data-directory reader (toolkit-free)
+
 LOCALE_DIR = Path("/usr/share/locale/zh_CN/LC_MESSAGES")
 SAMPLE_RATE = 16000
 SPLITS = ("train", "dev", "test")
@@ -302,24 +304,9 @@ def _write_lines(path: Path, lines: Sequence[str]) -> None:
     path.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
 
 
-def kaldi_data_dir():
-    """``espnet_plugin/data_dir.py``, the plugin's Kaldi data-directory reader, loaded by path:
-    it is plain Python, while ``import espnet_plugin`` would load ESPnet."""
-    name = "espnet_plugin_data_dir"
-    if name not in sys.modules:
-        import importlib.util
-
-        path = Path(__file__).resolve().parents[1] / "espnet_plugin" / "data_dir.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 def write_data_dir(data_dir: Path, utterances: Sequence[Utterance], wav_dir: Path) -> None:
     """Write wav.scp, text, utt2spk and spk2utt, sorted by id in C-locale (code point) order,
-    and read wav.scp, text and utt2spk back as ESPnet will (``espnet_plugin/data_dir.py``):
+    and read wav.scp, text and utt2spk back as ESPnet will (``latent_core/kaldi_data.py``):
     a KaldiDataDirError (a ValueError) if they do not hold exactly what was meant."""
     data_dir.mkdir(parents=True, exist_ok=True)
     utts = sorted(utterances, key=lambda u: u.id)
@@ -334,7 +321,6 @@ def write_data_dir(data_dir: Path, utterances: Sequence[Utterance], wav_dir: Pat
     for u in utts:
         spk2utt.setdefault(u.speaker.id, []).append(u.id)
     _write_lines(data_dir / "spk2utt", [f"{spk} {' '.join(ids)}" for spk, ids in sorted(spk2utt.items())])
-    kaldi = kaldi_data_dir()
     written = kaldi.read_data_dir(data_dir)  # refuses repeated ids, ids missing from a file, ...
     tables = {"wav.scp": written.wav_scp, "text": written.text, "utt2spk": written.utt2spk}
     for name, value in columns.items():

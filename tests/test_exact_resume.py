@@ -28,14 +28,13 @@ import os
 import random
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, save_tiny_bert, venv_bin
+from conftest import REPO, run_checked, save_tiny_bert, venv_bin
 from latent_core.sdma import mixing_weight
 
 DE_EN = Path("/usr/share/trans/de-en")
@@ -45,9 +44,8 @@ N_UPDATES, M_UPDATES = 60, 40
 
 
 def run(cmd, timeout=600):
-    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=ENV, cwd=REPO, timeout=timeout)
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(map(str, cmd))} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    """The command's output (stdout + stderr); AssertionError when it fails."""
+    proc = run_checked(cmd, timeout=timeout, env=ENV, cwd=REPO)
     return proc.stdout + proc.stderr
 
 

@@ -17,13 +17,12 @@ The event files are read back with TensorBoard's own ``EventAccumulator``.
 import math
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, venv_bin
+from conftest import REPO, run_checked, venv_bin
 from latent_core.sdma import LOSS_NAMES
 
 DE_EN = Path("/usr/share/trans/de-en")
@@ -49,9 +48,8 @@ MAX_UPDATE = 6
 
 
 def run(cmd, timeout=600):
-    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=ENV, cwd=REPO, timeout=timeout)
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(map(str, cmd))} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    """The command's output (stdout + stderr); AssertionError when it fails."""
+    proc = run_checked(cmd, timeout=timeout, env=ENV, cwd=REPO)
     return proc.stdout + proc.stderr
 
 

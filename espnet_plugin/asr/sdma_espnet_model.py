@@ -57,11 +57,11 @@ class ESPnetSDMAASRModel(ESPnetASRModel):
     def __init__(self, *args, sdma_kl_weight: float = 0.001, sdma_dqq_weight: float = 30.0,
                  sdma_dxq_weight: float = 4.0, sdma_diversity_weight: float = 1.0,
                  sdma_regulariser_scale: str = "sentence", **kwargs):
-        for key, low, high in (("ctc_weight", 0.0, 1.0), ("interctc_weight", 0.0, 1.0 - 1e-12)):
-            value = kwargs.get(key)
-            if value is not None and not (isinstance(value, (int, float)) and low <= value <= high):
-                raise ESPnetConfigError(f"model_conf.{key}={value!r} must lie in "
-                                        f"[0, 1{']' if key == 'ctc_weight' else ')'}")
+        ctc_weight, interctc_weight = kwargs.get("ctc_weight", 0.5), kwargs.get("interctc_weight", 0.0)
+        if not 0.0 <= ctc_weight <= 1.0:  # ESPnet asserts both without a message
+            raise ESPnetConfigError(f"model_conf.ctc_weight={ctc_weight!r} must lie in [0, 1]")
+        if not 0.0 <= interctc_weight < 1.0:
+            raise ESPnetConfigError(f"model_conf.interctc_weight={interctc_weight!r} must lie in [0, 1)")
         super().__init__(*args, **kwargs)
         if sdma_regulariser_scale not in REGULARISER_SCALES:
             raise SDMAConfigError(

@@ -30,6 +30,7 @@ from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.tasks import FairseqTask, register_task
 from omegaconf import II
 
+from ..exact_resume import no_epoch_iterator_reuse
 from .data import (
     GLUE_TASKS,
     TASK_CHOICES,
@@ -245,11 +246,7 @@ class HFSentencePredictionTask(FairseqTask):
     def max_positions(self):
         return self.cfg.max_positions
 
-    def can_reuse_epoch_itr(self, dataset) -> bool:
-        """Never: every epoch's batches are made under ``--seed`` + epoch, so a resumed run
-        gets the batches of the continuous one (fairseq's cached iterator keeps the batches of
-        the epoch it was built in: see ``user_dir/exact_resume.py``)."""
-        return False
+    can_reuse_epoch_itr = no_epoch_iterator_reuse  # bit-identical resume: user_dir/exact_resume.py
 
     # ------------------------------------------------------------ extension hooks
     @property

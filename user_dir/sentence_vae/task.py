@@ -33,6 +33,7 @@ from fairseq.tasks import FairseqTask, register_task
 from omegaconf import II
 
 from latent_core.errors import PluginConfigError
+from user_dir.exact_resume import no_epoch_iterator_reuse
 
 logger = logging.getLogger(__name__)
 
@@ -183,11 +184,7 @@ class SentenceVAETask(FairseqTask):
             counter.set_num_updates(update_num + 1)
         return result
 
-    def can_reuse_epoch_itr(self, dataset) -> bool:
-        """Never: every epoch's batches are made under ``--seed`` + epoch, so a resumed run
-        gets the batches of the continuous one (fairseq's cached iterator keeps the batches of
-        the epoch it was built in: see ``user_dir/exact_resume.py``)."""
-        return False
+    can_reuse_epoch_itr = no_epoch_iterator_reuse  # bit-identical resume: user_dir/exact_resume.py
 
     def max_positions(self):
         return (self.cfg.max_positions, self.cfg.max_positions)

@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from latent_core import kaldi_data as kaldi  # the Kaldi data-directory reader (toolkit-free)
+
 RECIPE = Path(__file__).resolve().parent
 REPO = RECIPE.parents[2]
 STAGES = ("data", "tokens", "stats", "train", "decode", "score")
@@ -47,25 +49,10 @@ class PipelineError(RuntimeError):
 # ----------------------------------------------------------------------------- checks
 
 
-def kaldi_data_dir():
-    """``espnet_plugin/data_dir.py``, the plugin's Kaldi data-directory reader, loaded by path:
-    it is plain Python, while ``import espnet_plugin`` loads ESPnet into this driver process."""
-    name = "espnet_plugin_data_dir"
-    if name not in sys.modules:
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location(name, REPO / "espnet_plugin" / "data_dir.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 def check_data_dir(data_dir: Path) -> int:
     """Validate an ESPnet data directory (wav.scp and text, utt2spk when present, read as ESPnet
     reads them, with the same utterance ids; every audio file exists); returns the number of
     utterances."""
-    kaldi = kaldi_data_dir()
     try:
         data = kaldi.read_data_dir(data_dir)
     except kaldi.KaldiDataDirError as error:
@@ -217,7 +204,6 @@ def stage_decode(args, work: Path, system: str) -> None:
 
 def read_kaldi_text(path: Path) -> Dict[str, str]:
     """``{uttid: characters}`` of a Kaldi ``text`` file, spaces between tokens removed."""
-    kaldi = kaldi_data_dir()
     try:
         table = kaldi.read_kaldi_table(path, value_required=False, what="transcript")
     except kaldi.KaldiDataDirError as error:

@@ -1,7 +1,7 @@
 """Kaldi-style data directories (``wav.scp``, ``text``, ``utt2spk``): the plugin's one reader.
 
-Plain Python (no ESPnet, no fairseq): scripts that must not load ESPnet (``import
-espnet_plugin`` does) load this file by path, e.g. ``scripts/synth_mandarin_corpus.py``.
+Plain Python (no ESPnet, no fairseq), so the corpus builder and the recipe driver use it
+without loading ESPnet.
 
 **Tables** (:func:`read_kaldi_table`) are read the way ESPnet reads them
 (``espnet2.fileio.read_text.read_2columns_text``), so that a file accepted here means the same
