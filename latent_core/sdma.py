@@ -26,8 +26,8 @@ Interpretation choices where the paper is ambiguous (see README):
 """
 
 import math
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from dataclasses import dataclass, field, fields
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -72,27 +72,58 @@ class SDMAConfigError(PluginConfigError):
     """An impossible SDMA hyper-parameter (the message names the option)."""
 
 
+def _option(default, help: str, **metadata):
+    """A dataclass field whose ``metadata["help"]`` is the documentation of the option (fairseq's
+    convention, read by its ``gen_parser_from_dataclass`` and by the ESPnet adapter's errors)."""
+    return field(default=default, metadata={"help": help, **metadata})
+
+
 @dataclass
 class SDMAOptions:
-    """Hyper-parameters of one SDMA attention module (defaults: paper, Table I)."""
+    """Hyper-parameters of one SDMA attention module: the one place their defaults and
+    documentation are written (paper Section IV-A3 and Table I).
 
-    mode: str = "sdma"  # "sdma" (SDMA-T), "sma" (SMA-T: no head disentanglement), "none" (V-T)
-    num_clusters: int = 8  # n_c of the feature GMM theta_z
-    num_query_clusters: int = 8  # n_c of the query GMM theta_q
-    mix_max: float = 0.9  # nu, upper bound of the mixing weight (eq. 11)
-    mix_rate: float = 5e-4  # annealing rate of eq. (11)
-    centroid_grad_scale: float = 10.0  # c_g, gradient multiplier of the GMM means
-    noise_var: float = 0.01  # sigma^2 of the training-time sampling noise (eq. 8)
-    posterior_var: float = 0.1  # sigma_tilde^2 of q(z|x) and q(q|x) (Section IV-A3)
-    diversity_alpha: float = 1.25  # alpha of eq. (23)
-    diversity_beta: float = 0.75  # beta of eq. (23)
-    mask_at_inference: bool = True  # False: plain attention when not training
+    The toolkits spell each field as an option without the ``num_`` prefix
+    (:func:`option_name`): fairseq ``--sdma-clusters`` (``user_dir/sdma/model.py`` generates its
+    flags from these fields), ESPnet ``encoder_conf: {sdma_conf: {clusters: 8}}``
+    (:meth:`from_conf`). Presets (a Table I row, the Aishell-1 run) override only what differs.
+    """
+
+    mode: str = _option("sdma", "sdma: SDMA-T; sma: SMA-T (no head disentanglement); none: vanilla attention",
+                        choices=SDMA_MODES)
+    num_clusters: int = _option(8, "n_c of the feature GMM theta_z, eq. (5)/(9) (Table I: 8; Tables II-IV: 4)",
+                                metavar="N")
+    num_query_clusters: int = _option(8, "n_c of the query GMM theta_q, eq. (18)", metavar="N")
+    mix_max: float = _option(0.9, "nu, upper bound of the mixing weight of eq. (11), in (0, 1]", metavar="NU")
+    mix_rate: float = _option(5e-4, "R of the annealed mixing weight g = 1 - max(1 - nu, exp(-R * num_updates)), "
+                                    "eq. (11)", metavar="R")
+    centroid_grad_scale: float = _option(10.0, "c_g: multiplier of the GMM means' gradient (Table I: 10; 5 for "
+                                               "Zh-En and Aishell-1)", metavar="C_G")
+    noise_var: float = _option(0.01, "variance sigma^2 of the training-time sampling noise, eq. (8)", metavar="S2")
+    posterior_var: float = _option(0.1, "variance of q(z|x) and q(q|x) in the KL of eq. (20)", metavar="S2")
+    diversity_alpha: float = _option(1.25, "alpha of the diversity mask, eq. (23)", metavar="A")
+    diversity_beta: float = _option(0.75, "beta of the diversity mask, eq. (23)", metavar="B")
+    mask_at_inference: bool = _option(True, "apply the semantic mask when not training (the paper drops the "
+                                            "decoder self-attention's mask at test time)")
+
+    @classmethod
+    def from_conf(cls, conf: Optional[Mapping], where: str, preset: Optional[Mapping] = None) -> "SDMAOptions":
+        """Validated options from a mapping of option names (``{"clusters": 8, ...}``) on top of
+        ``preset`` (field names -> values); errors name ``where`` + the key, e.g.
+        ``encoder_conf.sdma_conf.clusters=0: ...``."""
+        names = {option_name(f.name): f.name for f in fields(cls)}
+        values = dict(preset or {})
+        for key, value in dict(conf or {}).items():
+            if key not in names:
+                raise SDMAConfigError(f"{where}.{key}: unknown SDMA option; the options are {', '.join(names)}")
+            values[names[key]] = value
+        return cls(**values).validate(prefix=f"{where}.", word_sep="_")
 
     def validate(self, prefix: str = "--sdma-", word_sep: str = "-") -> "SDMAOptions":
         """Raise :class:`SDMAConfigError` naming the option (``prefix`` + name) that is wrong."""
 
         def opt(name):
-            return prefix + name.replace("_", word_sep)
+            return prefix + option_name(name).replace("_", word_sep)
 
         if self.mode not in SDMA_MODES:
             raise SDMAConfigError(
@@ -100,17 +131,17 @@ class SDMAOptions:
             )
         for name in ("num_clusters", "num_query_clusters"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise SDMAConfigError(
-                    f"{opt(name.replace('num_', ''))}={value!r}: the number of GMM clusters "
-                    "must be an integer >= 1"
+                    f"{opt(name)}={value!r}: the number of GMM clusters must be an integer >= 1"
                 )
-        if not (0.0 < self.mix_max <= 1.0):
-            raise SDMAConfigError(f"{opt('mix_max')}={self.mix_max}: nu must lie in (0, 1]")
         for name in ("mix_max", "mix_rate", "centroid_grad_scale", "noise_var", "posterior_var",
                      "diversity_alpha", "diversity_beta"):
-            if not math.isfinite(getattr(self, name)):
-                raise SDMAConfigError(f"{opt(name)}={getattr(self, name)} must be a finite number")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise SDMAConfigError(f"{opt(name)}={value!r} must be a finite number")
+        if not (0.0 < self.mix_max <= 1.0):
+            raise SDMAConfigError(f"{opt('mix_max')}={self.mix_max}: nu must lie in (0, 1]")
         for name in ("mix_rate", "centroid_grad_scale", "noise_var"):
             if getattr(self, name) < 0:
                 raise SDMAConfigError(f"{opt(name)}={getattr(self, name)} must be >= 0")
@@ -119,10 +150,33 @@ class SDMAOptions:
         for name in ("diversity_alpha", "diversity_beta"):
             if getattr(self, name) < 0:
                 raise SDMAConfigError(f"{opt(name)}={getattr(self, name)} must be >= 0")
+        if not isinstance(self.mask_at_inference, bool):
+            raise SDMAConfigError(f"{opt('mask_at_inference')}={self.mask_at_inference!r} must be true or false")
         return self
 
 
-def mixing_weight(num_updates: float, mix_max: float = 0.9, mix_rate: float = 5e-4) -> float:
+def option_name(field_name: str) -> str:
+    """The option spelling of an :class:`SDMAOptions` field: ``num_clusters`` -> ``clusters``."""
+    return field_name[len("num_"):] if field_name.startswith("num_") else field_name
+
+
+@dataclass
+class SDMALossWeights:
+    """The weights of eq. (24) (Table I, IWSLT'14 base; the rows and presets override what differs).
+    Options ``sdma_<field>`` (fairseq ``--sdma-kl-weight``, ESPnet ``model_conf.sdma_kl_weight``)."""
+
+    kl_weight: float = _option(0.01, "lambda_k of eq. (24) (Table I: 0.01)", metavar="W")
+    dqq_weight: float = _option(100.0, "lambda_q of eq. (24) (Table I: 100 base/small, 50 tiny/Zh-En)", metavar="W")
+    dxq_weight: float = _option(10.0, "lambda_x of eq. (24) (Table I: 10 base/small, 5 tiny/Zh-En)", metavar="W")
+    diversity_weight: float = _option(1.0, "lambda_d of eq. (24) (Table I: 1)", metavar="W")
+
+    def as_options(self) -> Dict[str, float]:
+        """``{"sdma_kl_weight": ..., ...}``: the keys of :data:`LOSS_WEIGHTS`."""
+        return {f"sdma_{f.name}": getattr(self, f.name) for f in fields(self)}
+
+
+def mixing_weight(num_updates: float, mix_max: float = SDMAOptions.mix_max,
+                  mix_rate: float = SDMAOptions.mix_rate) -> float:
     """gamma = 1 - max(1 - nu, exp(-rate * t))  (eq. 11; the paper drops the minus sign)."""
     return 1.0 - max(1.0 - mix_max, math.exp(-mix_rate * float(num_updates)))
 

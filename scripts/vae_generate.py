@@ -8,17 +8,11 @@
     python scripts/vae_generate.py transfer --path CKPT --latent z_syn "semantics source" "syntax source"
 
 Decoding: greedy (default), --beam N, --sampling [--sampling-topk K | --sampling-topp P].
-Input sentences are split on whitespace and must be tokenised like the training data. See
-``user_dir/sentence_vae/generate.py``.
+Input sentences are split on whitespace and must be tokenised like the training data. Same as
+the console command ``vae-generate``; see ``user_dir/sentence_vae/generate.py``.
 """
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import user_dir  # noqa: E402,F401  (registers the models, task and criterion)
-from user_dir.sentence_vae.generate import cli_main  # noqa: E402
+from user_dir.sentence_vae.generate import cli_main
 
 if __name__ == "__main__":
-    cli_main()
+    raise SystemExit(cli_main())

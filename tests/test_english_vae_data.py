@@ -1,15 +1,10 @@
-"""scripts/prepare_english_vae_data.py: OANC reading, splits, binarization, probe triplets."""
+"""latent_core.data.english_vae (prepare-english-vae-data): OANC reading, splits, binarization, probe triplets."""
 
-import importlib.util
 import random
 
 import pytest
 
-from conftest import REPO
-
-spec = importlib.util.spec_from_file_location("prepare_english_vae_data", REPO / "scripts" / "prepare_english_vae_data.py")
-prep = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(prep)
+from latent_core.data import english_vae as prep
 
 WORDS = {"DT": ["the", "a", "this", "that"], "NN": ["dog", "cat", "house", "tree", "car", "bird", "river"],
          "VBD": ["saw", "liked", "found", "left"], "JJ": ["red", "old", "big", "small"], "IN": ["near", "under"]}

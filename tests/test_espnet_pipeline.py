@@ -1,15 +1,15 @@
 """Integration: the ESPnet recipe stages on synthetic Mandarin speech, SDMA and vanilla, tiny.
 
-Runs ``examples/aishell_sdma/asr1/run_synthetic.py`` (ESPnet's own entry points for
-tokenize_text, collect_stats, training and joint CTC/attention decoding), then decodes
+Runs ``examples/aishell_sdma/asr1/run_synthetic.py`` (the driver ``espnet_plugin.recipes.synthetic``:
+ESPnet's own entry points for tokenize_text, collect_stats, training and joint CTC/attention decoding), then decodes
 with ``Speech2Text`` from Python and measures LR/HR on the trained SDMA model.
 """
 
-import importlib.util
 import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -22,18 +22,10 @@ pytestmark = pytest.mark.skipif(
     reason="needs espeak-ng and sox (apt-get install espeak-ng sox)",
 )
 
+from espnet_plugin.asr import redundancy  # noqa: E402
+from espnet_plugin.recipes import synthetic as driver  # noqa: E402
+
 RECIPE = REPO / "examples" / "aishell_sdma" / "asr1"
-
-
-def load_script(path, name):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-driver = load_script(RECIPE / "run_synthetic.py", "run_synthetic")
 
 
 def write_tiny_configs(conf_dir):
@@ -106,7 +98,6 @@ def test_speech2text_decodes_with_the_plugin_and_matches_the_cli(pipeline):
 
 def test_attention_redundancy_on_the_espnet_model(pipeline):
     work, _ = pipeline
-    redundancy = load_script(REPO / "scripts" / "espnet_attention_redundancy.py", "espnet_attention_redundancy")
     result = redundancy.espnet_attention_redundancy(
         work / "exp" / "sdma" / "config.yaml", driver.trained_model(work, "sdma"), work / "corpus" / "data" / "test")
     for kind in ("encoder_self", "decoder_self", "decoder_cross"):
@@ -226,7 +217,7 @@ def test_malicious_model_file_is_refused_on_every_espnet_entry_point(pipeline, t
     # any command the shim runs for asr.sh, even one asking for weights_only=False
     assert_refused(run_cli([sys.executable, "-m", "espnet_plugin.bin.python_shim", "-c",
                             f"import torch; torch.load({str(evil)!r}, weights_only=False)"]), marker, evil)
-    assert_refused(run_cli([sys.executable, REPO / "scripts" / "espnet_attention_redundancy.py",
+    assert_refused(run_cli([Path(sys.executable).with_name("sdma-espnet-redundancy"),
                             "--asr-train-config", exp / "config.yaml", "--asr-model-file", evil,
                             "--data-dir", data / "test"]), marker, evil)
 

@@ -1,4 +1,4 @@
-"""scripts/espnet_attention_redundancy.py: LR / HR of an ESPnet2 ASR model.
+"""espnet_plugin.asr.redundancy (sdma-espnet-redundancy): LR / HR of an ESPnet2 ASR model.
 
 A tiny vanilla transformer ASR model (2 blocks, 2 heads, d=32, random weights with
 sharpened attention) is built through ESPnet's own ``ASRTask`` and saved as
@@ -9,20 +9,16 @@ data directory of three random-noise utterances, once per module.
 import json
 import math
 import re
-import sys
 
 import numpy as np
 import pytest
 import torch
 import yaml
 
-from conftest import REPO
-
 pytest.importorskip("espnet2")
 soundfile = pytest.importorskip("soundfile")
 
-sys.path.insert(0, str(REPO / "scripts"))
-import espnet_attention_redundancy as ear  # noqa: E402
+from espnet_plugin.asr import redundancy as ear  # noqa: E402
 
 N_HEADS = 2
 TOKENS = ["<blank>", "<unk>", "a", "b", "c", "<space>", "<sos/eos>"]
@@ -232,7 +228,7 @@ def test_single_head_model_reports_lr_as_undefined(asr_with_heads, tmp_path, cap
 
 def test_cli_writes_json_and_restores_fast_paths(asr, tmp_path, capsys, monkeypatch):
     import matplotlib.image
-    import plot_head_redundancy as phr
+    from latent_core import redundancy_plot as phr
 
     drawn = []  # the matrices draw_heatmaps hands to matplotlib, per call
     original = phr.draw_heatmaps

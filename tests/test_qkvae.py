@@ -1,11 +1,9 @@
-"""QKVAE and ADVAE (``user_dir/qkvae``) and the Table-2 probe (``scripts/qkvae_probe.py``)."""
+"""QKVAE and ADVAE (``user_dir/qkvae``) and the Table-2 probe (``qkvae-probe``: ``user_dir/qkvae/probe.py``)."""
 
 import argparse
-import importlib.util
 import json
 import math
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,7 +12,8 @@ from fairseq.data import Dictionary, data_utils
 from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
 from fairseq.sequence_generator import SequenceGenerator
 
-from user_dir.qkvae import ADVAEModel, BartInitError, QKVAEModel
+from conftest import venv_bin
+from user_dir.qkvae import ADVAEModel, BartInitError, QKVAEModel, probe
 from user_dir.qkvae.bart_init import tokenize_lines, write_fairseq_dictionary
 from user_dir.qkvae.encoder import SIGMA_FLOOR
 from user_dir.sentence_vae.base import SentenceVAEEncoder
@@ -495,13 +494,6 @@ def test_key_mlp_layers_one_is_the_papers_linear_map():
 
 
 # -- the Table-2 probe ----------------------------------------------------------------------------
-def _load_probe(repo):
-    spec = importlib.util.spec_from_file_location("qkvae_probe", repo / "scripts" / "qkvae_probe.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _save_checkpoint(model, path):
     torch.save({
         "cfg": {"model": model.args},
@@ -513,8 +505,7 @@ def _save_checkpoint(model, path):
 
 
 @pytest.mark.parametrize("kind", ["qkvae", "advae"])
-def test_probe_scores(tmp_path, repo, kind):
-    probe = _load_probe(repo)
+def test_probe_scores(tmp_path, kind):
     model, d = build(kind)
     data = tmp_path / "data"
     data.mkdir()
@@ -527,8 +518,8 @@ def test_probe_scores(tmp_path, repo, kind):
                    "a dog ran\tthe dog ran\ta cat sat\n\n"
                    "the big dog sat quickly\tthe large dog sat fast\ta small cat ran slowly\n", encoding="utf-8")
     out = tmp_path / "probe.json"
-    result = probe.main(["--checkpoint", str(ckpt), "--data", str(data), "--triplets", str(tsv),
-                         "--json", str(out), "--batch-size", "2"])
+    result = probe.run(probe.parse_args(["--checkpoint", str(ckpt), "--data", str(data), "--triplets", str(tsv),
+                                         "--json", str(out), "--batch-size", "2"]))
     saved = json.loads(out.read_text())
     assert saved["scores"] == result["scores"] and saved["num_triplets"] == 3
     labels = ["z_syn", "z_sem", "z_sem[0]", "z_sem[1]", "z_sem[2]", "z_sem[3]"] if kind == "qkvae" else \
@@ -549,8 +540,7 @@ def test_probe_scores(tmp_path, repo, kind):
     assert set(probe.probe(loaded, d, swapped)["scores"].values()) == {0.0}
 
 
-def test_probe_malformed_lines(tmp_path, repo):
-    probe = _load_probe(repo)
+def test_probe_malformed_lines(tmp_path):
     tsv = tmp_path / "bad.tsv"
     tsv.write_text("a\tb\tc\n\nonly two\tfields\n", encoding="utf-8")
     with pytest.raises(probe.TripletFormatError, match="line 3: expected 3 tab-separated fields"):
@@ -560,10 +550,10 @@ def test_probe_malformed_lines(tmp_path, repo):
         probe.read_triplets(str(tsv))
 
 
-def test_probe_cli_reports_line_number(tmp_path, repo):
+def test_probe_cli_reports_line_number(tmp_path):
     tsv = tmp_path / "bad.tsv"
     tsv.write_text("a\tb\tc\na\tb\n", encoding="utf-8")
-    proc = subprocess.run([sys.executable, str(repo / "scripts" / "qkvae_probe.py"), "--checkpoint", "x.pt",
+    proc = subprocess.run([venv_bin("qkvae-probe"), "--checkpoint", "x.pt",
                            "--dict", "x.txt", "--triplets", str(tsv)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "line 2: expected 3 tab-separated fields" in proc.stderr

@@ -1,4 +1,4 @@
-"""scripts/quickstart.py (``make demo``) and the log helpers of scripts/sdma_runs.py.
+"""The SDMA quickstart (``make demo``, ``user_dir.sdma.quickstart``) and the log helpers of ``latent_core.runs``.
 
 Pure functions first (updates from --minutes, segment boundaries, log parsing of a
 fabricated multi-segment fairseq log, ratio statistics), then the segment runner with a
@@ -9,17 +9,12 @@ subset with 4 updates in 2 interleaved segments per model (about a minute and a 
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO
-
-sys.path.insert(0, str(REPO / "scripts"))
-
-import quickstart as qs  # noqa: E402
-import sdma_runs  # noqa: E402
+from latent_core import runs
+from user_dir.sdma import quickstart as qs
 
 DING = Path("/usr/share/trans/de-en")
 
@@ -117,36 +112,36 @@ def fake_train_log(start, end, interval, wps=lambda u: 4000.0 + u, wpb=3000.0, s
 
 def test_log_parsing_of_several_segments():
     logs = [fake_train_log(s, e, 5) for s, e in [(0, 20), (20, 40), (40, 55)]]
-    assert [sdma_runs.resumed_update(log) for log in logs] == [0, 20, 40]
-    assert [sdma_runs.last_num_updates(log) for log in logs] == [20, 40, 55]
-    assert [i["num_updates"] for i in sdma_runs.train_inner_intervals(logs[1])] == [25, 30, 35, 40]
-    first = sdma_runs.train_inner_intervals(logs[0])[0]
+    assert [runs.resumed_update(log) for log in logs] == [0, 20, 40]
+    assert [runs.last_num_updates(log) for log in logs] == [20, 40, 55]
+    assert [i["num_updates"] for i in runs.train_inner_intervals(logs[1])] == [25, 30, 35, 40]
+    first = runs.train_inner_intervals(logs[0])[0]
     assert first == {"num_updates": 5, "wps": 4005.0, "wpb": 3000.0, "loss": 9.95}
-    assert sdma_runs.model_parameters(logs[1]) == 3145728
+    assert runs.model_parameters(logs[1]) == 3145728
     # words/s of a segment: its intervals after the first, words over seconds
-    speed = sdma_runs.segment_words_per_second(logs[1], start_update=20)
+    speed = runs.segment_words_per_second(logs[1], start_update=20)
     assert speed["intervals"] == 3
     assert speed["words"] == pytest.approx(3 * 5 * 3000.0)
     expected_seconds = sum(5 * 3000.0 / (4000.0 + u) for u in (30, 35, 40))
     assert speed["seconds"] == pytest.approx(expected_seconds, rel=1e-6)
     assert speed["words_per_second"] == pytest.approx(speed["words"] / expected_seconds)
     # a single interval is used rather than nothing
-    assert sdma_runs.segment_words_per_second(fake_train_log(0, 5, 5), 0)["intervals"] == 1
-    assert math.isnan(sdma_runs.segment_words_per_second(fake_train_log(0, 4, 5), 0)["words_per_second"])
+    assert runs.segment_words_per_second(fake_train_log(0, 5, 5), 0)["intervals"] == 1
+    assert math.isnan(runs.segment_words_per_second(fake_train_log(0, 4, 5), 0)["words_per_second"])
 
 
 def test_segment_words_per_second_counts_updates_from_the_resume_point():
     log = fake_train_log(22, 40, 5, wps=lambda u: 1000.0)  # first interval: 23..25, 3 updates
-    speed = sdma_runs.segment_words_per_second(log, start_update=22, skip_first=0)
+    speed = runs.segment_words_per_second(log, start_update=22, skip_first=0)
     assert speed["words"] == pytest.approx((3 + 5 + 5 + 5) * 3000.0)
     assert speed["words_per_second"] == pytest.approx(1000.0)
 
 
 def test_ratio_stats():
-    stats = sdma_runs.ratio_stats([0.8, 0.9, float("nan"), 0.7])
+    stats = runs.ratio_stats([0.8, 0.9, float("nan"), 0.7])
     assert (stats["min"], stats["median"], stats["max"]) == (0.7, 0.8, 0.9)
     assert len(stats["per_round"]) == 4
-    assert math.isnan(sdma_runs.ratio_stats([float("nan")])["median"])
+    assert math.isnan(runs.ratio_stats([float("nan")])["median"])
 
 
 def test_pooled_words_per_second():
@@ -165,7 +160,7 @@ def fake_runner(calls, resumed=None):
         calls.append(cmd)
         end = int(cmd[cmd.index("--max-update") + 1])
         save_dir = Path(cmd[cmd.index("--save-dir") + 1])
-        start = sdma_runs.last_num_updates((save_dir / "state").read_text()) if (save_dir / "state").exists() else 0
+        start = runs.last_num_updates((save_dir / "state").read_text()) if (save_dir / "state").exists() else 0
         log = fake_train_log(start if resumed is None else resumed, end, int(cmd[cmd.index("--log-interval") + 1]))
         save_dir.mkdir(parents=True, exist_ok=True)
         (save_dir / "checkpoint_last.pt").write_text("")
@@ -211,15 +206,15 @@ def test_train_segment_refuses_a_wrong_resume(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(not DING.exists(), reason="apt-get install trans-de-en (make install does)")
 def test_quickstart_end_to_end_interleaved(tmp_path, capsys):
-    import prepare_ding_de_en
-    import prepare_translation
     import torch
+
+    from latent_core.data import ding, translation
 
     out = tmp_path / "qs"
     raw, prep = out / "data" / "raw", out / "data" / "prep"  # where the quickstart reuses its data
-    prepare_ding_de_en.main(["--out-dir", str(raw), "--max-words", "6", "--valid-size", "40",
+    ding.main(["--out-dir", str(raw), "--max-words", "6", "--valid-size", "40",
                              "--test-size", "20"])
-    prepare_translation.main(["--train-prefix", str(raw / "train"), "--valid-prefix", str(raw / "valid"),
+    translation.main(["--train-prefix", str(raw / "train"), "--valid-prefix", str(raw / "valid"),
                               "--test-prefix", str(raw / "test"), "--src", "de", "--tgt", "en", "--joint",
                               "--vocab-size", "400", "--out-dir", str(prep), "--workers", "1"])
     # 4 updates leave the models untrained: they would decode 200 tokens per sentence
@@ -229,10 +224,10 @@ def test_quickstart_end_to_end_interleaved(tmp_path, capsys):
     results = json.loads((out / "results.json").read_text())
     assert results["updates"] == 4 and results["segments"] == 2 and results["minutes"] is None
     assert results["segment_bounds"] == [[0, 2], [2, 4]] and results["log_interval"] == 1
-    runs = results["segment_runs"]
-    assert [(r["round"], r["model"], r["start"], r["end"]) for r in runs] == [
+    segment_runs = results["segment_runs"]
+    assert [(r["round"], r["model"], r["start"], r["end"]) for r in segment_runs] == [
         (1, "V-T", 0, 2), (1, "SDMA-T", 0, 2), (2, "V-T", 2, 4), (2, "SDMA-T", 2, 4)]  # interleaved
-    assert all(r["words_per_second"] > 0 for r in runs)
+    assert all(r["words_per_second"] > 0 for r in segment_runs)
     ratio = results["train_words_per_second_ratio"]
     assert len(ratio["per_round"]) == 2 and ratio["min"] <= ratio["median"] <= ratio["max"]
     for name in ("V-T", "SDMA-T"):
@@ -243,7 +238,7 @@ def test_quickstart_end_to_end_interleaved(tmp_path, capsys):
         assert model["train words/s"] > 0 and model["params"] > 0
     for subdir in ("vanilla", "sdma"):
         second = (out / subdir / "train-2of2.log").read_text()
-        assert sdma_runs.resumed_update(second) == 2 and sdma_runs.last_num_updates(second) == 4
+        assert runs.resumed_update(second) == 2 and runs.last_num_updates(second) == 4
     assert (out / "fig6_sdma.png").stat().st_size > 0
     assert "plan: 4 updates per model (--updates) in 2 interleaved segments each" in printed
     assert "train SDMA-T segment 2/2: updates 2 -> 4 (about" in printed and "demo done ~" in printed

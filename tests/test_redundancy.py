@@ -1,5 +1,6 @@
-"""scripts/attention_redundancy.py (LR / HR), scripts/plot_head_redundancy.py (Figs. 10-11)
-and scripts/plot_sdma_attention.py (Fig. 6).
+"""LR / HR: the metric (latent_core.redundancy), its fairseq capture and command
+(user_dir.sdma.redundancy, ``sdma-redundancy``), the HR heat maps (latent_core.redundancy_plot,
+``sdma-plot-heads``; Figs. 10-11) and Fig. 6 (user_dir.sdma.plot_attention, ``sdma-plot``).
 
 The end-to-end tests build their own tiny data (fairseq-preprocess) and two tiny
 checkpoints (fairseq-train --max-update 5, ``transformer`` and
@@ -12,7 +13,6 @@ import math
 import os
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,13 +21,10 @@ import torch
 from scipy.spatial.distance import jensenshannon
 
 from conftest import REPO, venv_bin
-
-SCRIPTS = REPO / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-
-import attention_redundancy as ar  # noqa: E402
-import plot_head_redundancy as phr  # noqa: E402
-import plot_sdma_attention as psa  # noqa: E402
+from latent_core import redundancy as core
+from latent_core import redundancy_plot as phr
+from user_dir.sdma import plot_attention as psa
+from user_dir.sdma import redundancy as ar
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 
@@ -49,20 +46,20 @@ def _rows(*shape, seed=0, sparsity=0.0):
 
 def test_js_divergence_matches_scipy():
     p, q = _rows(50, 9, seed=1, sparsity=0.4), _rows(50, 9, seed=2, sparsity=0.4)
-    ours = ar.js_divergence(p, q).numpy()
+    ours = core.js_divergence(p, q).numpy()
     ref = np.array([jensenshannon(a, b, base=2) ** 2 for a, b in zip(p.numpy(), q.numpy())])
     np.testing.assert_allclose(ours, ref, atol=1e-10)
-    assert ar.js_divergence(p, p).abs().max() < 1e-12
+    assert core.js_divergence(p, p).abs().max() < 1e-12
     one_hot = torch.eye(4, dtype=torch.float64)
-    assert ar.js_divergence(one_hot[0], one_hot[1]).item() == pytest.approx(1.0)  # bits: maximum is 1
+    assert core.js_divergence(one_hot[0], one_hot[1]).item() == pytest.approx(1.0)  # bits: maximum is 1
     # the n-ary divergence of two distributions is the pairwise one
     both = torch.stack([p, q])
-    np.testing.assert_allclose(ar.generalized_js_divergence(both, member_dim=0).numpy(), ref, atol=1e-10)
+    np.testing.assert_allclose(core.generalized_js_divergence(both, member_dim=0).numpy(), ref, atol=1e-10)
 
 
 def test_generalized_js_is_entropy_of_mean_minus_mean_entropy():
     dists = _rows(5, 7, 11, seed=3, sparsity=0.3)  # 5 members, 7 rows, 11 outcomes
-    ours = ar.generalized_js_divergence(dists, member_dim=0, dim=-1)
+    ours = core.generalized_js_divergence(dists, member_dim=0, dim=-1)
     d = dists.numpy()
 
     def h(p):
@@ -72,7 +69,7 @@ def test_generalized_js_is_entropy_of_mean_minus_mean_entropy():
     ref = [h(d[:, i].mean(0)) - np.mean([h(d[k, i]) for k in range(5)]) for i in range(7)]
     np.testing.assert_allclose(ours.numpy(), ref, atol=1e-10)
     # member dim after the distribution dim gives the same numbers
-    moved = ar.generalized_js_divergence(dists.permute(1, 2, 0), member_dim=-1, dim=1)
+    moved = core.generalized_js_divergence(dists.permute(1, 2, 0), member_dim=-1, dim=1)
     np.testing.assert_allclose(moved.numpy(), ref, atol=1e-10)
 
 
@@ -81,16 +78,16 @@ def test_layer_redundancy_on_the_papers_scale(n_h):
     """LR is the authors' (log2 n_h - JS) / log2 n_h in [0, 1]; LR_bits the undivided formula."""
     n_layers, T = 3, 4
     same = _rows(n_layers, 1, T, 6, seed=4).expand(n_layers, n_h, T, 6)
-    assert ar.layer_redundancy(same).item() == pytest.approx(1.0)
-    assert ar.layer_redundancy_bits(same).item() == pytest.approx(math.log2(n_h))
+    assert core.layer_redundancy(same).item() == pytest.approx(1.0)
+    assert core.layer_redundancy_bits(same).item() == pytest.approx(math.log2(n_h))
     # every head of a row attends to a different key (disjoint one-hot rows)
     eye = torch.eye(n_h, dtype=torch.float64)
     disjoint = eye[None, :, None, :].expand(n_layers, n_h, T, n_h)
-    assert ar.layer_redundancy(disjoint).item() == pytest.approx(0.0, abs=1e-12)
-    assert ar.layer_redundancy_bits(disjoint).item() == pytest.approx(0.0, abs=1e-12)
+    assert core.layer_redundancy(disjoint).item() == pytest.approx(0.0, abs=1e-12)
+    assert core.layer_redundancy_bits(disjoint).item() == pytest.approx(0.0, abs=1e-12)
     for seed in range(5):
         attn = _rows(n_layers, n_h, 2, T, 6, seed=50 + seed, sparsity=0.5 * (seed % 2))
-        lr, bits = ar.layer_redundancy(attn), ar.layer_redundancy_bits(attn)
+        lr, bits = core.layer_redundancy(attn), core.layer_redundancy_bits(attn)
         assert torch.all((lr > 0.0) & (lr < 1.0)), lr
         torch.testing.assert_close(lr, bits / math.log2(n_h))
 
@@ -103,33 +100,33 @@ def test_layer_redundancy_hand_computed():
     rows = torch.tensor([[1.0, 0, 0, 0], [1.0, 0, 0, 0], [1.0, 0, 0, 0], [0.5, 0.5, 0, 0]], dtype=torch.float64)
     js = (7 / 8 * math.log2(8 / 7) + 3 / 8) - 1 / 4  # 0.29356...
     attn = rows[None, :, None, :]  # [N=1, n_h=4, T=1, S=4]
-    assert ar.layer_redundancy_bits(attn).item() == pytest.approx(2 - js, abs=1e-12)
-    assert ar.layer_redundancy(attn).item() == pytest.approx((2 - js) / 2, abs=1e-12)
-    assert ar.layer_redundancy(attn).item() == pytest.approx(0.8532178, abs=1e-7)
+    assert core.layer_redundancy_bits(attn).item() == pytest.approx(2 - js, abs=1e-12)
+    assert core.layer_redundancy(attn).item() == pytest.approx((2 - js) / 2, abs=1e-12)
+    assert core.layer_redundancy(attn).item() == pytest.approx(0.8532178, abs=1e-7)
     # two pairs of identical one-hot heads: JS = 1 bit, LR = (2 - 1) / 2 = 0.5
     pairs = torch.eye(4, dtype=torch.float64)[[0, 0, 1, 1]][None, :, None, :]
-    assert ar.layer_redundancy(pairs).item() == pytest.approx(0.5)
+    assert core.layer_redundancy(pairs).item() == pytest.approx(0.5)
     # 8 heads, four on each of two keys: JS = 1 bit, LR_bits = 3 - 1 = 2, LR = 2 / 3
     halves = torch.eye(8, dtype=torch.float64)[[0] * 4 + [1] * 4][None, :, None, :]
-    assert ar.layer_redundancy_bits(halves).item() == pytest.approx(2.0)
-    assert ar.layer_redundancy(halves).item() == pytest.approx(2 / 3)
+    assert core.layer_redundancy_bits(halves).item() == pytest.approx(2.0)
+    assert core.layer_redundancy(halves).item() == pytest.approx(2 / 3)
     # layers are averaged: the four-head row above and a layer of identical heads
     two_layers = torch.cat([attn, rows[:1].expand(4, 4)[None, :, None, :]])
-    assert ar.layer_redundancy(two_layers).item() == pytest.approx(((2 - js) / 2 + 1.0) / 2, abs=1e-12)
+    assert core.layer_redundancy(two_layers).item() == pytest.approx(((2 - js) / 2 + 1.0) / 2, abs=1e-12)
 
 
 def test_single_head_lr_is_undefined():
     """n_h = 1: log2 1 = 0, the normalised LR is undefined (named error / null), LR_bits = 0, HR defined."""
     attn = _rows(3, 1, 2, 5, 6, seed=11)  # [N=3, n_h=1, B=2, T=5, S=6]
-    with pytest.raises(ar.RedundancyError, match=r"undefined for n_h = 1"):
-        ar.layer_redundancy(attn)
-    with pytest.raises(ar.RedundancyError, match=r"undefined for n_h = 1"):
-        ar.lr_divisor(1)
-    torch.testing.assert_close(ar.layer_redundancy_bits(attn), torch.zeros(2, dtype=torch.float64))
-    hr = ar.head_redundancy(attn)  # 3 x 3 pairs of the layers' single heads
+    with pytest.raises(core.RedundancyError, match=r"undefined for n_h = 1"):
+        core.layer_redundancy(attn)
+    with pytest.raises(core.RedundancyError, match=r"undefined for n_h = 1"):
+        core.lr_divisor(1)
+    torch.testing.assert_close(core.layer_redundancy_bits(attn), torch.zeros(2, dtype=torch.float64))
+    hr = core.head_redundancy(attn)  # 3 x 3 pairs of the layers' single heads
     assert torch.all((hr > 0.0) & (hr < 1.0))
 
-    accumulator = ar.RedundancyAccumulator(return_matrices=True)
+    accumulator = core.RedundancyAccumulator(return_matrices=True)
     mask = torch.ones(2, 5, dtype=torch.bool)
     accumulator.add("encoder_self", attn, mask, torch.ones(2, 6, dtype=torch.bool))
     result = accumulator.result()
@@ -141,7 +138,7 @@ def test_single_head_lr_is_undefined():
     assert result["decoder_self"] is None and result["sentences"] == 2
     text = json.dumps(result, allow_nan=False)  # null, not NaN: strict JSON
     assert json.loads(text)["encoder_self"]["LR"] is None
-    row = next(line for line in ar.format_table(result).splitlines() if line.startswith("encoder_self"))
+    row = next(line for line in core.format_table(result).splitlines() if line.startswith("encoder_self"))
     assert row.split()[1:3] == ["1", "n/a"]
 
 
@@ -149,18 +146,18 @@ def test_hr_is_on_the_unit_interval():
     """1 - JS of two distributions, JS in bits, lies in [0, 1]: HR and every matrix cell do."""
     for seed, sparsity in ((12, 0.0), (13, 0.6), (14, 0.9)):
         attn = _rows(3, 4, 2, 6, 5, seed=seed, sparsity=sparsity)
-        hr, matrix = ar.head_redundancy(attn, return_matrix=True)
+        hr, matrix = core.head_redundancy(attn, return_matrix=True)
         assert torch.all((matrix >= 0.0) & (matrix <= 1.0)) and torch.all((hr >= 0.0) & (hr <= 1.0))
     disjoint = torch.eye(8, dtype=torch.float64).reshape(2, 4, 1, 8)  # 8 heads on 8 different keys
-    hr, matrix = ar.head_redundancy(disjoint, return_matrix=True)
+    hr, matrix = core.head_redundancy(disjoint, return_matrix=True)
     torch.testing.assert_close(matrix, torch.eye(8, dtype=torch.float64))  # off-diagonal 1 - JS = 1 - 1 = 0
     assert hr.item() == pytest.approx(1 / 8)
 
 
 def test_head_redundancy_identical_heads_and_naive_reference():
     same = _rows(1, 1, 5, 6, seed=6).expand(2, 4, 5, 6)
-    assert ar.head_redundancy(same).item() == pytest.approx(1.0)
-    assert ar.head_redundancy(torch.eye(4)[None, :, None, :].expand(1, 4, 3, 4)).item() == pytest.approx(
+    assert core.head_redundancy(same).item() == pytest.approx(1.0)
+    assert core.head_redundancy(torch.eye(4)[None, :, None, :].expand(1, 4, 3, 4)).item() == pytest.approx(
         (4 * 1.0 + 12 * 0.0) / 16)  # only the identical pairs are redundant
 
     attn = _rows(2, 3, 5, 7, seed=7, sparsity=0.3)  # N=2, n_h=3, n_q=5, S=7
@@ -170,7 +167,7 @@ def test_head_redundancy_identical_heads_and_naive_reference():
         np.mean([1 - jensenshannon(a[n1, h1, i], a[n2, h2, i], base=2) ** 2 for i in range(5)])
         for (n1, h1), (n2, h2) in itertools.product(heads, heads)  # all ordered pairs, identical ones too
     ])
-    hr, matrix = ar.head_redundancy(attn, return_matrix=True)
+    hr, matrix = core.head_redundancy(attn, return_matrix=True)
     assert hr.item() == pytest.approx(naive, abs=1e-10)
     assert matrix.shape == (6, 6)
     assert torch.allclose(matrix.diagonal(), torch.ones(6, dtype=matrix.dtype))
@@ -183,15 +180,15 @@ def test_head_redundancy_identical_heads_and_naive_reference():
             for i in range(5)])
         for n in range(2)
     ])
-    assert ar.layer_redundancy_bits(attn).item() == pytest.approx(naive_lr_bits, abs=1e-10)
-    assert ar.layer_redundancy(attn).item() == pytest.approx(naive_lr_bits / math.log2(3), abs=1e-10)
+    assert core.layer_redundancy_bits(attn).item() == pytest.approx(naive_lr_bits, abs=1e-10)
+    assert core.layer_redundancy(attn).item() == pytest.approx(naive_lr_bits / math.log2(3), abs=1e-10)
 
 
 def test_head_redundancy_is_chunked_without_changing_results(monkeypatch):
     attn = _rows(2, 4, 3, 9, 6, seed=8)
-    full = ar.head_redundancy(attn)
-    monkeypatch.setattr(ar, "_PAIR_CHUNK_ELEMENTS", 1)  # one row per chunk
-    torch.testing.assert_close(ar.head_redundancy(attn), full)
+    full = core.head_redundancy(attn)
+    monkeypatch.setattr(core, "_PAIR_CHUNK_ELEMENTS", 1)  # one row per chunk
+    torch.testing.assert_close(core.head_redundancy(attn), full)
 
 
 def test_padding_excluded_in_pure_functions():
@@ -208,11 +205,11 @@ def test_padding_excluded_in_pure_functions():
         batch[:, :, b, T - t:, S - s:] = a
         query_mask[b, T - t:] = True
         key_mask[b, S - s:] = True
-    lr = ar.layer_redundancy(batch, query_mask, key_mask)
-    hr = ar.head_redundancy(batch, query_mask, key_mask)
+    lr = core.layer_redundancy(batch, query_mask, key_mask)
+    hr = core.head_redundancy(batch, query_mask, key_mask)
     for b, a in enumerate(singles):
-        assert lr[b].item() == pytest.approx(ar.layer_redundancy(a).item(), abs=1e-12)
-        assert hr[b].item() == pytest.approx(ar.head_redundancy(a).item(), abs=1e-12)
+        assert lr[b].item() == pytest.approx(core.layer_redundancy(a).item(), abs=1e-12)
+        assert hr[b].item() == pytest.approx(core.head_redundancy(a).item(), abs=1e-12)
 
 
 # ----------------------------------------------------------------------------
@@ -268,13 +265,13 @@ def tiny(tmp_path_factory):
     ckpts = {name: root / name / "checkpoint_last.pt" for name in ARCHS}
     for path in ckpts.values():
         assert path.is_file()
-    # start attention_redundancy.py on both checkpoints now: the subprocesses run while
+    # start sdma-redundancy on both checkpoints now: the subprocesses run while
     # the in-process tests do (collected by ``script_runs``)
     scripts = {}
     for name, path in ckpts.items():
         with open(root / f"{name}.out", "w") as out, open(root / f"{name}.err", "w") as err:
             scripts[name] = subprocess.Popen(
-                [sys.executable, str(SCRIPTS / "attention_redundancy.py"), "--path", str(path), str(data),
+                [venv_bin("sdma-redundancy"), "--path", str(path), str(data),
                  "--subset", "test", "--batch-size", "5", "--json", str(root / f"{name}.json"),
                  "--heatmap", str(root / f"{name}.png")],
                 stdout=out, stderr=err, env=ENV, cwd=REPO)
@@ -297,7 +294,7 @@ def loaded(tiny):
 
 @pytest.fixture(scope="session")
 def script_runs(tiny):
-    """attention_redundancy.py on both checkpoints (subprocesses): {name: (rc, stdout, stderr)}."""
+    """sdma-redundancy on both checkpoints (subprocesses): {name: (rc, stdout, stderr)}."""
     results = {}
     for name, proc in tiny["scripts"].items():
         proc.wait(timeout=300)
@@ -426,7 +423,7 @@ def test_errors(tiny, loaded, capsys):
 
 
 # ----------------------------------------------------------------------------
-# scripts end to end
+# the commands end to end
 # ----------------------------------------------------------------------------
 
 
@@ -442,7 +439,7 @@ def _assert_png(path):
 
 @pytest.fixture
 def drawn(monkeypatch):
-    """Records the matrices ``plot_head_redundancy.draw_heatmaps`` really hands to matplotlib."""
+    """Records the matrices ``latent_core.redundancy_plot.draw_heatmaps`` really hands to matplotlib."""
     calls = []
     original = phr.draw_heatmaps
 

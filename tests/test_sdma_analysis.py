@@ -1,5 +1,5 @@
-"""user_dir/sdma/analysis.py, scripts/plot_query_tsne.py (Figs. 8/9) and
-scripts/sdma_cluster_tokens.py (Section IV-B1, cluster usage).
+"""user_dir/sdma/analysis.py, user_dir/sdma/plot_query_tsne.py (``sdma-plot-tsne``, Figs. 8/9) and
+user_dir/sdma/cluster_tokens.py (``sdma-cluster-tokens``, Section IV-B1, cluster usage).
 
 The end-to-end tests reuse the tiny data and the two tiny checkpoints (``transformer``
 and ``sdma_transformer`` with 3 clusters, 2 layers, 4 heads) of ``test_redundancy.py``'s
@@ -8,21 +8,15 @@ session fixtures.
 
 import json
 import math
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import REPO
-from test_redundancy import loaded, tiny  # noqa: F401  (session fixtures: tiny data and checkpoints)
-from user_dir.sdma import analysis
 from latent_core.sdma import SDMACore, SDMAOptions
-
-sys.path.insert(0, str(REPO / "scripts"))
-
-import plot_query_tsne  # noqa: E402
-import sdma_cluster_tokens  # noqa: E402
+from test_redundancy import loaded, tiny  # noqa: F401  (session fixtures: tiny data and checkpoints)
+from user_dir.sdma import analysis, plot_query_tsne
+from user_dir.sdma import cluster_tokens as sdma_cluster_tokens
 
 HEADS, HEAD_DIM, CLUSTERS = 4, 3, 5
 

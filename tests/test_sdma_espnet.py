@@ -166,8 +166,8 @@ def test_cross_attention_uses_memory_clustering_and_decoder_query_padding():
 def test_incremental_batch_score_equals_full_forward(mask_at_inference):
     torch.manual_seed(0)
     decoder = SDMATransformerDecoder(vocab_size=13, encoder_output_size=32, attention_heads=2, linear_units=64,
-                                     num_blocks=2, sdma_clusters=3, sdma_query_clusters=2,
-                                     sdma_mask_at_inference=mask_at_inference).eval()
+                                     num_blocks=2, sdma_conf=dict(clusters=3, query_clusters=2,
+                                     mask_at_inference=mask_at_inference)).eval()
     for module in decoder.modules():
         if isinstance(module, SDMAMultiHeadedAttention):
             module.set_num_updates(10_000)  # g = 0.9: the mask matters
@@ -188,8 +188,8 @@ def test_mask_at_inference_governs_decoder_self_attention_only():
     """The paper drops the decoder SELF-attention's mask at test time; cross-attention keeps its mask."""
     torch.manual_seed(0)
     kwargs = dict(vocab_size=13, encoder_output_size=32, attention_heads=2, linear_units=64, num_blocks=1)
-    on = SDMATransformerDecoder(**kwargs, sdma_mask_at_inference=True).eval()
-    off = SDMATransformerDecoder(**kwargs, sdma_mask_at_inference=False).eval()
+    on = SDMATransformerDecoder(**kwargs, sdma_conf={"mask_at_inference": True}).eval()
+    off = SDMATransformerDecoder(**kwargs, sdma_conf={"mask_at_inference": False}).eval()
     off.load_state_dict(on.state_dict())
     for module in list(on.modules()) + list(off.modules()):
         if isinstance(module, SDMAMultiHeadedAttention):
@@ -343,8 +343,11 @@ def test_default_clusters_follow_the_authors_aishell_config():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (dict(encoder_conf=dict(output_size=32, attention_heads=2, sdma_clusters=0)), "encoder_conf.sdma_clusters=0"),
-        (dict(decoder_conf=dict(attention_heads=2, sdma_mode="fancy")), "decoder_conf.sdma_mode='fancy'"),
+        (dict(encoder_conf=dict(output_size=32, attention_heads=2, sdma_conf=dict(clusters=0))),
+         "encoder_conf.sdma_conf.clusters=0"),
+        (dict(encoder_conf=dict(output_size=32, attention_heads=2, sdma_conf=dict(clusterz=8))),
+         "encoder_conf.sdma_conf.clusterz: unknown SDMA option"),
+        (dict(decoder_conf=dict(attention_heads=2, sdma_conf=dict(mode="fancy"))), "decoder_conf.sdma_conf.mode='fancy'"),
         (dict(model_conf=dict(sdma_dqq_weight=-1.0)), "model_conf.sdma_dqq_weight=-1.0"),
         (dict(model_conf=dict(sdma_regulariser_scale="tokens")), "model_conf.sdma_regulariser_scale='tokens'"),
         (dict(encoder="transformer", decoder="transformer"), "model: sdma needs an SDMA encoder"),

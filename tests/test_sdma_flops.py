@@ -13,11 +13,10 @@ the SDMA terms must cost (2 FLOPs per multiply-add, matrix products only):
 
 import json
 import math
-import sys
 
 import pytest
 
-from conftest import REPO
+from user_dir.sdma import bench as bench_sdma
 from user_dir.sdma.flops import (
     MODELS,
     FlopsError,
@@ -184,9 +183,6 @@ def test_bad_names_are_named():
 
 
 def test_bench_flops_only_prints_and_updates_the_json(tmp_path, monkeypatch, capsys):
-    sys.path.insert(0, str(REPO / "scripts"))
-    import bench_sdma
-
     real = bench_sdma.flops_table
     monkeypatch.setattr(bench_sdma, "flops_table", lambda configs: real(configs, setting=SMALL))
     out = tmp_path / "sdma.json"

@@ -1,14 +1,14 @@
-"""The ``sentence_vae`` task and criterion and the tools ``scripts/vae_eval.py`` and
-``scripts/vae_generate.py``, with the TEST DOUBLE model ``test_gru_vae``
-(``tests/sentence_vae_toy_model.py``), so that nothing here depends on the real models.
+"""The ``sentence_vae`` task and criterion and the tools ``vae-eval`` and ``vae-generate``
+(``user_dir.sentence_vae.evaluate`` / ``.generate``), with the TEST DOUBLE model ``test_gru_vae``
+(``tests/sentence_vae_toy_model/``), so that nothing here depends on the real models.
 
 Data: 240 short English phrases from the English side of Debian's trans-de-en dictionary
 (``/usr/share/trans/de-en``: ``German :: English``, first alternative before ``|``/``;``,
 annotations in brackets dropped, lower-cased), 200 for training and 40 for valid and test; if
 that file is absent, 240 sentences of a small seeded grammar. Binarized with fairseq's own
-``fairseq-preprocess --only-source`` (its ``main``). ``fairseq-train`` runs as a subprocess that
-imports the test double first (fairseq's ``--user-dir`` takes one directory: ``user_dir``);
-``fairseq-validate`` and the two scripts run in-process through their own entry points.
+``fairseq-preprocess --only-source`` (its ``main``). ``fairseq-train`` runs as a subprocess with
+the test double's package as ``--user-dir`` (it imports the plugin ``user_dir`` itself);
+``fairseq-validate`` and the two tools run in-process through their own entry points.
 """
 
 import json
@@ -17,7 +17,6 @@ import math
 import os
 import random
 import re
-import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -28,15 +27,16 @@ from fairseq import options, tasks
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.logging import metrics
 
+import sentence_vae_toy_model  # noqa: F401  (registers test_gru_vae)
+from conftest import english_phrases, venv_bin
+from user_dir.sentence_vae import decoding, evaluate, generate
+from user_dir.sentence_vae.checkpoint import load_sentence_vae
+from user_dir.sentence_vae.criterion import SentenceVAECriterion
+from latent_core.vae import DiagonalGaussian, VAEConfigError
+
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
-sys.path.insert(0, str(TESTS))
-
-import sentence_vae_toy_model  # noqa: E402,F401  (registers test_gru_vae)
-from conftest import english_phrases  # noqa: E402
-from user_dir.sentence_vae import evaluate, generate  # noqa: E402
-from user_dir.sentence_vae.criterion import SentenceVAECriterion  # noqa: E402
-from latent_core.vae import DiagonalGaussian, VAEConfigError  # noqa: E402
+TOY_USER_DIR = Path(sentence_vae_toy_model.__file__).resolve().parent  # fairseq --user-dir of the test double
 
 DE_EN = Path("/usr/share/trans/de-en")
 LATENTS = ("z_syn", "z_sem")  # the test double's default latents
@@ -76,30 +76,24 @@ def corpus(tmp_path_factory):
 
 
 # -------------------------------------------------------------- subprocess runners
-RUNNER = (
-    "import sys; sys.path[:0] = [{repo!r}, {tests!r}]; import sentence_vae_toy_model; "
-    "from fairseq_cli.train import cli_main; sys.argv[0] = 'fairseq-train'; cli_main()"
-).format(repo=str(REPO), tests=str(TESTS))
-
-
 def fairseq_train(*args):
-    """fairseq-train's console entry point in a subprocess that imports the test double first."""
+    """fairseq-train's console script in a subprocess; ``args`` name the test double's package as
+    ``--user-dir`` (:func:`train_args` with ``user_dir=TOY_USER_DIR``)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, "-c", RUNNER, *map(str, args)], cwd=REPO, env=env,
+    proc = subprocess.run([venv_bin("fairseq-train"), *map(str, args)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         raise AssertionError(f"fairseq-train failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc.stdout + proc.stderr
 
 
-def run_script(script: str, *args, monkeypatch):
-    """Run a script of scripts/ as ``python SCRIPT ARGS`` would, in this process."""
-    monkeypatch.setattr(sys, "argv", [script, *map(str, args)])
-    runpy.run_path(str(REPO / script), run_name="__main__")
+def run_command(entry_point, *args):
+    """A console command's entry point (``vae-eval``: ``evaluate.cli_main``, ...) on ``args``, in this process."""
+    entry_point([str(a) for a in args])
 
 
-def train_args(data, save_dir, max_update, *extra):
-    return [data, "--user-dir", "user_dir", "--task", "sentence_vae", "--criterion", "sentence_vae",
+def train_args(data, save_dir, max_update, *extra, user_dir="user_dir"):
+    return [data, "--user-dir", user_dir, "--task", "sentence_vae", "--criterion", "sentence_vae",
             "--arch", "test_gru_vae", "--optimizer", "adam", "--lr", "0.003", "--batch-size", "16",
             "--max-update", max_update, "--beta-schedule", SCHEDULE, "--log-interval", "1",
             "--log-format", "json", "--save-dir", save_dir, "--no-epoch-checkpoints", "--cpu",
@@ -107,15 +101,18 @@ def train_args(data, save_dir, max_update, *extra):
 
 
 def json_records(output: str, tag: str):
-    return [json.loads(line.split(f"{tag}:", 1)[1]) for line in output.splitlines() if line.startswith(f"INFO:{tag}:{{")]
+    """The ``--log-format json`` records of logger ``tag`` in fairseq-train's output
+    (``DATE TIME | INFO | train_inner | {...}``)."""
+    marker = f" | INFO | {tag} | "
+    return [json.loads(line.split(marker, 1)[1]) for line in output.splitlines() if f"{marker}{{" in line]
 
 
 @pytest.fixture(scope="module")
 def trained(corpus):
     """Train 12 updates, stop, resume to 40: (checkpoint, train_inner records, valid records)."""
     save = corpus / "ckpt"
-    out = fairseq_train(*train_args(corpus / "bin", save, MAX_UPDATE_1))
-    out += fairseq_train(*train_args(corpus / "bin", save, MAX_UPDATE_2))
+    out = fairseq_train(*train_args(corpus / "bin", save, MAX_UPDATE_1, user_dir=TOY_USER_DIR))
+    out += fairseq_train(*train_args(corpus / "bin", save, MAX_UPDATE_2, user_dir=TOY_USER_DIR))
     return save / "checkpoint_last.pt", json_records(out, "train_inner"), json_records(out, "valid")
 
 
@@ -344,11 +341,26 @@ def test_fairseq_validate(trained, corpus, monkeypatch, capsys, restore_logging)
 
 
 # ============================================================================ eval
-def test_vae_eval_script(trained, corpus, tmp_path, monkeypatch):
+def test_evaluate_and_generate_do_not_import_each_other():
+    """Both tools share .checkpoint (loading) and .decoding (LatentDecoder); no import cycle."""
+    import ast
+    import inspect
+
+    for module, other in ((evaluate, "generate"), (generate, "evaluate")):
+        names = set()
+        for node in ast.walk(ast.parse(inspect.getsource(module))):
+            if isinstance(node, ast.ImportFrom):
+                names |= {node.module or ""} | {f"{node.module or ''}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+        assert not [n for n in names if n.split(".")[-1] == other], (module.__name__, sorted(names))
+
+
+def test_vae_eval_command(trained, corpus, tmp_path):
     checkpoint = trained[0]
     out = tmp_path / "eval.json"
-    run_script("scripts/vae_eval.py", "--path", checkpoint, corpus / "bin", "--subset", "test", "--k", "24",
-               "--chunk-size", "5", "--batch-size", "16", "--json", out, "--cpu", monkeypatch=monkeypatch)
+    run_command(evaluate.cli_main, "--path", checkpoint, corpus / "bin", "--subset", "test", "--k", "24",
+                "--chunk-size", "5", "--batch-size", "16", "--json", out, "--cpu")
     result = json.loads(out.read_text())
     for key in ("iw_ppl", "elbo_ppl", "kl", "mi", "au", "rec", "nll", "iw_seconds_per_sentence"):
         assert key in result, key
@@ -374,10 +386,10 @@ def test_reconstruction_bleu_scores_greedy_reconstructions(trained, corpus):
     """rec_bleu == sacrebleu of LatentDecoder.reconstruct on the same sentences, in any order."""
     import sacrebleu
 
-    model, task, _ = evaluate.load_sentence_vae(str(trained[0]), cpu=True)
+    model, task, _ = load_sentence_vae(str(trained[0]), cpu=True)
     result = evaluate.evaluate_split(model, task, "test", k=2, chunk_size=2, batch_size=7)
     sentences = (corpus / "valid.txt").read_text().splitlines()
-    decoder = generate.LatentDecoder(model, task, generate.generation_args(beam=1), batch_size=5)
+    decoder = decoding.LatentDecoder(model, task, decoding.generation_args(beam=1), batch_size=5)
     expected = sacrebleu.corpus_bleu(decoder.reconstruct(sentences), [sentences], tokenize="none").score
     assert result["rec_bleu"] == pytest.approx(expected)
     assert "rec_bleu" not in evaluate.evaluate_split(model, task, "test", k=2, chunk_size=2, bleu=False)
@@ -385,7 +397,7 @@ def test_reconstruction_bleu_scores_greedy_reconstructions(trained, corpus):
 
 def test_iw_scores_the_expanded_batch_like_single_samples(trained, corpus):
     """The [n * B] decoder pass equals scoring each sample separately."""
-    model, task, _ = evaluate.load_sentence_vae(str(trained[0]), cpu=True)
+    model, task, _ = load_sentence_vae(str(trained[0]), cpu=True)
     sample = first_batch(task, "test", size=3)
     net_input = dict(sample["net_input"])
     prev = net_input.pop("prev_output_tokens")
@@ -423,8 +435,8 @@ def test_vae_generate_subcommands(trained, corpus, strategy, monkeypatch):
 
 def test_latent_paths_agree_under_greedy_decoding(trained, corpus):
     """Latents passed through net_input decode like the sentence itself (greedy is deterministic)."""
-    model, task, _ = evaluate.load_sentence_vae(str(trained[0]), cpu=True)
-    decoder = generate.LatentDecoder(model, task, generate.generation_args())
+    model, task, _ = load_sentence_vae(str(trained[0]), cpu=True)
+    decoder = decoding.LatentDecoder(model, task, decoding.generation_args())
     a, b, c = (corpus / "valid.txt").read_text().splitlines()[:3]
     rec = decoder.reconstruct([a, b, c])
     assert decoder.decode(decoder.encode([a, b, c])) == rec
@@ -443,17 +455,17 @@ def test_latent_paths_agree_under_greedy_decoding(trained, corpus):
     assert decoder.decode({n: v.unsqueeze(0) for n, v in everything.items()}) == [rec[1]]
     with pytest.raises(VAEConfigError, match="--latent z_style: the model's latents are z_syn, z_sem"):
         generate.transfer_latents(za, zb, ["z_style"])
-    beam = generate.LatentDecoder(model, task, generate.generation_args(beam=4))
+    beam = decoding.LatentDecoder(model, task, decoding.generation_args(beam=4))
     assert len(beam.decode(decoder.prior_samples(3, torch.Generator().manual_seed(0)))) == 3
 
 
-def test_vae_generate_script(trained, monkeypatch, capsys):
-    run_script("scripts/vae_generate.py", "interpolate", "--path", trained[0], "--cpu", "the nuts and bolts",
-               "rate of mining advance", "--steps", "3", "--beam", "2", monkeypatch=monkeypatch)
+def test_vae_generate_command(trained, capsys):
+    run_command(generate.cli_main, "interpolate", "--path", trained[0], "--cpu", "the nuts and bolts",
+                "rate of mining advance", "--steps", "3", "--beam", "2")
     assert [l.split("\t")[0] for l in capsys.readouterr().out.splitlines()] == ["0.00", "0.50", "1.00"]
     with pytest.raises(SystemExit) as exit_info:
-        run_script("scripts/vae_generate.py", "transfer", "--path", trained[0], "--cpu", "--latent", "z_x",
-                   "a b", "c d", monkeypatch=monkeypatch)
+        run_command(generate.cli_main, "transfer", "--path", trained[0], "--cpu", "--latent", "z_x",
+                    "a b", "c d")
     assert exit_info.value.code == 2
     assert "--latent z_x: the model's latents are z_syn, z_sem" in capsys.readouterr().err
 

@@ -6,7 +6,6 @@ so that topic information is what the task needs.
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import random
@@ -293,9 +292,8 @@ def test_three_stages_through_fairseq_train(tmp_path, data, tiny, task):
     joint = model_state(vq_ckpt)
     assert not torch.equal(before["ntm.topic_embeddings"], joint["ntm.topic_embeddings"])  # joint: phi moves
 
-    spec = importlib.util.spec_from_file_location("topic_report", REPO / "scripts" / "topic_report.py")
-    topic_report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(topic_report)
+    from user_dir.topic_vq import report as topic_report
+
     assert topic_report.main(["--path", str(vq_ckpt), "--data", str(data), "--json", str(tmp_path / "r.json")]) == 0
     result = json.loads((tmp_path / "r.json").read_text())
     assert 1.0 < result["ntm_perplexity"] < 2 * 16 and -1.0 <= result["coherence"] <= 1.0

@@ -1,8 +1,8 @@
-"""``scripts/tpr_roles_pos.py``: role types vs POS tags (HUBERT, Section 4.5 / Figure 4).
+"""``tpr-roles-pos`` (``user_dir.tpr.roles_pos``): role types vs POS tags (HUBERT, Section 4.5 / Figure 4).
 
 Pure parts (alignment on a real WordPiece tokenizer, top-K role tuples, tag merging, tally and
 association scores) and one end-to-end run: a tiny ``tpr_classifier`` trained for a few
-updates with fairseq-train, then the script as a subprocess on a tiny OANC-format file.
+updates with fairseq-train, then the command as a subprocess on a tiny OANC-format file.
 """
 
 import argparse
@@ -10,16 +10,13 @@ import json
 import os
 import random
 import subprocess
-import sys
 from collections import Counter
 
 import pytest
 import torch
 
 from conftest import REPO, save_tiny_bert, venv_bin
-
-sys.path.insert(0, str(REPO / "scripts"))
-import tpr_roles_pos as trp  # noqa: E402
+from user_dir.tpr import roles_pos as trp
 
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 WORDS = SPECIAL + ("the and a with . , ' s un ##believ ##able play ##ing ##s ##ed man driver "
@@ -163,8 +160,7 @@ def test_tally_summary_and_association():
 
 
 def test_a_checkpoint_that_is_not_tpr_classifier_is_refused(tmp_path, tiny, tokenizer, monkeypatch):
-    import glue_predict
-
+    from user_dir.hf_sentence import predict as glue_predict
     from user_dir.hf_sentence.model import HFSentenceClassifier
 
     class Task:  # what the classifier's build reads of hf_sentence_prediction
@@ -220,7 +216,7 @@ def test_end_to_end_tiny_tpr_checkpoint(tmp_path, tiny):
     oanc = tmp_path / "tagged.txt"
     oanc.write_text(OANC)
     out = tmp_path / "analysis"
-    stdout = run([sys.executable, REPO / "scripts" / "tpr_roles_pos.py", tmp_path / "ckpt" / "checkpoint_last.pt",
+    stdout = run([venv_bin("tpr-roles-pos"), tmp_path / "ckpt" / "checkpoint_last.pt",
                   "--oanc-file", oanc, "--out-dir", out, "--top-k", "2", "--batch-size", "3", "--cpu",
                   "--shuffle-baseline", "--top-types", "3"])
     report = json.loads((out / "roles_pos.json").read_text())

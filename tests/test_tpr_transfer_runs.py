@@ -1,19 +1,17 @@
-"""scripts/tpr_transfer_runs.py: the HUBERT transfer protocol (Table 2) through fairseq-train,
-and scripts/prepare_pattern3_classification.py (the real sets of the README run)."""
+"""``tpr-transfer-runs`` (``user_dir.tpr.transfer_runs``): the HUBERT transfer protocol (Table 2)
+through fairseq-train, and ``prepare-pattern3`` (``latent_core.data.pattern3``: the real sets of
+the README run)."""
 
 import json
 import random
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import REPO, save_tiny_bert
-
-sys.path.insert(0, str(REPO / "scripts"))
-import prepare_pattern3_classification as p3  # noqa: E402
-import tpr_transfer_runs as protocol  # noqa: E402
+from conftest import REPO, save_tiny_bert, venv_bin
+from latent_core.data import pattern3 as p3
+from user_dir.tpr import transfer_runs as protocol
 
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "a", "and", ".", "cat", "dog", "horse", "bird",
          "car", "train", "boat", "plane", "red", "blue", "big", "small"]
@@ -55,7 +53,7 @@ def test_protocol_runs_baselines_bert_and_tpr_transfer_and_resumes(tmp_path):
     BertModel(BertConfig.from_pretrained(str(encoder)), add_pooling_layer=False).save_pretrained(str(encoder))
     source = write_task(tmp_path / "animals", lambda x, y: int(x in ANIMALS), 1)
     target = write_task(tmp_path / "colours", lambda x, y: int(y in ("red", "blue")), 2)
-    cmd = [sys.executable, str(REPO / "scripts" / "tpr_transfer_runs.py"), "--source", str(source), "--target",
+    cmd = [venv_bin("tpr-transfer-runs"), "--source", str(source), "--target",
            str(target), "--encoder-dir", str(encoder), "--run-dir", str(tmp_path / "runs"), "--seeds", "1",
            "--tpr-args=" + TINY_TPR, "--combos", "roles", "encoder+fillers", "--lr", "2e-3", "--optimizer", "adam",
            "--epochs", "2", "--batch-size", "16", "--max-positions", "16", "--fairseq-extra=--cpu"]

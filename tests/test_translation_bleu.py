@@ -1,4 +1,4 @@
-"""Tokenized BLEU as the SDMA paper reports it (user_dir/sdma/bleu.py, scripts/translation_bleu.py)
+"""Tokenized BLEU as the SDMA paper reports it (user_dir/sdma/bleu.py and its command ``sdma-bleu``)
 and the two BLEU lines of examples/sdma_translation/evaluate.sh (end to end on the Ding pairs)."""
 
 import json
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, venv_bin
+from user_dir.sdma import bleu as translation_bleu
 from user_dir.sdma.bleu import (
     PAPER_LABEL,
     BLEUInputError,
@@ -20,9 +21,6 @@ from user_dir.sdma.bleu import (
     tokenize_lines,
     tokenized_bleu,
 )
-
-sys.path.insert(0, str(REPO / "scripts"))
-import translation_bleu  # noqa: E402
 
 DING = Path("/usr/share/trans/de-en")
 

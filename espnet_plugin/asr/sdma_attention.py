@@ -156,18 +156,18 @@ def _heads_first(resp: Tensor) -> Tensor:
     return resp.permute(0, 2, 1, 3).reshape(B * H, T, C)
 
 
-def sdma_options_from_conf(conf_name: str, *, mode: str, clusters: int, query_clusters: int,
-                           mix_max: float, mix_rate: float, centroid_grad_scale: float,
-                           noise_var: float, posterior_var: float, diversity_alpha: float,
-                           diversity_beta: float, mask_at_inference: bool) -> SDMAOptions:
-    """Validated :class:`SDMAOptions` from an ESPnet ``{conf_name}: {sdma_*: ...}`` block.
+# The authors' Aishell-1 setting (what ESPnet's encoder and decoder change in the core defaults of
+# latent_core.sdma.SDMAOptions): c_g = 5; 8 clusters for both GMMs of the encoder, 4 for both of the
+# decoder; the decoder self-attention drops its semantic mask at test time (the paper).
+AISHELL_ENCODER_PRESET = {"centroid_grad_scale": 5.0}
+AISHELL_DECODER_PRESET = {"centroid_grad_scale": 5.0, "num_clusters": 4, "num_query_clusters": 4,
+                          "mask_at_inference": False}
 
-    Errors name the YAML key, e.g. ``encoder_conf.sdma_clusters=0: ...``.
+
+def sdma_options_from_conf(conf_name: str, sdma_conf: Optional[dict], preset: dict) -> SDMAOptions:
+    """Validated :class:`SDMAOptions` from an ESPnet ``{conf_name}: {sdma_conf: {...}}`` block
+    (keys: the option names of :class:`SDMAOptions`, e.g. ``clusters``) on top of ``preset``.
+
+    Errors name the YAML key, e.g. ``encoder_conf.sdma_conf.clusters=0: ...``.
     """
-    options = SDMAOptions(
-        mode=mode, num_clusters=clusters, num_query_clusters=query_clusters, mix_max=mix_max,
-        mix_rate=mix_rate, centroid_grad_scale=centroid_grad_scale, noise_var=noise_var,
-        posterior_var=posterior_var, diversity_alpha=diversity_alpha, diversity_beta=diversity_beta,
-        mask_at_inference=mask_at_inference,
-    )
-    return options.validate(prefix=f"{conf_name}.sdma_", word_sep="_")
+    return SDMAOptions.from_conf(sdma_conf, where=f"{conf_name}.sdma_conf", preset=preset)

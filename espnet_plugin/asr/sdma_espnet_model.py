@@ -13,6 +13,7 @@ from latent_core.sdma import (
     REGULARISER_SCALES,
     SDMACore,
     SDMAConfigError,
+    SDMALossWeights,
     check_finite,
     check_loss_weight,
     collect_sdma_losses,
@@ -22,6 +23,8 @@ from latent_core.sdma import (
 )
 
 ESPNET_ADVICE = "Lower the learning rate or check the input features."
+# The paper's Aishell-1 weights of eq. (24) (lambda_d keeps the core default, 1)
+AISHELL_LOSS_WEIGHTS = SDMALossWeights(kl_weight=0.001, dqq_weight=30.0, dxq_weight=4.0)
 
 
 class ESPnetSDMAASRModel(ESPnetASRModel):
@@ -41,7 +44,7 @@ class ESPnetSDMAASRModel(ESPnetASRModel):
     loss, as the authors' ESPnet code does) or the number of target tokens
     (``length_normalized_loss: true``). So a lambda weighs an utterance's regularisers
     against that utterance's summed CE in both toolkits. Defaults: the paper's Aishell-1
-    weights (lambda_k 0.001, lambda_q 30, lambda_x 4, lambda_d 1).
+    weights (``AISHELL_LOSS_WEIGHTS``).
 
     Every term is reported as its own stat (``sdma_kl_z`` ... ``sdma_dv_q``, the weighted
     sum ``sdma_reg`` and the mixing weight ``sdma_mix``) on every step, zero when a term
@@ -54,8 +57,10 @@ class ESPnetSDMAASRModel(ESPnetASRModel):
     """
 
     @typechecked
-    def __init__(self, *args, sdma_kl_weight: float = 0.001, sdma_dqq_weight: float = 30.0,
-                 sdma_dxq_weight: float = 4.0, sdma_diversity_weight: float = 1.0,
+    def __init__(self, *args, sdma_kl_weight: float = AISHELL_LOSS_WEIGHTS.kl_weight,
+                 sdma_dqq_weight: float = AISHELL_LOSS_WEIGHTS.dqq_weight,
+                 sdma_dxq_weight: float = AISHELL_LOSS_WEIGHTS.dxq_weight,
+                 sdma_diversity_weight: float = AISHELL_LOSS_WEIGHTS.diversity_weight,
                  sdma_regulariser_scale: str = "sentence", **kwargs):
         ctc_weight, interctc_weight = kwargs.get("ctc_weight", 0.5), kwargs.get("interctc_weight", 0.0)
         if not 0.0 <= ctc_weight <= 1.0:  # ESPnet asserts both without a message

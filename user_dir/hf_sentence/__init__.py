@@ -9,7 +9,8 @@
 * model ``hf_sentence_classifier`` (:mod:`.model`): ``transformers.AutoModel`` encoder +
   classification head, meant to be subclassed.
 
-``scripts/glue_predict.py`` writes GLUE submission files from a checkpoint.
+Tools: ``glue-predict`` (:mod:`.predict`, ``scripts/glue_predict.py``) writes GLUE submission files
+from a checkpoint; ``hans-eval`` (:mod:`.hans`) scores an NLI checkpoint on HANS.
 """
 
 from . import criterion, model, task  # noqa: F401  (registration)

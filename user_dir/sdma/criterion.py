@@ -18,7 +18,7 @@ terms are logged per sentence.
 """
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Optional
 
 from fairseq.criterions import register_criterion
@@ -35,6 +35,7 @@ from latent_core.sdma import (
     LOSS_WEIGHTS,
     REGULARISER_SCALES,
     SDMAConfigError,
+    SDMALossWeights,
     check_finite,
     check_loss_weight,
     collect_sdma_losses,
@@ -47,20 +48,14 @@ FAIRSEQ_ADVICE = ("Lower the learning rate, enable --fp16-scale-tolerance / bf16
                   "the last checkpoint is intact.")
 
 
+def _weight_field(dc_field):
+    """A criterion override of one eq. (24) weight, documented by the core dataclass."""
+    return field(default=None, metadata={
+        "help": f"{dc_field.metadata['help']}; default: the model architecture's value"})
+
+
 @dataclass
-class SDMACriterionConfig(LabelSmoothedCrossEntropyCriterionConfig):
-    sdma_kl_weight: Optional[float] = field(
-        default=None, metadata={"help": "lambda_k of eq. (24); default: the architecture's Table I value (0.01)"}
-    )
-    sdma_dqq_weight: Optional[float] = field(
-        default=None, metadata={"help": "lambda_q of eq. (24); default: Table I (100 base/small, 50 tiny/Zh-En)"}
-    )
-    sdma_dxq_weight: Optional[float] = field(
-        default=None, metadata={"help": "lambda_x of eq. (24); default: Table I (10 base/small, 5 tiny/Zh-En)"}
-    )
-    sdma_diversity_weight: Optional[float] = field(
-        default=None, metadata={"help": "lambda_d of eq. (24); default: Table I (1)"}
-    )
+class _RegulariserScaleConfig(LabelSmoothedCrossEntropyCriterionConfig):
     sdma_regulariser_scale: ChoiceEnum(REGULARISER_SCALES) = field(
         default="sentence",
         metadata={"help": "how the per-sentence regularisers enter the token-summed loss: 'sentence' sums "
@@ -68,6 +63,14 @@ class SDMACriterionConfig(LabelSmoothedCrossEntropyCriterionConfig):
                           "lambdas), 'batch' adds their batch mean once, 'token' the batch mean times the "
                           "number of target tokens"},
     )
+
+
+# the four weights of eq. (24) (names and help from latent_core.sdma.SDMALossWeights)
+SDMACriterionConfig = make_dataclass(
+    "SDMACriterionConfig",
+    [(f"sdma_{f.name}", Optional[float], _weight_field(f)) for f in fields(SDMALossWeights)],
+    bases=(_RegulariserScaleConfig,),
+)
 
 
 @register_criterion("sdma_label_smoothed_cross_entropy", dataclass=SDMACriterionConfig)

@@ -8,8 +8,12 @@ beam search, checkpointing) is fairseq's. ``--sdma-mode none`` gives the vanilla
 transformer (V-T), ``sma`` SMA-T and ``sdma`` SDMA-T.
 """
 
-from typing import Dict
+import argparse
+from dataclasses import field, fields, make_dataclass
+from typing import Dict, Optional
 
+from fairseq.dataclass import ChoiceEnum, FairseqDataclass
+from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.distributed import fsdp_wrap
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import (
@@ -21,38 +25,62 @@ from fairseq.models.transformer import (
 from fairseq.models.transformer.transformer_legacy import base_architecture
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
+from omegaconf import OmegaConf
 
 from latent_core.sdma import (
-    LOSS_WEIGHTS,
-    SDMA_MODES,
     SDMAConfigError,
+    SDMALossWeights,
     SDMAOptions,
     check_loss_weight,
     collect_sdma_losses,
+    option_name,
 )
 from .fairseq_attention import SDMAMultiheadAttention
 
-# lambda_k, lambda_q, lambda_x, lambda_d of eq. (24); Table I defaults per architecture
-LOSS_WEIGHT_ARGS = tuple(LOSS_WEIGHTS)
+# What the fairseq model changes in the core's defaults (latent_core.sdma.SDMAOptions): Tables II-IV
+# fix n_c = 4 (Section IV-C1; Table V's n_c = 4 row is Table II's SDMA-T base, the authors' IWSLT
+# script passes --clusters 4); Table I's 8/8 is --sdma-clusters 8 --sdma-query-clusters 8.
+FAIRSEQ_PRESET = {"num_clusters": 4, "num_query_clusters": 4}
+# The decoder self-attention drops its semantic mask at test time (the paper), the others keep it.
+DECODER_MASK_AT_INFERENCE = False
+SIDES = ("encoder", "decoder")
+_SIDE_CLUSTER_OPTIONS = tuple(f"sdma_{side}_{name}" for side in SIDES for name in ("clusters", "query_clusters"))
+LOSS_WEIGHT_ARGS = tuple(SDMALossWeights().as_options())  # lambda_k, lambda_q, lambda_x, lambda_d of eq. (24)
+
+
+def _flag_field(dc_field, prefix: str = "sdma_"):
+    """(name, type, field) of the fairseq option generated from a core dataclass field. The default
+    is None (the architecture fills it in, fairseq's legacy-architecture convention) and the help
+    names the core default."""
+    name = prefix + option_name(dc_field.name)
+    help_text = f"{dc_field.metadata['help']} (default: {dc_field.default})"
+    choices = dc_field.metadata.get("choices")
+    kind = ChoiceEnum(choices) if choices else Optional[dc_field.type]
+    return name, kind, field(default=None, metadata={"help": help_text})
+
+
+# fairseq's options of the model, generated from the core dataclasses (no name or default is
+# written here); the booleans are added separately because they take a value (true/false).
+SDMAModelConfig = make_dataclass(
+    "SDMAModelConfig",
+    [_flag_field(f) for f in fields(SDMAOptions) if f.type is not bool]
+    + [(name, Optional[int], field(default=None, metadata={
+        "help": f"{name.split('_', 2)[2].replace('_', ' ')} in the {name.split('_')[1]} only "
+                f"(default: --sdma-{name.split('_', 2)[2].replace('_', '-')})"})) for name in _SIDE_CLUSTER_OPTIONS]
+    + [_flag_field(f) for f in fields(SDMALossWeights)],
+    bases=(FairseqDataclass,),
+)
 
 
 def sdma_options(cfg, side: str, mask_at_inference: bool = True) -> SDMAOptions:
     """Options of one side (``encoder`` / ``decoder``) from the flat model config."""
-    clusters = getattr(cfg, f"sdma_{side}_clusters", None)
-    query_clusters = getattr(cfg, f"sdma_{side}_query_clusters", None)
-    return SDMAOptions(
-        mode=cfg.sdma_mode,
-        num_clusters=cfg.sdma_clusters if clusters is None else clusters,
-        num_query_clusters=cfg.sdma_query_clusters if query_clusters is None else query_clusters,
-        mix_max=cfg.sdma_mix_max,
-        mix_rate=cfg.sdma_mix_rate,
-        centroid_grad_scale=cfg.sdma_centroid_grad_scale,
-        noise_var=cfg.sdma_noise_var,
-        posterior_var=cfg.sdma_posterior_var,
-        diversity_alpha=cfg.sdma_diversity_alpha,
-        diversity_beta=cfg.sdma_diversity_beta,
-        mask_at_inference=mask_at_inference,
-    )
+    values = {f.name: getattr(cfg, "sdma_" + option_name(f.name)) for f in fields(SDMAOptions)
+              if f.name != "mask_at_inference"}
+    for name in ("num_clusters", "num_query_clusters"):
+        per_side = getattr(cfg, f"sdma_{side}_{option_name(name)}", None)
+        if per_side is not None:
+            values[name] = per_side
+    return SDMAOptions(**values, mask_at_inference=mask_at_inference)
 
 
 def _attention_kwargs(layer, cfg):
@@ -153,49 +181,17 @@ class SDMATransformerModel(TransformerModel):
     def add_args(parser):
         TransformerModel.add_args(parser)
         group = parser.add_argument_group("SDMA (semantic and disentangled mask attention)")
-        group.add_argument("--sdma-mode", choices=SDMA_MODES,
-                           help="sdma: SDMA-T; sma: SMA-T (no head disentanglement); none: vanilla (default: sdma)")
-        group.add_argument("--sdma-clusters", type=int, metavar="N",
-                           help="n_c of the feature GMM theta_z, eq. (5)/(9) (default 4: Tables II-IV; "
-                                "Table I's IWSLT base 8 is Table V's n_c = 8 row)")
-        group.add_argument("--sdma-query-clusters", type=int, metavar="N",
-                           help="n_c of the query GMM theta_q, eq. (18) (default 4, as --sdma-clusters)")
-        group.add_argument("--sdma-encoder-clusters", type=int, metavar="N",
-                           help="feature clusters in the encoder only (default: --sdma-clusters)")
-        group.add_argument("--sdma-decoder-clusters", type=int, metavar="N",
-                           help="feature clusters in the decoder only (default: --sdma-clusters)")
-        group.add_argument("--sdma-encoder-query-clusters", type=int, metavar="N",
-                           help="query clusters in the encoder only (default: --sdma-query-clusters)")
-        group.add_argument("--sdma-decoder-query-clusters", type=int, metavar="N",
-                           help="query clusters in the decoder only (default: --sdma-query-clusters)")
-        group.add_argument("--sdma-mix-max", type=float, metavar="NU",
-                           help="nu, upper bound of the mixing weight of eq. (11), in (0, 1] (default: 0.9)")
-        group.add_argument("--sdma-mix-rate", type=float, metavar="R",
-                           help="g = 1 - max(1 - nu, exp(-R * num_updates)), eq. (11) (default: 5e-4)")
-        group.add_argument("--sdma-centroid-grad-scale", type=float, metavar="C_G",
-                           help="c_g: multiplier of the GMM means' gradient (Table I: 10; 5 for Zh-En)")
-        group.add_argument("--sdma-noise-var", type=float, metavar="S2",
-                           help="variance sigma^2 of the training-time sampling noise, eq. (8) (default: 0.01)")
-        group.add_argument("--sdma-posterior-var", type=float, metavar="S2",
-                           help="variance of q(z|x) and q(q|x) in the KL of eq. (20) (default: 0.1)")
-        group.add_argument("--sdma-diversity-alpha", type=float, metavar="A",
-                           help="alpha of the diversity mask, eq. (23) (default: 1.25)")
-        group.add_argument("--sdma-diversity-beta", type=float, metavar="B",
-                           help="beta of the diversity mask, eq. (23) (default: 0.75)")
+        gen_parser_from_dataclass(group, SDMAModelConfig(), delete_default=True)
         group.add_argument("--sdma-decoder-mask-at-inference", type=_str2bool, metavar="BOOL",
                            help="use the decoder self-attention's semantic mask when not training "
-                                "(the paper drops it: default False)")
-        group.add_argument("--sdma-kl-weight", type=float, metavar="W",
-                           help="lambda_k of eq. (24) (Table I: 0.01)")
-        group.add_argument("--sdma-dqq-weight", type=float, metavar="W",
-                           help="lambda_q of eq. (24) (Table I: 100 base/small, 50 tiny/Zh-En)")
-        group.add_argument("--sdma-dxq-weight", type=float, metavar="W",
-                           help="lambda_x of eq. (24) (Table I: 10 base/small, 5 tiny/Zh-En)")
-        group.add_argument("--sdma-diversity-weight", type=float, metavar="W",
-                           help="lambda_d of eq. (24) (Table I: 1)")
+                                f"(the paper drops it: default {DECODER_MASK_AT_INFERENCE})")
 
     @classmethod
     def build_model(cls, args, task):
+        if OmegaConf.is_config(args):
+            # fairseq-hydra-train passes a DictConfig; TransformerConfig.from_namespace keeps the
+            # extra (sdma_*) keys of a Namespace only, as for every legacy fairseq architecture.
+            args = argparse.Namespace(**OmegaConf.to_container(args, resolve=True))
         sdma_base_architecture(args)
         validate_sdma_args(args)
         model = super().build_model(args, task)
@@ -229,21 +225,21 @@ def _str2bool(value):
 
 def validate_sdma_args(args) -> None:
     """Early, named errors for impossible SDMA settings."""
-    for side in ("encoder", "decoder"):
+    for side in SIDES:
         dim = getattr(args, f"{side}_embed_dim")
         heads = getattr(args, f"{side}_attention_heads")
         if heads < 1 or dim % heads != 0:
             raise SDMAConfigError(
                 f"--{side}-attention-heads={heads} must be >= 1 and divide --{side}-embed-dim={dim}"
             )
-    for name in ("sdma_clusters", "sdma_query_clusters", "sdma_encoder_clusters", "sdma_decoder_clusters",
-                 "sdma_encoder_query_clusters", "sdma_decoder_query_clusters"):
-        value = getattr(args, name, None)
-        if value is not None and value < 1:
-            raise SDMAConfigError(f"--{name.replace('_', '-')}={value}: the number of clusters must be >= 1")
     for name in LOSS_WEIGHT_ARGS:
         check_loss_weight(name, getattr(args, name), "--" + name.replace("_", "-"))
-    for side in ("encoder", "decoder"):
+    for side in SIDES:
+        for name in ("clusters", "query_clusters"):
+            value = getattr(args, f"sdma_{side}_{name}", None)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise SDMAConfigError(f"--sdma-{side}-{name.replace('_', '-')}={value!r}: the number of "
+                                      "GMM clusters must be an integer >= 1")
         sdma_options(args, side).validate()
 
 
@@ -253,80 +249,71 @@ def _set_default(args, name, value):
 
 
 def sdma_base_architecture(args):
-    """SDMA defaults (paper, Section IV-A3 and Table I, IWSLT'14 base) on top of fairseq's."""
-    _set_default(args, "sdma_mode", "sdma")
-    _set_default(args, "sdma_clusters", 4)
-    _set_default(args, "sdma_query_clusters", 4)
-    _set_default(args, "sdma_mix_max", 0.9)
-    _set_default(args, "sdma_mix_rate", 5e-4)
-    _set_default(args, "sdma_centroid_grad_scale", 10.0)
-    _set_default(args, "sdma_noise_var", 0.01)
-    _set_default(args, "sdma_posterior_var", 0.1)
-    _set_default(args, "sdma_diversity_alpha", 1.25)
-    _set_default(args, "sdma_diversity_beta", 0.75)
-    _set_default(args, "sdma_decoder_mask_at_inference", False)
-    _set_default(args, "sdma_kl_weight", 0.01)
-    _set_default(args, "sdma_dqq_weight", 100.0)
-    _set_default(args, "sdma_dxq_weight", 10.0)
-    _set_default(args, "sdma_diversity_weight", 1.0)
+    """SDMA defaults (latent_core.sdma: Section IV-A3 and Table I, IWSLT'14 base, with
+    FAIRSEQ_PRESET) on top of fairseq's transformer defaults."""
+    options = SDMAOptions(**FAIRSEQ_PRESET)
+    for f in fields(SDMAOptions):
+        if f.name != "mask_at_inference":
+            _set_default(args, "sdma_" + option_name(f.name), getattr(options, f.name))
+    _set_default(args, "sdma_decoder_mask_at_inference", DECODER_MASK_AT_INFERENCE)
+    for name, value in SDMALossWeights().as_options().items():
+        _set_default(args, name, value)
     _set_default(args, "dropout", 0.3)
     base_architecture(args)
 
 
-def _table_one(args, embed, ffn, heads, clusters, dqq, dxq, c_g=10.0, layers=6):
-    """One row of Table I (Embed/FFN, N, n_h, n_c, lambda_q, lambda_x, c_g; lambda_k 0.01, lambda_d 1)."""
-    for side in ("encoder", "decoder"):
+def _table_one(args, embed, ffn, heads, layers=6, **sdma_overrides):
+    """One row of Table I (Embed/FFN, N, n_h) and the SDMA values where it differs from the
+    core defaults (n_c 4 of FAIRSEQ_PRESET; lambda_k 0.01, lambda_q 100, lambda_x 10, lambda_d 1, c_g 10)."""
+    for side in SIDES:
         _set_default(args, f"{side}_embed_dim", embed)
         _set_default(args, f"{side}_ffn_embed_dim", ffn)
         _set_default(args, f"{side}_attention_heads", heads)
         _set_default(args, f"{side}_layers", layers)
-    _set_default(args, "sdma_clusters", clusters)
-    _set_default(args, "sdma_query_clusters", clusters)
-    _set_default(args, "sdma_dqq_weight", dqq)
-    _set_default(args, "sdma_dxq_weight", dxq)
-    _set_default(args, "sdma_centroid_grad_scale", c_g)
+    for name, value in sdma_overrides.items():
+        _set_default(args, name, value)
     sdma_base_architecture(args)
 
 
-# IWSLT'14 base: Table I lists n_c = 8/8, but Tables II-IV fix n_c = 4 (Section IV-C1; Table
-# V's n_c = 4 row is Table II's SDMA-T base, 35.22 BLEU; the authors' IWSLT script passes
-# --clusters 4). The default reproduces Table II; --sdma-clusters 8 --sdma-query-clusters 8
-# is Table I's setting (Table V's n_c = 8 row).
+# Table I's tiny and Zh-En rows: lambda_q 50, lambda_x 5
+SMALLER_DISENTANGLEMENT = {"sdma_dqq_weight": 50.0, "sdma_dxq_weight": 5.0}
+
+
 @register_model_architecture("sdma_transformer", "sdma_transformer")
 def sdma_transformer(args):
-    _table_one(args, 512, 1024, 4, 4, 100.0, 10.0)
+    _table_one(args, 512, 1024, 4)
 
 
 @register_model_architecture("sdma_transformer", "sdma_transformer_iwslt_de_en")
 def sdma_transformer_iwslt_de_en(args):
-    _table_one(args, 512, 1024, 4, 4, 100.0, 10.0)
+    _table_one(args, 512, 1024, 4)
 
 
 @register_model_architecture("sdma_transformer", "sdma_transformer_iwslt_de_en_small")
 def sdma_transformer_iwslt_de_en_small(args):
-    _table_one(args, 384, 1024, 4, 4, 100.0, 10.0)
+    _table_one(args, 384, 1024, 4)
 
 
 @register_model_architecture("sdma_transformer", "sdma_transformer_iwslt_de_en_tiny")
 def sdma_transformer_iwslt_de_en_tiny(args):
-    _table_one(args, 256, 512, 4, 4, 50.0, 5.0)
+    _table_one(args, 256, 512, 4, **SMALLER_DISENTANGLEMENT)
 
 
 @register_model_architecture("sdma_transformer", "sdma_transformer_wmt_en_de")
 def sdma_transformer_wmt_en_de(args):
-    _table_one(args, 512, 2048, 8, 4, 100.0, 10.0)
+    _table_one(args, 512, 2048, 8)
 
 
 @register_model_architecture("sdma_transformer", "sdma_transformer_wmt_en_de_small")
 def sdma_transformer_wmt_en_de_small(args):
-    _table_one(args, 384, 2048, 8, 4, 100.0, 10.0)
+    _table_one(args, 384, 2048, 8)
 
 
 @register_model_architecture("sdma_transformer", "sdma_transformer_wmt_en_de_tiny")
 def sdma_transformer_wmt_en_de_tiny(args):
-    _table_one(args, 256, 1024, 4, 4, 50.0, 5.0)
+    _table_one(args, 256, 1024, 4, **SMALLER_DISENTANGLEMENT)
 
 
 @register_model_architecture("sdma_transformer", "sdma_transformer_wmt_zh_en")
 def sdma_transformer_wmt_zh_en(args):
-    _table_one(args, 512, 1024, 4, 4, 50.0, 5.0, c_g=5.0)
+    _table_one(args, 512, 1024, 4, **SMALLER_DISENTANGLEMENT, sdma_centroid_grad_scale=5.0)

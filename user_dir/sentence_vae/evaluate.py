@@ -1,4 +1,4 @@
-"""Evaluation of a trained sentence VAE on a binarized split (library of ``scripts/vae_eval.py``).
+"""Evaluation of a trained sentence VAE on a binarized split (the ``vae-eval`` command; ``scripts/vae_eval.py``).
 
 For every sentence x of the split (target = sentence + EOS):
 
@@ -39,7 +39,7 @@ from collections import OrderedDict
 from typing import Dict, List, Optional
 
 import torch
-from fairseq import checkpoint_utils, utils
+from fairseq import utils
 import numpy as np
 from fairseq.data import BaseWrapperDataset
 
@@ -52,33 +52,11 @@ from latent_core.vae import (
     perplexity,
 )
 
-from .base import SentenceVAEEncoder, posteriors_of, reorder_encoder_output
+from .base import posteriors_of, reorder_encoder_output
+from .checkpoint import load_sentence_vae, model_device
+from .decoding import LatentDecoder, generation_args
 
 logger = logging.getLogger(__name__)
-
-
-# ---------------------------------------------------------------------------- loading
-def load_sentence_vae(path: str, data: Optional[str] = None, cpu: bool = False):
-    """(model in eval mode on its device, task, saved cfg) from a fairseq checkpoint.
-
-    ``data`` overrides the checkpoint's data directory (where ``dict.txt`` and the splits are).
-    """
-    overrides = {"data": data} if data else None
-    try:
-        models, cfg, task = checkpoint_utils.load_model_ensemble_and_task([path], arg_overrides=overrides)
-    except FileNotFoundError as err:
-        raise FileNotFoundError(f"loading {path}: {err}") from err
-    model = models[0]
-    if not isinstance(getattr(model, "encoder", None), SentenceVAEEncoder) or not getattr(model, "latent_sizes", None):
-        raise TypeError(f"{path} holds a {type(model).__name__}, not a sentence VAE "
-                        "(see user_dir/sentence_vae/base.py)")
-    device = torch.device("cuda" if torch.cuda.is_available() and not cpu else "cpu")
-    model.to(device).eval()
-    return model, task, cfg
-
-
-def model_device(model) -> torch.device:
-    return next(model.parameters()).device
 
 
 # ------------------------------------------------------------------------- scoring
@@ -174,7 +152,6 @@ def evaluate_split(model, task, subset: str = "test", k: int = 100, chunk_size: 
     references: List[str] = []
     hypotheses: List[str] = []
     if bleu:
-        from .generate import LatentDecoder, generation_args  # generate imports this module
         greedy = LatentDecoder(model, task, generation_args(beam=1), batch_size=batch_size)
     for sample in iterator:
         sample = utils.move_to_cuda(sample, device=device) if device.type == "cuda" else sample
@@ -316,9 +293,11 @@ def main(argv: Optional[List[str]] = None) -> "OrderedDict[str, float]":
     return results
 
 
-def cli_main() -> None:
+def cli_main(argv: Optional[List[str]] = None) -> None:
+    """The ``vae-eval`` command: exit status 2 after a one-line error for a bad option or a
+    missing checkpoint or data file."""
     try:
-        main()
+        main(argv)
     except (VAEConfigError, OSError) as err:  # bad option, missing checkpoint/data file
         print(f"vae_eval.py: error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -1,4 +1,4 @@
-"""Decoding from a sentence VAE's latent space (library of ``scripts/vae_generate.py``).
+"""Decoding from a sentence VAE's latent space (the ``vae-generate`` command; ``scripts/vae_generate.py``).
 
 Subcommands (every latent of the model, whatever its names):
 
@@ -11,7 +11,7 @@ Subcommands (every latent of the model, whatever its names):
   every other latent from SRC (QKVAE's syntax/semantics transfer, Section 5, with
   ``--latent z_syn``: the syntax of OTHER with the semantics of SRC).
 
-z_A etc. are posterior means. Decoding uses fairseq's own ``SequenceGenerator``
+z_A etc. are posterior means. Decoding (:mod:`.decoding`) uses fairseq's own ``SequenceGenerator``
 (``task.build_generator``): greedy by default (beam 1), beam search (``--beam N``), or
 sampling (``--sampling``, restricted with ``--sampling-topk K`` or ``--sampling-topp P``,
 ``--temperature``). The latents travel in ``net_input["latents"]`` with an empty
@@ -26,21 +26,16 @@ dictionary (``dict.txt``), so they must be tokenised exactly like the text given
 """
 
 import argparse
-import logging
 import sys
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 import torch
-from fairseq.data import data_utils
 from torch import Tensor
 
 from latent_core.vae import VAEConfigError
 
-from .evaluate import load_sentence_vae, model_device
-
-logger = logging.getLogger(__name__)
-
-Latents = Dict[str, Tensor]
+from .checkpoint import load_sentence_vae
+from .decoding import LatentDecoder, Latents, generation_args
 
 
 # ------------------------------------------------------------------ latent arithmetic
@@ -68,132 +63,6 @@ def transfer_latents(z_src: Mapping[str, Tensor], z_other: Mapping[str, Tensor],
         raise VAEConfigError(f"--latent {','.join(names) or '(none)'}: the model's latents are "
                              f"{', '.join(z_src)}")
     return {name: (z_other[name] if name in names else z_src[name]) for name in z_src}
-
-
-# ------------------------------------------------------------------------ generator
-def generation_args(beam: int = 1, sampling: bool = False, sampling_topk: int = -1, sampling_topp: float = -1.0,
-                    temperature: float = 1.0, max_len: int = 200, min_len: int = 1, lenpen: float = 1.0,
-                    unkpen: float = 0.0, no_repeat_ngram_size: int = 0) -> argparse.Namespace:
-    """The generation options ``task.build_generator`` reads. ``sampling_topk > 0`` or
-    ``sampling_topp > 0`` implies ``sampling``; greedy decoding is beam 1 without sampling."""
-    if beam < 1:
-        raise VAEConfigError(f"--beam={beam} must be >= 1")
-    if sampling_topk == 0 or sampling_topk < -1:
-        raise VAEConfigError(f"--sampling-topk={sampling_topk} must be >= 1 (or -1: off)")
-    if sampling_topp != -1.0 and not 0.0 < sampling_topp <= 1.0:
-        raise VAEConfigError(f"--sampling-topp={sampling_topp} must lie in (0, 1] (or -1: off)")
-    if temperature <= 0:
-        raise VAEConfigError(f"--temperature={temperature} must be > 0")
-    if max_len < min_len or min_len < 0:
-        raise VAEConfigError(f"--max-len={max_len} must be >= --min-len={min_len} >= 0")
-    sampling = sampling or sampling_topk > 0 or sampling_topp > 0
-    return argparse.Namespace(
-        beam=beam, sampling=sampling, sampling_topk=sampling_topk, sampling_topp=sampling_topp,
-        temperature=temperature, max_len_a=0, max_len_b=max_len, min_len=min_len, lenpen=lenpen,
-        unkpen=unkpen, no_repeat_ngram_size=no_repeat_ngram_size,
-    )
-
-
-class LatentDecoder:
-    """Encode sentences to posterior means and decode latents with fairseq's SequenceGenerator."""
-
-    def __init__(self, model, task, gen_args: argparse.Namespace, batch_size: int = 64,
-                 post_process: Optional[str] = None):
-        self.model, self.task = model.eval(), task
-        self.dictionary = task.source_dictionary
-        self.generator = task.build_generator([model], gen_args)
-        self.batch_size = batch_size
-        self.post_process = post_process
-        self.device = model_device(model)
-        self.left_pad = bool(getattr(task.cfg, "left_pad_source", False))
-
-    # ------------------------------------------------------------------ text
-    def tokens(self, sentence: str) -> Tensor:
-        """Whitespace-split ``sentence`` -> ids + EOS ``[L + 1]``; unknown words warned about."""
-        ids = self.dictionary.encode_line(sentence, add_if_not_exist=False, append_eos=True).long()
-        limit = self.model.encoder.max_positions()
-        if ids.numel() > limit:
-            raise VAEConfigError(f"input of {ids.numel()} tokens (with EOS) is longer than the model's "
-                                 f"{limit} positions: {sentence[:60]!r}...")
-        unknown = [w for w, i in zip(sentence.split(), ids.tolist()) if i == self.dictionary.unk()]
-        if unknown:
-            logger.warning("not in the dictionary (decoded as <unk>): %s", " ".join(unknown))
-        return ids
-
-    def batch(self, sentences: Sequence[str]) -> Tuple[Tensor, Tensor]:
-        """``src_tokens [B, L]`` (padded like the task's data) and ``src_lengths [B]``."""
-        items = [self.tokens(s) for s in sentences]
-        src = data_utils.collate_tokens(items, self.dictionary.pad(), self.dictionary.eos(), left_pad=self.left_pad)
-        lengths = torch.tensor([t.numel() for t in items])
-        return src.to(self.device), lengths.to(self.device)
-
-    def detokenize(self, tokens: Tensor) -> str:
-        return self.dictionary.string(tokens.int().cpu(), bpe_symbol=self.post_process)
-
-    # ------------------------------------------------------------- encode/decode
-    @torch.no_grad()
-    def encode(self, sentences: Sequence[str]) -> Latents:
-        """Posterior means {latent: ``[N, D]``}."""
-        out: Dict[str, List[Tensor]] = {}
-        for first in range(0, len(sentences), self.batch_size):
-            src, lengths = self.batch(sentences[first:first + self.batch_size])
-            means = self.model.encoder(src, lengths)["posterior_mean"]
-            for name, mean in means.items():
-                out.setdefault(name, []).append(mean)
-        return {name: torch.cat(parts) for name, parts in out.items()}
-
-    def _generate(self, net_input: Dict) -> List[str]:
-        try:
-            hypos = self.task.inference_step(self.generator, [self.model], {"net_input": net_input})
-        except KeyError as err:
-            if err.args != ("attn",):
-                raise
-            raise TypeError(f"{type(self.model.decoder).__name__} returns no extra['attn'], which fairseq's "
-                            "SequenceGenerator reads: return base.decoder_extra(encoder_out) as extra") from err
-        return [self.detokenize(h[0]["tokens"]) for h in hypos]
-
-    @torch.no_grad()
-    def decode(self, latents: Mapping[str, Tensor]) -> List[str]:
-        """One sentence per row of the latents {latent: ``[N, D]``} (every latent of the model)."""
-        missing = [name for name in self.model.latent_sizes if name not in latents]
-        if missing:
-            raise VAEConfigError(f"no value for latent(s) {', '.join(missing)}")
-        n = next(iter(latents.values())).size(0)
-        outputs = []
-        for first in range(0, n, self.batch_size):
-            z = {name: latents[name][first:first + self.batch_size].to(self.device) for name in self.model.latent_sizes}
-            rows = next(iter(z.values())).size(0)
-            outputs += self._generate({
-                "src_tokens": torch.empty(rows, 0, dtype=torch.long, device=self.device),
-                "src_lengths": torch.zeros(rows, dtype=torch.long, device=self.device),
-                "latents": z,
-            })
-        return outputs
-
-    @torch.no_grad()
-    def reconstruct(self, sentences: Sequence[str]) -> List[str]:
-        """Decode every sentence from its posterior means (the sentences are the source)."""
-        outputs = []
-        for first in range(0, len(sentences), self.batch_size):
-            outputs += self.reconstruct_batch(*self.batch(sentences[first:first + self.batch_size]))
-        return outputs
-
-    @torch.no_grad()
-    def reconstruct_batch(self, src_tokens: Tensor, src_lengths: Tensor) -> List[str]:
-        """Reconstructions of an already binarized batch ``src_tokens [B, L]``, ``src_lengths [B]``."""
-        return self._generate({"src_tokens": src_tokens.to(self.device), "src_lengths": src_lengths.to(self.device)})
-
-    def prior_samples(self, num: int, generator: Optional[torch.Generator] = None) -> Latents:
-        """z ~ N(0, I) {latent: ``[num, D]``}."""
-        if num < 1:
-            raise VAEConfigError(f"--num={num} must be >= 1")
-        dtype = next(self.model.parameters()).dtype
-        return {name: torch.randn(num, size, generator=generator, dtype=dtype).to(self.device)
-                for name, size in self.model.latent_sizes.items()}
-
-    def one(self, sentence: str) -> Latents:
-        """Posterior means of one sentence, {latent: ``[D]``}."""
-        return {name: z[0] for name, z in self.encode([sentence]).items()}
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -275,9 +144,11 @@ def main(argv: Optional[List[str]] = None, out=None) -> List[str]:
     return run(build_parser().parse_args(argv), out)
 
 
-def cli_main() -> None:
+def cli_main(argv: Optional[List[str]] = None) -> None:
+    """The ``vae-generate`` command: exit status 2 after a one-line error for a bad option or a
+    missing checkpoint or data file."""
     try:
-        main()
+        main(argv)
     except (VAEConfigError, OSError) as err:  # bad option, missing checkpoint/data file
         print(f"vae_generate.py: error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -2,7 +2,7 @@
 
 import contextlib
 import dataclasses
-from typing import Any, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from espnet2.asr.decoder.transformer_decoder import TransformerDecoder
@@ -10,6 +10,7 @@ from espnet.nets.pytorch_backend.nets_utils import make_pad_mask
 from typeguard import typechecked
 
 from espnet_plugin.asr.sdma_attention import (
+    AISHELL_DECODER_PRESET,
     SDMAMultiHeadedAttention,
     check_transformer_conf,
     sdma_options_from_conf,
@@ -22,16 +23,15 @@ class SDMATransformerDecoder(TransformerDecoder):
     It keeps ESPnet's batch scorer interface (``score``, ``batch_score``), so
     ``BatchBeamSearch`` with CTC prefix scoring works unchanged. ESPnet caches layer
     outputs, not keys: every step re-clusters the whole prefix, so incremental scores
-    equal full-sequence scores for both ``sdma_mask_at_inference`` settings.
+    equal full-sequence scores for both ``mask_at_inference`` settings.
 
     Constructible from ``vocab_size`` and ``encoder_output_size`` alone, like ESPnet's own
-    decoders. The ``sdma_*`` arguments are those of
-    :class:`~espnet_plugin.asr.encoder.sdma_transformer_encoder.SDMATransformerEncoder`
-    (the decoder's defaults: 4 feature and 4 query clusters, the authors' Aishell-1 setting),
-    except ``sdma_mask_at_inference``, which governs the decoder SELF-attention only and
-    defaults to False: the paper disregards the semantic mask of the decoder's
-    self-attention at test time. The cross-attention keeps its mask at inference, as in the
-    fairseq model.
+    decoders. ``sdma_conf`` takes the options of
+    :class:`~espnet_plugin.asr.encoder.sdma_transformer_encoder.SDMATransformerEncoder`, on top
+    of ``AISHELL_DECODER_PRESET`` (4 feature and 4 query clusters, c_g = 5: the authors'
+    Aishell-1 setting; ``mask_at_inference`` false). ``mask_at_inference`` governs the decoder
+    SELF-attention only: the paper disregards its semantic mask at test time. The
+    cross-attention keeps its mask at inference, as in the fairseq model.
 
     Shapes: ``forward(hs_pad (B, S, D), hlens (B,), ys_in_pad (B, L), ys_in_lens (B,))`` ->
     ``(B, L, vocab_size), (B,)``.
@@ -54,17 +54,7 @@ class SDMATransformerDecoder(TransformerDecoder):
         normalize_before: bool = True,
         concat_after: bool = False,
         layer_drop_rate: float = 0.0,
-        sdma_mode: str = "sdma",
-        sdma_clusters: int = 4,
-        sdma_query_clusters: int = 4,
-        sdma_mix_max: float = 0.9,
-        sdma_mix_rate: float = 5e-4,
-        sdma_centroid_grad_scale: float = 5.0,
-        sdma_noise_var: float = 0.01,
-        sdma_posterior_var: float = 0.1,
-        sdma_diversity_alpha: float = 1.25,
-        sdma_diversity_beta: float = 0.75,
-        sdma_mask_at_inference: bool = False,
+        sdma_conf: Optional[Dict[str, Any]] = None,
     ):
         check_transformer_conf(
             "decoder_conf", width=encoder_output_size, width_key="encoder_conf.output_size",
@@ -74,13 +64,7 @@ class SDMATransformerDecoder(TransformerDecoder):
                            "src_attention_dropout_rate": src_attention_dropout_rate,
                            "layer_drop_rate": layer_drop_rate},
         )
-        options = sdma_options_from_conf(
-            "decoder_conf", mode=sdma_mode, clusters=sdma_clusters, query_clusters=sdma_query_clusters,
-            mix_max=sdma_mix_max, mix_rate=sdma_mix_rate, centroid_grad_scale=sdma_centroid_grad_scale,
-            noise_var=sdma_noise_var, posterior_var=sdma_posterior_var,
-            diversity_alpha=sdma_diversity_alpha, diversity_beta=sdma_diversity_beta,
-            mask_at_inference=sdma_mask_at_inference,
-        )
+        options = sdma_options_from_conf("decoder_conf", sdma_conf, AISHELL_DECODER_PRESET)
         super().__init__(
             vocab_size=vocab_size,
             encoder_output_size=encoder_output_size,

@@ -1,6 +1,6 @@
 """Transformer encoder with SDMA self-attention (ESPnet2 ``encoder: sdma_transformer``)."""
 
-from typing import List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from espnet2.asr.ctc import CTC
@@ -8,6 +8,7 @@ from espnet2.asr.encoder.transformer_encoder import TransformerEncoder
 from typeguard import typechecked
 
 from espnet_plugin.asr.sdma_attention import (
+    AISHELL_ENCODER_PRESET,
     SDMAMultiHeadedAttention,
     check_transformer_conf,
     sdma_options_from_conf,
@@ -19,20 +20,16 @@ class SDMATransformerEncoder(TransformerEncoder):
 
     Everything but the attention is ESPnet's own (subsampling, positional encoding,
     feed-forward, layer norm, intermediate CTC), so a ``transformer`` encoder config
-    becomes an SDMA one by changing ``encoder:`` and adding the ``sdma_*`` keys.
+    becomes an SDMA one by changing ``encoder:`` and adding an ``sdma_conf`` block.
 
-    Args (besides those of ``TransformerEncoder``; defaults: the paper's Aishell-1 run):
-        sdma_mode: ``sdma`` (SDMA-T), ``sma`` (no head disentanglement) or ``none``
-            (ESPnet's plain attention).
-        sdma_clusters: feature clusters n_c per head (8).
-        sdma_query_clusters: query clusters of the disentanglement GMM (8: the authors'
-            Aishell-1 code uses 8 clusters for both GMMs of the encoder, 4 for both of the decoder).
-        sdma_mix_max, sdma_mix_rate: nu and the rate of the mixing weight (eq. 11).
-        sdma_centroid_grad_scale: c_g, gradient multiplier of the GMM means (5).
-        sdma_noise_var: sigma^2 of the training noise (eq. 8).
-        sdma_posterior_var: variance of q(z|x) in the KL term (eq. 20).
-        sdma_diversity_alpha, sdma_diversity_beta: alpha, beta of eq. (23).
-        sdma_mask_at_inference: apply the semantic mask when not training.
+    Args (besides those of ``TransformerEncoder``):
+        sdma_conf: SDMA options, keyed by the option names of
+            :class:`latent_core.sdma.SDMAOptions` (``mode``: ``sdma`` / ``sma`` / ``none``
+            = ESPnet's plain attention, ``clusters``, ``query_clusters``, ``mix_max``,
+            ``mix_rate``, ``centroid_grad_scale``, ``noise_var``, ``posterior_var``,
+            ``diversity_alpha``, ``diversity_beta``, ``mask_at_inference``); documented and
+            defaulted there, on top of ``AISHELL_ENCODER_PRESET`` (the authors' Aishell-1 run:
+            8 feature and 8 query clusters, c_g = 5). Unknown keys are refused by name.
 
     Shapes: ``forward(xs_pad (B, L, input_size), ilens (B,))`` ->
     ``(B, L', output_size), (B,), None`` (L' after subsampling).
@@ -59,17 +56,7 @@ class SDMATransformerEncoder(TransformerEncoder):
         interctc_layer_idx: List[int] = [],
         interctc_use_conditioning: bool = False,
         layer_drop_rate: float = 0.0,
-        sdma_mode: str = "sdma",
-        sdma_clusters: int = 8,
-        sdma_query_clusters: int = 8,
-        sdma_mix_max: float = 0.9,
-        sdma_mix_rate: float = 5e-4,
-        sdma_centroid_grad_scale: float = 5.0,
-        sdma_noise_var: float = 0.01,
-        sdma_posterior_var: float = 0.1,
-        sdma_diversity_alpha: float = 1.25,
-        sdma_diversity_beta: float = 0.75,
-        sdma_mask_at_inference: bool = True,
+        sdma_conf: Optional[Dict[str, Any]] = None,
     ):
         check_transformer_conf(
             "encoder_conf", width=output_size, width_key="encoder_conf.output_size",
@@ -78,13 +65,7 @@ class SDMATransformerEncoder(TransformerEncoder):
                            "attention_dropout_rate": attention_dropout_rate, "layer_drop_rate": layer_drop_rate},
             interctc_layer_idx=interctc_layer_idx,
         )
-        options = sdma_options_from_conf(
-            "encoder_conf", mode=sdma_mode, clusters=sdma_clusters, query_clusters=sdma_query_clusters,
-            mix_max=sdma_mix_max, mix_rate=sdma_mix_rate, centroid_grad_scale=sdma_centroid_grad_scale,
-            noise_var=sdma_noise_var, posterior_var=sdma_posterior_var,
-            diversity_alpha=sdma_diversity_alpha, diversity_beta=sdma_diversity_beta,
-            mask_at_inference=sdma_mask_at_inference,
-        )
+        options = sdma_options_from_conf("encoder_conf", sdma_conf, AISHELL_ENCODER_PRESET)
         super().__init__(
             input_size=input_size,
             output_size=output_size,

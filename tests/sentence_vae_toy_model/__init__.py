@@ -6,7 +6,10 @@ interface of ``user_dir/sentence_vae/base.py`` and nothing more: a GRU encoder w
 hidden state gives the posterior of every latent, and a GRU decoder whose initial state and
 every input step are conditioned on the concatenated latents. Not for real use.
 
-Import this module (``sys.path`` needs ``tests/``) before building or loading the model.
+A fairseq ``--user-dir`` package: ``fairseq-train --user-dir tests/sentence_vae_toy_model``
+imports it, and it imports the plugin (``user_dir``) itself. In the tests' own process, import
+it as ``sentence_vae_toy_model`` (pytest puts ``tests/`` on the path of test modules) before
+building or loading the model.
 """
 
 from collections import OrderedDict

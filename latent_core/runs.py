@@ -1,8 +1,12 @@
-"""Shared helpers of the SDMA quickstart and benchmark: run fairseq's CLIs, parse their logs.
+"""Run the toolkit's command-line tools as a user would, and parse their logs.
 
-Everything goes through fairseq's own entry points (``fairseq-train``,
-``fairseq-generate``) as a user would run them; the output streams to the terminal
-and is also kept for parsing.
+The subprocess layer of every driver that trains or decodes: the SDMA quickstart
+(``sdma-demo``) and benchmarks (``sdma-bench``, ``vae-bench``), the regulariser-scale study
+(``sdma-regulariser-scales``) and the sweeps (``topic-vq-runs``, ``tpr-transfer-runs``).
+Everything goes through the console scripts of the running interpreter's environment
+(``fairseq-train``, ``fairseq-generate``, ``glue-predict``, ...); one runner,
+:func:`run_streaming`, keeps each run's full output in a log file and echoes the lines asked
+for. Toolkit-free: nothing here imports fairseq (sacreBLEU is imported when a score is asked for).
 """
 
 import json
@@ -15,8 +19,10 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-REPO = Path(__file__).resolve().parents[1]
-USER_DIR = REPO / "user_dir"
+import latent_core
+
+REPO_ROOT = Path(latent_core.__file__).resolve().parents[1]
+USER_DIR = REPO_ROOT / "user_dir"  # fairseq's --user-dir (the package next to latent_core)
 
 
 def console_script(name: str) -> str:
@@ -32,15 +38,17 @@ def stage(message: str) -> None:
 
 
 def run_streaming(cmd: Sequence, log_path: Path, echo_filter: Optional[str] = None,
-                  wrap_rss: bool = False) -> Dict:
-    """Run ``cmd``; echo lines matching ``echo_filter`` (all if None); keep the full log.
+                  wrap_rss: bool = False, echo: bool = True) -> Dict:
+    """Run ``cmd``; echo lines matching ``echo_filter`` (all if None; none without ``echo``);
+    keep the full log (stdout and stderr) in ``log_path``. SystemExit with the log's tail when
+    the command fails.
 
-    With ``wrap_rss`` the command runs under a small Python wrapper that reports the
-    process's peak resident memory (``ru_maxrss``) when it exits.
+    With ``wrap_rss`` the command (a console script) runs under ``latent_core.peak_rss``, which
+    reports the process's peak resident memory (``ru_maxrss``) when it exits.
     """
     cmd = [str(c) for c in cmd]
     if wrap_rss:
-        cmd = [sys.executable, str(Path(__file__).with_name("peak_rss.py")), *cmd]
+        cmd = [sys.executable, "-m", "latent_core.peak_rss", *cmd]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.time()
     lines: List[str] = []
@@ -53,7 +61,7 @@ def run_streaming(cmd: Sequence, log_path: Path, echo_filter: Optional[str] = No
             log.write(line)
             lines.append(line)
             arrived.append(time.time() - start)
-            if pattern is None or pattern.search(line):
+            if echo and (pattern is None or pattern.search(line)):
                 print("    " + line.rstrip()[-200:], flush=True)
         proc.wait()
     if proc.returncode != 0:
@@ -66,6 +74,32 @@ def run_streaming(cmd: Sequence, log_path: Path, echo_filter: Optional[str] = No
     if match:
         result["peak_rss_mb"] = float(match.group(1))
     return result
+
+
+def finished(log: Path) -> bool:
+    """True when ``log`` is the log of a ``fairseq-train`` run that reached its end."""
+    return log.is_file() and "done training" in log.read_text()
+
+
+def fairseq_train(arguments: Sequence, log: Path) -> Dict:
+    """``fairseq-train ARGUMENTS`` with stdout and stderr in ``log`` (nothing echoed): the
+    :func:`run_streaming` result; SystemExit with the log's tail when it fails."""
+    return run_streaming([console_script("fairseq-train"), *arguments], log, echo=False)
+
+
+def test_scores(checkpoint: Path, data: Path, out: Path) -> Dict[str, float]:
+    """``glue-predict`` on ``data``'s test split (predictions in ``out``) -> its metrics (the JSON
+    line it prints last on stdout); {} for an unlabelled test file (GLUE's)."""
+    cmd = [console_script("glue-predict"), "--path", str(checkpoint), "--data", str(data),
+           "--split", "test", "--out", str(out), "--cpu"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"glue-predict failed on {checkpoint}: {proc.stderr[-3000:]}")
+    lines = proc.stdout.strip().splitlines()
+    return json.loads(lines[-1]) if lines else {}
+
+
+test_scores.__test__ = False  # a library function, not a pytest test
 
 
 def train_words_per_second(log: str, skip_first: int = 1) -> float:

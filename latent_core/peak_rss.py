@@ -1,0 +1,39 @@
+"""Run a console script in this process and print its peak resident memory at exit.
+
+``peak-rss fairseq-train ARGS...`` (or ``python -m latent_core.peak_rss``) -> ``PEAK_RSS_MB=<MiB>``
+on stdout. CONSOLE_SCRIPT is the name (or the path) of a console script of this environment; it
+runs through its entry point, as its wrapper in ``bin/`` would run it.
+Used by the benchmark to compare training memory on CPU (on a GPU the benchmark also
+reads ``torch.cuda.max_memory_allocated``).
+"""
+
+import resource
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import List, Optional
+
+
+def _report() -> None:
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(f"PEAK_RSS_MB={peak_kib / 1024:.1f}", flush=True)
+
+
+def main(argv: Optional[List[str]] = None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
+        raise SystemExit("usage: peak-rss CONSOLE_SCRIPT [ARGS...]")
+    script = Path(argv[0])
+    found = entry_points(group="console_scripts", name=script.name)
+    if not found:
+        raise SystemExit(f"peak-rss: {script.name} is not a console script of this environment")
+    entry = next(iter(found)).load()
+    sys.argv = [str(script)] + argv[1:]
+    try:
+        return entry()
+    finally:
+        _report()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,151 @@
+"""Figs. 10-11 of the SDMA paper: heat maps of the head-pair head redundancy (HR) matrix.
+
+Chien & Huang, "Latent Semantic and Disentangled Attention", TPAMI 2024
+(``shared/papers/sdma.txt``, Sec. IV-B3, Figs. 10-11: "head redundancy in encoder of
+(a) transformer and (b) SDMA transformer" over all 6 x 4 = 24 (or 6 x 8 = 48) heads).
+Cell (k1, k2) of a panel is ``mean_i (1 - JS(A^{k1}_{i,:}, A^{k2}_{i,:}))`` of the
+heads k = layer * n_h + head of one attention type, averaged over sentences; the
+mean of the matrix is that type's HR.  Axis labels are ``L<layer>H<head>``, 0-based.
+
+Reads the JSON of ``sdma-redundancy`` (fairseq, :mod:`user_dir.sdma.redundancy`) or
+``sdma-espnet-redundancy`` (:mod:`espnet_plugin.asr.redundancy`) written with ``--hr-matrix``
+(or ``--heatmap``); several files are drawn side by side on one shared colour scale,
+e.g. V-T next to SDMA-T as in the paper::
+
+    sdma-redundancy --path vanilla.pt DATA_BIN --hr-matrix --json vt.json
+    sdma-redundancy --path sdma.pt DATA_BIN --hr-matrix --json sdma.json
+    sdma-plot-heads vt.json sdma.json --names V-T SDMA-T --out fig10.png
+
+(``sdma-redundancy --heatmap OUT.png`` draws one model's matrix directly;
+``python scripts/plot_head_redundancy.py`` is the same command as ``sdma-plot-heads``.)
+Needs only matplotlib and numpy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+import matplotlib
+
+matplotlib.use("Agg")
+logging.getLogger("matplotlib").setLevel(logging.WARNING)  # fairseq sets the root logger to DEBUG
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from latent_core.redundancy import ATTENTION_TYPES, RedundancyError, head_labels  # noqa: E402
+
+Panel = Tuple[str, np.ndarray, List[str]]  # (title, matrix [K, K], K axis labels)
+
+
+def hr_matrix(result: dict, kind: str, source: str = "result") -> Tuple[np.ndarray, List[str], float]:
+    """``(matrix [K, K], labels, HR)`` of attention type ``kind`` of a redundancy result.
+
+    ``K = layers * heads``; raises :class:`RedundancyError` naming ``source`` when the
+    result has no such type or was computed without ``--hr-matrix``.
+    """
+    if kind not in ATTENTION_TYPES:
+        raise RedundancyError(f"unknown attention type {kind!r}; expected one of {', '.join(ATTENTION_TYPES)}")
+    entry = result.get(kind)
+    if entry is None:
+        raise RedundancyError(f"{source} has no {kind} attention (the model lacks it)")
+    if "HR_matrix" not in entry:
+        raise RedundancyError(f"{source} has no HR_matrix for {kind}: compute it with --hr-matrix (or --heatmap)")
+    matrix = np.asarray(entry["HR_matrix"], dtype=np.float64)
+    labels = entry.get("HR_matrix_labels") or head_labels(entry["layers"], entry["heads"])
+    if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1] or matrix.shape[0] != len(labels):
+        raise RedundancyError(f"{source}: {kind} HR_matrix of shape {matrix.shape} does not match "
+                              f"its {len(labels)} head labels")
+    return matrix, list(labels), float(entry["HR"])
+
+
+def draw_heatmaps(panels: Sequence[Panel], out: str, title: Optional[str] = None, dpi: int = 150) -> List[np.ndarray]:
+    """Draw ``panels`` side by side on one colour scale (min to max over all panels) into ``out``.
+
+    Returns the matrices as drawn, read back from matplotlib's images (``[K, K]`` each).
+    """
+    if not panels:
+        raise RedundancyError("nothing to draw")
+    vmin = min(float(matrix.min()) for _, matrix, _ in panels)
+    vmax = max(float(matrix.max()) for _, matrix, _ in panels)
+    K = max(len(labels) for _, _, labels in panels)
+    side = min(12.0, max(4.0, 0.12 * K + 2.5))  # inches per panel: 24 heads 5.4, 48 heads 8.3
+    fontsize = max(4, min(9, int(300 / max(K, 1))))
+    fig, axes = plt.subplots(1, len(panels), figsize=(side * len(panels) + 1.2, side + 0.8), squeeze=False,
+                             constrained_layout=True)
+    image = None
+    for (name, matrix, labels), ax in zip(panels, axes[0]):
+        image = ax.imshow(matrix, cmap="viridis", vmin=vmin, vmax=vmax, interpolation="nearest")
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels(labels, rotation=90, fontsize=fontsize)
+        ax.set_yticks(range(len(labels)))
+        ax.set_yticklabels(labels, fontsize=fontsize)
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("layer / head (0-based)", fontsize=9)
+        ax.set_ylabel("layer / head (0-based)", fontsize=9)
+    fig.colorbar(image, ax=list(axes[0]), fraction=0.046 / len(panels), pad=0.02,
+                 label="mean_i (1 - JS), JS in bits")
+    if title:
+        fig.suptitle(title, fontsize=11)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=dpi)
+    drawn = [np.asarray(ax.images[0].get_array(), dtype=np.float64) for ax in axes[0]]
+    plt.close(fig)
+    return drawn
+
+
+def plot_results(named_results: Sequence[Tuple[str, dict]], kinds: Sequence[str], out: str,
+                 title: Optional[str] = None, dpi: int = 150) -> List[np.ndarray]:
+    """One panel per (result, attention type), results outermost; returns the drawn matrices."""
+    panels = []
+    for name, result in named_results:
+        for kind in kinds:
+            matrix, labels, hr = hr_matrix(result, kind, name)
+            panels.append((f"{name}: {kind}, HR = {hr:.3f}", matrix, labels))
+    if title is None:
+        title = "head redundancy: mean_i (1 - JS) of every pair of heads"
+    return draw_heatmaps(panels, out, title=title, dpi=dpi)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description="Figs. 10-11 of the SDMA paper: heat maps of the head-pair HR matrix from the JSON of "
+                    "sdma-redundancy / sdma-espnet-redundancy (--hr-matrix), side by side.")
+    parser.add_argument("results", nargs="+", metavar="RESULT.json", help="redundancy JSON file(s), one panel each")
+    parser.add_argument("--names", nargs="+", default=None,
+                        help="panel names, one per file (default: the file names), e.g. V-T SDMA-T")
+    parser.add_argument("--kind", default="encoder_self", choices=ATTENTION_TYPES,
+                        help="attention type (default: encoder_self, the paper's figures)")
+    parser.add_argument("--title", default=None, help="figure title")
+    parser.add_argument("--out", default="head_redundancy.png", help="output image (default head_redundancy.png)")
+    parser.add_argument("--dpi", type=int, default=150)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    prog = os.path.basename(sys.argv[0]) or "plot_head_redundancy.py"
+    try:
+        names = args.names or [Path(path).stem for path in args.results]
+        if len(names) != len(args.results):
+            raise RedundancyError(f"{len(names)} --names for {len(args.results)} result files")
+        named = []
+        for name, path in zip(names, args.results):
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"result file not found: {path}")
+            named.append((name, json.loads(Path(path).read_text())))
+        plot_results(named, [args.kind], args.out, title=args.title, dpi=args.dpi)
+    except (FileNotFoundError, RedundancyError, json.JSONDecodeError) as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

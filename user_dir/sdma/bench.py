@@ -1,0 +1,182 @@
+"""Benchmark (``make bench``, command ``sdma-bench``): vanilla transformer vs SMA-T vs SDMA-T, identical size, one run.
+
+Each model is trained with ``fairseq-train`` on the same data (the quickstart's Ding
+de-en split) for the same number of updates, then decoded with ``fairseq-generate``.
+Measured per model:
+
+* training words/s: mean of fairseq's ``wps`` over the logged intervals after the first;
+* peak memory: peak resident memory of the training process (CPU), or
+  ``torch.cuda.max_memory_allocated`` on a GPU (``--gpu``);
+* ``fairseq-generate`` sentences/s (beam 5) on the test split.
+
+Ratios are to vanilla, measured in the same run; the models are interleaved over
+``--repeats`` rounds and each number is the model's median. Prints a table, writes
+``outputs/bench/sdma.json`` with ``train_wps_ratio``, ``peak_mem_ratio`` and
+``generate_speed_ratio`` (SDMA-T / vanilla) plus every raw number.
+
+FLOPs (first, well under a minute on a CPU; ``--flops-only`` stops there): counted by PyTorch's
+``FlopCounterMode`` (``user_dir/sdma/flops.py``; matrix products only, elementwise ops
+not counted) for V-T, SMA-T and SDMA-T at the tiny and base IWSLT'14 configurations on a
+fixed synthetic batch: one training step (forward with the SDMA regularisers + backward)
+per target token, and one eval-mode forward per sentence (the paper's FLOPs column reads
+like the latter). Printed as a table; ``flops_ratio`` (SDMA-T / V-T, base, training per
+target token) and the whole table (``flops``) go into the JSON (``--flops-only`` updates
+only those two keys of an existing file).
+"""
+
+import argparse
+import json
+import shutil
+import statistics
+from pathlib import Path
+
+from latent_core.runs import (
+    USER_DIR,
+    console_script,
+    generate,
+    model_parameters,
+    print_table,
+    run_streaming,
+    stage,
+    train_words_per_second,
+    write_json,
+)
+from user_dir.sdma.flops import describe_setting, flops_table, table_rows
+from user_dir.sdma.quickstart import prepare_data
+
+CONFIGS = {
+    # the paper's tiny setting (Table I, IWSLT'14 tiny: 256/512, 6+6 layers, 4 heads, 4/4 clusters)
+    "tiny": ["--arch", "sdma_transformer_iwslt_de_en_tiny"],
+    "base": ["--arch", "sdma_transformer_iwslt_de_en"],
+}
+MODELS = {"V-T": "none", "SMA-T": "sma", "SDMA-T": "sdma"}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
+    p.add_argument("--updates", type=int, default=40, help="training updates per model (default 40)")
+    p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--repeats", type=int, default=2,
+                   help="rounds of (V-T, SMA-T, SDMA-T), medians reported (default 2)")
+    p.add_argument("--gen-length", type=int, default=12,
+                   help="tokens per hypothesis when decoding the test set (default 12)")
+    p.add_argument("--gpu", action="store_true", help="train/decode on the GPU (also add --fp16)")
+    p.add_argument("--fp16", action="store_true")
+    p.add_argument("--out", type=Path, default=Path("outputs") / "bench" / "sdma.json")
+    p.add_argument("--data-dir", type=Path, default=Path("outputs") / "quickstart" / "data")
+    p.add_argument("--flops-only", action="store_true",
+                   help="count and print the FLOPs table only (under a minute on a CPU), no training or decoding")
+    args = p.parse_args(argv)
+    if args.updates < 10:
+        p.error("--updates must be >= 10 (the first logged interval is warm-up)")
+    return args
+
+
+def measure(args, data_bin, save_dir, name, mode, device, precision):
+    """Train one model for ``--updates`` updates and decode the test set; return its numbers."""
+    shutil.rmtree(save_dir, ignore_errors=True)  # never resume an earlier run's checkpoint
+    stage(f"train {name} ({args.config}, --sdma-mode {mode}) for {args.updates} updates")
+    # "none" builds fairseq's own MultiheadAttention everywhere: the vanilla transformer
+    train = run_streaming([
+        console_script("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--task", "translation",
+        *CONFIGS[args.config], "--sdma-mode", mode, "--share-all-embeddings",
+        "--criterion", "sdma_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+        "--optimizer", "adam", "--lr", "2e-3", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "100",
+        "--max-tokens", args.max_tokens, "--max-update", args.updates, "--seed", "1",
+        "--log-interval", "10", "--log-format", "simple", "--no-progress-bar", "--disable-validation",
+        "--save-dir", save_dir, "--no-epoch-checkpoints", *device, *precision,
+    ], save_dir / "train.log", echo_filter=r"num\. (shared )?model params", wrap_rss=not args.gpu)
+    stage(f"decode {name}: fairseq-generate, beam 5, test set, {args.gen_length} tokens per hypothesis")
+    # Briefly trained models stop at different lengths; fixing the output length
+    # (min = max) makes every model do the same decoding work.
+    gen = generate(data_bin, save_dir / "checkpoint_last.pt", save_dir,
+                   extra=["--batch-size", "64", "--min-len", str(args.gen_length),
+                          "--max-len-a", "0", "--max-len-b", str(args.gen_length),
+                          *(["--fp16"] if args.fp16 else [])], cpu=not args.gpu)
+    return {
+        "train_wps": train_words_per_second(train["log"]),
+        "peak_mem_mb": train.get("peak_rss_mb", float("nan")),
+        "generate_sentences_per_second": gen["sentences_per_second"],
+        "params": model_parameters(train["log"]),
+        "train_seconds": train["seconds"],
+    }
+
+
+def measure_flops():
+    """Count, print and return the FLOPs table (tiny and base, V-T / SMA-T / SDMA-T)."""
+    stage("FLOPs: FlopCounterMode, one training step and one eval forward per model (tiny, base)")
+    table = flops_table(("tiny", "base"))
+    rows = table_rows(table)
+    print_table(rows, list(rows[0].keys()), "SDMA FLOPs (torch.utils.flop_counter; training step = forward "
+                                            "with the SDMA regularisers + backward)")
+    print(describe_setting(table))
+    print("paper, for comparison (Table II, IWSLT'14 De-En base, FLOPs column, sentence length not given): "
+          "V-T 2.2G, SMA-T / SDMA-T 2.3G (+4.5% at the printed precision)", flush=True)
+    return {"flops_ratio": table["configs"]["base"]["SDMA-T"]["ratio_to_vt"], "flops": table}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    flops = measure_flops()
+    if args.flops_only:
+        payload = json.loads(args.out.read_text()) if args.out.exists() else {}
+        payload.update(flops)
+        write_json(args.out, payload)
+        stage(f"flops_ratio (SDMA-T / V-T, base) = {flops['flops_ratio']:.4f}; updated {args.out}")
+        return
+    data_bin = prepare_data(args.data_dir, max_words=10, vocab_size=2000)
+    work = args.out.parent / args.config
+    device = [] if args.gpu else ["--cpu"]
+    precision = ["--fp16"] if args.fp16 else []
+    rows, runs = [], {name: [] for name in MODELS}
+    # Interleave the models over --repeats rounds and keep each model's median: this VM's
+    # speed drifts by ~10% over minutes, which a single sequential pass would attribute
+    # to whichever model ran at the wrong moment.
+    for round_index in range(args.repeats):
+        for name, mode in MODELS.items():
+            runs[name].append(measure(args, data_bin, work / name, name, mode, device, precision))
+            stage(f"round {round_index + 1}/{args.repeats} {name}: " + ", ".join(
+                f"{k}={v:.1f}" for k, v in runs[name][-1].items() if k != "params"))
+    raw = {name: {key: statistics.median(r[key] for r in results) for key in results[0]}
+           for name, results in runs.items()}
+    base = raw["V-T"]
+    for name, r in raw.items():
+        rows.append({
+            "model": name,
+            "params": r["params"],
+            "train words/s": r["train_wps"],
+            "wps ratio": r["train_wps"] / base["train_wps"],
+            "peak MB": r["peak_mem_mb"],
+            "mem ratio": r["peak_mem_mb"] / base["peak_mem_mb"],
+            "gen sent/s": r["generate_sentences_per_second"],
+            "gen ratio": r["generate_sentences_per_second"] / base["generate_sentences_per_second"],
+        })
+    print_table(rows, list(rows[0].keys()), f"SDMA benchmark ({args.config}, {args.updates} updates, "
+                                            f"{'GPU' if args.gpu else 'CPU'}{' fp16' if args.fp16 else ''})")
+    sdma = raw["SDMA-T"]
+    payload = {
+        "train_wps_ratio": sdma["train_wps"] / base["train_wps"],
+        "peak_mem_ratio": sdma["peak_mem_mb"] / base["peak_mem_mb"],
+        "generate_speed_ratio": sdma["generate_sentences_per_second"] / base["generate_sentences_per_second"],
+        "sma": {
+            "train_wps_ratio": raw["SMA-T"]["train_wps"] / base["train_wps"],
+            "peak_mem_ratio": raw["SMA-T"]["peak_mem_mb"] / base["peak_mem_mb"],
+            "generate_speed_ratio": raw["SMA-T"]["generate_sentences_per_second"]
+            / base["generate_sentences_per_second"],
+        },
+        "config": args.config,
+        "updates": args.updates,
+        "device": "gpu" if args.gpu else "cpu",
+        "fp16": args.fp16,
+        "raw": raw,
+        "runs": runs,
+        "repeats": args.repeats,
+        **flops,
+    }
+    write_json(args.out, payload)
+    stage(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

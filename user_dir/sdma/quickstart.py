@@ -1,0 +1,353 @@
+"""The SDMA quickstart (``make demo``, command ``sdma-demo``): real German->English data, end to end on a CPU.
+
+Stages (one ``[sdma]`` line each, with its estimated duration and finish time):
+
+1. German-English sentence pairs from the Ding dictionary (Debian ``trans-de-en``),
+   deterministic train/valid/test split (``prepare-ding``, ``latent_core.data.ding``);
+2. a joint sentencepiece vocabulary and ``fairseq-preprocess``
+   (``prepare-translation``, ``latent_core.data.translation``);
+3. a vanilla fairseq ``transformer`` (V-T) and SDMA-T of identical size, trained for the
+   same fixed number of updates on the same batches, interleaved: each model runs in
+   ``--segments`` segments (``fairseq-train --max-update END`` resuming its own
+   ``checkpoint_last.pt``), V-T then SDMA-T in every round, so that both see the same load
+   when their words/s are measured; the per-round ratio SDMA-T / V-T is reported;
+4. ``fairseq-generate`` (beam 5) and sacreBLEU for both;
+5. attention redundancy LR/HR (encoder self, decoder self, cross) for both;
+6. the Fig. 6-style picture of one test sentence;
+
+then a side-by-side table, also written to ``outputs/quickstart/results.json``.
+
+The number of updates is a pure function of ``--minutes`` (``make demo DEMO_MINUTES=60``
+for a longer run), calibrated on an idle 2-core machine, so the trained models and their
+BLEU do not depend on how busy the machine is; a busy machine only takes longer.
+``--updates N`` sets it directly.
+"""
+
+import argparse
+import datetime
+import shutil
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from latent_core.data import ding, translation
+from latent_core.runs import (
+    USER_DIR,
+    console_script,
+    generate,
+    last_num_updates,
+    model_parameters,
+    print_table,
+    ratio_stats,
+    resumed_update,
+    run_streaming,
+    sacrebleu_score,
+    segment_words_per_second,
+    stage,
+    train_inner_intervals,
+    write_json,
+)
+
+# The demo model: the paper's "tiny" width (256/512, 4 heads) with 2+2 layers so that
+# it learns something in minutes on 2 cores; joint 2k sentencepiece vocabulary.
+MODEL_SIZE = [
+    "--encoder-layers", "2", "--decoder-layers", "2",
+    "--encoder-embed-dim", "256", "--decoder-embed-dim", "256",
+    "--encoder-ffn-embed-dim", "512", "--decoder-ffn-embed-dim", "512",
+    "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
+    "--share-all-embeddings",
+]
+OPTIMIZATION = [
+    "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", "2e-3",
+    "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "400", "--weight-decay", "1e-4",
+    "--dropout", "0.1", "--label-smoothing", "0.1", "--max-tokens", "4096",
+]
+MODELS = {
+    "V-T": ("vanilla", ["--arch", "transformer", "--criterion", "label_smoothed_cross_entropy"]),
+    "SDMA-T": ("sdma", ["--arch", "sdma_transformer_iwslt_de_en_tiny",
+                        "--criterion", "sdma_label_smoothed_cross_entropy"]),
+}
+
+# Calibration, idle 2-core machine. The README's 10-minute demo before interleaving: V-T
+# trained 346 updates in 3.56 minutes at 4,905 words/s (validation at epoch ends and the
+# final checkpoint included: 0.617 s per update), SDMA-T the same updates at 1.25x the time
+# per update; data, two fairseq-train start-ups, decoding, analysis and figure took about
+# 2 minutes. Hence about 60 / (0.617 * 2.25) = 43.2 updates per minute of training.
+VT_SECONDS_PER_UPDATE = 0.617
+SDMA_SLOWDOWN = 1.25  # SDMA-T / V-T time per update on this CPU (see make bench)
+SECONDS_PER_UPDATE = {"V-T": VT_SECONDS_PER_UPDATE, "SDMA-T": VT_SECONDS_PER_UPDATE * SDMA_SLOWDOWN}
+# One fairseq-train process: start-up (imports, data, model, checkpoint) and the validation
+# and checkpoint at its end; each segment beyond the first costs one more per model.
+PROCESS_SECONDS = 10.0
+# The other stages (idle); with two processes they make the 2 minutes above.
+STAGE_SECONDS = {"data": 15.0, "decode": 25.0, "analysis": 10.0, "figure": 15.0}
+FIXED_SECONDS = (STAGE_SECONDS["data"] + 2 * PROCESS_SECONDS + 2 * STAGE_SECONDS["decode"]
+                 + 2 * STAGE_SECONDS["analysis"] + STAGE_SECONDS["figure"])  # 120 s
+SEGMENTS = 4
+MIN_UPDATES = 10
+
+
+def updates_for_minutes(minutes: float, segments: int = SEGMENTS) -> int:
+    """Updates per model that fill ``minutes`` on an idle 2-core machine (V-T + SDMA-T per update,
+    after the fixed stages and the start-ups of the extra segments); never depends on the load."""
+    training = minutes * 60.0 - FIXED_SECONDS - 2 * (segments - 1) * PROCESS_SECONDS
+    return max(0, round(training / sum(SECONDS_PER_UPDATE.values())))
+
+
+def idle_minutes(updates: int, segments: int = SEGMENTS, data: bool = True) -> float:
+    """The inverse: estimated minutes of a whole demo of ``updates`` updates on an idle machine."""
+    seconds = FIXED_SECONDS - (0.0 if data else STAGE_SECONDS["data"])
+    seconds += 2 * (segments - 1) * PROCESS_SECONDS + updates * sum(SECONDS_PER_UPDATE.values())
+    return seconds / 60.0
+
+
+def log_interval_for(updates: int, segments: int) -> int:
+    """fairseq's --log-interval: at most 10, and at least 4 logged intervals per segment."""
+    return max(1, min(10, updates // max(1, segments) // 4))
+
+
+def segment_bounds(updates: int, segments: int, log_interval: int = 1) -> List[Tuple[int, int]]:
+    """(start, end) updates of each segment: about equal, inner ends on multiples of
+    ``log_interval`` (so every logged interval lies inside one process), the last ends at
+    ``updates``; fewer segments when there are fewer updates."""
+    segments = max(1, min(segments, updates))
+    ends = [log_interval * round(updates * k / segments / log_interval) for k in range(1, segments)]
+    bounds, start = [], 0
+    for end in ends + [updates]:
+        if start < end <= updates:
+            bounds.append((start, end))
+            start = end
+    return bounds
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--minutes", type=float, default=10.0,
+                   help="duration on an idle 2-core machine (default 10); sets the number of updates")
+    p.add_argument("--updates", type=int, default=None,
+                   help="training updates per model (overrides --minutes)")
+    p.add_argument("--segments", type=int, default=SEGMENTS,
+                   help=f"interleaved segments per model (default {SEGMENTS})")
+    p.add_argument("--out-dir", type=Path, default=Path("outputs") / "quickstart")
+    p.add_argument("--max-words", type=int, default=10, help="keep pairs of at most N words per side")
+    p.add_argument("--vocab-size", type=int, default=2000, help="joint sentencepiece vocabulary")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--gen-max-len", type=int, default=200,
+                   help="longest hypothesis of fairseq-generate, in tokens (default 200, fairseq's)")
+    args = p.parse_args(argv)
+    if args.segments < 1:
+        p.error("--segments must be >= 1")
+    args.updates_given = args.updates is not None
+    if args.updates is None:
+        args.updates = updates_for_minutes(args.minutes, args.segments)
+        if args.updates < MIN_UPDATES:
+            p.error(f"--minutes {args.minutes:g} leaves {args.updates} updates for training; use at least "
+                    f"{idle_minutes(MIN_UPDATES, args.segments):.1f} (data, decoding and analysis take ~2 minutes)")
+    elif args.updates < 1:
+        p.error("--updates must be >= 1")
+    return args
+
+
+def prepare_data(out_dir: Path, max_words: int, vocab_size: int, seed: int = 1) -> Path:
+    """Ding pairs -> sentencepiece -> fairseq-preprocess; reuses a finished earlier run."""
+    raw, prep = out_dir / "raw", out_dir / "prep"
+    bin_dir = prep / "bin"
+    if (bin_dir / "train.de-en.de.bin").exists() and (raw / "test.en").exists():
+        stage(f"data: reusing {bin_dir}")
+        return bin_dir
+    stage("data 1/2: German-English sentence pairs from the Ding dictionary (trans-de-en)")
+    ding.main(["--out-dir", str(raw), "--max-words", str(max_words), "--seed", str(seed)])
+    stage("data 2/2: joint sentencepiece vocabulary + fairseq-preprocess")
+    translation.main([
+        "--train-prefix", str(raw / "train"), "--valid-prefix", str(raw / "valid"),
+        "--test-prefix", str(raw / "test"), "--src", "de", "--tgt", "en", "--joint",
+        "--vocab-size", str(vocab_size), "--out-dir", str(prep), "--workers", "2",
+    ])
+    return bin_dir
+
+
+class Eta:
+    """Estimated durations: the idle calibration scaled by the load measured so far."""
+
+    def __init__(self):
+        self.seconds_per_update: Dict[str, Optional[float]] = {name: None for name in MODELS}
+        self.process_seconds: Optional[float] = None
+        self.load = 1.0  # measured / calibrated seconds per update
+
+    def measured(self, name: str, updates: int, seconds: float, startup: float) -> None:
+        per_update = max(seconds - startup, 0.0) / max(updates, 1)
+        self.seconds_per_update[name] = per_update
+        self.process_seconds = startup
+        self.load = per_update / SECONDS_PER_UPDATE[name]
+
+    def segment(self, name: str, updates: int) -> float:
+        per_update = self.seconds_per_update[name] or SECONDS_PER_UPDATE[name] * self.load
+        startup = PROCESS_SECONDS * self.load if self.process_seconds is None else self.process_seconds
+        return startup + updates * per_update
+
+    def fixed(self, key: str) -> float:
+        return STAGE_SECONDS[key] * self.load
+
+    def after_training(self) -> float:
+        return 2 * self.fixed("decode") + 2 * self.fixed("analysis") + self.fixed("figure")
+
+
+def clock(seconds_from_now: float) -> str:
+    return (datetime.datetime.now() + datetime.timedelta(seconds=seconds_from_now)).strftime("%H:%M:%S")
+
+
+def duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
+
+
+def stage_eta(message: str, seconds: float, demo_seconds: Optional[float] = None) -> None:
+    """``[sdma] message (about 40 s, until 12:03:10[; demo done ~12:09:30])``."""
+    until = f"; demo done ~{clock(demo_seconds)}" if demo_seconds is not None else ""
+    stage(f"{message} (about {duration(seconds)}, until {clock(seconds)}{until})")
+
+
+def train_segment(data_bin: Path, save_dir: Path, arch_args, seed: int, start: int, end: int,
+                  log_interval: int, log_name: str) -> Dict:
+    """One ``fairseq-train`` process: updates ``start`` -> ``end``, resuming ``checkpoint_last.pt``
+    of ``save_dir`` unless ``start`` is 0 (then ``save_dir`` is emptied first, so that a stale
+    checkpoint of an earlier demo is never resumed)."""
+    if start == 0:
+        shutil.rmtree(save_dir, ignore_errors=True)
+    elif not (save_dir / "checkpoint_last.pt").exists():
+        raise SystemExit(f"{save_dir / 'checkpoint_last.pt'} missing: cannot resume at update {start}")
+    cmd = [
+        console_script("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--task", "translation",
+        *arch_args, *MODEL_SIZE, *OPTIMIZATION, "--seed", seed, "--cpu",
+        "--save-dir", save_dir, "--no-epoch-checkpoints", "--log-format", "simple",
+        "--log-interval", log_interval, "--no-progress-bar", "--max-update", end, "--max-epoch", "1000",
+    ]
+    echo = r"\| valid \|" + (r"|num\. (shared )?model params" if start == 0 else "")
+    run = run_streaming(cmd, save_dir / log_name, echo_filter=echo)
+    log = run["log"]
+    resumed_at = resumed_update(log)
+    if resumed_at != start or last_num_updates(log) != end:
+        raise SystemExit(f"{save_dir / log_name}: expected updates {start} -> {end}, got "
+                         f"{resumed_at} -> {last_num_updates(log)}")
+    begin = next((t for line, t in zip(run["lines"], run["line_seconds"]) if "begin training epoch" in line),
+                 0.0)
+    intervals = train_inner_intervals(log)
+    speed = segment_words_per_second(log, start_update=start)
+    return {
+        "start": start, "end": end, "seconds": run["seconds"], "startup_seconds": begin,
+        "words_per_second": speed["words_per_second"], "words": speed["words"],
+        "measured_seconds": speed["seconds"], "intervals": speed["intervals"],
+        "loss": intervals[-1]["loss"] if intervals else float("nan"), "log": log,
+    }
+
+
+def pooled_words_per_second(segments: List[Dict]) -> float:
+    """All measured intervals of a model's segments: sum of words over sum of seconds."""
+    seconds = sum(s["measured_seconds"] for s in segments)
+    return sum(s["words"] for s in segments) / seconds if seconds > 0 else float("nan")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    began = time.time()
+    out = args.out_dir
+    updates, eta = args.updates, Eta()
+    log_interval = log_interval_for(updates, args.segments)
+    bounds = segment_bounds(updates, args.segments, log_interval)
+    rounds = len(bounds)
+    reuse = all((out / "data" / f).exists() for f in ("prep/bin/train.de-en.de.bin", "raw/test.en"))
+    planned = idle_minutes(updates, rounds, data=not reuse) * 60
+    source = "--updates" if args.updates_given else f"--minutes {args.minutes:g}"
+    stage(f"plan: {updates} updates per model ({source}) in {rounds} interleaved segments each "
+          f"(V-T, then SDMA-T); about {duration(planned)} on an idle 2-core machine, done ~{clock(planned)} "
+          f"(later if the cores are shared; the results are the same)")
+
+    if not reuse:
+        stage_eta("data: Ding pairs, sentencepiece, fairseq-preprocess", eta.fixed("data"), planned)
+    data_bin = prepare_data(out / "data", args.max_words, args.vocab_size, args.seed)
+    references = (out / "data" / "raw" / "test.en").read_text().splitlines()
+
+    segments: Dict[str, List[Dict]] = {name: [] for name in MODELS}
+    ratios: List[float] = []
+    steps = [(index, name, start, end) for index, (start, end) in enumerate(bounds) for name in MODELS]
+    for step, (index, name, start, end) in enumerate(steps):
+        subdir, arch_args = MODELS[name]
+        remaining = sum(eta.segment(n, e - s) for _, n, s, e in steps[step:]) + eta.after_training()
+        stage_eta(f"train {name} segment {index + 1}/{rounds}: updates {start} -> {end}",
+                  eta.segment(name, end - start), remaining)
+        result = train_segment(data_bin, out / subdir, arch_args, args.seed, start, end, log_interval,
+                               f"train-{index + 1}of{rounds}.log")
+        eta.measured(name, end - start, result["seconds"], result["startup_seconds"])
+        segments[name].append(result)
+        stage(f"  {name} {start} -> {end}: {result['seconds']:.0f} s (start-up {result['startup_seconds']:.0f} s), "
+              f"{result['words_per_second']:,.0f} words/s, loss {result['loss']:.2f}")
+        if name == "SDMA-T":  # the round is complete: both models ran back to back
+            ratios.append(result["words_per_second"] / segments["V-T"][-1]["words_per_second"])
+            stage(f"  round {index + 1}/{rounds}: words/s SDMA-T / V-T = {ratios[-1]:.3f}")
+
+    from user_dir.sdma.redundancy import attention_redundancy
+
+    ratio = ratio_stats(ratios)
+    rows = []
+    results = {
+        "updates": updates, "minutes": None if args.updates_given else args.minutes, "segments": rounds,
+        "log_interval": log_interval,
+        "segment_bounds": bounds, "data": str(data_bin), "idle_minutes_estimate": planned / 60,
+        "train_words_per_second_ratio": ratio,
+        "segment_runs": [{"round": i + 1, "model": name, **{k: v for k, v in seg.items() if k != "log"}}
+                         for i in range(rounds) for name in MODELS for seg in [segments[name][i]]],
+    }
+    post_done = 0.0
+    for name, (subdir, _) in MODELS.items():
+        ckpt = out / subdir / "checkpoint_last.pt"
+        stage_eta(f"decode: fairseq-generate {name} (beam 5) + sacreBLEU", eta.fixed("decode"),
+                  eta.after_training() - post_done)
+        gen = generate(data_bin, ckpt, out / subdir, extra=["--max-len-a", "0", "--max-len-b", args.gen_max_len])
+        bleu = sacrebleu_score(gen["hypotheses"], references)
+        post_done += eta.fixed("decode")
+        stage_eta(f"analysis: attention redundancy of {name}", eta.fixed("analysis"),
+                  eta.after_training() - post_done)
+        post_done += eta.fixed("analysis")
+        redundancy = attention_redundancy(str(ckpt), data=str(data_bin), subset="test")
+        row = {
+            "model": name,
+            "BLEU": bleu,
+            "LR enc": redundancy["encoder_self"]["LR"],
+            "HR enc": redundancy["encoder_self"]["HR"],
+            "LR dec": redundancy["decoder_self"]["LR"],
+            "HR dec": redundancy["decoder_self"]["HR"],
+            "LR cross": redundancy["decoder_cross"]["LR"],
+            "HR cross": redundancy["decoder_cross"]["HR"],
+            "train words/s": pooled_words_per_second(segments[name]),
+            "params": model_parameters(segments[name][0]["log"]),
+        }
+        rows.append(row)
+        results[name] = {
+            **row, "redundancy": redundancy, "generate_sentences_per_second": gen["sentences_per_second"],
+            "train_seconds": sum(s["seconds"] for s in segments[name]),
+            "train_words_per_second_segments": [s["words_per_second"] for s in segments[name]],
+            "sample_translations": gen["hypotheses"][:5],
+        }
+
+    stage_eta("figure: clustering probabilities, semantic mask and attention (Fig. 6 style)", eta.fixed("figure"),
+              eta.fixed("figure"))
+    figure = out / "fig6_sdma.png"
+    run_streaming([console_script("sdma-plot"), "--path",
+                   out / "sdma" / "checkpoint_last.pt", data_bin, "--subset", "test", "--index", "0",
+                   "--layer", "-1", "--head", "0", "--vanilla-path", out / "vanilla" / "checkpoint_last.pt",
+                   "--out", figure], out / "figure.log")
+    results["figure"] = str(figure)
+    results["wall_minutes"] = (time.time() - began) / 60
+    print_table(rows, list(rows[0].keys()),
+                f"SDMA quickstart: Ding de->en, {updates} updates each, test set of {len(references)} pairs")
+    for name in MODELS:
+        print(f"{name:6s} words/s per segment: "
+              + ", ".join(f"{s['words_per_second']:,.0f}" for s in segments[name]))
+    print(f"SDMA-T / V-T words/s over {rounds} interleaved rounds: min {ratio['min']:.3f}, "
+          f"median {ratio['median']:.3f}, max {ratio['max']:.3f}\n", flush=True)
+    write_json(out / "results.json", results)
+    stage(f"wrote {out / 'results.json'} and {figure}; {results['wall_minutes']:.1f} min "
+          f"(estimate for an idle machine: {planned / 60:.1f})")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
