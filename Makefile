@@ -4,7 +4,7 @@ STAMP := .venv/.install-stamp
 DEMO_MINUTES ?= 10
 PYTEST_ARGS ?=
 
-.PHONY: install demo test bench clean-outputs
+.PHONY: install demo test test-fast bench clean-outputs
 
 install: $(STAMP)
 
@@ -15,8 +15,13 @@ $(STAMP): constraints.txt setup.py scripts/install.sh
 demo: install
 	$(PYTHON_VENV) scripts/quickstart.py --minutes $(DEMO_MINUTES)
 
+# Everything (the CI command): unit tier (tests/unit) and CLI/training runs (tests/integration).
 test: install
 	$(PYTHON_VENV) -m pytest tests $(PYTEST_ARGS)
+
+# The unit tier only: equations, readers, in-process models (under two minutes).
+test-fast: install
+	$(PYTHON_VENV) -m pytest tests/unit -m "not integration" $(PYTEST_ARGS)
 
 bench: install
 	$(PYTHON_VENV) scripts/bench_sdma.py

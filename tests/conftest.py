@@ -1,4 +1,6 @@
 import os
+import random
+import subprocess
 import sys
 from pathlib import Path
 
@@ -8,6 +10,42 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 import user_dir  # noqa: E402,F401  (registers models, criterions, safe globals)
+
+TESTS = Path(__file__).resolve().parent
+INTEGRATION = TESTS / "integration"
+# Under CI=true a skip is an error: CI installs every resource (make install), so a skipped
+# end-to-end test (missing Ding dictionary, espeak-ng, MiniLM weights) means a broken install.
+STRICT_SKIPS = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Everything under tests/integration/ carries the ``integration`` marker (registered in pytest.ini)."""
+    for item in items:
+        if INTEGRATION in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.integration)
+
+
+def _fail_skip(report, what: str) -> None:
+    reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr
+    report.outcome = "failed"
+    report.longrepr = (f"{what} skipped under CI=true ({reason}): CI must install everything "
+                       "`make install` installs (the Ding dictionary, espeak-ng, sox, the MiniLM weights)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if STRICT_SKIPS and report.skipped and not hasattr(report, "wasxfail"):
+        _fail_skip(report, item.nodeid)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    report = outcome.get_result()
+    if STRICT_SKIPS and report.skipped:  # a module-level skip or importorskip
+        _fail_skip(report, collector.nodeid)
 
 
 def venv_bin(name: str) -> str:
@@ -57,8 +95,6 @@ def english_phrases(n: int, min_words: int = 4, max_words: int = 10):
 
 def run_checked(cmd, timeout=600, **kwargs):
     """Run a command (paths allowed); AssertionError with the output's tail when it fails."""
-    import subprocess
-
     proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, **kwargs)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(map(str, cmd))} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
@@ -93,3 +129,100 @@ def small_vae_bin(tmp_path_factory):
     run_checked([venv_bin("fairseq-preprocess"), "--only-source", "--trainpref", root / "train.txt", "--validpref",
                  root / "valid.txt", "--destdir", root / "bin", "--workers", "1"])
     return root / "bin"
+
+
+# ----------------------------------------------------------------------------
+# tiny data and two tiny fairseq checkpoints (``transformer`` and ``sdma_transformer``,
+# fairseq-train --max-update 5, trained in parallel) once per session: the SDMA analysis tests
+# (integration/test_sdma_redundancy.py, integration/test_sdma_analysis.py)
+# ----------------------------------------------------------------------------
+
+TINY_ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+
+TRAIN_COMMON = [
+    "--task", "translation", "--encoder-layers", "2", "--decoder-layers", "2",
+    "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
+    "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64",
+    "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
+    "--optimizer", "adam", "--lr", "1e-3", "--max-tokens", "400", "--max-update", "5", "--seed", "1",
+    "--cpu", "--no-progress-bar", "--no-epoch-checkpoints", "--disable-validation",
+    "--num-workers", "0", "--no-save-optimizer-state",
+]
+ARCHS = {
+    "transformer": ["--arch", "transformer"],
+    "sdma": ["--arch", "sdma_transformer_iwslt_de_en_tiny", "--user-dir", str(REPO / "user_dir"),
+             "--criterion", "sdma_label_smoothed_cross_entropy", "--sdma-clusters", "3",
+             "--sdma-query-clusters", "3", "--sdma-mix-rate", "0.5"],  # g > 0.8 after 5 updates
+}
+
+
+def _communicate_checked(proc, what):
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, f"{what} failed ({proc.returncode}):\n{out[-3000:]}\n{err[-3000:]}"
+    return out, err
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("redundancy")
+    rng = random.Random(0)
+    for split, n in (("train", 64), ("valid", 8), ("test", 12)):
+        with open(root / f"{split}.src", "w") as fs, open(root / f"{split}.tgt", "w") as ft:
+            for _ in range(n):
+                words = [f"w{rng.randrange(12)}" for _ in range(rng.randint(2, 9))]
+                fs.write(" ".join(words) + "\n")
+                ft.write(" ".join(reversed(words)) + "\n")
+    data = root / "bin"
+    _communicate_checked(subprocess.Popen(
+        [venv_bin("fairseq-preprocess"), "--source-lang", "src", "--target-lang", "tgt",
+         "--trainpref", str(root / "train"), "--validpref", str(root / "valid"),
+         "--testpref", str(root / "test"), "--destdir", str(data), "--workers", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=TINY_ENV, cwd=root), "fairseq-preprocess")
+    procs = {}
+    for name, extra in ARCHS.items():  # both trainings at once (2 cores)
+        procs[name] = subprocess.Popen(
+            [venv_bin("fairseq-train"), str(data), *TRAIN_COMMON, *extra, "--save-dir", str(root / name)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=TINY_ENV, cwd=root)
+    for name, proc in procs.items():
+        _communicate_checked(proc, f"fairseq-train {name}")
+    ckpts = {name: root / name / "checkpoint_last.pt" for name in ARCHS}
+    for path in ckpts.values():
+        assert path.is_file()
+    # start sdma-redundancy on both checkpoints now: the subprocesses run while
+    # the in-process tests do (collected by ``script_runs``)
+    scripts = {}
+    for name, path in ckpts.items():
+        with open(root / f"{name}.out", "w") as out, open(root / f"{name}.err", "w") as err:
+            scripts[name] = subprocess.Popen(
+                [venv_bin("sdma-redundancy"), "--path", str(path), str(data),
+                 "--subset", "test", "--batch-size", "5", "--json", str(root / f"{name}.json"),
+                 "--heatmap", str(root / f"{name}.png")],
+                stdout=out, stderr=err, env=TINY_ENV, cwd=REPO)
+    yield {"root": root, "data": str(data), "scripts": scripts, **{k: str(v) for k, v in ckpts.items()}}
+    for proc in scripts.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="session")
+def loaded(tiny):
+    """In-process (models, task) of both tiny checkpoints."""
+    from user_dir.sdma import redundancy as ar
+
+    out = {}
+    for name in ARCHS:
+        models, _cfg, task = ar.load_models(tiny[name], tiny["data"])
+        out[name] = (models[0].eval(), task)
+    return out
+
+
+@pytest.fixture(scope="session")
+def script_runs(tiny):
+    """sdma-redundancy on both checkpoints (subprocesses): {name: (rc, stdout, stderr)}."""
+    results = {}
+    for name, proc in tiny["scripts"].items():
+        proc.wait(timeout=300)
+        root = tiny["root"]
+        results[name] = (proc.returncode, (root / f"{name}.out").read_text(), (root / f"{name}.err").read_text())
+    return results

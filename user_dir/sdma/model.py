@@ -277,43 +277,28 @@ def _table_one(args, embed, ffn, heads, layers=6, **sdma_overrides):
 
 # Table I's tiny and Zh-En rows: lambda_q 50, lambda_x 5
 SMALLER_DISENTANGLEMENT = {"sdma_dqq_weight": 50.0, "sdma_dxq_weight": 5.0}
+# architecture -> (Embed, FFN, n_h, SDMA values that differ from the defaults): the rows of Table I
+TABLE_ONE = {
+    "sdma_transformer": (512, 1024, 4, {}),
+    "sdma_transformer_iwslt_de_en": (512, 1024, 4, {}),
+    "sdma_transformer_iwslt_de_en_small": (384, 1024, 4, {}),
+    "sdma_transformer_iwslt_de_en_tiny": (256, 512, 4, SMALLER_DISENTANGLEMENT),
+    "sdma_transformer_wmt_en_de": (512, 2048, 8, {}),
+    "sdma_transformer_wmt_en_de_small": (384, 2048, 8, {}),
+    "sdma_transformer_wmt_en_de_tiny": (256, 1024, 4, SMALLER_DISENTANGLEMENT),
+    "sdma_transformer_wmt_zh_en": (512, 1024, 4, {**SMALLER_DISENTANGLEMENT, "sdma_centroid_grad_scale": 5.0}),
+}
 
 
-@register_model_architecture("sdma_transformer", "sdma_transformer")
-def sdma_transformer(args):
-    _table_one(args, 512, 1024, 4)
+def _register_table_one_row(name, embed, ffn, heads, overrides):
+    def architecture(args):
+        _table_one(args, embed, ffn, heads, **overrides)
+
+    architecture.__name__ = name
+    architecture.__doc__ = f"Table I: Embed {embed}, FFN {ffn}, {heads} heads, 6+6 layers" + (
+        f"; {overrides}" if overrides else "")
+    register_model_architecture("sdma_transformer", name)(architecture)
 
 
-@register_model_architecture("sdma_transformer", "sdma_transformer_iwslt_de_en")
-def sdma_transformer_iwslt_de_en(args):
-    _table_one(args, 512, 1024, 4)
-
-
-@register_model_architecture("sdma_transformer", "sdma_transformer_iwslt_de_en_small")
-def sdma_transformer_iwslt_de_en_small(args):
-    _table_one(args, 384, 1024, 4)
-
-
-@register_model_architecture("sdma_transformer", "sdma_transformer_iwslt_de_en_tiny")
-def sdma_transformer_iwslt_de_en_tiny(args):
-    _table_one(args, 256, 512, 4, **SMALLER_DISENTANGLEMENT)
-
-
-@register_model_architecture("sdma_transformer", "sdma_transformer_wmt_en_de")
-def sdma_transformer_wmt_en_de(args):
-    _table_one(args, 512, 2048, 8)
-
-
-@register_model_architecture("sdma_transformer", "sdma_transformer_wmt_en_de_small")
-def sdma_transformer_wmt_en_de_small(args):
-    _table_one(args, 384, 2048, 8)
-
-
-@register_model_architecture("sdma_transformer", "sdma_transformer_wmt_en_de_tiny")
-def sdma_transformer_wmt_en_de_tiny(args):
-    _table_one(args, 256, 1024, 4, **SMALLER_DISENTANGLEMENT)
-
-
-@register_model_architecture("sdma_transformer", "sdma_transformer_wmt_zh_en")
-def sdma_transformer_wmt_zh_en(args):
-    _table_one(args, 512, 1024, 4, **SMALLER_DISENTANGLEMENT, sdma_centroid_grad_scale=5.0)
+for _name, _row in TABLE_ONE.items():
+    _register_table_one_row(_name, *_row)

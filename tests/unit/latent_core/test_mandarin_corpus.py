@@ -182,6 +182,7 @@ def test_corpus_json(corpus):
 def test_rerun_is_idempotent(corpus):
     out, kwargs, info = corpus
     mtimes = {p: p.stat().st_mtime_ns for p in (out / "wav").glob("*.wav")}
+    assert mtimes, "the corpus has no wav files"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert smc.build_corpus(out, **kwargs) == info

@@ -9,13 +9,12 @@ import logging
 import os
 import random
 import re
-import subprocess
 
 import pytest
 import torch
 from fairseq import checkpoint_utils
 
-from conftest import REPO, venv_bin, save_tiny_bert
+from conftest import REPO, run_checked, save_tiny_bert, venv_bin
 from user_dir.hf_sentence.task import HFSentencePredictionConfig, HFSentencePredictionTask
 from user_dir.tpr.head import AGGREGATIONS, Aggregation, TPRLayer, bind, check_orthogonality, role_orthogonality
 from user_dir.tpr.head import warn_unreachable_orthogonality
@@ -270,9 +269,7 @@ def test_transfer_errors_name_the_parameter_and_shapes(task, tiny, tmp_path):
 
 # ----------------------------------------------------------------- fairseq-train
 def run(cmd):
-    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=ENV, cwd=REPO)
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(map(str, cmd))} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    proc = run_checked(cmd, env=ENV, cwd=REPO)
     return proc.stdout + proc.stderr
 
 

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from latent_core.sdma import SDMACore, SDMAOptions
-from test_redundancy import loaded, tiny  # noqa: F401  (session fixtures: tiny data and checkpoints)
 from user_dir.sdma import analysis, plot_query_tsne
 from user_dir.sdma import cluster_tokens as sdma_cluster_tokens
 

@@ -5,7 +5,6 @@ Data: the Ding dictionary's sentence pairs (Debian ``trans-de-en``, installed by
 tiny so the whole file runs in a few minutes on 2 CPU cores.
 """
 
-import json
 import os
 import pickle
 import re
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, venv_bin
+from conftest import REPO, run_checked, venv_bin
 from latent_core.sdma import mixing_weight
 
 DING = Path("/usr/share/trans/de-en")
@@ -31,10 +30,9 @@ TINY_MODEL = [
 
 
 def run(cmd, cwd=None, check=True, env=None):
-    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, env=env)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(map(str, cmd))} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return proc
+    if not check:
+        return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, cwd=cwd, env=env)
+    return run_checked(cmd, cwd=cwd, env=env)
 
 
 def train_cmd(data_bin, save_dir, *extra):
@@ -108,7 +106,9 @@ def test_checkpoint_contains_only_allowlisted_types(trained):
 
     save_dir, _ = trained
     allowed = {f"{t.__module__}.{t.__name__}" for t in checkpoint_types()}
-    for ckpt in save_dir.glob("checkpoint*.pt"):
+    checkpoints = sorted(save_dir.glob("checkpoint*.pt"))
+    assert len(checkpoints) >= 2, checkpoints  # checkpoint1/_best/_last
+    for ckpt in checkpoints:
         unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(str(ckpt)))
         assert unsafe <= allowed, unsafe - allowed
         state = torch.load(ckpt, map_location="cpu", weights_only=True)

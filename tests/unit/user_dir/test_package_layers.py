@@ -5,9 +5,11 @@
 import ast
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO
+
 USER_DIR = REPO / "user_dir"
 SUBPACKAGES = sorted(p.name for p in USER_DIR.iterdir() if (p / "__init__.py").is_file())
+assert len(SUBPACKAGES) >= 7, SUBPACKAGES  # sdma, sentence_vae, qkvae, optimus, hf_sentence, topic_vq, tpr
 
 
 def _user_dir_targets(path: Path):
@@ -46,7 +48,9 @@ def package_graph():
     graph = {}
     for package in SUBPACKAGES:
         targets = set()
-        for path in (USER_DIR / package).rglob("*.py"):
+        files = sorted((USER_DIR / package).rglob("*.py"))
+        assert files, f"no Python files under user_dir/{package}"
+        for path in files:
             targets.update(_user_dir_targets(path))
         graph[package] = {t for t in targets if t in SUBPACKAGES and t != package}
     return graph

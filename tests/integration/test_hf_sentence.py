@@ -23,7 +23,7 @@ from fairseq.logging import metrics as fairseq_metrics
 from scipy.stats import pearsonr, spearmanr
 from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
 
-from conftest import REPO, venv_bin, save_tiny_bert
+from conftest import REPO, run_checked, save_tiny_bert, venv_bin
 from user_dir.hf_sentence import metrics as hf_metrics
 from user_dir.hf_sentence.criterion import HFSentencePredictionCriterion, HFSentencePredictionCriterionConfig
 from user_dir.hf_sentence.data import GLUE_TASKS, read_tsv
@@ -590,9 +590,7 @@ def test_build_backbone_and_head_hook_for_subclasses(mrpc, tiny):
 
 # ------------------------------------------------------------------- fairseq-train CLI
 def run(cmd, **kwargs):
-    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=ENV, cwd=REPO, **kwargs)
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(map(str, cmd))} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    proc = run_checked(cmd, env=ENV, cwd=REPO, **kwargs)
     return proc
 
 

@@ -9,13 +9,12 @@ import argparse
 import json
 import os
 import random
-import subprocess
 from collections import Counter
 
 import pytest
 import torch
 
-from conftest import REPO, save_tiny_bert, venv_bin
+from conftest import REPO, run_checked, save_tiny_bert, venv_bin
 from user_dir.tpr import roles_pos as trp
 
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -188,9 +187,7 @@ def test_a_checkpoint_that_is_not_tpr_classifier_is_refused(tmp_path, tiny, toke
 
 # ------------------------------------------------------------------- (e) end to end
 def run(cmd):
-    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=ENV, cwd=REPO)
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(map(str, cmd))} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    proc = run_checked(cmd, env=ENV, cwd=REPO)
     return proc.stdout
 
 

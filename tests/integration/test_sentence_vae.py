@@ -28,14 +28,12 @@ from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.logging import metrics
 
 import sentence_vae_toy_model  # noqa: F401  (registers test_gru_vae)
-from conftest import english_phrases, venv_bin
+from conftest import REPO, english_phrases, venv_bin
 from user_dir.sentence_vae import decoding, evaluate, generate
 from user_dir.sentence_vae.checkpoint import load_sentence_vae
 from user_dir.sentence_vae.criterion import SentenceVAECriterion
 from latent_core.vae import DiagonalGaussian, VAEConfigError
 
-TESTS = Path(__file__).resolve().parent
-REPO = TESTS.parent
 TOY_USER_DIR = Path(sentence_vae_toy_model.__file__).resolve().parent  # fairseq --user-dir of the test double
 
 DE_EN = Path("/usr/share/trans/de-en")

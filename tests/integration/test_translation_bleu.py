@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, venv_bin
+from conftest import REPO, run_checked, venv_bin
 from user_dir.sdma import bleu as translation_bleu
 from user_dir.sdma.bleu import (
     PAPER_LABEL,
@@ -159,9 +159,7 @@ def test_script_names_misaligned_files(tmp_path, capsys):
 
 
 def run(cmd, env=None):
-    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(map(str, cmd))} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    proc = run_checked(cmd, env=env)
     return proc
 
 

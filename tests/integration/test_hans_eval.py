@@ -8,13 +8,12 @@ random BERT for a few updates on an MNLI-layout directory and runs the command o
 import json
 import os
 import re
-import subprocess
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from conftest import REPO, save_tiny_bert, venv_bin
+from conftest import REPO, run_checked, save_tiny_bert, venv_bin
 from user_dir.hf_sentence import hans as hans_eval
 from user_dir.hf_sentence import predict as glue_predict
 from user_dir.hf_sentence.data import GLUE_TASKS, TASK_CHOICES, read_tsv
@@ -253,9 +252,7 @@ def test_every_class_but_entailment_is_non_entailment():
 
 # ------------------------------------------------------------------------- end to end
 def run(cmd):
-    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env={**os.environ, **ENV}, cwd=REPO)
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(map(str, cmd))} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    proc = run_checked(cmd, env={**os.environ, **ENV}, cwd=REPO)
     return proc
 
 

@@ -17,7 +17,6 @@ The event files are read back with TensorBoard's own ``EventAccumulator``.
 import math
 import os
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -58,7 +57,9 @@ def read_scalars(logdir: Path):
     from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
 
     out = {}
-    for sub in sorted(p for p in logdir.iterdir() if p.is_dir()):
+    subdirs = sorted(p for p in logdir.iterdir() if p.is_dir())
+    assert subdirs, f"no tag directories under {logdir}"
+    for sub in subdirs:
         assert list(sub.glob("events.out.tfevents.*")), f"no event file in {sub}"
         acc = EventAccumulator(str(sub), size_guidance={SCALARS: 0})  # 0: keep every event
         acc.Reload()

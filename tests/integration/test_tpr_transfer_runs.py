@@ -92,6 +92,7 @@ def test_protocol_runs_baselines_bert_and_tpr_transfer_and_resumes(tmp_path):
         str(pair / "cls-encoder") in (pair / "cls+encoder.log").read_text()
     # finished runs are skipped: a second call trains nothing and reports the same table
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").rglob("*.result.json")}
+    assert stamps, "no finished runs recorded"
     again = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     assert again.returncode == 0, again.stderr[-3000:]
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps

@@ -16,7 +16,7 @@ import pytest
 import torch
 from fairseq import checkpoint_utils
 
-from conftest import REPO, venv_bin, save_tiny_bert
+from conftest import REPO, run_checked, save_tiny_bert, venv_bin
 from user_dir.hf_sentence.model import HFSentenceConfigError
 from user_dir.hf_sentence.task import HFSentencePredictionConfig, HFSentencePredictionTask
 from user_dir.topic_vq.task import TopicSentencePredictionConfig, TopicSentencePredictionTask
@@ -248,9 +248,7 @@ def test_bad_options_raise_clear_errors(task, tiny, data):
 
 # ---------------------------------------------------------------------------- CLI
 def run(cmd):
-    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=ENV, cwd=REPO)
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(map(str, cmd))} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    proc = run_checked(cmd, env=ENV, cwd=REPO)
     return proc.stdout + proc.stderr
 
 

@@ -16,8 +16,8 @@ import torch
 
 from latent_core.data import ding, iwslt14 as extract_iwslt14, lee_sts, pattern3, translation as pt
 from user_dir import average_checkpoints
+from conftest import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"
 
 DING_LINES = """\
