@@ -101,22 +101,32 @@ def run_checked(cmd, timeout=600, **kwargs):
     return proc
 
 
+def prepare_ding_bin(work: Path, *, src: str = "de", tgt: str = "en", max_words: int = 8, valid_size: int = 50,
+                     test_size: int = 50, vocab_size: int = 300, train_pairs=None) -> Path:
+    """Ding pairs (``prepare-ding``; the first ``train_pairs`` training pairs when given), joint
+    sentencepiece and fairseq binaries (``prepare-translation``) under ``work``; the data-bin path."""
+    run_checked([venv_bin("prepare-ding"), "--out-dir", work / "all", "--max-words", max_words,
+                 "--valid-size", valid_size, "--test-size", test_size])
+    raw = work / "all"
+    if train_pairs is not None:
+        raw = work / "raw"
+        raw.mkdir()
+        for split in ("train", "valid", "test"):
+            for lang in ("de", "en"):
+                lines = (work / "all" / f"{split}.{lang}").read_text(encoding="utf-8").splitlines(True)
+                keep = lines[:train_pairs] if split == "train" else lines
+                (raw / f"{split}.{lang}").write_text("".join(keep), encoding="utf-8")
+    run_checked([venv_bin("prepare-translation"), "--train-prefix", raw / "train", "--valid-prefix", raw / "valid",
+                 "--test-prefix", raw / "test", "--src", src, "--tgt", tgt, "--joint", "--vocab-size", vocab_size,
+                 "--out-dir", work / "prep", "--workers", "1"])
+    return work / "prep" / "bin"
+
+
 @pytest.fixture(scope="session")
 def small_translation_bin(tmp_path_factory):
     """400 training pairs of the Ding dictionary (at most 8 words; 50 valid, 50 test),
     sentencepiece (joint, 300), binarized by ``prepare-translation``."""
-    work = tmp_path_factory.mktemp("ding_small")
-    run_checked([venv_bin("prepare-ding"), "--out-dir", work / "all",
-                 "--max-words", "8", "--valid-size", "50", "--test-size", "50"])
-    (work / "raw").mkdir()
-    for split, n in (("train", 400), ("valid", 50), ("test", 50)):
-        for lang in ("de", "en"):
-            lines = (work / "all" / f"{split}.{lang}").read_text(encoding="utf-8").splitlines(True)[:n]
-            (work / "raw" / f"{split}.{lang}").write_text("".join(lines), encoding="utf-8")
-    run_checked([venv_bin("prepare-translation"), "--train-prefix", work / "raw/train",
-                 "--valid-prefix", work / "raw/valid", "--test-prefix", work / "raw/test", "--src", "de",
-                 "--tgt", "en", "--joint", "--vocab-size", "300", "--out-dir", work / "prep", "--workers", "1"])
-    return work / "prep" / "bin"
+    return prepare_ding_bin(tmp_path_factory.mktemp("ding_small"), train_pairs=400)
 
 
 @pytest.fixture(scope="session")

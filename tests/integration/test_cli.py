@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, run_checked, venv_bin
+from conftest import REPO, prepare_ding_bin, run_checked, venv_bin
 from latent_core.sdma import mixing_weight
 
 DING = Path("/usr/share/trans/de-en")
@@ -47,14 +47,7 @@ def train_cmd(data_bin, save_dir, *extra):
 
 @pytest.fixture(scope="session")
 def data_bin(tmp_path_factory):
-    work = tmp_path_factory.mktemp("ding")
-    run([sys.executable, REPO / "scripts/prepare_ding_de_en.py", "--out-dir", work / "raw",
-         "--max-words", "8", "--valid-size", "100", "--test-size", "100"])
-    run([sys.executable, REPO / "scripts/prepare_translation.py",
-         "--train-prefix", work / "raw/train", "--valid-prefix", work / "raw/valid",
-         "--test-prefix", work / "raw/test", "--src", "de", "--tgt", "en", "--joint",
-         "--vocab-size", "500", "--out-dir", work / "prep", "--workers", "1"])
-    return work / "prep" / "bin"
+    return prepare_ding_bin(tmp_path_factory.mktemp("ding"), valid_size=100, test_size=100, vocab_size=500)
 
 
 @pytest.fixture(scope="session")

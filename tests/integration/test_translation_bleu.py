@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_checked, venv_bin
+from conftest import REPO, prepare_ding_bin, run_checked, venv_bin
 from user_dir.sdma import bleu as translation_bleu
 from user_dir.sdma.bleu import (
     PAPER_LABEL,
@@ -170,13 +170,7 @@ def en_de_run(tmp_path_factory):
     if not DING.exists():
         pytest.skip("apt-get install trans-de-en (make install does)")
     work = tmp_path_factory.mktemp("eval_sh")
-    run([sys.executable, REPO / "scripts/prepare_ding_de_en.py", "--out-dir", work / "raw",
-         "--max-words", "6", "--valid-size", "30", "--test-size", "30"])
-    run([sys.executable, REPO / "scripts/prepare_translation.py",
-         "--train-prefix", work / "raw/train", "--valid-prefix", work / "raw/valid",
-         "--test-prefix", work / "raw/test", "--src", "en", "--tgt", "de", "--joint",
-         "--vocab-size", "300", "--out-dir", work / "prep", "--workers", "1"])
-    data_bin = work / "prep" / "bin"
+    data_bin = prepare_ding_bin(work, src="en", tgt="de", max_words=6, valid_size=30, test_size=30)
     save_dir = work / "ckpt"
     run([venv_bin("fairseq-train"), data_bin, "--user-dir", REPO / "user_dir", "--task", "translation",
          "--arch", "sdma_transformer_iwslt_de_en_tiny", "--encoder-layers", "1", "--decoder-layers", "1",
