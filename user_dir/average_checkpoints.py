@@ -3,7 +3,7 @@
 fairseq's own ``scripts/average_checkpoints.py`` is not installed with the wheel;
 this is the same operation for epoch checkpoints: the ``checkpoint{EPOCH}.pt``
 files with the N highest epoch numbers are loaded with torch's safe loader
-(``torch.load(path, map_location="cpu")``, ``weights_only`` left at its default;
+(``torch.load(path, map_location="cpu", weights_only=True)``;
 ``import user_dir`` allow-lists the few non-tensor types fairseq stores), the
 floating-point tensors of ``state["model"]`` are averaged (in float64, then cast
 back to their dtype), non-floating tensors (counters) are taken from the newest
@@ -52,8 +52,8 @@ def last_epoch_checkpoints(directory: Path, count: int) -> List[Path]:
 
 
 def load_checkpoint(path: Path) -> Dict:
-    """``torch.load`` on CPU with the default (safe) ``weights_only``."""
-    state = torch.load(path, map_location="cpu")
+    """``torch.load`` on CPU with torch's safe loader (``weights_only=True``)."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(state, dict) or "model" not in state:
         raise AverageError(f"{path} is not a fairseq checkpoint (no 'model' entry)")
     return state

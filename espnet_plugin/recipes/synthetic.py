@@ -26,16 +26,14 @@ identical size on the same data; they are not Aishell-1 results.
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 from latent_core import kaldi_data as kaldi  # the Kaldi data-directory reader (toolkit-free)
-from latent_core.runs import REPO_ROOT
+from latent_core.runs import REPO_ROOT, run_streaming
 
 RECIPE = REPO_ROOT / "examples" / "aishell_sdma" / "asr1"  # its conf/synthetic/*.yaml are the defaults
 STAGES = ("data", "tokens", "stats", "train", "decode", "score")
@@ -103,19 +101,14 @@ def check_model_files(asr_train_config: Path, asr_model_file: Path) -> None:
 # ----------------------------------------------------------------------------- running
 
 
-def run(cmd: Sequence[str], log: Path, env: Optional[dict] = None) -> None:
-    """Run one stage command, logging to ``log``; raise PipelineError with the log's tail."""
-    log.parent.mkdir(parents=True, exist_ok=True)
+def run(cmd: Sequence[str], log: Path) -> None:
+    """Run one stage command through the drivers' runner (its output in ``log``, nothing echoed);
+    PipelineError with the command and the log's tail when it fails."""
     print(f"[run] {' '.join(map(str, cmd))}\n      log: {log}", flush=True)
-    with open(log, "w", encoding="utf-8") as f:
-        f.write(" ".join(map(str, cmd)) + "\n")
-        f.flush()
-        proc = subprocess.run(list(map(str, cmd)), stdout=f, stderr=subprocess.STDOUT,
-                              env={**os.environ, **(env or {})})
-    if proc.returncode != 0:
-        tail = "".join(log.read_text(encoding="utf-8", errors="replace").splitlines(True)[-30:])
-        raise PipelineError(f"{cmd[2] if len(cmd) > 2 else cmd[0]} failed (exit {proc.returncode}); "
-                            f"end of {log}:\n{tail}")
+    try:
+        run_streaming(cmd, log, echo=False)
+    except SystemExit as failure:
+        raise PipelineError(str(failure)) from None
 
 
 def python_module(args, module: str) -> List[str]:

@@ -2,11 +2,8 @@
 
 Importing this package registers the fairseq model ``sdma_transformer`` (and its
 architectures) and the criterion ``sdma_label_smoothed_cross_entropy``. The attention
-core (``latent_core.sdma``) is plain PyTorch and is shared with the ESPnet plugin,
-which also works in an environment without fairseq.
+core (``latent_core.sdma``) is plain PyTorch and is shared with the ESPnet plugin, which
+imports neither fairseq nor this package.
 """
 
-import importlib.util
-
-if importlib.util.find_spec("fairseq") is not None:
-    from . import criterion, model  # noqa: F401  (registration)
+from . import criterion, model  # noqa: F401  (registration)

@@ -44,7 +44,7 @@ FAIRSEQ_PRESET = {"num_clusters": 4, "num_query_clusters": 4}
 # The decoder self-attention drops its semantic mask at test time (the paper), the others keep it.
 DECODER_MASK_AT_INFERENCE = False
 SIDES = ("encoder", "decoder")
-_SIDE_CLUSTER_OPTIONS = tuple(f"sdma_{side}_{name}" for side in SIDES for name in ("clusters", "query_clusters"))
+PER_SIDE = ("num_clusters", "num_query_clusters")  # the SDMAOptions fields one side may override
 LOSS_WEIGHT_ARGS = tuple(SDMALossWeights().as_options())  # lambda_k, lambda_q, lambda_x, lambda_d of eq. (24)
 
 
@@ -59,14 +59,19 @@ def _flag_field(dc_field, prefix: str = "sdma_"):
     return name, kind, field(default=None, metadata={"help": help_text})
 
 
+def _per_side_field(side: str, field_name: str):
+    """(name, type, field) of ``--sdma-{side}-{option}``, which overrides ``--sdma-{option}`` on one side."""
+    option = option_name(field_name)
+    return f"sdma_{side}_{option}", Optional[int], field(default=None, metadata={
+        "help": f"{option.replace('_', ' ')} in the {side} only (default: --sdma-{option.replace('_', '-')})"})
+
+
 # fairseq's options of the model, generated from the core dataclasses (no name or default is
 # written here); the booleans are added separately because they take a value (true/false).
 SDMAModelConfig = make_dataclass(
     "SDMAModelConfig",
     [_flag_field(f) for f in fields(SDMAOptions) if f.type is not bool]
-    + [(name, Optional[int], field(default=None, metadata={
-        "help": f"{name.split('_', 2)[2].replace('_', ' ')} in the {name.split('_')[1]} only "
-                f"(default: --sdma-{name.split('_', 2)[2].replace('_', '-')})"})) for name in _SIDE_CLUSTER_OPTIONS]
+    + [_per_side_field(side, name) for side in SIDES for name in PER_SIDE]
     + [_flag_field(f) for f in fields(SDMALossWeights)],
     bases=(FairseqDataclass,),
 )
@@ -76,7 +81,7 @@ def sdma_options(cfg, side: str, mask_at_inference: bool = True) -> SDMAOptions:
     """Options of one side (``encoder`` / ``decoder``) from the flat model config."""
     values = {f.name: getattr(cfg, "sdma_" + option_name(f.name)) for f in fields(SDMAOptions)
               if f.name != "mask_at_inference"}
-    for name in ("num_clusters", "num_query_clusters"):
+    for name in PER_SIDE:
         per_side = getattr(cfg, f"sdma_{side}_{option_name(name)}", None)
         if per_side is not None:
             values[name] = per_side
@@ -235,10 +240,10 @@ def validate_sdma_args(args) -> None:
     for name in LOSS_WEIGHT_ARGS:
         check_loss_weight(name, getattr(args, name), "--" + name.replace("_", "-"))
     for side in SIDES:
-        for name in ("clusters", "query_clusters"):
-            value = getattr(args, f"sdma_{side}_{name}", None)
+        for option in map(option_name, PER_SIDE):
+            value = getattr(args, f"sdma_{side}_{option}", None)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise SDMAConfigError(f"--sdma-{side}-{name.replace('_', '-')}={value!r}: the number of "
+                raise SDMAConfigError(f"--sdma-{side}-{option.replace('_', '-')}={value!r}: the number of "
                                       "GMM clusters must be an integer >= 1")
         sdma_options(args, side).validate()
 
