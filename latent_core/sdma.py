@@ -37,6 +37,8 @@ from torch import Tensor
 from latent_core.errors import PluginConfigError
 
 SDMA_MODES = ("sdma", "sma", "none")
+# How the mixed attention of eq. (11) is computed (SDMAOptions.attention_kernel)
+ATTENTION_KERNELS = ("auto", "explicit", "sdpa")
 # Names of the regularisers every SDMA module reports (eq. 20, 21, 22, 23).
 LOSS_NAMES = ("kl_z", "kl_q", "dqq", "dxq", "dv_z", "dv_q")
 # Loss-weight option (fairseq --sdma-*-weight, ESPnet model_conf sdma_*_weight)
@@ -103,6 +105,12 @@ class SDMAOptions:
     posterior_var: float = _option(0.1, "variance of q(z|x) and q(q|x) in the KL of eq. (20)", metavar="S2")
     diversity_alpha: float = _option(1.25, "alpha of the diversity mask, eq. (23)", metavar="A")
     diversity_beta: float = _option(0.75, "beta of the diversity mask, eq. (23)", metavar="B")
+    attention_kernel: str = _option(
+        "auto", "how A_hat V of eq. (11) is computed: explicit (scores, one softmax, the multiplicative mask of "
+                "eq. 2; attention weights available), sdpa (two torch scaled_dot_product_attention calls, the "
+                "mask as additive log M; attention dropout then drawn per branch), auto (sdpa on CUDA when the "
+                "weights are not needed and no attention dropout is active, explicit otherwise)",
+        choices=ATTENTION_KERNELS)
     mask_at_inference: bool = _option(True, "apply the semantic mask when not training (the paper drops the "
                                             "decoder self-attention's mask at test time)")
 
@@ -129,6 +137,9 @@ class SDMAOptions:
             raise SDMAConfigError(
                 f"{opt('mode')}={self.mode!r} is not one of {', '.join(SDMA_MODES)}"
             )
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise SDMAConfigError(f"{opt('attention_kernel')}={self.attention_kernel!r} is not one of "
+                                  f"{', '.join(ATTENTION_KERNELS)}")
         for name in ("num_clusters", "num_query_clusters"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -206,28 +217,33 @@ class GaussianMixture(nn.Module):
         """log pi_c + log N(z | mu_c, sigma_c^2) for ``z`` of shape ``[..., G, d]`` -> ``[..., G, C]``.
 
         Computed in (at least) float32 by :class:`_GaussianLogJoint`, which saves only ``z``
-        for the backward pass. Without gradients, ``terms`` (from :meth:`inference_terms`)
-        may be passed by a caller that knows the parameters cannot have changed since they
-        were built (one beam search); otherwise they are rebuilt from the current
-        parameters on every call.
+        for the backward pass. The result is stored clusters-first (``[C, ..., G]`` in memory,
+        see :func:`clusters_first`), so softmaxes and sums over the few clusters run as
+        vectorised operations over the long dimensions. Without gradients, ``terms`` (from
+        :meth:`inference_terms`) may be passed by a caller that knows the parameters cannot
+        have changed since they were built (one beam search); otherwise they are rebuilt
+        from the current parameters on every call.
         """
         lead = z.shape[:-2]
         dtype = torch.promote_types(z.dtype, torch.float32)
         flat = z.to(dtype).reshape(-1, self.groups * self.dim)  # [N, G*d]
-        if torch.is_grad_enabled():
-            out = _GaussianLogJoint.apply(flat, self.means, self.log_vars, self.prior_logits)
-        else:
-            # Never cached across calls on the module: fairseq's FP16Optimizer (and EMA, and
-            # anyone writing ``p.data``) changes the parameters without bumping their version
-            # counter or moving them, so a cache keyed on either serves stale weights.
-            if terms is None or terms[0].dtype != dtype:
-                terms = self.inference_terms(dtype)
-            weight_sq, weight_lin, bias = terms
-            out = bias - 0.5 * torch.addmm(torch.mm(flat * flat, weight_sq), flat, weight_lin)
-        return out.view(*lead, self.groups, self.num_clusters)
+        with _full_precision(flat):
+            if torch.is_grad_enabled():
+                out = _GaussianLogJoint.apply(flat, self.means, self.log_vars, self.prior_logits)
+            else:
+                # Never cached across calls on the module: fairseq's FP16Optimizer (and EMA, and
+                # anyone writing ``p.data``) changes the parameters without bumping their version
+                # counter or moving them, so a cache keyed on either serves stale weights.
+                if terms is None or terms[0].dtype != dtype:
+                    terms = self.inference_terms(dtype)
+                weight_sq, weight_lin, bias = terms
+                out = torch.addmm(torch.addmm(bias, flat * flat, weight_sq), flat, weight_lin)
+        # [N, C*G] (columns cluster-major) -> storage [C, N, G], viewed as [..., G, C]
+        out = out.view(-1, self.num_clusters, self.groups).transpose(0, 1).contiguous()
+        return out.view(self.num_clusters, *lead, self.groups).movedim(0, -1)
 
     def inference_terms(self, dtype: torch.dtype = torch.float32) -> Tuple[Tensor, Tensor, Tensor]:
-        """The expanded log-density of the CURRENT parameters, ``([G*d, G*C], [G*d, G*C], [G*C])``."""
+        """The expanded log-density of the CURRENT parameters, ``([G*d, C*G], [G*d, C*G], [C*G])``."""
         with torch.no_grad():
             return _gmm_terms(self.means, self.log_vars, self.prior_logits, dtype)
 
@@ -236,27 +252,36 @@ class GaussianMixture(nn.Module):
         return torch.exp(-self.log_vars.float().clamp(*_LOGVAR_RANGE)).sum(-1)
 
 
+def _full_precision(tensor: Tensor):
+    """Autocast off for the block that follows (its matrix products keep ``tensor``'s dtype)."""
+    return torch.autocast(tensor.device.type, enabled=False)
+
+
 def _gmm_terms(means: Tensor, log_vars: Tensor, prior_logits: Tensor, dtype: torch.dtype):
-    """Block-diagonal weights and bias of the expanded GMM log-density (see below)."""
+    """``(W_sq, W_lin, b)`` with log pi_c + log N(z | mu_c, sigma_c^2) = b + (z*z) W_sq + z W_lin.
+
+    The -1/2 of the Gaussian exponent is folded into the block-diagonal ``[G*d, C*G]``
+    weights (columns cluster-major: column ``c * G + g`` is cluster c of group g).
+    """
     groups, clusters, dim = means.shape
     log_vars = log_vars.to(dtype).clamp(*_LOGVAR_RANGE)
     means = means.to(dtype)
     precision = torch.exp(-log_vars)  # [G, C, d]
     eye = torch.eye(groups, device=means.device, dtype=dtype)
 
-    def block_diagonal(w):  # [G, C, d] -> [G*d, G*C]
-        return torch.einsum("gcd,gk->gdkc", w, eye).reshape(groups * dim, groups * clusters)
+    def block_diagonal(w):  # [G, C, d] -> [G*d, C*G]
+        return torch.einsum("gcd,gk->gdck", w, eye).reshape(groups * dim, clusters * groups)
 
     const = (means * means * precision + log_vars).sum(-1) + dim * _LOG_2PI  # [G, C]
-    bias = (F.log_softmax(prior_logits.to(dtype), dim=-1) - 0.5 * const).reshape(-1)
-    return block_diagonal(precision), block_diagonal(-2.0 * means * precision), bias
+    bias = (F.log_softmax(prior_logits.to(dtype), dim=-1) - 0.5 * const).t().reshape(-1)
+    return block_diagonal(-0.5 * precision), block_diagonal(means * precision), bias
 
 
 class _GaussianLogJoint(torch.autograd.Function):
-    """log pi_c + log N(z | mu_c, diag sigma_c^2) for G independent GMMs, ``[N, G*d] -> [N, G*C]``.
+    """log pi_c + log N(z | mu_c, diag sigma_c^2) for G independent GMMs, ``[N, G*d] -> [N, C*G]``.
 
     The squared Mahalanobis distance is expanded as z^2 . (1/sigma^2) - 2 z . (mu/sigma^2)
-    + const, with the G groups' weights as block-diagonal ``[G*d, G*C]`` matrices: two
+    + const, with the G groups' weights as block-diagonal ``[G*d, C*G]`` matrices: two
     matrix products on the contiguous input, no ``[N, G, C, d]`` temporary. Only ``z`` is
     saved (it is also saved by the q/k/v projections, so this costs no extra memory);
     ``z^2`` is recomputed in the backward pass.
@@ -265,9 +290,8 @@ class _GaussianLogJoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx, flat, means, log_vars, prior_logits):
         weight_sq, weight_lin, bias = _gmm_terms(means, log_vars, prior_logits, flat.dtype)
-        maha = torch.addmm(torch.mm(flat * flat, weight_sq), flat, weight_lin)
         ctx.save_for_backward(flat, means, log_vars, prior_logits)
-        return bias - 0.5 * maha
+        return torch.addmm(torch.addmm(bias, flat * flat, weight_sq), flat, weight_lin)
 
     @staticmethod
     def backward(ctx, grad):
@@ -275,27 +299,42 @@ class _GaussianLogJoint(torch.autograd.Function):
         with torch.enable_grad():
             params = [t.detach().requires_grad_(True) for t in (means, log_vars, prior_logits)]
             weight_sq, weight_lin, bias = _gmm_terms(*params, flat.dtype)
-        grad_maha = -0.5 * grad
         grad_flat = None
         if ctx.needs_input_grad[0]:
-            grad_flat = 2.0 * flat * torch.mm(grad_maha, weight_sq.detach().t())
-            grad_flat = torch.addmm(grad_flat, grad_maha, weight_lin.detach().t())
+            # d/dz [(z*z) W_sq + z W_lin] = 2 z o (g W_sq^T) + g W_lin^T
+            grad_flat = torch.addcmul(torch.mm(grad, weight_lin.detach().t()), flat,
+                                      torch.mm(grad, weight_sq.detach().t()), value=2.0)
         grads = torch.autograd.grad(
             (weight_sq, weight_lin, bias),
             params,
-            (torch.mm((flat * flat).t(), grad_maha), torch.mm(flat.t(), grad_maha), grad.sum(0)),
+            (torch.mm((flat * flat).t(), grad), torch.mm(flat.t(), grad), grad.sum(0)),
         )
         return (grad_flat, *grads)
+
+
+def clusters_first(x: Tensor) -> Tensor:
+    """``[..., C]`` -> ``[C, ...]`` (a view). The clustering tensors are stored clusters-first
+    (:meth:`GaussianMixture.log_joint`), so this view is contiguous and the few clusters
+    become the outermost dimension: a softmax or sum over them is a handful of vectorised
+    passes over long rows, where PyTorch's kernels over a last dimension of 4-8 elements
+    spend their time in per-row overhead."""
+    return x.movedim(-1, 0)
+
+
+def log_softmax_clusters(x: Tensor) -> Tensor:
+    """``log_softmax(x, dim=-1)`` over the (few) clusters of ``x [..., C]``, computed clusters-first."""
+    return torch.log_softmax(clusters_first(x), dim=0).movedim(0, -1)
 
 
 # ----------------------------------------------------------------------------
 # Regularisers. Layout: ``[L, T, B, n_h, C]`` -- the L layers of one attention
 # type are stacked so each term costs a handful of batched ops (not one set per
-# layer). ``valid`` is a float ``[T, B]`` mask of real (non-padding) query
-# positions, shared by the layers. Every function returns one value PER SENTENCE,
-# ``[B]``: the mean over layers, heads and the sentence's own tokens (the 1/(N n_h n_q)
-# of eq. 20-23), as the authors' ``clustering()`` does; :func:`scale_regulariser`
-# turns the per-sentence values into the batch's loss term.
+# layer); inside, every term works on the clusters-first view ``[C, L, T, B, n_h]``
+# (:func:`clusters_first`). ``valid`` is a float ``[T, B]`` mask of real
+# (non-padding) query positions, shared by the layers. Every function returns one
+# value PER SENTENCE, ``[B]``: the mean over layers, heads and the sentence's own
+# tokens (the 1/(N n_h n_q) of eq. 20-23), as the authors' ``clustering()`` does;
+# :func:`scale_regulariser` turns the per-sentence values into the batch's loss term.
 # ----------------------------------------------------------------------------
 
 
@@ -316,9 +355,10 @@ def vade_kl(log_joint: Tensor, log_resp: Tensor, trace_precision: Tensor, dim: i
     ``[L, n_h, C]`` (see :meth:`GaussianMixture.trace_precision`); ``resp`` is
     ``log_resp.exp()`` when the caller already has it.
     """
-    resp = log_resp.exp() if resp is None else resp
-    log_marginal = log_joint[..., 0] - log_resp[..., 0]  # log p(z), [L, T, B, H]
-    trace = (resp * trace_precision[:, None, None]).sum(-1)
+    log_joint, log_resp = clusters_first(log_joint), clusters_first(log_resp)  # [C, L, T, B, H]
+    resp = log_resp.exp() if resp is None else clusters_first(resp)
+    log_marginal = log_joint[0] - log_resp[0]  # log p(z), [L, T, B, H]
+    trace = (resp * trace_precision.permute(2, 0, 1)[:, :, None, None, :]).sum(0)
     const = 0.5 * dim * (_LOG_2PI + math.log(posterior_var) + 1.0)
     kl = (0.5 * posterior_var * trace - log_marginal).mean(-1) - const
     return _sentence_mean(kl, valid)
@@ -331,11 +371,11 @@ def cluster_diversity(resp: Tensor, valid: Tensor, alpha: float, beta: float) ->
     alpha^2 sum_i (s_i - 1)^2 + beta^2 (||C^T C||_F^2 - sum_i s_i^2), s_i = ||C_i||^2,
     so no ``T x T`` matrix is formed. Normalised by n_q^2 of each sentence.
     """
-    resp = resp * valid[None, :, :, None, None]
-    self_sim = (resp * resp).sum(-1)  # s_i, [L, T, B, H]
-    gram = torch.einsum("ltbhc,ltbhk->lbhck", resp, resp)  # C^T C
+    resp = clusters_first(resp) * valid[None, None, :, :, None]  # [C, L, T, B, H]
+    self_sim = (resp * resp).sum(0)  # s_i, [L, T, B, H]
+    gram = torch.einsum("cltbh,kltbh->cklbh", resp, resp)  # C^T C, [C, C, L, B, H]
     diag = (alpha * alpha) * ((self_sim - 1.0) ** 2 * valid[None, :, :, None]).sum(1)  # [L, B, H]
-    off = (beta * beta) * ((gram * gram).sum((-1, -2)) - (self_sim * self_sim).sum(1))
+    off = (beta * beta) * ((gram * gram).sum((0, 1)) - (self_sim * self_sim).sum(1))
     n_q = valid.sum(0).clamp_min(1.0)[None, :, None]  # [1, B, 1]
     return ((diag + off) / (n_q * n_q)).mean((0, 2))
 
@@ -347,11 +387,12 @@ def head_mi_upper_bound(log_joint_q: Tensor, resp_q: Tensor, valid: Tensor) -> T
     the sentence's tokens of the query GMM's log-joint (eq. 18);
     p(q_i^h | q_i^h') = sum_c p(q_i^h | c) p(c | q_i^h')  (eq. 16).
     """
-    n_h = log_joint_q.size(3)
-    pad = (valid <= 0)[None, :, :, None, None]
-    p_token_given_c = torch.softmax(log_joint_q.masked_fill(pad, float("-inf")), dim=1)
+    log_joint_q, resp_q = clusters_first(log_joint_q), clusters_first(resp_q)  # [C, L, T, B, H]
+    n_h = log_joint_q.size(-1)
+    pad = (valid <= 0)[None, None, :, :, None]
+    p_token_given_c = torch.softmax(log_joint_q.masked_fill(pad, float("-inf")), dim=2)
     p_token_given_c = p_token_given_c.masked_fill(pad, 0.0)  # sentences of length 0 stay finite
-    p_pair = torch.einsum("ltbhc,ltbgc->ltbhg", p_token_given_c, resp_q)  # [L, T, B, H, H']
+    p_pair = (p_token_given_c[..., :, None] * resp_q[..., None, :]).sum(0)  # [L, T, B, H, H']
     off_diag = 1.0 - torch.eye(n_h, device=p_pair.device, dtype=p_pair.dtype)
     neg_log = -torch.log1p(-p_pair.clamp(max=1.0 - 1e-6)) * off_diag
     return _sentence_mean(neg_log.sum((-1, -2)) / (n_h * n_h), valid)
@@ -363,38 +404,46 @@ def query_input_mi_lower_bound(resp_q: Tensor, valid: Tensor) -> Tensor:
     1/(n_q n_h) sum_i sum_h log softmax_j f(q_i^h, x_j) evaluated at j = i, with
     the softmax over the sentence's real tokens. Maximised (enters eq. 24 with -lambda_x).
     """
-    L, T, B, H, C = resp_q.shape
-    r = resp_q.permute(0, 2, 3, 1, 4).reshape(L * B * H, T, C)
-    critic = torch.bmm(r, r.transpose(1, 2)).view(L, B, H, T, T)
-    key_pad = (valid <= 0).t()[None, :, None, None, :]  # [1, B, 1, 1, T]
-    log_norm = torch.logsumexp(critic.masked_fill(key_pad, float("-inf")), dim=-1)  # [L, B, H, T]
-    log_ratio = critic.diagonal(dim1=-2, dim2=-1) - log_norm
-    per_token = log_ratio.mean(2).permute(0, 2, 1)  # [L, T, B]
-    return _sentence_mean(per_token, valid)
+    resp_q = clusters_first(resp_q)  # [C, L, T, B, H]
+    # f(q_i, x_j) as [L, T_i, T_j, B, H]: one multiply-add per cluster over long rows
+    critic = resp_q[0, :, :, None] * resp_q[0, :, None]
+    for c in range(1, resp_q.size(0)):
+        critic = torch.addcmul(critic, resp_q[c, :, :, None], resp_q[c, :, None])
+    key_pad = (valid <= 0)[None, None, :, :, None]  # [1, 1, T_j, B, 1]
+    log_norm = torch.logsumexp(critic.masked_fill(key_pad, float("-inf")), dim=2)  # [L, T, B, H]
+    log_ratio = (resp_q * resp_q).sum(0) - log_norm  # f(q_i, x_i) - log sum_j exp f(q_i, x_j)
+    return _sentence_mean(log_ratio.mean(-1), valid)
 
 
-def semantic_log_mask(resp_query: Tensor, resp_key: Tensor, heads: Optional[int] = None) -> Tensor:
-    """log M of eq. (10) up to its row normaliser, ``[N, T, C] x [N, S, C] -> [N, T, S]``.
+def semantic_mask_product(resp_query: Tensor, resp_key: Tensor, heads: Optional[int] = None) -> Tensor:
+    """M of eq. (10) up to its row normaliser, ``[N, T, C] x [N, S, C] -> [N, T, S]``.
 
     M_ij is proportional to sum_c p(c|z_i) p(c|z_j); the normaliser over keys cancels in
-    the renormalised masked attention of eq. (2), so only the log of the product is kept
-    (plus 1e-6, so rows with no overlap fall back to plain attention, never NaN).
+    the renormalised masked attention of eq. (2), so only the product is kept (plus 1e-6,
+    so a row with no overlap falls back to plain attention, never NaN).
 
     When several hypotheses share one set of keys (fairseq's beamable encoder-decoder
     attention), ``resp_query`` is ``[B * beam * heads, T, C]`` and ``resp_key``
     ``[B * heads, S, C]``; pass ``heads`` for that layout.
     """
-    if resp_query.size(0) == resp_key.size(0):
-        product = torch.bmm(resp_query, resp_key.transpose(1, 2))
-    else:
-        n_key, S, C = resp_key.shape
-        batch, T = n_key // heads, resp_query.size(1)
-        product = torch.einsum(
-            "bxhtc,bhsc->bxhts",
-            resp_query.view(batch, -1, heads, T, C),
-            resp_key.view(batch, heads, S, C),
-        ).reshape(-1, T, S)
-    return torch.log(product + _MASK_FLOOR)
+    with _full_precision(resp_query):
+        if resp_query.size(0) == resp_key.size(0):
+            product = torch.bmm(resp_query, resp_key.transpose(1, 2))
+        else:
+            n_key, S, C = resp_key.shape
+            batch, T = n_key // heads, resp_query.size(1)
+            product = torch.einsum(
+                "bxhtc,bhsc->bxhts",
+                resp_query.view(batch, -1, heads, T, C),
+                resp_key.view(batch, heads, S, C),
+            ).reshape(-1, T, S)
+    return product + _MASK_FLOOR
+
+
+def semantic_log_mask(resp_query: Tensor, resp_key: Tensor, heads: Optional[int] = None) -> Tensor:
+    """log M of eq. (10) up to its row normaliser (the additive form of the mask, for fused
+    attention kernels): ``log`` of :func:`semantic_mask_product`."""
+    return torch.log(semantic_mask_product(resp_query, resp_key, heads))
 
 
 def semantic_mask(resp_query: Tensor, resp_key: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tensor:
@@ -405,17 +454,50 @@ def semantic_mask(resp_query: Tensor, resp_key: Tensor, key_padding_mask: Option
     return m / m.sum(-1, keepdim=True).clamp_min(1e-12)
 
 
-def mix_attention(scores: Tensor, log_mask: Optional[Tensor], mix: Tensor) -> Tensor:
+def mix_attention(scores: Tensor, mask: Optional[Tensor], mix: Tensor) -> Tensor:
     """A_hat = (1 - g) A + g A_bar (eq. 11), from pre-softmax ``scores`` (float32).
 
-    A = softmax(scores) (eq. 1); A_bar = M o A / sum_j' (M o A) (eq. 2), computed as
-    softmax(scores + log M) which is the same quantity in log space.
+    A = softmax(scores) (eq. 1); A_bar = M o A / sum_j' (M o A) (eq. 2) with ``mask`` the
+    unnormalised M of :func:`semantic_mask_product` (its row normaliser cancels). One
+    softmax: A_bar reuses A (the same value as softmax(scores + log M), without a
+    second exponential pass).
     """
     attn = torch.softmax(scores, dim=-1)
-    if log_mask is None:
+    if mask is None:
         return attn
-    masked = torch.softmax(scores + log_mask, dim=-1)
+    masked = attn * mask.to(attn.dtype)
+    masked = masked / masked.sum(-1, keepdim=True)
     return torch.lerp(attn, masked, mix.to(attn.dtype))
+
+
+def fused_mix_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, mix: Tensor,
+                        base_mask: Optional[Tensor] = None, dropout_p: float = 0.0) -> Tensor:
+    """A_hat V of eq. (11) with ``torch.nn.functional.scaled_dot_product_attention``.
+
+    A_hat V = (1 - g) softmax(s) V + g softmax(s + log M) V: two SDPA calls, the second with
+    the semantic mask as an additive float mask, so fused kernels run (memory-efficient
+    attention on CUDA accepts, and differentiates, an additive mask; on a CPU the unmasked
+    branch gets the fused CPU kernel). ``q [B, H, T, D]`` already scaled, ``k, v [B, H, S, D]``,
+    ``mask`` the unnormalised M of :func:`semantic_mask_product` reshaped to ``[B, H, T, S]``,
+    ``base_mask`` an additive float mask (padding / future positions as ``-inf``) broadcastable
+    to ``[B, H, T, S]`` in ``q``'s dtype, or None. Returns ``[B, H, T, D]`` in ``q``'s dtype.
+    With ``dropout_p > 0`` each branch draws its own dropout (the explicit path drops A_hat).
+    """
+    log_mask = torch.log(mask).to(q.dtype)
+    if base_mask is not None:
+        log_mask = log_mask + base_mask
+    plain = F.scaled_dot_product_attention(q, k, v, attn_mask=base_mask, dropout_p=dropout_p, scale=1.0)
+    masked = F.scaled_dot_product_attention(q, k, v, attn_mask=log_mask, dropout_p=dropout_p, scale=1.0)
+    return torch.lerp(plain, masked, mix.to(plain.dtype))
+
+
+def use_fused_kernel(kernel: str, device: torch.device, need_weights: bool, dropout_active: bool) -> bool:
+    """Whether :func:`fused_mix_attention` computes this forward pass (see ``SDMAOptions.attention_kernel``)."""
+    if need_weights or kernel == "explicit":
+        return False
+    if kernel == "sdpa":
+        return True
+    return device.type == "cuda" and not dropout_active
 
 
 class SDMACore(nn.Module):
@@ -474,19 +556,21 @@ class SDMACore(nn.Module):
         """
         z = x.reshape(*x.shape[:-1], self.num_heads, self.head_dim)
         log_joint = self.feature_gmm.log_joint(z, gmm_terms)
-        return log_joint, torch.log_softmax(log_joint, dim=-1)
+        return log_joint, log_softmax_clusters(log_joint)
 
     def cluster_queries(self, q: Tensor) -> Tuple[Tensor, Tensor]:
         """Query clustering (eq. 18 prior, eq. 9 form): ``q [..., n_h, d_k]`` -> ``[..., n_h, n_c^q]``."""
         lead = q.shape[:-1]
         log_joint = self.query_gmm.log_joint(q.reshape(-1, 1, self.head_dim)).reshape(*lead, -1)
-        return log_joint, torch.log_softmax(log_joint, dim=-1)
+        return log_joint, log_softmax_clusters(log_joint)
 
     @staticmethod
     def heads_first(resp: Tensor) -> Tensor:
         """``[T, B, n_h, C]`` -> ``[B * n_h, T, C]`` (the layout of the attention scores)."""
         T, B, H, C = resp.shape
-        return resp.permute(1, 2, 0, 3).reshape(B * H, T, C)
+        # contiguous: a clusters-first input would otherwise stay a strided view, on which
+        # bmm falls back to one matrix product per batch entry
+        return resp.permute(1, 2, 0, 3).contiguous().view(B * H, T, C)
 
     # -- regularisers -----------------------------------------------------------
     def record(self, log_joint_z: Tensor, log_resp_z: Tensor, query_valid: Tensor,
@@ -516,6 +600,11 @@ class SDMACore(nn.Module):
         )
 
 
+def _stack_layers(tensors: List[Tensor]) -> Tensor:
+    """``L x [T, B, H, C]`` -> ``[L, T, B, H, C]``, stored clusters-first (``[C, L, T, B, H]``)."""
+    return torch.stack([clusters_first(t) for t in tensors], dim=1).movedim(0, -1)
+
+
 def sdma_losses(cores) -> Dict[str, Tensor]:
     """The regularisers of SDMA modules of ONE attention type, per sentence (``[B]`` each).
 
@@ -530,8 +619,8 @@ def sdma_losses(cores) -> Dict[str, Tensor]:
     first_core, first = items[0]
     o = first_core.options
     valid = first["valid"].float()
-    log_joint_z = torch.stack([p["log_joint_z"] for _, p in items])
-    log_resp_z = torch.stack([p["log_resp_z"] for _, p in items])
+    log_joint_z = _stack_layers([p["log_joint_z"] for _, p in items])
+    log_resp_z = _stack_layers([p["log_resp_z"] for _, p in items])
     resp_z = log_resp_z.exp()
     trace_z = torch.stack([c.feature_gmm.trace_precision() for c, _ in items])
     losses = {
@@ -539,8 +628,8 @@ def sdma_losses(cores) -> Dict[str, Tensor]:
         "dv_z": cluster_diversity(resp_z, valid, o.diversity_alpha, o.diversity_beta),
     }
     if first["log_joint_q"] is not None:
-        log_joint_q = torch.stack([p["log_joint_q"] for _, p in items])
-        log_resp_q = torch.stack([p["log_resp_q"] for _, p in items])
+        log_joint_q = _stack_layers([p["log_joint_q"] for _, p in items])
+        log_resp_q = _stack_layers([p["log_resp_q"] for _, p in items])
         resp_q = log_resp_q.exp()
         trace_q = torch.stack([c.query_gmm.trace_precision().expand(c.num_heads, -1) for c, _ in items])
         losses["kl_q"] = vade_kl(log_joint_q, log_resp_q, trace_q, first_core.head_dim, o.posterior_var,

@@ -17,7 +17,14 @@ from espnet.nets.pytorch_backend.transformer.attention import MultiHeadedAttenti
 from torch import Tensor
 
 from latent_core.errors import PluginConfigError
-from latent_core.sdma import SDMACore, SDMAOptions, mix_attention, semantic_log_mask
+from latent_core.sdma import (
+    SDMACore,
+    SDMAOptions,
+    fused_mix_attention,
+    mix_attention,
+    semantic_mask_product,
+    use_fused_kernel,
+)
 
 ATTENTION_GROUPS = ("encoder_self", "decoder_self", "decoder_cross")
 
@@ -111,18 +118,29 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         q, k, v = self.forward_qkv(zq, zk, zv)  # (B, H, T, d_k)
         q = q / math.sqrt(D)
 
-        # eq. (10): log M up to its row normaliser, (B, H, T1, T2)
-        log_mask = semantic_log_mask(_heads_first(log_resp_z.exp()), _heads_first(log_resp_k.exp()))
-        scores = torch.matmul(q, k.transpose(-2, -1)).float()
-        blocked = None
-        if mask is not None:
-            blocked = mask.unsqueeze(1).eq(0)  # (B, 1, T1 or 1, T2)
-            scores = scores.masked_fill(blocked, torch.finfo(torch.float32).min)
-        attn = mix_attention(scores, log_mask.view(B, H, T1, -1), core.mix_weight)  # eq. (1), (2), (11)
-        if blocked is not None:
-            attn = attn.masked_fill(blocked, 0.0)
-        self.attn = attn
-        x = torch.matmul(self.dropout(attn.type_as(v)), v)  # (B, H, T1, d_k)
+        # eq. (10): M up to its row normaliser, (B, H, T1, T2)
+        sem_mask = semantic_mask_product(_heads_first(log_resp_z.exp()), _heads_first(log_resp_k.exp()))
+        sem_mask = sem_mask.view(B, H, T1, -1)
+        blocked = None if mask is None else mask.unsqueeze(1).eq(0)  # (B, 1, T1 or 1, T2)
+        dropout_active = self.training and self.dropout.p > 0
+        # Outside training ESPnet reads the weights (self.attn: attention plots), so they are kept there.
+        if use_fused_kernel(core.options.attention_kernel, q.device, not self.training, dropout_active):
+            base_mask = None
+            if blocked is not None:
+                base_mask = torch.zeros(blocked.shape, dtype=q.dtype, device=q.device).masked_fill(
+                    blocked, torch.finfo(q.dtype).min)
+            self.attn = None
+            x = fused_mix_attention(q, k, v, sem_mask, core.mix_weight, base_mask,
+                                    self.dropout.p if dropout_active else 0.0)  # eq. (1), (2), (11)
+        else:
+            scores = torch.matmul(q, k.transpose(-2, -1)).float()
+            if blocked is not None:
+                scores = scores.masked_fill(blocked, torch.finfo(torch.float32).min)
+            attn = mix_attention(scores, sem_mask, core.mix_weight)  # eq. (1), (2), (11)
+            if blocked is not None:
+                attn = attn.masked_fill(blocked, 0.0)
+            self.attn = attn
+            x = torch.matmul(self.dropout(attn.type_as(v)), v)  # (B, H, T1, d_k)
         x = x.transpose(1, 2).reshape(B, T1, H * D)
 
         if self.record_losses:
@@ -153,7 +171,7 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
 def _heads_first(resp: Tensor) -> Tensor:
     """(B, T, H, C) -> (B * H, T, C)."""
     B, T, H, C = resp.shape
-    return resp.permute(0, 2, 1, 3).reshape(B * H, T, C)
+    return resp.permute(0, 2, 1, 3).contiguous().view(B * H, T, C)  # contiguous for bmm, see SDMACore
 
 
 # The authors' Aishell-1 setting (what ESPnet's encoder and decoder change in the core defaults of

@@ -1,6 +1,17 @@
 """Benchmark (``make bench``, command ``sdma-bench``): vanilla transformer vs SMA-T vs SDMA-T, identical size, one run.
 
-Each model is trained with ``fairseq-train`` on the same data (the quickstart's Ding
+Three parts, every ratio taken against V-T in the same run:
+
+1. FLOPs (below);
+2. **update timing** (``step_timing.py``): the three models in one process on one fixed batch,
+   taking turns over ``--step-rounds`` rounds (default 7); wall-clock and process CPU time per
+   update, the speed ratio per round as min / median / max, and the FLOPs ratio of the same
+   update next to it; at the tiny configuration (6+6 layers) and at 2+2 layers, 256-d
+   (``--step-configs``). This is the measure that resolves a 5% difference on a shared machine;
+3. **end to end**: ``fairseq-train`` and ``fairseq-generate`` as users run them (``--config``),
+   interleaved over ``--repeats`` rounds (default 5).
+
+End to end, each model is trained with ``fairseq-train`` on the same data (the quickstart's Ding
 de-en split) for the same number of updates, then decoded with ``fairseq-generate``.
 Measured per model:
 
@@ -10,9 +21,10 @@ Measured per model:
 * ``fairseq-generate`` sentences/s (beam 5) on the test split.
 
 Ratios are to vanilla, measured in the same run; the models are interleaved over
-``--repeats`` rounds and each number is the model's median. Prints a table, writes
-``outputs/bench/sdma.json`` with ``train_wps_ratio``, ``peak_mem_ratio`` and
-``generate_speed_ratio`` (SDMA-T / vanilla) plus every raw number.
+``--repeats`` rounds and each number is the model's median (the per-round ratios' min / median /
+max are kept too). Prints tables, writes ``outputs/bench/sdma.json`` with ``train_wps_ratio``,
+``peak_mem_ratio`` and ``generate_speed_ratio`` (SDMA-T / vanilla), ``step`` (the update
+timing per configuration) plus every raw number.
 
 FLOPs (first, well under a minute on a CPU; ``--flops-only`` stops there): counted by PyTorch's
 ``FlopCounterMode`` (``user_dir/sdma/flops.py``; matrix products only, elementwise ops
@@ -41,6 +53,7 @@ from latent_core.runs import (
     train_words_per_second,
     write_json,
 )
+from user_dir.sdma import step_timing
 from user_dir.sdma.flops import describe_setting, flops_table, table_rows
 from user_dir.sdma.quickstart import prepare_data
 
@@ -57,8 +70,15 @@ def parse_args(argv=None):
     p.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
     p.add_argument("--updates", type=int, default=40, help="training updates per model (default 40)")
     p.add_argument("--max-tokens", type=int, default=4096)
-    p.add_argument("--repeats", type=int, default=2,
-                   help="rounds of (V-T, SMA-T, SDMA-T), medians reported (default 2)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="end-to-end rounds of (V-T, SMA-T, SDMA-T), medians reported (default 5)")
+    p.add_argument("--step-configs", default="tiny,tiny2x2",
+                   help=f"configurations of the update timing, comma-separated, from "
+                        f"{', '.join(step_timing.STEP_CONFIGS)}; empty: skip (default tiny,tiny2x2)")
+    p.add_argument("--step-rounds", type=int, default=step_timing.StepSetting.rounds,
+                   help="interleaved rounds of the update timing (default %(default)s)")
+    p.add_argument("--skip-train", action="store_true",
+                   help="FLOPs and update timing only, no fairseq-train / fairseq-generate runs")
     p.add_argument("--gen-length", type=int, default=12,
                    help="tokens per hypothesis when decoding the test set (default 12)")
     p.add_argument("--gpu", action="store_true", help="train/decode on the GPU (also add --fp16)")
@@ -70,6 +90,13 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.updates < 10:
         p.error("--updates must be >= 10 (the first logged interval is warm-up)")
+    if args.repeats < 1 or args.step_rounds < 1:
+        p.error("--repeats and --step-rounds must be >= 1")
+    args.step_configs = [c for c in args.step_configs.split(",") if c]
+    for config in args.step_configs:
+        if config not in step_timing.STEP_CONFIGS:
+            p.error(f"--step-configs: unknown configuration {config!r} "
+                    f"(one of {', '.join(step_timing.STEP_CONFIGS)})")
     return args
 
 
@@ -116,6 +143,21 @@ def measure_flops():
     return {"flops_ratio": table["configs"]["base"]["SDMA-T"]["ratio_to_vt"], "flops": table}
 
 
+def measure_steps(args):
+    """The interleaved update timing at every ``--step-configs`` configuration (printed, returned)."""
+    setting = step_timing.StepSetting(rounds=args.step_rounds)
+    timings, rows = {}, []
+    for config in args.step_configs:
+        stage(f"update timing, {config}: V-T / SMA-T / SDMA-T in one process, {setting.rounds} interleaved "
+              f"rounds of {setting.updates_per_round} updates, batch {setting.sentences} x {setting.tokens} tokens")
+        timings[config] = step_timing.time_updates(config, setting)
+        rows += step_timing.table_rows(timings[config])
+    if rows:
+        print_table(rows, list(rows[0].keys()), "Update timing (speed ratio = V-T time / model time, per round; "
+                                                "FLOPs bound = V-T FLOPs / model FLOPs of the same update)")
+    return timings
+
+
 def main(argv=None):
     args = parse_args(argv)
     flops = measure_flops()
@@ -124,6 +166,14 @@ def main(argv=None):
         payload.update(flops)
         write_json(args.out, payload)
         stage(f"flops_ratio (SDMA-T / V-T, base) = {flops['flops_ratio']:.4f}; updated {args.out}")
+        return
+    steps = measure_steps(args)
+    if args.skip_train:
+        payload = json.loads(args.out.read_text()) if args.out.exists() else {}
+        payload.update(flops)
+        payload["step"] = steps
+        write_json(args.out, payload)
+        stage(f"wrote {args.out} (FLOPs and update timing)")
         return
     data_bin = prepare_data(args.data_dir, max_words=10, vocab_size=2000)
     work = args.out.parent / args.config
@@ -141,12 +191,16 @@ def main(argv=None):
     raw = {name: {key: statistics.median(r[key] for r in results) for key in results[0]}
            for name, results in runs.items()}
     base = raw["V-T"]
+    spread = {name: {key: _round_ratios(runs["V-T"], results, key)
+                     for key in ("train_wps", "generate_sentences_per_second", "peak_mem_mb")}
+              for name, results in runs.items()}
     for name, r in raw.items():
         rows.append({
             "model": name,
             "params": r["params"],
             "train words/s": r["train_wps"],
             "wps ratio": r["train_wps"] / base["train_wps"],
+            "per round min-max": "{min:.3f}-{max:.3f}".format(**spread[name]["train_wps"]),
             "peak MB": r["peak_mem_mb"],
             "mem ratio": r["peak_mem_mb"] / base["peak_mem_mb"],
             "gen sent/s": r["generate_sentences_per_second"],
@@ -171,11 +225,19 @@ def main(argv=None):
         "fp16": args.fp16,
         "raw": raw,
         "runs": runs,
+        "round_ratios": spread,
+        "step": steps,
         "repeats": args.repeats,
         **flops,
     }
     write_json(args.out, payload)
     stage(f"wrote {args.out}")
+
+
+def _round_ratios(vanilla, results, key):
+    """min / median / max over rounds of (model / V-T of the same round)."""
+    ratios = [r[key] / v[key] for v, r in zip(vanilla, results)]
+    return {"min": min(ratios), "median": statistics.median(ratios), "max": max(ratios)}
 
 
 if __name__ == "__main__":

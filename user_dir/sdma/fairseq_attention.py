@@ -9,11 +9,17 @@ step-by-step decoding computes the same semantic mask as a full forward pass.
 from typing import Dict, Optional, Tuple
 
 import torch
-from fairseq import utils
 from fairseq.modules.multihead_attention import MultiheadAttention
 from torch import Tensor
 
-from latent_core.sdma import SDMACore, SDMAOptions, mix_attention, semantic_log_mask
+from latent_core.sdma import (
+    SDMACore,
+    SDMAOptions,
+    fused_mix_attention,
+    mix_attention,
+    semantic_mask_product,
+    use_fused_kernel,
+)
 
 
 class SDMAMultiheadAttention(MultiheadAttention):
@@ -145,38 +151,54 @@ class SDMAMultiheadAttention(MultiheadAttention):
             key_padding_mask = None
 
         beamable = self.encoder_decoder_attention and bsz != kv_bsz
-        if beamable:
-            scores = torch.einsum(
-                "bxhtd,bhsd->bxhts",
-                q.view((kv_bsz, -1, H) + q.size()[1:]),
-                k.view((kv_bsz, H) + k.size()[1:]),
-            ).reshape(-1, tgt_len, src_len)
+        mask = semantic_mask_product(resp_query, key_resp, heads=H)  # eq. (10), [B*H, T, S]
+        dropout_active = self.training and self.dropout_module.p > 0
+        attn_float = None
+        if not beamable and not before_softmax and use_fused_kernel(
+                core.options.attention_kernel, q.device, need_weights, dropout_active):
+            base_mask = None
+            if key_padding_mask is not None:
+                base_mask = torch.zeros(kv_bsz, 1, 1, src_len, dtype=q.dtype, device=q.device).masked_fill(
+                    key_padding_mask.to(torch.bool)[:, None, None, :], float("-inf"))
+            if attn_mask is not None:
+                future = attn_mask.to(q.dtype)[None, None]
+                base_mask = future if base_mask is None else base_mask + future
+            attn = fused_mix_attention(  # eq. (1), (2), (11)
+                q.view(bsz, H, tgt_len, D), k.view(bsz, H, src_len, D), v.view(bsz, H, src_len, D),
+                mask.view(bsz, H, tgt_len, src_len), core.mix_weight, base_mask,
+                self.dropout_module.p if dropout_active else 0.0,
+            ).permute(2, 0, 1, 3).reshape(tgt_len, bsz, embed_dim)
         else:
-            scores = torch.bmm(q, k.transpose(1, 2))
-        log_mask = semantic_log_mask(resp_query, key_resp, heads=H)  # eq. (10), [B*H, T, S]
+            if beamable:
+                scores = torch.einsum(
+                    "bxhtd,bhsd->bxhts",
+                    q.view((kv_bsz, -1, H) + q.size()[1:]),
+                    k.view((kv_bsz, H) + k.size()[1:]),
+                ).reshape(-1, tgt_len, src_len)
+            else:
+                scores = torch.bmm(q, k.transpose(1, 2))
+            scores = scores.float()
+            if attn_mask is not None:
+                scores = scores + attn_mask.unsqueeze(0).float()
+            if key_padding_mask is not None:
+                pad = key_padding_mask.to(torch.bool)
+                scores = scores.view(kv_bsz, -1, H, tgt_len, src_len).masked_fill(
+                    pad[:, None, None, None, :], float("-inf")
+                ).view(bsz * H, tgt_len, src_len)
+            if before_softmax:
+                return scores, v
 
-        scores = scores.float()
-        if attn_mask is not None:
-            scores = scores + attn_mask.unsqueeze(0).float()
-        if key_padding_mask is not None:
-            pad = key_padding_mask.to(torch.bool)
-            scores = scores.view(kv_bsz, -1, H, tgt_len, src_len).masked_fill(
-                pad[:, None, None, None, :], float("-inf")
-            ).view(bsz * H, tgt_len, src_len)
-        if before_softmax:
-            return scores, v
-
-        attn_float = mix_attention(scores, log_mask, core.mix_weight)  # eq. (1), (2), (11)
-        attn_probs = self.dropout_module(attn_float.type_as(v))
-        if beamable:
-            attn = torch.einsum(
-                "bxhts,bhsd->bxhtd",
-                attn_probs.view((kv_bsz, -1, H) + attn_probs.size()[1:]),
-                v.view((kv_bsz, H) + v.size()[1:]),
-            ).reshape(-1, tgt_len, D)
-        else:
-            attn = torch.bmm(attn_probs, v)
-        attn = attn.transpose(0, 1).contiguous().view(tgt_len, bsz, embed_dim)
+            attn_float = mix_attention(scores, mask, core.mix_weight)  # eq. (1), (2), (11)
+            attn_probs = self.dropout_module(attn_float.type_as(v))
+            if beamable:
+                attn = torch.einsum(
+                    "bxhts,bhsd->bxhtd",
+                    attn_probs.view((kv_bsz, -1, H) + attn_probs.size()[1:]),
+                    v.view((kv_bsz, H) + v.size()[1:]),
+                ).reshape(-1, tgt_len, D)
+            else:
+                attn = torch.bmm(attn_probs, v)
+            attn = attn.transpose(0, 1).contiguous().view(tgt_len, bsz, embed_dim)
         attn = self.out_proj(attn)
 
         if need_losses:
@@ -188,7 +210,7 @@ class SDMAMultiheadAttention(MultiheadAttention):
             core.record(log_joint_z, log_resp_z, query_valid, log_joint_q, log_resp_q)
 
         weights: Optional[Tensor] = None
-        if need_weights:
+        if need_weights and attn_float is not None:
             weights = attn_float.view(bsz, H, tgt_len, src_len).transpose(1, 0)
             if not need_head_weights:
                 weights = weights.mean(dim=0)

@@ -124,7 +124,10 @@ def test_masked_attention_eq2_and_mixing_eq11():
     a_bar = a * m / (a * m).sum(-1, keepdim=True)  # eq. 2
     g = torch.tensor(0.3)
     expected = (1 - g) * a + g * a_bar  # eq. 11
-    assert torch.allclose(core.mix_attention(scores, core.semantic_log_mask(rq, rk), g), expected, atol=1e-6)
+    product = core.semantic_mask_product(rq, rk)  # M up to its row normaliser
+    assert torch.allclose(core.mix_attention(scores, product, g), expected, atol=1e-6)
+    # the additive form used by fused kernels: softmax(scores + log M) is A_bar
+    assert torch.allclose(torch.softmax(scores + core.semantic_log_mask(rq, rk), -1), a_bar, atol=1e-6)
 
 
 def test_mixing_schedule():
@@ -162,7 +165,7 @@ def test_collapsed_cluster_and_low_precision_stay_finite():
         for name, value in losses.items():
             assert torch.isfinite(value).all(), (dtype, name)
         resp = core_mod.heads_first(lr.exp())
-        att = core.mix_attention(torch.randn(4, 5, 5), core.semantic_log_mask(resp, resp), torch.tensor(0.9))
+        att = core.mix_attention(torch.randn(4, 5, 5), core.semantic_mask_product(resp, resp), torch.tensor(0.9))
         assert torch.isfinite(att).all()
         assert torch.allclose(att.sum(-1), torch.ones(4, 5), atol=1e-5)
 

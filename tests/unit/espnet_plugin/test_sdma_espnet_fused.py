@@ -1,0 +1,49 @@
+"""ESPnet's SDMA attention: the fused path (``sdma_conf: {attention_kernel: sdpa}``) equals the explicit one."""
+
+import pytest
+import torch
+
+import espnet_plugin  # noqa: F401  (registers the classes)
+from espnet_plugin.asr.sdma_attention import SDMAMultiHeadedAttention
+from latent_core.sdma import SDMAOptions
+
+
+def attention(kernel, group="encoder_self"):
+    torch.manual_seed(0)
+    module = SDMAMultiHeadedAttention(2, 16, 0.0, group=group, sdma=SDMAOptions(
+        num_clusters=3, num_query_clusters=2, noise_var=0.0, attention_kernel=kernel))
+    module.set_num_updates(2000)
+    return module.train()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_training_forward_and_gradients_equal_the_explicit_path(causal):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 6, 16, generator=g)
+    mask = torch.ones(2, 1, 6, dtype=torch.bool)
+    mask[1, :, 4:] = False
+    if causal:
+        mask = mask & torch.tril(torch.ones(6, 6, dtype=torch.bool))[None]
+    results = []
+    for kernel in ("explicit", "sdpa"):
+        module = attention(kernel)
+        inp = x.clone().requires_grad_(True)
+        out = module(inp, inp, inp, mask)
+        losses = module.sdma.regularisers(*(module.sdma.pending[k] for k in (
+            "log_joint_z", "log_resp_z", "valid", "log_joint_q", "log_resp_q")))
+        (out.pow(2).sum() + sum(v.sum() for v in losses.values())).backward()
+        results.append((out.detach(), inp.grad, {n: p.grad for n, p in module.named_parameters()},
+                        module.attn))
+    (out_e, gx_e, grads_e, attn_e), (out_f, gx_f, grads_f, attn_f) = results
+    assert attn_e is not None and attn_f is None  # the fused path keeps no weights
+    torch.testing.assert_close(out_f, out_e, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gx_f, gx_e, rtol=1e-4, atol=1e-5)
+    for name in grads_e:
+        torch.testing.assert_close(grads_f[name], grads_e[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_evaluation_keeps_the_weights_for_espnet_attention_plots():
+    module = attention("sdpa").eval()
+    x = torch.randn(1, 5, 16)
+    module(x, x, x, None)
+    assert module.attn is not None and module.attn.shape == (1, 2, 5, 5)
