@@ -460,14 +460,45 @@ def mix_attention(scores: Tensor, mask: Optional[Tensor], mix: Tensor) -> Tensor
     A = softmax(scores) (eq. 1); A_bar = M o A / sum_j' (M o A) (eq. 2) with ``mask`` the
     unnormalised M of :func:`semantic_mask_product` (its row normaliser cancels). One
     softmax: A_bar reuses A (the same value as softmax(scores + log M), without a
-    second exponential pass).
+    second exponential pass). Differentiable in ``scores`` and ``mask`` by
+    :class:`_MixedAttention`, which keeps only A, M and the row sums for the backward pass.
     """
-    attn = torch.softmax(scores, dim=-1)
     if mask is None:
-        return attn
-    masked = attn * mask.to(attn.dtype)
-    masked = masked / masked.sum(-1, keepdim=True)
-    return torch.lerp(attn, masked, mix.to(attn.dtype))
+        return torch.softmax(scores, dim=-1)
+    mask = mask.to(scores.dtype)
+    if mix.requires_grad:  # g is a schedule (a buffer); a learnt g takes the plain autograd route
+        attn = torch.softmax(scores, dim=-1)
+        masked = attn * mask
+        return torch.lerp(attn, masked / masked.sum(-1, keepdim=True), mix.to(attn.dtype))
+    return _MixedAttention.apply(scores, mask, mix.detach().to(scores.dtype))
+
+
+class _MixedAttention(torch.autograd.Function):
+    """eq. (1), (2), (11) as one autograd node: ``(scores, M, g) -> A_hat``, ``[..., T, S]``.
+
+    Saves A, M and Z = sum_j M_ij A_ij (autograd would keep A, M, M o A and A_bar). Backward:
+    dA_bar = g dA_hat; dW = (dA_bar - <dA_bar, A_bar>) / Z for W = M o A; dM = dW o A;
+    dA = (1 - g) dA_hat + dW o M; dscores = A o (dA - <dA, A>), <.,.> the row sums.
+    """
+
+    @staticmethod
+    def forward(ctx, scores, mask, mix):
+        attn = torch.softmax(scores, dim=-1)
+        masked = attn * mask
+        norm = masked.sum(-1, keepdim=True)
+        ctx.save_for_backward(attn, mask, norm, mix)
+        return torch.lerp(attn, masked.div_(norm), mix)
+
+    @staticmethod
+    def backward(ctx, grad):
+        attn, mask, norm, mix = ctx.saved_tensors
+        masked = attn * mask / norm  # A_bar
+        grad_masked = grad * mix
+        grad_w = (grad_masked - (grad_masked * masked).sum(-1, keepdim=True)).div_(norm)
+        grad_mask = grad_w * attn if ctx.needs_input_grad[1] else None
+        grad_attn = torch.addcmul(grad * (1.0 - mix), grad_w, mask)
+        grad_scores = attn * (grad_attn - (grad_attn * attn).sum(-1, keepdim=True))
+        return grad_scores, grad_mask, None
 
 
 def fused_mix_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, mix: Tensor,
@@ -546,7 +577,10 @@ class SDMACore(nn.Module):
     def perturb(self, x: Tensor, training: bool) -> Tensor:
         """z = x + sigma * eps in training (eq. 8, variance ``noise_var``)."""
         if training and self.options.noise_var > 0:
-            return x + math.sqrt(self.options.noise_var) * torch.randn_like(x)
+            # torch.randn, not randn_like: fairseq hands the layers a transposed (non-contiguous)
+            # x, and sampling into a strided tensor takes PyTorch's per-element path (~9x slower)
+            eps = torch.randn(x.shape, dtype=x.dtype, device=x.device)
+            return x + math.sqrt(self.options.noise_var) * eps
         return x
 
     def cluster(self, x: Tensor, gmm_terms: Optional[Tuple[Tensor, Tensor, Tensor]] = None) -> Tuple[Tensor, Tensor]:

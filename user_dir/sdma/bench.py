@@ -2,7 +2,8 @@
 
 Three parts, every ratio taken against V-T in the same run:
 
-1. FLOPs (below);
+1. FLOPs (below), and the paper's base configurations' FLOPs per token and training memory
+   at a 4096-token batch (``scale.py``; ``--skip-scale``);
 2. **update timing** (``step_timing.py``): the three models in one process on one fixed batch,
    taking turns over ``--step-rounds`` rounds (default 7); wall-clock and process CPU time per
    update, the speed ratio per round as min / median / max, and the FLOPs ratio of the same
@@ -53,7 +54,7 @@ from latent_core.runs import (
     train_words_per_second,
     write_json,
 )
-from user_dir.sdma import step_timing
+from user_dir.sdma import scale, step_timing
 from user_dir.sdma.flops import describe_setting, flops_table, table_rows
 from user_dir.sdma.quickstart import prepare_data
 
@@ -77,6 +78,8 @@ def parse_args(argv=None):
                         f"{', '.join(step_timing.STEP_CONFIGS)}; empty: skip (default tiny,tiny2x2)")
     p.add_argument("--step-rounds", type=int, default=step_timing.StepSetting.rounds,
                    help="interleaved rounds of the update timing (default %(default)s)")
+    p.add_argument("--skip-scale", action="store_true",
+                   help="skip the base-configuration FLOPs/memory table (about 2.5 minutes on a 2-core CPU)")
     p.add_argument("--skip-train", action="store_true",
                    help="FLOPs and update timing only, no fairseq-train / fairseq-generate runs")
     p.add_argument("--gen-length", type=int, default=12,
@@ -143,6 +146,17 @@ def measure_flops():
     return {"flops_ratio": table["configs"]["base"]["SDMA-T"]["ratio_to_vt"], "flops": table}
 
 
+def measure_scale():
+    """FLOPs per token and training memory of the paper's base configurations (printed, returned)."""
+    stage("scale: IWSLT'14 / WMT'14 base, one training batch of ~4096 target tokens each, FLOPs and "
+          "parameter / saved-activation memory")
+    rows = scale.scale_table()
+    printable = scale.table_rows(rows)
+    print_table(printable, list(printable[0].keys()),
+                "Base configurations per GPU (fp32; activations = tensors saved for backward)")
+    return rows
+
+
 def measure_steps(args):
     """The interleaved update timing at every ``--step-configs`` configuration (printed, returned)."""
     setting = step_timing.StepSetting(rounds=args.step_rounds)
@@ -167,6 +181,8 @@ def main(argv=None):
         write_json(args.out, payload)
         stage(f"flops_ratio (SDMA-T / V-T, base) = {flops['flops_ratio']:.4f}; updated {args.out}")
         return
+    if not args.skip_scale:
+        flops["scale"] = measure_scale()
     steps = measure_steps(args)
     if args.skip_train:
         payload = json.loads(args.out.read_text()) if args.out.exists() else {}

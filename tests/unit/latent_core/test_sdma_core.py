@@ -305,3 +305,27 @@ def test_one_loss_weight_validator_names_the_option_and_the_symbol(value):
     with pytest.raises(core.SDMAConfigError, match=r"model_conf\.sdma_dqq_weight=.*lambda_q of eq\. \(24\)"):
         core.check_loss_weight("sdma_dqq_weight", value, "model_conf.sdma_dqq_weight")
     assert core.check_loss_weight("sdma_dqq_weight", 30, "--sdma-dqq-weight") == 30.0
+
+
+def test_mixed_attention_gradients_equal_autograd_of_eq_2_and_11():
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(3, 4, 6, generator=g, dtype=torch.float64)
+    scores[0, :, -2:] = float("-inf")  # padded keys
+    mask = torch.rand(3, 4, 6, generator=g, dtype=torch.float64) + 1e-6
+    mix = torch.tensor(0.35, dtype=torch.float64)
+    s1, m1 = scores.clone().requires_grad_(), mask.clone().requires_grad_()
+    out = core.mix_attention(s1, m1, mix)
+    s2, m2 = scores.clone().requires_grad_(), mask.clone().requires_grad_()
+    a = torch.softmax(s2, -1)
+    expected = (1 - mix) * a + mix * (a * m2) / (a * m2).sum(-1, keepdim=True)
+    torch.testing.assert_close(out, expected)
+    weight = torch.randn(3, 4, 6, generator=g, dtype=torch.float64)
+    (out * weight).sum().backward()
+    (expected * weight).sum().backward()
+    torch.testing.assert_close(s1.grad, s2.grad)
+    torch.testing.assert_close(m1.grad, m2.grad)
+    assert s1.grad[0, :, -2:].abs().max() == 0
+    finite = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
+    positive = (torch.rand(2, 3, 5, dtype=torch.float64) + 0.1).requires_grad_()
+    assert torch.autograd.gradcheck(lambda s, m: core.mix_attention(s, m, torch.tensor(0.6, dtype=torch.float64)),
+                                    (finite, positive))

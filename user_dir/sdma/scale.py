@@ -1,0 +1,103 @@
+"""What the paper's base configurations cost per GPU: FLOPs per token and training memory (``sdma-bench --scale``).
+
+For each base row (IWSLT'14 De-En, WMT'14 En-De; Table I) and model (V-T, SDMA-T) one training
+batch of ``tokens_per_batch`` target tokens is built on the CPU through fairseq (the registered
+architecture, criterion ``sdma_label_smoothed_cross_entropy``) and measured:
+
+* FLOPs of one training update per target token (``torch.utils.flop_counter``, matrix products
+  only, as in ``flops.py``);
+* parameter memory (fp32 weights) and what Adam training adds (gradients + two moments: 3x);
+* activation memory: the bytes of every tensor autograd saves for the backward pass during the
+  criterion's forward (``torch.autograd.graph.saved_tensors_hooks``, each storage counted once,
+  parameters excluded). This is what ``torch.cuda.max_memory_allocated`` adds to the weights on a
+  GPU for that batch, less allocator fragmentation and the transient buffers of single kernels.
+
+The paper gives neither its batch size nor its sentence lengths: ``tokens_per_batch`` defaults
+to 4096 (fairseq's IWSLT'14 recipe, ``--max-tokens 4096``, on the authors' single 24 GB GPU),
+as ``sentences`` x ``tokens`` (source and target) of the values below.
+"""
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+
+from .flops import FlopsSetting, build_translation_model, count_flops, synthetic_batch
+
+
+@dataclass(frozen=True)
+class BaseRow:
+    arch: str
+    src_vocab: int  # dictionary entries (Table I "BPE")
+    tgt_vocab: int
+    shared: bool  # --share-all-embeddings (one dictionary for both sides)
+    sentences: int
+    tokens: int  # per sentence, each side, EOS included
+
+
+BASE_ROWS = {
+    "IWSLT'14 De-En base": BaseRow("sdma_transformer_iwslt_de_en", 6000, 8000, False, 160, 26),
+    "WMT'14 En-De base": BaseRow("sdma_transformer_wmt_en_de", 44000, 44000, True, 128, 32),
+}
+MODELS = {"V-T": "none", "SDMA-T": "sdma"}
+
+
+def saved_activation_bytes(fn, exclude: List[torch.Tensor]) -> int:
+    """Bytes of the distinct storages autograd saves while ``fn()`` runs (``exclude``: parameters)."""
+    excluded = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: Dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in excluded:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        fn()
+    return sum(seen.values())
+
+
+def measure_row(name: str, row: BaseRow, mode: str) -> Dict:
+    setting = FlopsSetting(src_vocab=row.src_vocab, tgt_vocab=row.tgt_vocab, sentences=row.sentences,
+                           src_tokens=row.tokens, tgt_tokens=row.tokens)
+    with tempfile.TemporaryDirectory(prefix="sdma_scale_") as tmp:
+        model, criterion, task = build_translation_model(
+            row.arch, mode, setting, Path(tmp), ["--share-all-embeddings"] if row.shared else [])
+    model.train()
+    sample = synthetic_batch(task, setting)
+    params = list(model.parameters())
+    n_params = sum(p.numel() for p in params)
+    losses = []
+    activations = saved_activation_bytes(lambda: losses.append(criterion(model, sample)[0]), params)
+    loss = losses[0]
+    forward_flops = count_flops(lambda: criterion(model, sample))[0]
+    backward_flops = count_flops(loss.backward)[0]
+    model.zero_grad(set_to_none=True)
+    ntokens = sample["ntokens"]
+    return {
+        "config": name, "model": list(MODELS)[list(MODELS.values()).index(mode)], "arch": row.arch,
+        "params": n_params, "target_tokens": ntokens, "sentences": row.sentences, "tokens_per_sentence": row.tokens,
+        "train_flops_per_target_token": (forward_flops + backward_flops) / ntokens,
+        "param_mb": 4 * n_params / 2**20,
+        "param_grad_adam_mb": 16 * n_params / 2**20,
+        "activation_mb": activations / 2**20,
+    }
+
+
+def scale_table() -> List[Dict]:
+    """One row per base configuration and model (see the module docstring)."""
+    return [measure_row(name, row, mode) for name, row in BASE_ROWS.items() for mode in MODELS.values()]
+
+
+def table_rows(rows: List[Dict]) -> List[Dict]:
+    return [{
+        "config": r["config"], "model": r["model"], "params": f"{r['params'] / 1e6:.1f}M",
+        "batch (target tokens)": f"{r['target_tokens']} ({r['sentences']} x {r['tokens_per_sentence']})",
+        "train GFLOPs/token": f"{r['train_flops_per_target_token'] / 1e9:.3f}",
+        "weights MB": f"{r['param_mb']:.0f}",
+        "+grads+Adam MB": f"{r['param_grad_adam_mb']:.0f}",
+        "activations MB": f"{r['activation_mb']:.0f}",
+    } for r in rows]
