@@ -49,3 +49,12 @@ def test_peak_rss_refuses_what_is_not_a_console_script():
 def test_console_script_names_a_missing_install():
     with pytest.raises(SystemExit, match="no-such-tool not found: run `make install` first"):
         runs.console_script("no-such-tool")
+
+
+def test_peak_rss_of_a_child_does_not_include_its_large_parent(tmp_path):
+    ballast = bytearray(600 * 2**20)  # this process: > 600 MiB resident
+    ballast[:: 4096] = b"x" * len(ballast[:: 4096])
+    result = runs.run_streaming([runs.console_script("pip"), "--version"], tmp_path / "pip.log", echo=False,
+                                wrap_rss=True)
+    del ballast
+    assert 1 < result["peak_rss_mb"] < 300  # pip itself, not the parent's 600 MiB

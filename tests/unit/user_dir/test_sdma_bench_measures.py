@@ -1,0 +1,40 @@
+"""The measures behind ``make bench``: interleaved update timing and the base-configuration memory table."""
+
+import pytest
+import torch
+
+from user_dir.sdma import scale, step_timing
+
+
+def test_saved_activation_bytes_counts_each_saved_storage_once_and_no_parameters():
+    weight = torch.nn.Parameter(torch.randn(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def forward():
+        h = x @ weight  # saves x (128 B) and the weight (excluded)
+        return (h * h).sum()  # saves h twice: one storage (128 B)
+
+    assert scale.saved_activation_bytes(forward, [weight]) == 2 * 4 * 8 * 4
+
+
+def test_update_timing_interleaves_rounds_and_reports_ratios_to_vanilla():
+    setting = step_timing.StepSetting(sentences=4, tokens=5, vocab=50, rounds=2, updates_per_round=1)
+    timing = step_timing.time_updates("tiny2x2", setting)
+    models = timing["models"]
+    assert list(models) == ["V-T", "SMA-T", "SDMA-T"]
+    for name, r in models.items():
+        assert len(r["wall_ms"]) == len(r["cpu_ms"]) == 2 and min(r["wall_ms"]) > 0
+        assert r["speed_ratio"]["min"] <= r["speed_ratio"]["median"] <= r["speed_ratio"]["max"]
+    assert models["V-T"]["speed_ratio"] == {"min": 1.0, "median": 1.0, "max": 1.0}
+    # SDMA-T adds the GMM products and the semantic mask: more arithmetic than SMA-T, than V-T
+    assert 1.0 < models["SMA-T"]["flops_ratio"] < models["SDMA-T"]["flops_ratio"] < 1.2
+    assert models["SDMA-T"]["params"] > models["V-T"]["params"]
+    rows = step_timing.table_rows(timing)
+    assert [r["model"] for r in rows] == ["V-T", "SMA-T", "SDMA-T"]
+
+
+def test_update_timing_refuses_impossible_settings():
+    with pytest.raises(ValueError, match="rounds=0"):
+        step_timing.StepSetting(rounds=0).validate()
+    with pytest.raises(ValueError, match="unknown configuration 'huge'"):
+        step_timing.time_updates("huge")
