@@ -465,12 +465,8 @@ def mix_attention(scores: Tensor, mask: Optional[Tensor], mix: Tensor) -> Tensor
     """
     if mask is None:
         return torch.softmax(scores, dim=-1)
-    mask = mask.to(scores.dtype)
-    if mix.requires_grad:  # g is a schedule (a buffer); a learnt g takes the plain autograd route
-        attn = torch.softmax(scores, dim=-1)
-        masked = attn * mask
-        return torch.lerp(attn, masked / masked.sum(-1, keepdim=True), mix.to(attn.dtype))
-    return _MixedAttention.apply(scores, mask, mix.detach().to(scores.dtype))
+    # g is a schedule (the SDMACore buffer), never trained: no gradient flows to it
+    return _MixedAttention.apply(scores, mask.to(scores.dtype), mix.detach().to(scores.dtype))
 
 
 class _MixedAttention(torch.autograd.Function):

@@ -176,19 +176,14 @@ def main(argv=None):
     args = parse_args(argv)
     flops = measure_flops()
     if args.flops_only:
-        payload = json.loads(args.out.read_text()) if args.out.exists() else {}
-        payload.update(flops)
-        write_json(args.out, payload)
+        _update_json(args.out, flops)
         stage(f"flops_ratio (SDMA-T / V-T, base) = {flops['flops_ratio']:.4f}; updated {args.out}")
         return
     if not args.skip_scale:
         flops["scale"] = measure_scale()
     steps = measure_steps(args)
     if args.skip_train:
-        payload = json.loads(args.out.read_text()) if args.out.exists() else {}
-        payload.update(flops)
-        payload["step"] = steps
-        write_json(args.out, payload)
+        _update_json(args.out, {**flops, "step": steps})
         stage(f"wrote {args.out} (FLOPs and update timing)")
         return
     data_bin = prepare_data(args.data_dir, max_words=10, vocab_size=2000)
@@ -248,6 +243,13 @@ def main(argv=None):
     }
     write_json(args.out, payload)
     stage(f"wrote {args.out}")
+
+
+def _update_json(path: Path, values: dict) -> None:
+    """Write ``values`` into the JSON at ``path``, keeping the keys of an earlier full run."""
+    payload = json.loads(path.read_text()) if path.exists() else {}
+    payload.update(values)
+    write_json(path, payload)
 
 
 def _round_ratios(vanilla, results, key):

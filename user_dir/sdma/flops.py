@@ -199,6 +199,15 @@ def synthetic_batch(task, setting: FlopsSetting, device="cpu") -> Dict:
     }
 
 
+def build_with_batch(arch: str, mode: str, setting: FlopsSetting, extra_args: Sequence[str] = (),
+                     device: str = "cpu"):
+    """(model, criterion, sample): :func:`build_translation_model` on synthetic dictionaries in a
+    temporary directory, on ``device``, with :func:`synthetic_batch` of ``setting``."""
+    with tempfile.TemporaryDirectory(prefix="sdma_flops_") as tmp:
+        model, criterion, task = build_translation_model(arch, mode, setting, Path(tmp), extra_args)
+    return model.to(device), criterion, synthetic_batch(task, setting, device)
+
+
 @contextmanager
 def _counting():
     """FlopCounterMode with the math SDPA backend (whose matmuls the counter sees)."""
@@ -244,10 +253,7 @@ def count_training_flops(arch: str, mode: str, setting: Optional[FlopsSetting] =
     ``arch``, ``mode``.
     """
     setting = (setting or FlopsSetting()).validate()
-    with tempfile.TemporaryDirectory(prefix="sdma_flops_") as tmp:
-        model, criterion, task = build_translation_model(arch, mode, setting, Path(tmp), extra_args)
-    model.to(device)
-    sample = synthetic_batch(task, setting, device)
+    model, criterion, sample = build_with_batch(arch, mode, setting, extra_args, device)
 
     model.train()
     forward, fwd_ops, (loss, _, _) = count_flops(lambda: criterion(model, sample))

@@ -17,14 +17,12 @@ to 4096 (fairseq's IWSLT'14 recipe, ``--max-tokens 4096``, on the authors' singl
 as ``sentences`` x ``tokens`` (source and target) of the values below.
 """
 
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Dict, List
 
 import torch
 
-from .flops import FlopsSetting, build_translation_model, count_flops, synthetic_batch
+from .flops import FlopsSetting, build_with_batch, count_flops
 
 
 @dataclass(frozen=True)
@@ -60,25 +58,23 @@ def saved_activation_bytes(fn, exclude: List[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def measure_row(name: str, row: BaseRow, mode: str) -> Dict:
+def measure_row(name: str, row: BaseRow, model_name: str) -> Dict:
     setting = FlopsSetting(src_vocab=row.src_vocab, tgt_vocab=row.tgt_vocab, sentences=row.sentences,
                            src_tokens=row.tokens, tgt_tokens=row.tokens)
-    with tempfile.TemporaryDirectory(prefix="sdma_scale_") as tmp:
-        model, criterion, task = build_translation_model(
-            row.arch, mode, setting, Path(tmp), ["--share-all-embeddings"] if row.shared else [])
+    model, criterion, sample = build_with_batch(row.arch, MODELS[model_name], setting,
+                                                ["--share-all-embeddings"] if row.shared else [])
     model.train()
-    sample = synthetic_batch(task, setting)
     params = list(model.parameters())
     n_params = sum(p.numel() for p in params)
     losses = []
-    activations = saved_activation_bytes(lambda: losses.append(criterion(model, sample)[0]), params)
-    loss = losses[0]
-    forward_flops = count_flops(lambda: criterion(model, sample))[0]
-    backward_flops = count_flops(loss.backward)[0]
+    # one forward: its FLOPs counted and its saved tensors measured together
+    forward_flops, _, activations = count_flops(
+        lambda: saved_activation_bytes(lambda: losses.append(criterion(model, sample)[0]), params))
+    backward_flops = count_flops(losses[0].backward)[0]
     model.zero_grad(set_to_none=True)
     ntokens = sample["ntokens"]
     return {
-        "config": name, "model": list(MODELS)[list(MODELS.values()).index(mode)], "arch": row.arch,
+        "config": name, "model": model_name, "arch": row.arch,
         "params": n_params, "target_tokens": ntokens, "sentences": row.sentences, "tokens_per_sentence": row.tokens,
         "train_flops_per_target_token": (forward_flops + backward_flops) / ntokens,
         "param_mb": 4 * n_params / 2**20,
@@ -89,7 +85,7 @@ def measure_row(name: str, row: BaseRow, mode: str) -> Dict:
 
 def scale_table() -> List[Dict]:
     """One row per base configuration and model (see the module docstring)."""
-    return [measure_row(name, row, mode) for name, row in BASE_ROWS.items() for mode in MODELS.values()]
+    return [measure_row(name, row, model) for name, row in BASE_ROWS.items() for model in MODELS]
 
 
 def table_rows(rows: List[Dict]) -> List[Dict]:

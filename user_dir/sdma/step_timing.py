@@ -18,15 +18,13 @@ dictionaries of ``vocab`` entries (shared embeddings).
 """
 
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Dict, Sequence
 
 import torch
 
-from .flops import FlopsSetting, build_translation_model, count_flops, synthetic_batch
+from .flops import FlopsSetting, build_with_batch, count_flops
 
 # configuration -> (architecture, extra fairseq options)
 STEP_CONFIGS = {
@@ -59,12 +57,9 @@ def _build(config: str, mode: str, setting: StepSetting):
     arch, extra = STEP_CONFIGS[config]
     flops_setting = FlopsSetting(src_vocab=setting.vocab, tgt_vocab=setting.vocab, sentences=setting.sentences,
                                  src_tokens=setting.tokens, tgt_tokens=setting.tokens, seed=setting.seed)
-    with tempfile.TemporaryDirectory(prefix="sdma_step_") as tmp:
-        model, criterion, task = build_translation_model(arch, mode, flops_setting, Path(tmp),
-                                                         ["--share-all-embeddings", *extra])
+    model, criterion, sample = build_with_batch(arch, mode, flops_setting, ["--share-all-embeddings", *extra])
     model.train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-    return model, criterion, optimizer, synthetic_batch(task, flops_setting)
+    return model, criterion, torch.optim.Adam(model.parameters(), lr=1e-4), sample
 
 
 def _update(model, criterion, optimizer, sample) -> None:
