@@ -26,6 +26,19 @@ class PluginConfigError(ValueError):
     """An option, configuration key or input file the user has to fix (message says which and how)."""
 
 
+def parse_bool(value) -> bool:
+    """An option's boolean value: true/false, yes/no, on/off, 1/0 (any case); ValueError otherwise
+    (argparse, given it as ``type=``, reports that as an invalid value of the option)."""
+    if isinstance(value, bool):
+        return value
+    lowered = str(value).lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected a boolean (true/false), got {value!r}")
+
+
 def program_name() -> str:
     name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
     if name in ("", "-c", "-m", "__main__.py"):

@@ -290,6 +290,14 @@ def redundancy_entry(lr_bits: float, hr: float, layers: int, heads: int,
     return entry
 
 
+def _standard_error(total: float, total_sq: float, n: int) -> Optional[float]:
+    """std / sqrt(n) of n values from their sum and sum of squares (None for n < 2)."""
+    if n < 2:
+        return None
+    variance = max(total_sq - total * total / n, 0.0) / (n - 1)
+    return math.sqrt(variance / n)
+
+
 class RedundancyAccumulator:
     """Sums of per-sentence LR (bits) and HR of each attention type over batches.
 
@@ -299,7 +307,7 @@ class RedundancyAccumulator:
 
     def __init__(self, return_matrices: bool = False):
         self.return_matrices = return_matrices
-        self.sums = {kind: {"LR_bits": 0.0, "HR": 0.0} for kind in ATTENTION_TYPES}
+        self.sums = {kind: {"LR_bits": 0.0, "HR": 0.0, "LR_bits_sq": 0.0, "HR_sq": 0.0} for kind in ATTENTION_TYPES}
         self.counts = dict.fromkeys(ATTENTION_TYPES, 0)
         self.shapes: Dict[str, Tuple[int, int]] = {}
         self.matrices: Dict[str, Tensor] = {}
@@ -318,14 +326,17 @@ class RedundancyAccumulator:
         shape = (attn.size(0), attn.size(1))
         if self.shapes.setdefault(kind, shape) != shape:
             raise RedundancyError(f"{kind}: {shape} [layers, heads] differs from an earlier batch's {self.shapes[kind]}")
-        self.sums[kind]["LR_bits"] += layer_redundancy_bits(attn, query_mask, key_mask).sum().item()
+        lr_bits = layer_redundancy_bits(attn, query_mask, key_mask).double()  # [B]
+        self.sums[kind]["LR_bits"] += lr_bits.sum().item()
+        self.sums[kind]["LR_bits_sq"] += (lr_bits * lr_bits).sum().item()
         if self.return_matrices:
             hr, matrix = head_redundancy(attn, query_mask, key_mask, return_matrix=True)
             total = matrix.sum(0)
             self.matrices[kind] = total + self.matrices[kind] if kind in self.matrices else total
         else:
             hr = head_redundancy(attn, query_mask, key_mask)
-        self.sums[kind]["HR"] += hr.sum().item()
+        self.sums[kind]["HR"] += hr.double().sum().item()
+        self.sums[kind]["HR_sq"] += (hr.double() * hr.double()).sum().item()
         self.counts[kind] += attn.size(2)
 
     def result(self) -> dict:
@@ -341,9 +352,18 @@ class RedundancyAccumulator:
                 result[kind] = None
                 continue
             matrix = self.matrices[kind] / n if self.return_matrices else None
-            result[kind] = redundancy_entry(self.sums[kind]["LR_bits"] / n, self.sums[kind]["HR"] / n,
-                                            *self.shapes[kind], hr_matrix=matrix)
+            sums = self.sums[kind]
+            entry = redundancy_entry(sums["LR_bits"] / n, sums["HR"] / n, *self.shapes[kind], hr_matrix=matrix)
+            lr_bits_se = _standard_error(sums["LR_bits"], sums["LR_bits_sq"], n)
+            heads = self.shapes[kind][1]
+            entry["LR_se"] = None if heads < 2 or lr_bits_se is None else lr_bits_se / lr_divisor(heads)
+            entry["LR_bits_se"] = lr_bits_se
+            entry["HR_se"] = _standard_error(sums["HR"], sums["HR_sq"], n)
+            result[kind] = entry
         result["sentences"] = self.counts[present[0]]
+        result["estimator"] = ("LR and HR: per-sentence values (each sentence's real query/key positions), "
+                               "averaged over the sentences with equal weight; *_se: their standard deviation "
+                               "over sentences / sqrt(sentences) (None for one sentence)")
         result.update(LR_scale=LR_SCALE, HR_scale=HR_SCALE, compare_with_paper="encoder_self",
                       notes=PAPER_COMPARISON)
         return result

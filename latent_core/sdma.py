@@ -576,7 +576,7 @@ class SDMACore(nn.Module):
             # torch.randn, not randn_like: fairseq hands the layers a transposed (non-contiguous)
             # x, and sampling into a strided tensor takes PyTorch's per-element path (~9x slower)
             eps = torch.randn(x.shape, dtype=x.dtype, device=x.device)
-            return x + math.sqrt(self.options.noise_var) * eps
+            return torch.add(x, eps, alpha=math.sqrt(self.options.noise_var))
         return x
 
     def cluster(self, x: Tensor, gmm_terms: Optional[Tuple[Tensor, Tensor, Tensor]] = None) -> Tuple[Tensor, Tensor]:

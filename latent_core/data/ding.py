@@ -104,25 +104,65 @@ def clean_text(text: str) -> str:
     return _SPACE_BEFORE_PUNCT.sub(r"\1", text)
 
 
-def rejection_reason(de: str, en: str, max_words: Optional[int] = None) -> Optional[str]:
-    """The first filter (a key of :data:`FILTERS`) that rejects a cleaned pair, or None."""
-    sides = (de, en)
-    if not all(side.endswith(_SENTENCE_END) for side in sides):
+def sentence_rejection(text: str, max_words: Optional[int] = None) -> Optional[str]:
+    """The first filter (a key of :data:`FILTERS`) that rejects one cleaned side, or None."""
+    if not text.endswith(_SENTENCE_END):
         return "not_sentence"
-    if any(";" in side for side in sides):
+    if ";" in text:
         return "semicolon"
-    lengths = [len(side.split()) for side in sides]
-    if min(lengths) < MIN_WORDS:
+    words = len(text.split())
+    if words < MIN_WORDS:
         return "too_short"
-    if any("/" in side for side in sides):
+    if "/" in text:
         return "slash"
-    if any("(" in side or ")" in side for side in sides):
+    if "(" in text or ")" in text:
         return "parenthesis"
-    if any(_PLACEHOLDER.search(side) or "…" in side or "..." in side for side in sides):
+    if _PLACEHOLDER.search(text) or "…" in text or "..." in text:
         return "template"
-    if max_words is not None and max(lengths) > max_words:
+    if max_words is not None and words > max_words:
         return "too_long"
     return None
+
+
+def rejection_reason(de: str, en: str, max_words: Optional[int] = None) -> Optional[str]:
+    """The first filter (a key of :data:`FILTERS`) that rejects a cleaned pair, or None
+    (filters in :data:`FILTERS` order, each applied to both sides)."""
+    order = list(FILTERS)
+    reasons = [r for r in (sentence_rejection(de, max_words), sentence_rejection(en, max_words)) if r]
+    return min(reasons, key=order.index) if reasons else None
+
+
+def english_paraphrase_groups(lines: Iterable[str], stats: Optional[Counter] = None) -> List[List[str]]:
+    """Groups of English paraphrases: the ``;``-separated alternative translations of one
+    German sub-entry ("Good to see you!; You're a sight for sore eyes!"), each alternative
+    kept when it passes the sentence filters of :data:`FILTERS` (whole sentence, at least
+    :data:`MIN_WORDS` words, no ``/`` alternatives, optional ``(...)`` words or sb./sth.
+    placeholders). A group needs at least two distinct kept alternatives. These sub-entries
+    never enter the translation corpus (the ``semicolon`` filter), so the groups are disjoint
+    from it. ``stats`` counts ``groups`` and the rejected alternatives per filter.
+    """
+    stats = Counter() if stats is None else stats
+    groups: List[List[str]] = []
+    seen = set()
+    for line in lines:
+        kind, subentries = classify_line(line)
+        for _, english in subentries:
+            alternatives = [" ".join(a.split()) for a in english.split(";")]
+            if len(alternatives) < 2:
+                continue
+            kept = []
+            for text in alternatives:
+                reason = sentence_rejection(text)
+                if reason is not None:
+                    stats[f"alternative_{reason}"] += 1
+                elif text not in kept:
+                    kept.append(text)
+            key = tuple(sorted(kept))
+            if len(kept) >= 2 and key not in seen:
+                seen.add(key)
+                groups.append(kept)
+    stats["groups"] = len(groups)
+    return groups
 
 
 def classify_line(line: str) -> Tuple[str, List[Pair]]:

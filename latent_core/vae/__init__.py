@@ -15,6 +15,7 @@ from .distributions import LOGVAR_RANGE, DiagonalGaussian, standard_normal_log_p
 from .errors import VAEConfigError
 from .evaluation import (
     ElboTerms,
+    MIEstimate,
     active_units,
     elbo_terms,
     importance_weighted_log_likelihood,
@@ -33,7 +34,7 @@ from .schedules import (
 
 __all__ = [
     "LOGVAR_RANGE", "DiagonalGaussian", "standard_normal_log_prob", "VAEConfigError",
-    "ElboTerms", "active_units", "elbo_terms", "importance_weighted_log_likelihood",
+    "ElboTerms", "MIEstimate", "active_units", "elbo_terms", "importance_weighted_log_likelihood",
     "mutual_information", "perplexity", "KL_GRANULARITIES", "KL_SCOPES", "KL_VARIANTS",
     "KLRegularizer", "KLTerm", "regularize_latents", "AutoEncoderPhase", "ConstantSchedule",
     "CyclicalSchedule", "LinearSchedule", "parse_beta_schedules", "parse_schedule",

@@ -372,6 +372,14 @@ def test_vae_eval_command(trained, corpus, tmp_path):
     assert result["au"] == sum(result[f"au_{n}"] for n in LATENTS)
     assert result["elbo"] == pytest.approx(-result["rec"] - result["kl"])
     assert result["elbo_ppl"] == pytest.approx(math.exp(-result["elbo"] * 40 / result["num_tokens"]), rel=1e-6)
+    # every estimate says what it is, how many samples it rests on, and how uncertain it is
+    assert result["iw_ppl_ci95_low"] < result["iw_ppl"] < result["iw_ppl_ci95_high"]
+    assert result["nll_se"] > 0 and result["kl_se"] >= 0 and result["mi_se"] >= 0
+    assert result["mi_max_log_n"] == pytest.approx(math.log(40))
+    for name in LATENTS:  # no MI estimate can exceed its latent's average KL by more than its noise
+        assert result[f"mi_{name}"] <= result[f"kl_{name}"] + 3 * result[f"mi_se_{name}"] + 1e-9
+        assert result[f"mi_{name}"] <= math.log(40) + 1e-9
+    assert "k=24" in result["estimators"]["iw_ppl"] and "N=40" in result["estimators"]["mi"]
 
     again = evaluate.main(["--path", str(checkpoint), str(corpus / "bin"), "--subset", "test", "--k", "24",
                            "--chunk-size", "24", "--batch-size", "16", "--cpu"])

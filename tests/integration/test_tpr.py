@@ -194,6 +194,32 @@ def test_forward_backward_every_trainable_parameter_gets_a_gradient(task, tiny, 
     assert not missing, missing
 
 
+def test_footnote_5_extra_layer_is_on_for_the_papers_architecture_only(task, tiny):
+    from user_dir.tpr.model import HFSentenceConfigError, tpr_classifier_plain
+
+    hubert = make_model(task, tiny)
+    assert isinstance(hubert.extra_layer, torch.nn.TransformerEncoderLayer)
+    assert hubert.extra_layer.self_attn.embed_dim == 16  # d_S * d_R
+    assert make_model(task, tiny, arch="tpr_classifier_lstm").extra_layer is None
+    parser = argparse.ArgumentParser()
+    TPRClassifier.add_args(parser)
+    args = parser.parse_args(["--hf-config", str(tiny), *TINY_TPR])
+    tpr_classifier_plain(args)
+    plain = TPRClassifier.build_model(args, task)
+    assert plain.extra_layer is None
+    assert make_model(task, tiny, "--tpr-extra-layer", "false").extra_layer is None
+    # the layer changes the output (it is in the forward path) and gets gradients (test above)
+    sample = batch(task, range(4))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        x = hubert.tpr(*hubert.encode(sample["net_input"])).x
+        assert not torch.allclose(hubert.eval()(**sample["net_input"])[0],
+                                  hubert.classify(hubert.aggregate(x, hubert.encode(sample["net_input"])[1])))
+    # a checkpoint without the layer is refused with the override that loads it
+    with pytest.raises(HFSentenceConfigError, match="tpr_extra_layer': False"):
+        hubert.load_state_dict(plain.state_dict())
+
+
 # ---------------------------------------------------------------------- transfer
 def save_state(state, path):
     """A checkpoint in fairseq's layout (what checkpoint_utils.load_checkpoint_to_cpu reads)."""

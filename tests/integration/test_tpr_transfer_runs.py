@@ -63,7 +63,7 @@ def test_protocol_runs_baselines_bert_and_tpr_transfer_and_resumes(tmp_path):
     assert len(report) == 1 and (report[0]["source"], report[0]["target"]) == ("animals", "colours")
     rows = {r["run"]: r for r in report[0]["rows"]}
     assert list(rows) == ["cls", "cls+encoder", "tpr", "tpr+roles", "tpr+encoder+fillers"]
-    assert rows["tpr+encoder+fillers"]["transfer"] == ["encoder", "fillers"]
+    assert rows["tpr+encoder+fillers"]["transfer"] == ["encoder", "fillers", "filler_selector"]
     for row in rows.values():
         assert row["seeds"] == [1] and 0 <= row["test_mean"] <= 100 and 0 <= row["dev_mean"] <= 100
     table2 = report[0]["table2"]
@@ -72,18 +72,28 @@ def test_protocol_runs_baselines_bert_and_tpr_transfer_and_resumes(tmp_path):
                                                          - table2["HUBERT"]["baseline_dev"])
     pair = tmp_path / "runs" / "animals-to-colours" / "seed1"
     # the HUBERT runs moved exactly the named parts from the source HUBERT checkpoint
-    source_tpr = tmp_path / "runs" / "animals" / "seed1" / "tpr" / "checkpoint_best.pt"
+    # ... trained with its own seed (1 + 100), not the target's
+    source_tpr = tmp_path / "runs" / "animals" / "seed101" / "tpr" / "checkpoint_best.pt"
+    assert json.loads((pair / "tpr+roles.result.json").read_text())["source_seed"] == 101
+    assert not (tmp_path / "runs" / "animals" / "seed1").exists()
 
     def transferred(run):
         lines = [line for line in (pair / f"{run}.log").read_text().splitlines() if "transferred from" in line]
         assert len(lines) == 1, lines
         return lines[0].split(f"transferred from {source_tpr}: ")[1]
 
-    assert transferred("tpr+encoder+fillers").startswith("encoder (") and ", fillers (1 tensors)" in \
-        transferred("tpr+encoder+fillers") and "roles" not in transferred("tpr+encoder+fillers")
-    assert transferred("tpr+roles") == "roles (1 tensors)"
+    # R and S move with their selectors (the default, as the authors' code)
+    moved = transferred("tpr+encoder+fillers")
+    assert moved.startswith("encoder (") and ", fillers (1 tensors), filler_selector (" in moved
+    assert "role" not in moved
+    assert transferred("tpr+roles").startswith("roles (1 tensors), role_selector (")
+    # the moved R (trained from seed 101) is far from the target run's own R (seed 1)
+    source_state = torch.load(source_tpr, map_location="cpu", weights_only=True)["model"]
+    target_init = torch.load(tmp_path / "runs" / "colours" / "seed1" / "tpr" / "checkpoint_best.pt",
+                             map_location="cpu", weights_only=True)["model"]
+    assert (source_state["tpr.R"] - target_init["tpr.R"]).norm() > 0.5 * target_init["tpr.R"].norm()
     # the BERT row starts from the source [CLS] model's fine-tuned encoder, exported for --hf-model-dir
-    source_cls = torch.load(tmp_path / "runs" / "animals" / "seed1" / "cls" / "checkpoint_best.pt",
+    source_cls = torch.load(tmp_path / "runs" / "animals" / "seed101" / "cls" / "checkpoint_best.pt",
                             map_location="cpu", weights_only=False)["model"]
     exported = BertModel.from_pretrained(str(pair / "cls-encoder"), add_pooling_layer=False).state_dict()
     for name, value in exported.items():

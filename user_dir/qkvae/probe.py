@@ -6,10 +6,14 @@ the probability x 100 that target's posterior mean is closer (L2) to sem_src's t
 syn_src's (ties count as "not closer"). A semantic latent should score high, a syntactic one
 low (paper, test set: QKVAE z_sem 89.2, z_syn 26.4; ADVAE's slots about 40).
 
-Reported latents: every latent of the model (QKVAE: ``z_syn``, ``z_sem``; ADVAE: ``z``) and, for
-latents made of several slots, every slot separately (``z[0]`` .. ``z[L-1]``, ``z_sem[l]``). The
-paper picks ADVAE's semantic (resp. syntactic) variable as the slot with the highest (resp.
-lowest) score on the development set; the JSON names these slots under ``slot_selection``.
+Reported latents: every latent of the model (QKVAE: ``z_syn``, ``z_sem``; ADVAE: ``z``; any other
+sentence VAE, e.g. Optimus: its latents whole) and, for latents made of several slots, every
+slot separately (``z[0]`` .. ``z[L-1]``, ``z_sem[l]``). The paper picks ADVAE's semantic (resp.
+syntactic) variable as the slot with the highest (resp. lowest) score on the development set:
+with ``--dev-triplets`` the slots are chosen on those and scored on ``--triplets`` (disjoint
+sets; ``slot_selection`` names the chosen slots and their test scores); without, the choice is
+made on the scored triplets themselves and the JSON says so (``selected_on``). Every score
+comes with a 95% percentile-bootstrap interval over triplets (1,000 resamples, ``ci95``).
 
 Input: a UTF-8 TSV, one triplet per line: ``target<TAB>semantic source<TAB>syntactic source``
 (blank lines are skipped). Sentences are split on whitespace and looked up in the
@@ -26,7 +30,7 @@ import json
 import os
 import sys
 from argparse import Namespace
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from fairseq import checkpoint_utils
@@ -101,12 +105,12 @@ def load_model(checkpoint: str, dictionary: Dictionary, device: str = "cpu"):
     if arch not in ARCH_MODEL_REGISTRY:
         raise ValueError(f"{checkpoint}: unknown architecture {arch!r}")
     args.arch = arch
-    args.bart_dir = None
+    args.bart_dir = args.bert_dir = args.gpt2_dir = None  # the checkpoint holds every weight
     ARCH_CONFIG_REGISTRY[arch](args)
     task = Namespace(source_dictionary=dictionary, target_dictionary=dictionary)
     model = ARCH_MODEL_REGISTRY[arch].build_model(args, task)
-    if not hasattr(model, "latent_slots"):
-        raise ValueError(f"{checkpoint}: architecture {arch!r} is not a latent-attention VAE (qkvae/advae)")
+    if not getattr(model, "latent_sizes", None):
+        raise ValueError(f"{checkpoint}: architecture {arch!r} is not a sentence VAE (no latent_sizes)")
     model.load_state_dict(state["model"], strict=True, model_cfg=args)
     return model.to(device).eval()
 
@@ -135,7 +139,8 @@ def posterior_means(model, dictionary: Dictionary, sentences: Sequence[str], bat
 def latent_views(model) -> List[Tuple[str, str, slice]]:
     """``(label, latent name, dimensions)``: each latent whole, then each of its slots."""
     views = []
-    for name, (slots, slot_dim) in model.latent_slots.items():
+    slots_of = getattr(model, "latent_slots", None) or {name: (1, size) for name, size in model.latent_sizes.items()}
+    for name, (slots, slot_dim) in slots_of.items():
         views.append((name, name, slice(0, slots * slot_dim)))
         if slots > 1:
             views += [(f"{name}[{l}]", name, slice(l * slot_dim, (l + 1) * slot_dim)) for l in range(slots)]
@@ -144,35 +149,69 @@ def latent_views(model) -> List[Tuple[str, str, slice]]:
 
 def closer_to_semantic_source(target: torch.Tensor, sem: torch.Tensor, syn: torch.Tensor) -> float:
     """100 * P(||target - sem||_2 < ||target - syn||_2) over the rows of ``[N, D]`` tensors."""
-    d_sem = (target - sem).norm(dim=-1)
-    d_syn = (target - syn).norm(dim=-1)
-    return 100.0 * (d_sem < d_syn).double().mean().item()
+    return 100.0 * _closer(target, sem, syn).double().mean().item()
 
 
-def probe(model, dictionary: Dictionary, triplets: Sequence[Triplet], batch_size: int = 64,
-          device: str = "cpu") -> dict:
-    """The Table-2 scores of every latent view, with token statistics."""
+def _closer(target: torch.Tensor, sem: torch.Tensor, syn: torch.Tensor) -> torch.Tensor:
+    return (target - sem).norm(dim=-1) < (target - syn).norm(dim=-1)
+
+
+def bootstrap_interval(hits: torch.Tensor, resamples: int = 1000, seed: int = 1, level: float = 0.95):
+    """Percentile bootstrap interval (x100) of the mean of per-triplet 0/1 ``hits``."""
+    generator = torch.Generator().manual_seed(seed)
+    picks = torch.randint(0, hits.numel(), (resamples, hits.numel()), generator=generator)
+    means = 100.0 * hits.double()[picks].mean(1)
+    tail = (1 - level) / 2
+    return float(torch.quantile(means, tail)), float(torch.quantile(means, 1 - tail))
+
+
+def score_views(model, dictionary: Dictionary, triplets: Sequence[Triplet], batch_size: int = 64,
+                device: str = "cpu") -> Tuple[Dict[str, float], Dict[str, Tuple[float, float]], Dict[str, int]]:
+    """(score, 95% bootstrap interval, size) of every latent view on ``triplets``."""
     n = len(triplets)
     sentences = [t[0] for t in triplets] + [t[1] for t in triplets] + [t[2] for t in triplets]
     means = posterior_means(model, dictionary, sentences, batch_size, device)
-    scores: Dict[str, float] = {}
-    dims: Dict[str, int] = {}
+    scores, intervals, dims = {}, {}, {}
     for label, name, dims_slice in latent_views(model):
         m = means[name][:, dims_slice]
-        scores[label] = closer_to_semantic_source(m[:n], m[n:2 * n], m[2 * n:])
+        hits = _closer(m[:n], m[n:2 * n], m[2 * n:])
+        scores[label] = 100.0 * hits.double().mean().item()
+        intervals[label] = bootstrap_interval(hits)
         dims[label] = dims_slice.stop - dims_slice.start
+    return scores, intervals, dims
+
+
+def probe(model, dictionary: Dictionary, triplets: Sequence[Triplet], batch_size: int = 64,
+          device: str = "cpu", dev_triplets: Optional[Sequence[Triplet]] = None) -> dict:
+    """The Table-2 scores of every latent view, with token statistics; multi-slot latents'
+    semantic / syntactic slots chosen on ``dev_triplets`` (or on ``triplets`` when None)."""
+    scores, intervals, dims = score_views(model, dictionary, triplets, batch_size, device)
+    dev_scores = (score_views(model, dictionary, dev_triplets, batch_size, device)[0]
+                  if dev_triplets is not None else None)
+    choosing = dev_scores if dev_scores is not None else scores
     selection = {}
-    for name, (slots, _) in model.latent_slots.items():
-        if slots > 1:
-            labels = [f"{name}[{l}]" for l in range(slots)]
-            selection[name] = {"semantic": max(labels, key=lambda k: scores[k]),
-                               "syntactic": min(labels, key=lambda k: scores[k])}
+    for label, name, _ in latent_views(model):
+        if label == name:
+            continue
+        labels = [l for l, n, _ in latent_views(model) if n == name and l != name]
+        semantic = max(labels, key=lambda k: choosing[k])
+        syntactic = min(labels, key=lambda k: choosing[k])
+        selection[name] = {"semantic": semantic, "syntactic": syntactic,
+                           "semantic_score": scores[semantic], "syntactic_score": scores[syntactic]}
+    sentences = [s for t in triplets for s in t]
     tokens = [encode(dictionary, s) for s in sentences]
     return {
-        "num_triplets": n,
+        "num_triplets": len(triplets),
+        "num_dev_triplets": len(dev_triplets) if dev_triplets is not None else 0,
+        "estimator": "100 x share of triplets whose target posterior mean is closer (L2) to the semantic "
+                     "source's than to the syntactic source's; ci95: percentile bootstrap over triplets, "
+                     "1,000 resamples",
         "scores": scores,
+        "ci95": intervals,
         "dims": dims,
+        "dev_scores": dev_scores,
         "slot_selection": selection,
+        "selected_on": "dev triplets" if dev_triplets is not None else "the scored triplets themselves",
         "tokens": int(sum(t.numel() - 1 for t in tokens)),
         "unknown_tokens": int(sum(int(t.eq(dictionary.unk()).sum()) for t in tokens)),
     }
@@ -182,12 +221,15 @@ def format_table(result: dict) -> str:
     lines = [
         f"P(target closer to sem_src than to syn_src) x 100, L2 between posterior means, "
         f"{result['num_triplets']} triplets ({result['unknown_tokens']}/{result['tokens']} tokens unknown)",
-        f"{'latent':<12} {'dim':>6} {'score':>7}",
+        f"{'latent':<12} {'dim':>6} {'score':>7}  95% interval",
     ]
     for label, score in result["scores"].items():
-        lines.append(f"{label:<12} {result['dims'][label]:>6} {score:>7.1f}")
+        low, high = result["ci95"][label]
+        lines.append(f"{label:<12} {result['dims'][label]:>6} {score:>7.1f}  {low:.1f}-{high:.1f}")
     for name, chosen in result["slot_selection"].items():
-        lines.append(f"{name}: most semantic slot {chosen['semantic']}, most syntactic slot {chosen['syntactic']}")
+        lines.append(f"{name}: most semantic slot {chosen['semantic']} ({chosen['semantic_score']:.1f}), most "
+                     f"syntactic slot {chosen['syntactic']} ({chosen['syntactic_score']:.1f}), chosen on "
+                     f"{result['selected_on']}")
     return "\n".join(lines)
 
 
@@ -198,6 +240,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--data", help="the binarised data directory (its dict.txt is the model's dictionary)")
     parser.add_argument("--dict", help="the dictionary file, instead of DATA/dict.txt")
     parser.add_argument("--triplets", required=True, help="TSV: target<TAB>semantic source<TAB>syntactic source")
+    parser.add_argument("--dev-triplets", help="TSV of development triplets (disjoint from --triplets) on which "
+                                               "multi-slot latents' semantic/syntactic slots are chosen")
     parser.add_argument("--json", help="write the results to this JSON file")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -210,10 +254,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> dict:
     """The probe of parsed ``args``: prints the table, writes ``--json``, returns the result."""
     triplets = read_triplets(args.triplets)
+    dev_triplets = read_triplets(args.dev_triplets) if args.dev_triplets else None
+    if dev_triplets is not None and set(dev_triplets) & set(triplets):
+        raise ValueError(f"{args.dev_triplets} and {args.triplets} share "
+                         f"{len(set(dev_triplets) & set(triplets))} triplet(s): slots must be chosen on other data")
     dictionary = load_dictionary(args.data, args.dict)
     model = load_model(args.checkpoint, dictionary, args.device)
-    result = probe(model, dictionary, triplets, args.batch_size, args.device)
-    result = {"checkpoint": args.checkpoint, "arch": model.args.arch, "triplets_file": args.triplets, **result}
+    result = probe(model, dictionary, triplets, args.batch_size, args.device, dev_triplets)
+    result = {"checkpoint": args.checkpoint, "arch": model.args.arch, "triplets_file": args.triplets,
+              "dev_triplets_file": args.dev_triplets, **result}
     print(format_table(result))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

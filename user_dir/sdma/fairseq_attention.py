@@ -9,6 +9,7 @@ step-by-step decoding computes the same semantic mask as a full forward pass.
 from typing import Dict, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from fairseq.modules.multihead_attention import MultiheadAttention
 from torch import Tensor
 
@@ -87,7 +88,7 @@ class SDMAMultiheadAttention(MultiheadAttention):
         log_joint_z, log_resp_z = core.cluster(z, gmm_terms)  # [T, B, H, C]
         resp_query = core.heads_first(log_resp_z.exp())  # [B*H, T, C]
 
-        q = self.q_proj(z) * self.scaling
+        q = self._scaled_query(z)
         key_resp = None
         if self.self_attention:
             k, v = self.k_proj(z), self.v_proj(z)
@@ -215,6 +216,16 @@ class SDMAMultiheadAttention(MultiheadAttention):
             if not need_head_weights:
                 weights = weights.mean(dim=0)
         return attn, weights
+
+    def _scaled_query(self, z: Tensor) -> Tensor:
+        """``q_proj(z) / sqrt(d_k)``, the scaling folded into W_q and b_q (``[E, E]``) rather than
+        applied to the ``[T, B, E]`` output (one pass less forward and backward). With fairseq's
+        quant-noise hook on ``q_proj`` the module itself is called, so the hook still runs."""
+        proj = self.q_proj
+        if proj._forward_pre_hooks or proj._forward_hooks:
+            return proj(z) * self.scaling
+        bias = None if proj.bias is None else proj.bias * self.scaling
+        return F.linear(z, proj.weight * self.scaling, bias)
 
     def _decoding_gmm_terms(self, incremental_state):
         """The feature GMM's inference weights, built once per beam search.

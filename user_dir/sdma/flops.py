@@ -44,6 +44,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 # model name -> --sdma-mode (same architecture, same sizes)
@@ -227,6 +229,58 @@ def count_flops(fn: Callable[[], object]) -> Tuple[int, Dict[str, int], object]:
     with _counting() as counter:
         result = fn()
     return int(counter.get_total_flops()), _by_op(counter), result
+
+
+# ATen ops FlopCounterMode counts (matrix products); everything else that is not a view is
+# "elementwise work" for :class:`TrafficCounter`
+_MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "convolution", "_convolution",
+               "convolution_backward", "_scaled_dot_product_flash_attention_for_cpu",
+               "_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+class TrafficCounter(TorchDispatchMode):
+    """Counts the ATen ops that are neither matrix products nor views, and the bytes they touch.
+
+    FlopCounterMode sees only matrix products; on a CPU the rest of an update (softmax, exp/log,
+    masking, the sampling noise, layer norm, the optimizer's elementwise Adam step) is memory
+    traffic and per-op overhead. Per op, the bytes are those of its distinct tensor inputs and
+    outputs (an in-place op's tensor counted once); views (``transpose``, ``view``...) move no
+    data and are skipped. ``ops`` / ``bytes`` are the elementwise (non-matmul) totals;
+    ``matmul_ops`` the number of matrix products.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+        self.bytes = 0
+        self.matmul_ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func._overloadpacket.__name__
+        if name in _MATMUL_OPS:
+            self.matmul_ops += 1
+        elif not func.is_view and name not in ("detach", "lift_fresh", "_to_copy_meta"):
+            seen = set()
+            # factories read only their argument's metadata (``new_ones``, ``zeros_like``...)
+            read = () if name.startswith("new_") or name.endswith("_like") else (args, kwargs)
+            for t in pytree.tree_leaves((read, out)):
+                if isinstance(t, torch.Tensor) and t.numel() > 1:
+                    key = (t.data_ptr(), t.numel(), t.dtype)
+                    if key not in seen:
+                        seen.add(key)
+                        self.bytes += t.numel() * t.element_size()
+            self.ops += 1
+        return out
+
+
+def count_traffic(fn: Callable[[], object]) -> Dict[str, int]:
+    """``{"ops", "bytes", "matmul_ops"}`` of running ``fn`` (see :class:`TrafficCounter`); with
+    the math SDPA backend, as :func:`count_flops`, so V-T's attention is split the same way."""
+    counter = TrafficCounter()
+    with sdpa_kernel(SDPBackend.MATH), counter:
+        fn()
+    return {"ops": counter.ops, "bytes": counter.bytes, "matmul_ops": counter.matmul_ops}
 
 
 def _merge(*dicts: Dict[str, int]) -> Dict[str, int]:

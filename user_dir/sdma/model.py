@@ -27,6 +27,7 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, Trans
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from omegaconf import OmegaConf
 
+from latent_core.errors import parse_bool
 from latent_core.sdma import (
     SDMAConfigError,
     SDMALossWeights,
@@ -187,7 +188,7 @@ class SDMATransformerModel(TransformerModel):
         TransformerModel.add_args(parser)
         group = parser.add_argument_group("SDMA (semantic and disentangled mask attention)")
         gen_parser_from_dataclass(group, SDMAModelConfig(), delete_default=True)
-        group.add_argument("--sdma-decoder-mask-at-inference", type=_str2bool, metavar="BOOL",
+        group.add_argument("--sdma-decoder-mask-at-inference", type=parse_bool, metavar="BOOL",
                            help="use the decoder self-attention's semantic mask when not training "
                                 f"(the paper drops it: default {DECODER_MASK_AT_INFERENCE})")
 
@@ -215,17 +216,6 @@ class SDMATransformerModel(TransformerModel):
     def sdma_losses(self) -> Dict[str, "torch.Tensor"]:
         """The regularisers of the last forward pass (see ``collect_sdma_losses``)."""
         return collect_sdma_losses(self)
-
-
-def _str2bool(value):
-    if isinstance(value, bool):
-        return value
-    lowered = str(value).lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"expected a boolean (true/false), got {value!r}")
 
 
 def validate_sdma_args(args) -> None:

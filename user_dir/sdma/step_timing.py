@@ -10,7 +10,9 @@ wall-clock and process CPU time (``time.process_time``, all threads) per update;
 ratio to V-T is taken within each round (so drift between rounds cancels) and reported as
 min / median / max over the rounds. The FLOPs of one update on the same batch
 (``torch.utils.flop_counter``, matrix products only, see ``flops.py``) are counted alongside, so
-the time ratio can be read against the arithmetic ratio.
+the time ratio can be read against the arithmetic ratio, and so is the rest of the update
+(``flops.count_traffic``: the ATen ops that are not matrix products or views, and the bytes they
+read and write), the memory traffic and per-op overhead that the FLOPs bound does not see.
 
 The batch mirrors the quickstart data that ``fairseq-train`` sees in the benchmark:
 ``sentences`` sentences of ``tokens`` tokens (EOS included) on both sides, no padding,
@@ -24,7 +26,7 @@ from typing import Dict, Sequence
 
 import torch
 
-from .flops import FlopsSetting, build_with_batch, count_flops
+from .flops import FlopsSetting, build_with_batch, count_flops, count_traffic
 
 # configuration -> (architecture, extra fairseq options)
 STEP_CONFIGS = {
@@ -75,15 +77,18 @@ def time_updates(config: str, setting: StepSetting = StepSetting(),
 
     Returns ``{"setting": ..., "models": {name: {"wall_ms": [...], "cpu_ms": [...],
     "speed_ratio": {"min", "median", "max"}, "cpu_ratio": {...}, "flops_per_update",
-    "flops_ratio", "params"}}}`` (ratios: V-T time / model time, > 1 is faster).
+    "flops_ratio", "elementwise_ops", "elementwise_bytes", "elementwise_bytes_ratio",
+    "elementwise_ops_ratio", "params"}}}`` (speed ratios: V-T time / model time, > 1 is faster;
+    FLOPs and elementwise ratios: model / V-T).
     """
     setting = setting.validate()
     if config not in STEP_CONFIGS:
         raise ValueError(f"unknown configuration {config!r}: one of {', '.join(STEP_CONFIGS)}")
     built = {name: _build(config, MODELS[name], setting) for name in models}
-    flops = {}
+    flops, traffic = {}, {}
     for name, (model, criterion, optimizer, sample) in built.items():
         flops[name] = count_flops(lambda: _update(model, criterion, optimizer, sample))[0]
+        traffic[name] = count_traffic(lambda: _update(model, criterion, optimizer, sample))
         _update(model, criterion, optimizer, sample)  # warm-up outside the timed rounds
     wall = {name: [] for name in built}
     cpu = {name: [] for name in built}
@@ -104,6 +109,10 @@ def time_updates(config: str, setting: StepSetting = StepSetting(),
             "cpu_ratio": _spread([b / t for b, t in zip(cpu[base], cpu[name])]),
             "flops_per_update": flops[name],
             "flops_ratio": flops[name] / flops[base],
+            "elementwise_ops": traffic[name]["ops"],
+            "elementwise_bytes": traffic[name]["bytes"],
+            "elementwise_bytes_ratio": traffic[name]["bytes"] / traffic[base]["bytes"],
+            "elementwise_ops_ratio": traffic[name]["ops"] / traffic[base]["ops"],
             "params": sum(p.numel() for p in model.parameters()),
         }
     return {"config": config, "arch": STEP_CONFIGS[config][0], "extra_args": STEP_CONFIGS[config][1],
@@ -127,5 +136,8 @@ def table_rows(timing: Dict):
             "CPU ms/update": statistics.median(r["cpu_ms"]),
             "CPU ratio (median)": r["cpu_ratio"]["median"],
             "FLOPs bound (V-T FLOPs / model FLOPs)": 1.0 / r["flops_ratio"],
+            "elementwise MB": r["elementwise_bytes"] / 1e6,
+            "traffic bound (V-T MB / model MB)": 1.0 / r["elementwise_bytes_ratio"],
+            "elementwise ops": r["elementwise_ops"],
         })
     return rows

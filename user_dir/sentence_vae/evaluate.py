@@ -33,6 +33,7 @@ noise vectors of a batch before its first chunk, so it does not depend on ``--ch
 import argparse
 import json
 import logging
+import math
 import sys
 import time
 from collections import OrderedDict
@@ -48,6 +49,7 @@ from latent_core.vae import (
     active_units,
     elbo_terms,
     importance_weighted_log_likelihood,
+    MIEstimate,
     mutual_information,
     perplexity,
 )
@@ -116,7 +118,7 @@ class SentenceSubset(BaseWrapperDataset):
 
 @torch.no_grad()
 def evaluate_split(model, task, subset: str = "test", k: int = 100, chunk_size: int = 10,
-                   batch_size: int = 32, seed: int = 1, mi_samples: int = 1,
+                   batch_size: int = 32, seed: int = 1, mi_samples: int = 10,
                    au_threshold: float = 0.01, max_sentences: Optional[int] = None,
                    bleu: bool = True) -> "OrderedDict[str, float]":
     """All metrics of the module doc for ``subset`` (loaded here with ``task.load_dataset``).
@@ -147,6 +149,8 @@ def evaluate_split(model, task, subset: str = "test", k: int = 100, chunk_size: 
     latents = list(model.latent_sizes)
     iw_sum, elbo_sum, rec_sum, num_tokens, num_sentences, iw_seconds = 0.0, 0.0, 0.0, 0, 0, 0.0
     kl_sums = {name: 0.0 for name in latents}
+    # per sentence, for standard errors and the bootstrap interval of the perplexity
+    per_sentence: Dict[str, List[torch.Tensor]] = {"log_px": [], "elbo": [], "kl": [], "tokens": []}
     means: Dict[str, List[torch.Tensor]] = {name: [] for name in latents}
     logvars: Dict[str, List[torch.Tensor]] = {name: [] for name in latents}
     references: List[str] = []
@@ -167,6 +171,10 @@ def evaluate_split(model, task, subset: str = "test", k: int = 100, chunk_size: 
         iw_seconds += time.perf_counter() - start
         terms = elbo_terms(fn, posteriors, generator)
         iw_sum += float(log_px.double().sum())
+        per_sentence["log_px"].append(log_px.double().cpu())
+        per_sentence["elbo"].append(terms.elbo.double().cpu())
+        per_sentence["kl"].append(sum(terms.kl.values()).double().cpu())
+        per_sentence["tokens"].append(sample["target"].ne(pad).sum(-1).double().cpu())
         elbo_sum += float(terms.elbo.double().sum())
         rec_sum += float(-terms.reconstruction.double().sum())
         for name in latents:
@@ -191,16 +199,23 @@ def evaluate_split(model, task, subset: str = "test", k: int = 100, chunk_size: 
     results["kl"] = sum(kl_sums.values()) / num_sentences
     mean_all = {name: torch.cat(means[name]) for name in latents}
     logvar_all = {name: torch.cat(logvars[name]) for name in latents}
+    stats = {name: torch.cat(values) for name, values in per_sentence.items()}
+    results["nll_se"] = _standard_error(stats["log_px"])
+    results["elbo_se"] = _standard_error(stats["elbo"])
+    results["kl_se"] = _standard_error(stats["kl"])
+    low, high = bootstrap_perplexity_interval(stats["log_px"], stats["tokens"], seed=seed)
+    results["iw_ppl_ci95_low"], results["iw_ppl_ci95_high"] = low, high
     mi_generator = torch.Generator().manual_seed(seed)
-    results["mi"] = mutual_information(torch.cat([mean_all[n] for n in latents], -1),
-                                       torch.cat([logvar_all[n] for n in latents], -1),
-                                       num_samples=mi_samples, generator=mi_generator)
+    mi = mutual_information(torch.cat([mean_all[n] for n in latents], -1),
+                            torch.cat([logvar_all[n] for n in latents], -1),
+                            num_samples=mi_samples, generator=mi_generator)
+    results["mi"], results["mi_se"] = mi.value, mi.standard_error
     au_counts = {name: active_units(mean_all[name], au_threshold)[0] for name in latents}
     results["au"] = sum(au_counts.values())
     for name in latents:
         results[f"kl_{name}"] = kl_sums[name] / num_sentences
-        results[f"mi_{name}"] = mutual_information(mean_all[name], logvar_all[name], num_samples=mi_samples,
-                                                   generator=mi_generator)
+        mi = mutual_information(mean_all[name], logvar_all[name], num_samples=mi_samples, generator=mi_generator)
+        results[f"mi_{name}"], results[f"mi_se_{name}"] = mi.value, mi.standard_error
         results[f"au_{name}"] = au_counts[name]
         results[f"dim_{name}"] = int(model.latent_sizes[name])
     if bleu:
@@ -212,8 +227,43 @@ def evaluate_split(model, task, subset: str = "test", k: int = 100, chunk_size: 
     results["k"] = k
     results["chunk_size"] = chunk_size
     results["batch_size"] = batch_size
+    results["mi_samples"] = mi_samples
+    results["mi_max_log_n"] = mi.log_n
     results["iw_seconds_per_sentence"] = iw_seconds / num_sentences
+    results["estimators"] = estimators(k, mi_samples, num_sentences)
     return results
+
+
+def _standard_error(values: torch.Tensor) -> float:
+    """Standard error of the mean of per-sentence ``values`` (std / sqrt(N))."""
+    return float(values.std(unbiased=True)) / len(values) ** 0.5
+
+
+def bootstrap_perplexity_interval(log_px: torch.Tensor, tokens: torch.Tensor, resamples: int = 1000,
+                                  seed: int = 1, level: float = 0.95):
+    """Percentile bootstrap interval over sentences of exp(-sum log p(x) / sum tokens)."""
+    rng = np.random.default_rng(seed)
+    log_px, tokens = log_px.numpy(), tokens.numpy()
+    picks = rng.integers(0, len(log_px), size=(resamples, len(log_px)))
+    values = np.exp(-log_px[picks].sum(1) / tokens[picks].sum(1))
+    tail = 100 * (1 - level) / 2
+    return float(np.percentile(values, tail)), float(np.percentile(values, 100 - tail))
+
+
+def estimators(k: int, mi_samples: int, num_sentences: int) -> Dict[str, str]:
+    """What each reported number estimates and from how many samples (written to the JSON)."""
+    return {
+        "iw_ppl": f"importance-weighted bound L_k, k={k} samples of q(z|x) per sentence (Burda et al.; "
+                  f"Optimus eq. 15), {num_sentences} sentences; 95% interval: percentile bootstrap over "
+                  "sentences, 1,000 resamples",
+        "elbo": "one reparameterised sample of q(z|x) per sentence for log p(x|z), analytic KL",
+        "kl": "analytic KL(q(z|x) || N(0, I)), mean over sentences",
+        "mi": f"{MIEstimate.ESTIMATOR}; {mi_samples} sample(s) per sentence, N={num_sentences}; cannot "
+              f"exceed log N = {math.log(num_sentences):.2f} nats, so values from sets of other sizes "
+              "(e.g. the papers') do not compare",
+        "au": "Cov_x(E_q[z]) per dimension (unbiased) >= threshold, over the evaluated sentences",
+        "standard_errors": "*_se: std over sentences / sqrt(N)",
+    }
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -224,7 +274,7 @@ DESCRIPTIONS = OrderedDict([
     ("elbo", "ELBO per sentence (nats)"),
     ("rec", "reconstruction NLL per sentence (nats)"),
     ("kl", "KL(q(z|x) || p(z)) per sentence (nats)"),
-    ("mi", "mutual information I_q(x, z) (nats)"),
+    ("mi", "mutual information I_q(x, z) (nats; at most log N)"),
     ("au", "active units (Cov_x E[z] >= threshold)"),
     ("rec_bleu", "BLEU of greedy reconstructions from the posterior means"),
 ])
@@ -234,6 +284,15 @@ def describe(key: str) -> str:
     """What a result key means (the per-latent keys are ``<metric>_<latent>``)."""
     if key in DESCRIPTIONS:
         return DESCRIPTIONS[key]
+    if key.startswith("mi_se"):
+        latent = key[len("mi_se_"):]
+        return "standard error of the MI estimate" + (f", latent {latent}" if latent else "")
+    if key.endswith("_se") and key[:-3] in DESCRIPTIONS:
+        return f"standard error of: {DESCRIPTIONS[key[:-3]]}"
+    if key.startswith("iw_ppl_ci95"):
+        return "95% bootstrap interval of iw_ppl over sentences"
+    if key == "mi_max_log_n":
+        return "log N: the largest MI this estimator can return on N sentences"
     metric, _, latent = key.partition("_")
     if metric in ("kl", "mi", "au") and latent:
         return f"{DESCRIPTIONS[metric]}, latent {latent}"
@@ -246,6 +305,8 @@ def format_table(results: Dict[str, float]) -> str:
     """A text table of the results, one metric a line: key, value, meaning."""
     lines = [f"{'metric':<26} {'value':>14}  meaning"]
     for key, value in results.items():
+        if isinstance(value, dict):
+            continue
         text = f"{value:.6g}" if isinstance(value, float) else str(value)
         lines.append(f"{key:<26} {text:>14}  {describe(key)}".rstrip())
     return "\n".join(lines)
@@ -264,7 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chunk-size", type=int, default=10,
                         help="samples scored per decoder pass (memory ~ chunk x batch decoder passes)")
     parser.add_argument("--batch-size", type=int, default=32, help="sentences per batch")
-    parser.add_argument("--mi-samples", type=int, default=1, help="z samples per sentence of the MI estimate")
+    parser.add_argument("--mi-samples", type=int, default=10,
+                        help="z samples per sentence of the MI estimate (default 10; each costs one N x N density)")
     parser.add_argument("--au-threshold", type=float, default=0.01, help="active-unit variance threshold")
     parser.add_argument("--max-sentences", type=int, default=None,
                         help="evaluate a random subset of this many sentences (default: all)")
@@ -287,6 +349,8 @@ def main(argv: Optional[List[str]] = None) -> "OrderedDict[str, float]":
     results["checkpoint"] = args.path
     results["subset"] = args.subset
     print(format_table(results))
+    for name, text in results["estimators"].items():
+        print(f"estimator {name}: {text}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

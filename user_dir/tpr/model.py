@@ -5,8 +5,13 @@ layer of :mod:`.head` over its final hidden states, an aggregation (eq. 5) and t
 classification head of ``hf_sentence_classifier``. Architectures:
 
 * ``tpr_classifier``: the paper's HUBERT (Transformer): n_S 50, n_R 35, d_S = d_R 32, T 1,
-  ``--tpr-aggregation concat`` (the paper's best), lambda 0.1 (the paper gives no value);
-* ``tpr_classifier_lstm``: HUBERT (LSTM), eq. (2);
+  ``--tpr-aggregation concat`` (the paper's best), lambda 0.1 (the paper gives no value), and
+  the extra Transformer encoder layer over the TPR layer's (scaled) output that footnote 5
+  says the reported results used (``--tpr-extra-layer``; not transferred, like the head);
+* ``tpr_classifier_plain``: the same without that layer (the model as the paper describes it,
+  and as "future versions" of the authors' model were to be);
+* ``tpr_classifier_lstm``: HUBERT (LSTM), eq. (2) (no extra layer: footnote 5 is about the
+  Transformer variant's results);
 * ``bert_lstm_classifier``: BERT-LSTM (Section 4.2): a unidirectional LSTM over the token
   states, its last (``--lstm-pooling last``, the paper) or mean state -> the head.
   (The plain BERT baseline is ``hf_sentence_classifier``.)
@@ -20,12 +25,14 @@ CE_mean + lambda * reg (also under --update-freq: sum_i B_i lambda reg / sum_i B
 """
 
 import logging
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from fairseq.models import register_model, register_model_architecture
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+from latent_core.errors import parse_bool
 
 from ..hf_sentence.model import HFSentenceClassifier, HFSentenceConfigError, hf_sentence_classifier
 from .head import (AGGREGATIONS, ENCODERS, Aggregation, TPRLayer, check_orthogonality, check_positive_int,
@@ -45,9 +52,11 @@ def _default(args, name: str, value) -> None:
 class TPRClassifier(HFSentenceClassifier):
     """Encoder -> TPR layer -> aggregation -> classification head (module docstring)."""
 
-    def __init__(self, args, backbone, head, padding_idx: int, tpr: TPRLayer, aggregate: Aggregation):
+    def __init__(self, args, backbone, head, padding_idx: int, tpr: TPRLayer, aggregate: Aggregation,
+                 extra_layer: Optional[nn.Module] = None):
         super().__init__(args, backbone, head, padding_idx)
         self.tpr, self.aggregate = tpr, aggregate
+        self.extra_layer = extra_layer
         self.orthogonality = float(args.tpr_orthogonality)
 
     @staticmethod
@@ -73,6 +82,11 @@ class TPRClassifier(HFSentenceClassifier):
         g.add_argument("--tpr-scale", type=float, metavar="S",
                        help="initial value of the trainable scale of the bound values (default 1; "
                             "the paper used ~1000 for the LSTM variant)")
+        g.add_argument("--tpr-extra-layer", type=parse_bool, metavar="BOOL",
+                       help="a Transformer encoder layer over the TPR output before the aggregation (footnote 5; "
+                            "default true for tpr_classifier, false for tpr_classifier_plain and _lstm); its "
+                            "heads: the largest divisor of d_S * d_R not above the encoder's heads, its FFN size "
+                            "the encoder's intermediate size")
         g.add_argument("--tpr-transfer-from", metavar="CKPT", help="source checkpoint for --tpr-transfer")
         g.add_argument("--tpr-transfer", metavar="PARTS", help=f"comma-separated parts to copy: {PART_NAMES}")
         g.add_argument("--tpr-freeze", metavar="PARTS", help=f"comma-separated parts to freeze: {PART_NAMES}")
@@ -99,17 +113,29 @@ class TPRClassifier(HFSentenceClassifier):
         aggregate = Aggregation(args.tpr_aggregation, tpr.output_size, task.max_positions(),
                                 cls.head_input_size(args, config))
         warn_unreachable_orthogonality(args.tpr_roles, args.tpr_role_dim, args.tpr_orthogonality)
-        model = cls(args, backbone, head, task.padding_idx, tpr, aggregate)
+        extra_layer = None
+        if args.tpr_extra_layer:
+            heads = max(h for h in range(1, (args.tpr_heads or config.num_attention_heads) + 1)
+                        if tpr.output_size % h == 0)
+            extra_layer = nn.TransformerEncoderLayer(
+                tpr.output_size, heads, getattr(config, "intermediate_size", None) or 4 * tpr.output_size,
+                dropout, batch_first=True)
+        model = cls(args, backbone, head, task.padding_idx, tpr, aggregate, extra_layer)
         apply_transfer_options(model, args, getattr(task, "building_from_checkpoint", False))
-        logger.info("TPR head: %s paths, n_S %d, n_R %d, d_S %d, d_R %d, T %g, %s aggregation, lambda %g",
-                    args.tpr_encoder, args.tpr_symbols, args.tpr_roles, args.tpr_symbol_dim, args.tpr_role_dim,
-                    args.tpr_temperature, args.tpr_aggregation, args.tpr_orthogonality)
+        logger.info("TPR head: %s paths, n_S %d, n_R %d, d_S %d, d_R %d, T %g, %s aggregation, lambda %g, "
+                    "extra layer %s", args.tpr_encoder, args.tpr_symbols, args.tpr_roles, args.tpr_symbol_dim,
+                    args.tpr_role_dim, args.tpr_temperature, args.tpr_aggregation, args.tpr_orthogonality,
+                    "yes" if extra_layer is not None else "no")
         return model
 
     def forward(self, **net_input) -> Tuple[Tensor, dict]:
         hidden, padding_mask = self.encode(net_input)
         out = self.tpr(hidden, padding_mask)
-        pooled = self.aggregate(out.x, padding_mask)
+        x = out.x
+        if self.extra_layer is not None:  # footnote 5: on the scaled TPR output
+            x = self.extra_layer(x, src_key_padding_mask=padding_mask)
+            x = x.masked_fill(padding_mask.unsqueeze(-1), 0.0)
+        pooled = self.aggregate(x, padding_mask)
         term1, term2 = self.tpr.orthogonality()
         extra = {"pooled": pooled, "hidden_states": hidden, "padding_mask": padding_mask, "tpr": out,
                  "stats": {"role_orth_rrt": term1.detach(), "role_orth_rtr": term2.detach()}}
@@ -117,6 +143,16 @@ class TPRClassifier(HFSentenceClassifier):
             # 0-d = per-example average for the criterion: objective CE_mean + lambda * reg (eq. 6)
             extra["losses"] = {"role_orthogonality": self.orthogonality * (term1 + term2)}
         return self.classify(pooled), extra
+
+
+    def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
+        has_extra = any(k.startswith("extra_layer.") for k in state_dict)
+        if strict and self.extra_layer is not None and not has_extra and "tpr.R" in state_dict:
+            raise HFSentenceConfigError(
+                "this checkpoint has no footnote-5 extra layer (trained with --tpr-extra-layer false, or before "
+                "the option existed) but the model was built with one: load it with "
+                "--model-overrides \"{'tpr_extra_layer': False}\"")
+        return super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
 
 
 def validate_tpr_args(args) -> None:
@@ -142,14 +178,21 @@ def tpr_classifier(args):
                         ("tpr_temperature", 1.0), ("tpr_encoder", "transformer"), ("tpr_aggregation", "concat"),
                         ("tpr_concat_dim", None), ("tpr_orthogonality", 0.1), ("tpr_heads", None),
                         ("tpr_dropout", None), ("tpr_scale", 1.0), ("tpr_transfer_from", None),
-                        ("tpr_transfer", None), ("tpr_freeze", None)):
+                        ("tpr_transfer", None), ("tpr_freeze", None), ("tpr_extra_layer", True)):
         _default(args, name, value)
     hf_sentence_classifier(args)
+
+
+@register_model_architecture("tpr_classifier", "tpr_classifier_plain")
+def tpr_classifier_plain(args):
+    _default(args, "tpr_extra_layer", False)
+    tpr_classifier(args)
 
 
 @register_model_architecture("tpr_classifier", "tpr_classifier_lstm")
 def tpr_classifier_lstm(args):
     _default(args, "tpr_encoder", "lstm")
+    _default(args, "tpr_extra_layer", False)
     tpr_classifier(args)
 
 

@@ -3,14 +3,21 @@
 For every seed, with ``fairseq-train`` (task ``hf_sentence_prediction``):
 
 1. on each of SOURCE and TARGET: the [CLS] baseline (``hf_sentence_classifier``) and HUBERT
-   (``tpr_classifier``) trained from the pre-trained encoder: the target runs are the
-   "Baseline" rows, the source runs are what is transferred;
-2. BERT transfer: the [CLS] baseline on TARGET initialised with the SOURCE [CLS] model's
-   fine-tuned encoder (exported with ``save_pretrained``; fresh classifier);
-3. HUBERT transfer: the 7 non-empty subsets of {encoder, roles R, fillers S}
+   (``tpr_classifier``) trained from the pre-trained encoder: the target runs (seed S) are the
+   "Baseline" rows, the source runs are what is transferred. Source runs are trained with
+   seed S + ``--source-seed-offset`` (default 100), so a transferred part never starts from the
+   initialisation the target run would give it anyway (with one seed for both, a transferred
+   R or S differed from the target's own initial R or S by ~1%, and the transfer rows could not
+   differ from the baseline); a task's runs at seed 101 are its source models, at seed 1 its
+   baselines, so both directions reuse them;
+2. BERT transfer: the [CLS] baseline on TARGET (seed S) initialised with the SOURCE [CLS]
+   model's fine-tuned encoder (exported with ``save_pretrained``; fresh classifier);
+3. HUBERT transfer (seed S): the 7 non-empty subsets of {encoder, roles R, fillers S}
    (``--tpr-transfer-from SOURCE_TPR --tpr-transfer ...``; fresh head; not frozen, as in the
-   paper; ``--with-selectors`` also moves the role/filler selectors with R/S, ``--freeze``
-   freezes what was moved).
+   paper), R and S moved WITH their selectors (the role/filler selection layers, as the
+   authors' code does; ``--no-with-selectors`` moves R and S alone); ``--freeze`` freezes what
+   was moved. Everything not transferred starts from the baseline's seed-S initialisation, so
+   each row differs from its paired baseline only by what was moved.
 
 Every run selects its checkpoint by dev accuracy (``--best-checkpoint-metric``) and is then
 scored on the test split with ``glue-predict``. Results: one JSON per run
@@ -151,11 +158,12 @@ def single_task_runs(args, data: Path, seed: int) -> None:
 
 
 def transfer_runs(args, source: Path, target: Path, seed: int) -> None:
-    single_task_runs(args, source, seed)
+    source_seed = seed + args.source_seed_offset
+    single_task_runs(args, source, source_seed)
     single_task_runs(args, target, seed)
-    src = args.run_dir / source.name / f"seed{seed}"
+    src = args.run_dir / source.name / f"seed{source_seed}"
     out = args.run_dir / f"{source.name}-to-{target.name}" / f"seed{seed}"
-    row = {"task": target.name, "source": source.name}
+    row = {"task": target.name, "source": source.name, "source_seed": source_seed}
     exported = export_encoder(src / "cls" / "checkpoint_best.pt", out / "cls-encoder", args.encoder_dir)
     run(args, "cls+encoder", target, out, seed, ["--arch", "hf_sentence_classifier", "--hf-model-dir", str(exported)],
         {**row, "model": "BERT", "transfer": ["encoder"]})
@@ -247,12 +255,13 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def finished_rows(run_dir: Path, source: Path, target: Path) -> List[dict]:
-    """Every finished run of ``run_dir`` for this pair, any seed: the target's baselines and
-    the transfer runs."""
+def finished_rows(run_dir: Path, source: Path, target: Path, seeds: Sequence[int]) -> List[dict]:
+    """Every finished run of ``run_dir`` for this pair at ``seeds``: the target's baselines and
+    the transfer runs (not the target's source-model runs at offset seeds)."""
     found = list((run_dir / f"{source.name}-to-{target.name}").glob("seed*/*.result.json"))
     found += list((run_dir / target.name).glob("seed*/*.result.json"))
-    return [dict(json.loads(p.read_text()), source=source.name) for p in sorted(found)]
+    rows = [dict(json.loads(p.read_text()), source=source.name) for p in sorted(found)]
+    return [r for r in rows if r["seed"] in set(seeds)]
 
 
 def steps_per_epoch(data: Path, batch_size: int) -> int:
@@ -272,11 +281,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--encoder-dir", required=True, help="local Hugging Face encoder (and tokenizer) directory")
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
-    parser.add_argument("--tpr-arch", default="tpr_classifier", choices=("tpr_classifier", "tpr_classifier_lstm"))
+    parser.add_argument("--source-seed-offset", type=int, default=100,
+                        help="source models are trained with seed + this (default 100), never with the target's seed")
+    parser.add_argument("--tpr-arch", default="tpr_classifier",
+                        choices=("tpr_classifier", "tpr_classifier_plain", "tpr_classifier_lstm"),
+                        help="tpr_classifier: with footnote 5's extra layer (the paper's results); _plain without")
     parser.add_argument("--tpr-args", default="", help="extra HUBERT options, e.g. --tpr-args='--tpr-aggregation mean' (with =)")
     parser.add_argument("--combos", nargs="+", default=None, metavar="PARTS",
                         help="HUBERT transfer subsets to run, e.g. roles encoder+fillers (default: all 7)")
-    parser.add_argument("--with-selectors", action="store_true", help="move the role/filler selectors with R/S")
+    parser.add_argument("--with-selectors", action=argparse.BooleanOptionalAction, default=True,
+                        help="move the role/filler selectors with R/S (default, as the authors' code; "
+                             "--no-with-selectors: R and S alone)")
     parser.add_argument("--freeze", action="store_true", help="freeze the transferred parts (the paper does not)")
     parser.add_argument("--optimizer", default="adamax", help="the paper: Adamax")
     parser.add_argument("--lr", type=float, default=5e-5, help="the paper: 5e-5")
@@ -293,6 +308,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     args.tpr_args, args.fairseq_extra = args.tpr_args.split(), args.fairseq_extra.split()
     args.combos = parse_combos(args.combos, parser.error)
+    if args.source_seed_offset == 0 or set(args.seeds) & {s + args.source_seed_offset for s in args.seeds}:
+        parser.error(f"--source-seed-offset {args.source_seed_offset}: source seeds must differ from every "
+                     f"target seed ({args.seeds})")
     for data in (args.source, args.target):
         if not all((data / f"{s}.tsv").is_file() for s in ("train", "dev", "test")):
             parser.error(f"{data}: needs train.tsv, dev.tsv and test.tsv")
@@ -310,7 +328,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 single_task_runs(args, target, seed)
             else:
                 transfer_runs(args, source, target, seed)
-    report = [summarise(finished_rows(args.run_dir, s, t), s.name, t.name) for s, t in pairs]
+    report = [summarise(finished_rows(args.run_dir, s, t, args.seeds), s.name, t.name) for s, t in pairs]
+    for entry in report:
+        entry["protocol"] = {
+            "seeds": list(args.seeds),
+            "source_seeds": [s + args.source_seed_offset for s in args.seeds],
+            "seeding": f"baselines and transfer runs on the target use seed S; the source models they take "
+                       f"parts from were trained with seed S + {args.source_seed_offset}",
+            "selectors_moved_with_roles_fillers": args.with_selectors,
+            "tpr_arch": args.tpr_arch,
+            "estimator": "accuracy (%) on dev (checkpoint chosen by it) and test; mean ± sd over seeds; gains "
+                         "paired by seed",
+        }
     if not any(r["rows"] for r in report):
         print(f"no finished runs in {args.run_dir}", file=sys.stderr)
         return 1

@@ -50,7 +50,7 @@ def test_triplets_take_the_closest_pos_sequence_with_low_overlap_and_a_word_shuf
 def test_prepare_writes_splits_binarized_data_and_triplets(tmp_path):
     oanc = tagged_corpus(tmp_path / "oanc.txt")
     summary = prep.prepare(tmp_path / "out", ["oanc"], valid_size=10, test_size=20, threshold=1,
-                           probe_size=5, oanc_file=oanc)
+                           probe_size=5, oanc_file=oanc, paraphrase_dev_size=0)
     out = tmp_path / "out"
     for split in ("train", "valid", "test"):
         assert (out / "bin" / f"{split}.bin").is_file()
@@ -121,3 +121,75 @@ def test_summary_counts_the_sentences_left_out(tmp_path, monkeypatch):
     assert summary["dropped"]["length"] == sum(1 for s in sentences if not 4 <= len(s) <= 25) >= 1
     assert summary["dropped"]["duplicate"] > 0  # 120 draws from a few patterns repeat
     assert kept + summary["dropped"]["length"] + summary["dropped"]["duplicate"] == len(sentences)
+
+
+DING = """# comment
+Schön dich zu sehen! :: Good to see you again!; You are a sight for sore eyes!
+Ich bin eben erst aufgestanden. :: I have only just got up.; I got up just now.; I just got up.
+Er kam. :: He came.; He arrived.
+jdm. helfen :: to help sb. out; to give sb. a hand.
+Das ist es. | Geh! :: That is the thing.; That is the point. | Go!
+Es regnet. :: It is raining here.; It is raining/pouring here.
+"""
+
+
+def test_ding_paraphrase_groups_are_real_alternatives_that_pass_the_sentence_filters():
+    from collections import Counter
+
+    from latent_core.data import ding
+
+    stats = Counter()
+    groups = ding.english_paraphrase_groups(DING.splitlines(), stats)
+    assert groups == [
+        ["Good to see you again!", "You are a sight for sore eyes!"],
+        ["I have only just got up.", "I got up just now.", "I just got up."],
+        ["That is the thing.", "That is the point."],
+    ]
+    # "He came." is too short, sb. is a placeholder, the slash an alternative: none left a pair
+    assert stats["alternative_too_short"] == 2 and stats["alternative_slash"] == 1
+    assert stats["alternative_template"] >= 1 and stats["groups"] == 3
+
+
+def test_most_frequent_tagger_learns_tags_and_suffixes(tmp_path):
+    corpus = prep.read_oanc(tagged_corpus(tmp_path / "oanc.txt", n=200))
+    tagger = prep.MostFrequentTagger(corpus[:150])
+    held_out = corpus[150:]
+    correct = sum(p == t for tokens, tags in held_out for p, t in zip(tagger.tag(tokens), tags))
+    assert correct / sum(len(tags) for _, tags in held_out) > 0.95
+    tagger.suffixes["ing"] = "VBG"
+    assert tagger.tag(["walking", "1984", "zzz"]) == ["VBG", "CD", "NN"]
+    with pytest.raises(prep.DataError, match="tagged sentences"):
+        prep.MostFrequentTagger([])
+
+
+def test_paraphrase_triplets_pair_a_target_with_its_paraphrase_and_a_structural_twin(tmp_path):
+    from latent_core.data import ding
+
+    pool = prep.read_oanc(tagged_corpus(tmp_path / "oanc.txt", n=120))
+    groups = ding.english_paraphrase_groups(DING.splitlines())
+    tagged = pool + [(prep.tokenize(s), tags) for s, tags in (
+        ("I got up just now.", ["PRP", "VBD", "RP", "RB", "RB", "."]),
+        ("Good to see you again!", ["JJ", "TO", "VB", "PRP", "RB", "."]))]
+    triplets = prep.build_paraphrase_triplets(groups, prep.MostFrequentTagger(tagged), pool, 0.2, seed=0)
+    assert len(triplets) == 3
+    for (target, paraphrase, syntactic), group in zip(triplets, groups):
+        tokenised = {" ".join(prep.tokenize(s)) for s in group}
+        assert target in tokenised and paraphrase in tokenised and target != paraphrase
+        assert syntactic not in tokenised and prep.jaccard(target.split(), syntactic.split()) <= 0.2
+        assert any(syntactic == " ".join(tokens) for tokens, _ in pool)
+    dev, test = prep.split_dev_test(triplets, 1, seed=0)
+    assert len(dev) == 1 and len(test) == 2 and not set(dev) & set(test)
+    with pytest.raises(prep.DataError, match="--paraphrase-dev-size 3"):
+        prep.split_dev_test(triplets, 3, seed=0)
+
+
+def test_prepare_writes_the_paraphrase_probe_from_the_ding_file(tmp_path):
+    source = tmp_path / "de-en"
+    source.write_text(DING, encoding="utf-8")
+    oanc = tagged_corpus(tmp_path / "oanc.txt", n=200)
+    summary = prep.prepare(tmp_path / "out", ["oanc"], valid_size=10, test_size=20, threshold=1, probe_size=5,
+                           oanc_file=oanc, ding_source=source, paraphrase_dev_size=1)
+    dev = (tmp_path / "out" / "paraphrase_dev.tsv").read_text().splitlines()
+    test = (tmp_path / "out" / "paraphrase_test.tsv").read_text().splitlines()
+    assert summary["paraphrase_probe"]["groups"] == 3
+    assert len(dev) == 1 and len(dev) + len(test) == summary["paraphrase_probe"]["triplets"]

@@ -193,3 +193,25 @@ def test_padding_excluded_in_pure_functions():
     for b, a in enumerate(singles):
         assert lr[b].item() == pytest.approx(core.layer_redundancy(a).item(), abs=1e-12)
         assert hr[b].item() == pytest.approx(core.head_redundancy(a).item(), abs=1e-12)
+
+
+def test_accumulator_reports_standard_errors_over_sentences_across_batches():
+    from latent_core.redundancy import RedundancyAccumulator, head_redundancy, layer_redundancy_bits
+
+    torch.manual_seed(0)
+    attn = torch.softmax(torch.randn(2, 4, 7, 5, 6), dim=-1)  # [N, n_h, B, T, S]
+    query_mask = torch.ones(7, 5, dtype=torch.bool)
+    key_mask = torch.ones(7, 6, dtype=torch.bool)
+    accumulator = RedundancyAccumulator()
+    accumulator.add("encoder_self", attn[:, :, :3], query_mask[:3], key_mask[:3])
+    accumulator.add("encoder_self", attn[:, :, 3:], query_mask[3:], key_mask[3:])
+    entry = accumulator.result()["encoder_self"]
+    lr = layer_redundancy_bits(attn, query_mask, key_mask).double()
+    hr = head_redundancy(attn, query_mask, key_mask).double()
+    assert entry["LR_bits_se"] == pytest.approx((lr.std() / 7 ** 0.5).item(), rel=1e-6)
+    assert entry["HR_se"] == pytest.approx((hr.std() / 7 ** 0.5).item(), rel=1e-6)
+    assert entry["LR_se"] == pytest.approx(entry["LR_bits_se"] / 2.0, rel=1e-9)  # / log2 4
+    assert "standard deviation over sentences" in accumulator.result()["estimator"]
+    single = RedundancyAccumulator()
+    single.add("encoder_self", attn[:, :, :1], query_mask[:1], key_mask[:1])
+    assert single.result()["encoder_self"]["HR_se"] is None

@@ -540,6 +540,55 @@ def test_probe_scores(tmp_path, kind):
     assert set(probe.probe(loaded, d, swapped)["scores"].values()) == {0.0}
 
 
+def test_probe_chooses_advae_slots_on_dev_triplets_and_scores_them_on_test(tmp_path):
+    model, d = build("advae")
+    dev = [(s, s, SENTENCES[(i + 2) % 6]) for i, s in enumerate(SENTENCES[:3])]
+    test = [(s, SENTENCES[(i + 1) % 6], SENTENCES[(i + 3) % 6]) for i, s in enumerate(SENTENCES)]
+    result = probe.probe(model, d, test, dev_triplets=dev)
+    slots = [f"z[{l}]" for l in range(4)]
+    chosen = result["slot_selection"]["z"]
+    assert chosen["semantic"] == max(slots, key=lambda k: result["dev_scores"][k])
+    assert chosen["syntactic"] == min(slots, key=lambda k: result["dev_scores"][k])
+    assert chosen["semantic_score"] == result["scores"][chosen["semantic"]]  # reported on test
+    assert result["selected_on"] == "dev triplets" and result["num_dev_triplets"] == 3
+    for label, (low, high) in result["ci95"].items():
+        assert 0.0 <= low <= result["scores"][label] <= high <= 100.0
+
+    data = tmp_path / "data"
+    data.mkdir()
+    d.save(str(data / "dict.txt"))
+    _save_checkpoint(model, tmp_path / "checkpoint.pt")
+    shared = tmp_path / "dev.tsv"
+    shared.write_text("\t".join(test[0]) + "\n", encoding="utf-8")
+    tsv = tmp_path / "test.tsv"
+    tsv.write_text("".join("\t".join(t) + "\n" for t in test), encoding="utf-8")
+    with pytest.raises(ValueError, match="share 1 triplet"):
+        probe.run(probe.parse_args(["--checkpoint", str(tmp_path / "checkpoint.pt"), "--data", str(data),
+                                    "--triplets", str(tsv), "--dev-triplets", str(shared)]))
+
+
+def test_probe_scores_a_single_latent_sentence_vae(tmp_path):
+    from user_dir.optimus import OptimusModel
+    from user_dir.optimus.model import optimus_small
+
+    parser = argparse.ArgumentParser()
+    OptimusModel.add_args(parser)
+    args = parser.parse_args(["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "32",
+                              "--decoder-embed-dim", "32", "--encoder-attention-heads", "4",
+                              "--decoder-attention-heads", "4", "--encoder-ffn-embed-dim", "64",
+                              "--decoder-ffn-embed-dim", "64", "--latent-dim", "8"])
+    optimus_small(args)
+    args.arch = "optimus_small"
+    d = make_dictionary()
+    task = argparse.Namespace(source_dictionary=d, target_dictionary=d)
+    model = OptimusModel.build_model(args, task)
+    _save_checkpoint(model, tmp_path / "optimus.pt")
+    loaded = probe.load_model(str(tmp_path / "optimus.pt"), d)
+    triplets = [(s, s, SENTENCES[(i + 1) % 6]) for i, s in enumerate(SENTENCES)]
+    result = probe.probe(loaded, d, triplets)
+    assert result["scores"] == {"z": 100.0} and result["slot_selection"] == {}
+
+
 def test_probe_malformed_lines(tmp_path):
     tsv = tmp_path / "bad.tsv"
     tsv.write_text("a\tb\tc\n\nonly two\tfields\n", encoding="utf-8")

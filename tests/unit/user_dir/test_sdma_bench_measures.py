@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from user_dir.sdma import scale, step_timing
+from user_dir.sdma import flops, scale, step_timing
 
 
 def test_saved_activation_bytes_counts_each_saved_storage_once_and_no_parameters():
@@ -29,8 +29,26 @@ def test_update_timing_interleaves_rounds_and_reports_ratios_to_vanilla():
     # SDMA-T adds the GMM products and the semantic mask: more arithmetic than SMA-T, than V-T
     assert 1.0 < models["SMA-T"]["flops_ratio"] < models["SDMA-T"]["flops_ratio"] < 1.2
     assert models["SDMA-T"]["params"] > models["V-T"]["params"]
+    # and more elementwise work: the GMMs, the mask, the regularisers
+    assert 1.0 < models["SMA-T"]["elementwise_bytes_ratio"] < models["SDMA-T"]["elementwise_bytes_ratio"]
+    assert models["V-T"]["elementwise_ops"] < models["SMA-T"]["elementwise_ops"] < models["SDMA-T"]["elementwise_ops"]
     rows = step_timing.table_rows(timing)
     assert [r["model"] for r in rows] == ["V-T", "SMA-T", "SDMA-T"]
+
+
+def test_traffic_counter_counts_elementwise_bytes_once_and_skips_views_and_matmuls():
+    a, b = torch.randn(16, 8), torch.randn(8, 4)
+
+    def work():
+        h = a @ b  # a matrix product: not elementwise
+        h = h.t().contiguous()  # a view (free) then a copy: reads and writes 64 floats
+        h.mul_(2.0)  # in place: its one tensor counted once
+        return torch.zeros_like(h)  # a factory: writes only
+
+    counts = flops.count_traffic(work)
+    assert counts["matmul_ops"] == 1
+    assert counts["ops"] == 3
+    assert counts["bytes"] == (2 * 64 + 64 + 64) * 4
 
 
 def test_update_timing_refuses_impossible_settings():
