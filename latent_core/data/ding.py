@@ -138,8 +138,8 @@ def english_paraphrase_groups(lines: Iterable[str], stats: Optional[Counter] = N
     kept when it passes the sentence filters of :data:`FILTERS` (whole sentence, at least
     :data:`MIN_WORDS` words, no ``/`` alternatives, optional ``(...)`` words or sb./sth.
     placeholders). A group needs at least two distinct kept alternatives. These sub-entries
-    never enter the translation corpus (the ``semicolon`` filter), so the groups are disjoint
-    from it. ``stats`` counts ``groups`` and the rejected alternatives per filter.
+    never enter the translation corpus (the ``semicolon`` filter); an alternative may still
+    occur there as a stand-alone entry elsewhere in the dictionary. ``stats`` counts ``groups`` and the rejected alternatives per filter.
     """
     stats = Counter() if stats is None else stats
     groups: List[List[str]] = []

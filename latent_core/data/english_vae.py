@@ -20,8 +20,8 @@ Probes of QKVAE's Table 2 (target, semantic source, syntactic source), without a
   from the Ding dictionary -- the ``;``-separated alternative English translations of one German
   entry ("good to see you again !" / "you are a sight for sore eyes !";
   :func:`latent_core.data.ding.english_paraphrase_groups`: whole sentences of at least 4 words,
-  no ``/`` alternatives, ``(...)`` or sb./sth. placeholders; 615 groups in ``trans-de-en``, none
-  of them in the training corpus). Per group, a target and its paraphrase (the semantic source,
+  no ``/`` alternatives, ``(...)`` or sb./sth. placeholders; 615 groups in ``trans-de-en``; the
+  corpus's Ding side excludes ``;`` entries, so few of them occur in training). Per group, a target and its paraphrase (the semantic source,
   seeded choice); the syntactic source is the OANC training sentence whose POS sequence is
   closest to the target's (edit distance; the target tagged by :class:`MostFrequentTagger`
   fitted on the OANC tags, ~91% token accuracy on held-out OANC) among those sharing at most

@@ -66,7 +66,7 @@ def test_three_attention_types_are_measured_separately(loaded, name):
     result = ar.attention_redundancy(model, task, "test")
     assert result["sentences"] == 12
     assert set(result) == {"encoder_self", "decoder_self", "decoder_cross", "sentences",
-                           "LR_scale", "HR_scale", "compare_with_paper", "notes"}
+                           "LR_scale", "HR_scale", "compare_with_paper", "notes", "estimator"}
     assert result["compare_with_paper"] == "encoder_self" and "enc_attn" in result["notes"]
     assert "/ log2 n_h" in result["LR_scale"] and "[0, 1]" in result["LR_scale"]
     values = {k: (result[k]["LR"], result[k]["HR"]) for k in ar.ATTENTION_TYPES}
@@ -179,7 +179,9 @@ def test_redundancy_script_end_to_end(tiny, script_runs, name):
     for kind in ar.ATTENTION_TYPES:
         assert kind in out
         entry = result[kind]
-        assert set(entry) == {"LR", "LR_bits", "HR", "layers", "heads", "HR_matrix", "HR_matrix_labels"}
+        assert set(entry) == {"LR", "LR_bits", "HR", "layers", "heads", "HR_matrix", "HR_matrix_labels",
+                              "LR_se", "LR_bits_se", "HR_se"}
+        assert entry["HR_se"] > 0 and entry["LR_se"] == pytest.approx(entry["LR_bits_se"] / 2.0)
         assert 0.0 <= entry["LR"] <= 1.0 and 0.0 <= entry["HR"] <= 1.0
         assert entry["LR_bits"] == pytest.approx(2.0 * entry["LR"])
         row = next(line.split() for line in out.splitlines() if line.startswith(kind))
