@@ -277,6 +277,7 @@ DESCRIPTIONS = OrderedDict([
     ("mi", "mutual information I_q(x, z) (nats; at most log N)"),
     ("au", "active units (Cov_x E[z] >= threshold)"),
     ("rec_bleu", "BLEU of greedy reconstructions from the posterior means"),
+    ("mi_samples", "z samples per sentence of the MI estimate"),
 ])
 
 
