@@ -147,12 +147,8 @@ def latent_views(model) -> List[Tuple[str, str, slice]]:
     return views
 
 
-def closer_to_semantic_source(target: torch.Tensor, sem: torch.Tensor, syn: torch.Tensor) -> float:
-    """100 * P(||target - sem||_2 < ||target - syn||_2) over the rows of ``[N, D]`` tensors."""
-    return 100.0 * _closer(target, sem, syn).double().mean().item()
-
-
 def _closer(target: torch.Tensor, sem: torch.Tensor, syn: torch.Tensor) -> torch.Tensor:
+    """Per row of ``[N, D]`` tensors: ||target - sem||_2 < ||target - syn||_2 (ties: False)."""
     return (target - sem).norm(dim=-1) < (target - syn).norm(dim=-1)
 
 
