@@ -247,7 +247,8 @@ def test_cli_writes_json_and_restores_fast_paths(asr, tmp_path, capsys, monkeypa
     assert "LR [0,1]" in stdout and "LR bits" in stdout and "compare them with encoder_self" in stdout
     written = json.loads(out.read_text())
     assert set(written) == {*ear.ATTENTION_TYPES, "sentences", "LR_scale", "HR_scale", "compare_with_paper",
-                            "notes"}
+                            "notes", "estimator"}
+    assert written["encoder_self"]["HR_se"] >= 0  # over the 2 sentences
     assert written["sentences"] == 2
     # --heatmap: the encoder self-attention's head-pair matrix, 2 layers x 2 heads, as in the JSON
     matrix = np.array(written["encoder_self"]["HR_matrix"])
