@@ -145,8 +145,7 @@ def english_paraphrase_groups(lines: Iterable[str], stats: Optional[Counter] = N
     groups: List[List[str]] = []
     seen = set()
     for line in lines:
-        kind, subentries = classify_line(line)
-        for _, english in subentries:
+        for _, english in classify_line(line)[1]:
             alternatives = [" ".join(a.split()) for a in english.split(";")]
             if len(alternatives) < 2:
                 continue
@@ -252,15 +251,18 @@ def read_lines(path: Path) -> Iterator[str]:
 
 
 def read_pairs(source: Path = DEFAULT_SOURCE, max_words: Optional[int] = None,
-               stats: Optional[Counter] = None) -> List[Pair]:
-    """All kept sentence pairs of the Ding file ``source``.
+               stats: Optional[Counter] = None, lines: Optional[Iterable[str]] = None) -> List[Pair]:
+    """All kept sentence pairs of the Ding file ``source`` (or of its ``lines``, when a caller
+    has already read them with :func:`read_lines`).
 
     Raises :class:`MissingSourceError` if the file is absent, :class:`DingDataError`
     naming ``file:line`` at a line that is not UTF-8, and :class:`EmptyCorpusError`
     (naming the filter that removed the last pairs) if nothing is left.
     """
     stats = Counter() if stats is None else stats
-    pairs = parse_lines(read_lines(check_source(source)), max_words=max_words, stats=stats)
+    if lines is None:
+        lines = read_lines(check_source(source))
+    pairs = parse_lines(lines, max_words=max_words, stats=stats)
     if not pairs:
         raise EmptyCorpusError(_empty_message(source, stats, max_words))
     return pairs

@@ -49,9 +49,12 @@ import re
 import shutil
 import subprocess
 import sys
+from collections import Counter, defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from latent_core.data import ding
 from latent_core.data.registry import DataError, fetch_member
 
 PROG = "prepare_english_vae_data.py"
@@ -66,13 +69,24 @@ def tokenize(text: str) -> List[str]:
     return _TOKEN.findall(text.lower())
 
 
-def ding_sentences(source: Optional[Path] = None) -> List[List[str]]:
-    from latent_core.data import ding
-
+@contextmanager
+def _ding_errors_as_data_errors():
     try:
-        pairs = ding.read_pairs(source or ding.DEFAULT_SOURCE)
+        yield
     except (ding.MissingSourceError, ding.DingDataError) as error:
         raise DataError(str(error)) from None
+
+
+def read_ding_lines(source: Optional[Path] = None) -> List[str]:
+    """The lines of the Ding file (read once: they feed the sentences and the paraphrase probe)."""
+    with _ding_errors_as_data_errors():
+        return list(ding.read_lines(ding.check_source(source or ding.DEFAULT_SOURCE)))
+
+
+def ding_sentences(source: Optional[Path] = None, lines: Optional[Sequence[str]] = None) -> List[List[str]]:
+    """The tokenised English side of the Ding pairs (from ``lines`` when already read)."""
+    with _ding_errors_as_data_errors():
+        pairs = ding.read_pairs(source or ding.DEFAULT_SOURCE, lines=lines)
     return [tokenize(en) for _, en in pairs]
 
 
@@ -188,8 +202,6 @@ class MostFrequentTagger:
     tests): the probe needs a sentence's rough structure, not a parse."""
 
     def __init__(self, sentences: Sequence[TaggedSentence]):
-        from collections import Counter, defaultdict
-
         words, suffixes = defaultdict(Counter), defaultdict(Counter)
         for tokens, tags in sentences:
             for word, tag in zip(tokens, tags):
@@ -270,8 +282,10 @@ def prepare(out_dir: Path, sources: Sequence[str], min_tokens: int = 4, max_toke
     out_dir.mkdir(parents=True, exist_ok=True)
     sentences: List[List[str]] = []
     oanc: List[TaggedSentence] = []
+    paraphrase_probe = probe_size > 0 and paraphrase_dev_size > 0
+    ding_lines = read_ding_lines(ding_source) if "ding" in sources or paraphrase_probe else None
     if "ding" in sources:
-        sentences += ding_sentences(ding_source)
+        sentences += ding_sentences(ding_source, ding_lines)
     if "oanc" in sources or probe_size > 0:
         oanc_all = read_oanc(oanc_file or fetch_oanc(out_dir / "cache"))
         oanc = [s for s in oanc_all if min_tokens <= len(s[0]) <= max_tokens]
@@ -301,27 +315,20 @@ def prepare(out_dir: Path, sources: Sequence[str], min_tokens: int = 4, max_toke
         triplets = build_triplets(targets, pool, max_syn_overlap, seed)
         write_lines(out_dir / "probe_triplets.tsv", ["\t".join(t) for t in triplets])
         summary["probe_triplets"] = len(triplets)
-        if paraphrase_dev_size > 0:
-            summary["paraphrase_probe"] = write_paraphrase_probe(out_dir, oanc_all, pool, max_syn_overlap, seed,
-                                                                 paraphrase_dev_size, ding_source)
+        if paraphrase_probe:
+            summary["paraphrase_probe"] = write_paraphrase_probe(out_dir, ding_lines, oanc_all, pool,
+                                                                 max_syn_overlap, seed, paraphrase_dev_size)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
-def write_paraphrase_probe(out_dir: Path, tagged: Sequence[TaggedSentence], pool: Sequence[TaggedSentence],
-                           max_overlap: float, seed: int, dev_size: int, ding_source: Optional[Path] = None) -> dict:
-    """``paraphrase_dev.tsv`` / ``paraphrase_test.tsv``: Ding paraphrase triplets, tagged with a
-    :class:`MostFrequentTagger` fitted on ``tagged``; returns their counts and filter statistics."""
-    from collections import Counter
-
-    from latent_core.data import ding
-
+def write_paraphrase_probe(out_dir: Path, ding_lines: Sequence[str], tagged: Sequence[TaggedSentence],
+                           pool: Sequence[TaggedSentence], max_overlap: float, seed: int, dev_size: int) -> dict:
+    """``paraphrase_dev.tsv`` / ``paraphrase_test.tsv``: paraphrase triplets from the Ding file's
+    lines, targets tagged with a :class:`MostFrequentTagger` fitted on ``tagged``; returns their
+    counts and filter statistics."""
     stats: Counter = Counter()
-    try:
-        lines = list(ding.read_lines(ding.check_source(ding_source or ding.DEFAULT_SOURCE)))
-    except (ding.MissingSourceError, ding.DingDataError) as error:
-        raise DataError(str(error)) from None
-    groups = ding.english_paraphrase_groups(lines, stats)
+    groups = ding.english_paraphrase_groups(ding_lines, stats)
     triplets = build_paraphrase_triplets(groups, MostFrequentTagger(tagged), pool, max_overlap, seed)
     dev, test = split_dev_test(triplets, dev_size, seed)
     write_lines(out_dir / "paraphrase_dev.tsv", ["\t".join(t) for t in dev])

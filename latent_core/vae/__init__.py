@@ -21,6 +21,7 @@ from .evaluation import (
     importance_weighted_log_likelihood,
     mutual_information,
     perplexity,
+    standard_error,
 )
 from .kl import KL_GRANULARITIES, KL_SCOPES, KL_VARIANTS, KLRegularizer, KLTerm, regularize_latents
 from .schedules import (
@@ -35,7 +36,7 @@ from .schedules import (
 __all__ = [
     "LOGVAR_RANGE", "DiagonalGaussian", "standard_normal_log_prob", "VAEConfigError",
     "ElboTerms", "MIEstimate", "active_units", "elbo_terms", "importance_weighted_log_likelihood",
-    "mutual_information", "perplexity", "KL_GRANULARITIES", "KL_SCOPES", "KL_VARIANTS",
+    "mutual_information", "perplexity", "standard_error", "KL_GRANULARITIES", "KL_SCOPES", "KL_VARIANTS",
     "KLRegularizer", "KLTerm", "regularize_latents", "AutoEncoderPhase", "ConstantSchedule",
     "CyclicalSchedule", "LinearSchedule", "parse_beta_schedules", "parse_schedule",
 ]

@@ -154,8 +154,11 @@ class MIEstimate(NamedTuple):
     ESTIMATOR = ("I_q(x, z) = mean over examples i and samples z ~ q(z|x_i) of log q(z|x_i) - log q(z), "
                  "q(z) = 1/N sum_j q(z|x_j) over the N evaluated examples (both terms on the same sample)")
 
-    def as_dict(self, prefix: str = "mi") -> Dict[str, float]:
-        return {prefix: self.value, f"{prefix}_se": self.standard_error}
+
+def standard_error(values: Tensor) -> float:
+    """Standard error of the mean of ``values`` ``[N]``: unbiased std / sqrt(N) (NaN for N < 2)."""
+    n = values.numel()
+    return float(values.double().std(unbiased=True)) / math.sqrt(n) if n > 1 else float("nan")
 
 
 def mutual_information(means: Tensor, logvars: Tensor, num_samples: int = 1,
@@ -189,8 +192,7 @@ def mutual_information(means: Tensor, logvars: Tensor, num_samples: int = 1,
         log_q_aggregate = torch.logsumexp(pairwise, dim=1) - log_n  # log q(z)
         per_sample[rows] = (log_q_own - log_q_aggregate).cpu()
     per_example = per_sample.view(num_samples, n).mean(0)
-    standard_error = float(per_example.std(unbiased=True)) / math.sqrt(n) if n > 1 else float("nan")
-    return MIEstimate(float(per_example.mean()), standard_error, n, num_samples, log_n)
+    return MIEstimate(float(per_example.mean()), standard_error(per_example), n, num_samples, log_n)
 
 
 def active_units(means: Tensor, threshold: float = 0.01) -> Tuple[int, Tensor]:

@@ -94,7 +94,7 @@ def test_protocol_runs_baselines_bert_and_tpr_transfer_and_resumes(tmp_path):
     assert (source_state["tpr.R"] - target_init["tpr.R"]).norm() > 0.5 * target_init["tpr.R"].norm()
     # the BERT row starts from the source [CLS] model's fine-tuned encoder, exported for --hf-model-dir
     source_cls = torch.load(tmp_path / "runs" / "animals" / "seed101" / "cls" / "checkpoint_best.pt",
-                            map_location="cpu", weights_only=False)["model"]
+                            map_location="cpu", weights_only=True)["model"]
     exported = BertModel.from_pretrained(str(pair / "cls-encoder"), add_pooling_layer=False).state_dict()
     for name, value in exported.items():
         assert torch.equal(value, source_cls[f"backbone.{name}"]), name

@@ -185,11 +185,12 @@ def probe(model, dictionary: Dictionary, triplets: Sequence[Triplet], batch_size
     dev_scores = (score_views(model, dictionary, dev_triplets, batch_size, device)[0]
                   if dev_triplets is not None else None)
     choosing = dev_scores if dev_scores is not None else scores
-    selection = {}
+    slots: Dict[str, List[str]] = {}
     for label, name, _ in latent_views(model):
-        if label == name:
-            continue
-        labels = [l for l, n, _ in latent_views(model) if n == name and l != name]
+        if label != name:
+            slots.setdefault(name, []).append(label)
+    selection = {}
+    for name, labels in slots.items():
         semantic = max(labels, key=lambda k: choosing[k])
         syntactic = min(labels, key=lambda k: choosing[k])
         selection[name] = {"semantic": semantic, "syntactic": syntactic,

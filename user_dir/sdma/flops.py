@@ -260,7 +260,7 @@ class TrafficCounter(TorchDispatchMode):
         name = func._overloadpacket.__name__
         if name in _MATMUL_OPS:
             self.matmul_ops += 1
-        elif not func.is_view and name not in ("detach", "lift_fresh", "_to_copy_meta"):
+        elif not func.is_view and name not in ("detach", "lift_fresh"):
             seen = set()
             # factories read only their argument's metadata (``new_ones``, ``zeros_like``...)
             read = () if name.startswith("new_") or name.endswith("_like") else (args, kwargs)

@@ -52,6 +52,7 @@ from latent_core.vae import (
     MIEstimate,
     mutual_information,
     perplexity,
+    standard_error,
 )
 
 from .base import posteriors_of, reorder_encoder_output
@@ -200,9 +201,9 @@ def evaluate_split(model, task, subset: str = "test", k: int = 100, chunk_size: 
     mean_all = {name: torch.cat(means[name]) for name in latents}
     logvar_all = {name: torch.cat(logvars[name]) for name in latents}
     stats = {name: torch.cat(values) for name, values in per_sentence.items()}
-    results["nll_se"] = _standard_error(stats["log_px"])
-    results["elbo_se"] = _standard_error(stats["elbo"])
-    results["kl_se"] = _standard_error(stats["kl"])
+    results["nll_se"] = standard_error(stats["log_px"])
+    results["elbo_se"] = standard_error(stats["elbo"])
+    results["kl_se"] = standard_error(stats["kl"])
     low, high = bootstrap_perplexity_interval(stats["log_px"], stats["tokens"], seed=seed)
     results["iw_ppl_ci95_low"], results["iw_ppl_ci95_high"] = low, high
     mi_generator = torch.Generator().manual_seed(seed)
@@ -232,11 +233,6 @@ def evaluate_split(model, task, subset: str = "test", k: int = 100, chunk_size: 
     results["iw_seconds_per_sentence"] = iw_seconds / num_sentences
     results["estimators"] = estimators(k, mi_samples, num_sentences)
     return results
-
-
-def _standard_error(values: torch.Tensor) -> float:
-    """Standard error of the mean of per-sentence ``values`` (std / sqrt(N))."""
-    return float(values.std(unbiased=True)) / len(values) ** 0.5
 
 
 def bootstrap_perplexity_interval(log_px: torch.Tensor, tokens: torch.Tensor, resamples: int = 1000,
