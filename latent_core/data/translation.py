@@ -35,6 +35,14 @@ Every problem with the inputs ends the run before fairseq-preprocess with one li
 text with only whitespace normalisation and (with --lowercase) lowercasing, no
 jieba segmentation.  Decode with ``fairseq-generate --remove-bpe sentencepiece``.
 
+BERT source (BV-T / BSDMA-T, ``bert_fused_transformer``): ``--src-bert-dir DIR`` tokenises
+the source with that local BERT's own tokenizer instead of sentencepiece and binarises it
+with BERT's vocabulary as the fairseq source dictionary (``fairseq-preprocess --srcdict``,
+written to ``OUT/spm/dict.bert.{src}.txt``); the target keeps its sentencepiece model
+(``--tgt-vocab-size``). The source length limit is then also BERT's: at most
+``max_position_embeddings - 1`` pieces with ``</s>`` (``[CLS]`` takes one position), under the
+same refuse / --truncate / --skip rule (``latent_core.data.bert_source``).
+
 Paper settings (SDMA, Table I):  IWSLT'14 De-En ``--src-vocab-size 6000
 --tgt-vocab-size 8000``; WMT'14 En-De ``--joint --vocab-size 44000`` (train with
 ``--share-all-embeddings``); WMT'17 Zh-En ``--jieba --src-vocab-size 25000
@@ -58,7 +66,9 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+
+from latent_core.data import bert_source
 
 PROG = "prepare_translation.py"
 SPLITS = ("train", "valid", "test")
@@ -325,15 +335,17 @@ def filter_by_length(src_in: Path, tgt_in: Path, src_out: Path, tgt_out: Path,
     return kept, dropped
 
 
-def fit_split(split: str, spm_dir: Path, langs: Sequence[str], raw_paths: Sequence[Path], max_positions: int,
-              policy: Optional[str] = None, max_len: Optional[int] = None) -> Dict[str, object]:
+def fit_split(split: str, spm_dir: Path, langs: Sequence[str], raw_paths: Sequence[Path],
+              max_positions: Union[int, Sequence[int]], policy: Optional[str] = None,
+              max_len: Optional[int] = None) -> Dict[str, object]:
     """Write ``spm_dir/{split}.{lang}`` from the encoded ``spm_dir/{split}.{lang}.pieces`` (then removed).
 
     Pair by pair, line ``i`` of the pieces being line ``i`` of ``raw_paths`` (1-based):
 
     * ``max_len`` (train only): a pair that is empty or has more than ``max_len`` pieces on a
       side is dropped (counted in ``dropped``), the recipe's data cleaning;
-    * a pair with a side of more than ``max_positions - 1`` pieces (fairseq appends ``</s>``)
+    * a pair with a side of more than ``max_positions - 1`` pieces (fairseq appends ``</s>``;
+      ``max_positions`` may be one value per side, e.g. a BERT source's smaller limit)
       is counted in ``too_long`` (``first``: raw file, line and length in tokens of the first)
       and, by ``policy``: kept as it is (None: the caller refuses the run), cut to
       ``max_positions - 1`` pieces (``"truncate"``) or dropped from both sides (``"skip"``;
@@ -345,7 +357,7 @@ def fit_split(split: str, spm_dir: Path, langs: Sequence[str], raw_paths: Sequen
     if policy not in (None, "truncate", "skip"):
         raise ValueError(f"policy must be None, 'truncate' or 'skip', not {policy!r}")
     spm_dir = Path(spm_dir)
-    limit = max_positions - 1
+    limits = [max_positions - 1] * len(langs) if isinstance(max_positions, int) else [m - 1 for m in max_positions]
     inputs = [spm_dir / f"{split}.{lang}.pieces" for lang in langs]
     stats: Dict[str, object] = {"passed": 0, "kept": 0, "dropped": 0, "too_long": 0, "first": None}
     skipped = set()
@@ -359,7 +371,7 @@ def fit_split(split: str, spm_dir: Path, langs: Sequence[str], raw_paths: Sequen
                 stats["dropped"] += 1
                 continue
             stats["passed"] += 1
-            over = [index for index, length in enumerate(lengths) if length > limit]
+            over = [index for index, length in enumerate(lengths) if length > limits[index]]
             if over:
                 stats["too_long"] += 1
                 if stats["first"] is None:
@@ -368,7 +380,7 @@ def fit_split(split: str, spm_dir: Path, langs: Sequence[str], raw_paths: Sequen
                     skipped.add(number)
                     continue
                 if policy == "truncate":
-                    sides = [" ".join(side[:limit]) for side in pieces]
+                    sides = [" ".join(side[:limit]) for side, limit in zip(pieces, limits)]
             for handle, side in zip(handles, sides):
                 handle.write(side + "\n")
             stats["kept"] += 1
@@ -383,8 +395,10 @@ def fit_split(split: str, spm_dir: Path, langs: Sequence[str], raw_paths: Sequen
     return stats
 
 
-def too_long_message(fitted: Dict[str, Dict[str, object]], max_positions: int) -> str:
-    """The refusal for sentences over ``max_positions`` (count, first file:line, the two choices)."""
+def too_long_message(fitted: Dict[str, Dict[str, object]], max_positions: int,
+                     bert_limit: Optional[int] = None) -> str:
+    """The refusal for sentences over ``max_positions`` (count, first file:line, the two choices);
+    ``bert_limit``: the source's own, smaller limit under ``--src-bert-dir``."""
     total = sum(stats["too_long"] for stats in fitted.values())
     per_split = ", ".join(f"{split} {stats['too_long']}" for split, stats in fitted.items())
     path, line, tokens = next(stats["first"] for stats in fitted.values() if stats["first"] is not None)
@@ -392,7 +406,9 @@ def too_long_message(fitted: Dict[str, Dict[str, object]], max_positions: int) -
             f"sentencepiece encoding, counting the end-of-sentence token fairseq appends ({per_split}); the first "
             f"is {path}:{line} with {tokens} tokens. fairseq cannot train on or translate them: pass --truncate "
             f"(cut them to {max_positions - 1} pieces) or --skip (drop those pairs from both sides), or raise "
-            f"--max-positions together with the model's --max-source-positions/--max-target-positions")
+            f"--max-positions together with the model's --max-source-positions/--max-target-positions"
+            + (f" (the source side's limit is --src-bert-dir's BERT: {bert_limit} tokens with </s>, which "
+               f"no option raises)" if bert_limit is not None else ""))
 
 
 # ----------------------------------------------------------------------------- fairseq
@@ -410,7 +426,7 @@ def fairseq_preprocess_executable() -> Path:
 
 
 def run_fairseq_preprocess(spm_dir: Path, bin_dir: Path, src: str, tgt: str, joint: bool = False,
-                           workers: int = 1) -> Path:
+                           workers: int = 1, srcdict: Optional[Path] = None) -> Path:
     """Binarise ``spm_dir/{train,valid,test}.{src,tgt}`` into ``bin_dir``; return ``bin_dir``.
 
     fairseq's own log is written to ``bin_dir/preprocess.log``; on failure the
@@ -428,6 +444,8 @@ def run_fairseq_preprocess(spm_dir: Path, bin_dir: Path, src: str, tgt: str, joi
     ]
     if joint:
         command.append("--joined-dictionary")
+    if srcdict is not None:
+        command += ["--srcdict", str(srcdict)]
     result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if result.returncode != 0:
         tail = "\n".join(result.stdout.splitlines()[-20:])
@@ -453,6 +471,8 @@ def vocab_plan(args: argparse.Namespace) -> Dict[str, Tuple[int, List[str]]]:
     """Model name -> (vocabulary size, languages it covers)."""
     if args.joint:
         return {"joint": (args.vocab_size, [args.src, args.tgt])}
+    if getattr(args, "src_bert_dir", None):
+        return {args.tgt: (args.tgt_vocab_size, [args.tgt])}
     return {args.src: (args.src_vocab_size, [args.src]), args.tgt: (args.tgt_vocab_size, [args.tgt])}
 
 
@@ -487,15 +507,32 @@ def prepare(args: argparse.Namespace) -> Path:
         for lang in model_langs:
             models[lang] = model
 
+    bert_dir = getattr(args, "src_bert_dir", None)
+    max_positions = getattr(args, "max_positions", MAX_POSITIONS)
+    srcdict = bert_limit = None
+    if bert_dir:
+        try:
+            tokenizer = bert_source.load_tokenizer(bert_dir)
+            bert_limit = bert_source.max_source_pieces(bert_source.read_config(bert_dir))
+            srcdict = spm_dir / f"dict.bert.{args.src}.txt"
+            size = bert_source.write_dictionary(tokenizer, srcdict)
+        except bert_source.BertSourceError as error:
+            raise PrepareError(str(error)) from None
+        stage(f"bert: {args.src} side with the tokenizer of {bert_dir} (dictionary of {size} symbols -> "
+              f"{srcdict}; at most {bert_limit} pieces with </s>)")
+        bert_limit = min(max_positions, bert_limit)
+    side_limits = (bert_limit, max_positions) if bert_limit is not None else max_positions
     stage(f"encode: {', '.join(SPLITS)} -> {spm_dir}")
     for split in SPLITS:
         for lang in langs:
-            encode_file(models[lang], text_dir / f"{split}.{lang}", spm_dir / f"{split}.{lang}.pieces",
-                        args.workers)
-    max_positions = getattr(args, "max_positions", MAX_POSITIONS)
+            pieces = spm_dir / f"{split}.{lang}.pieces"
+            if bert_dir and lang == args.src:
+                write_lines(pieces, bert_source.encode_lines(tokenizer, read_lines(text_dir / f"{split}.{lang}")))
+            else:
+                encode_file(models[lang], text_dir / f"{split}.{lang}", pieces, args.workers)
     policy = "truncate" if getattr(args, "truncate", False) else "skip" if getattr(args, "skip", False) else None
     fitted = {split: fit_split(split, spm_dir, langs, [raw_path(prefixes[split], lang) for lang in langs],
-                               max_positions, policy, args.max_len if split == "train" else None)
+                               side_limits, policy, args.max_len if split == "train" else None)
               for split in SPLITS}
     train = fitted["train"]
     if train["passed"] == 0:
@@ -504,20 +541,23 @@ def prepare(args: argparse.Namespace) -> Path:
           f"(empty or > {args.max_len} pieces)")
     too_long = sum(stats["too_long"] for stats in fitted.values())
     if too_long and policy is None:
-        raise PrepareError(too_long_message(fitted, max_positions))
+        raise PrepareError(too_long_message(fitted, max_positions, bert_limit))
     if too_long:
         done = "truncated to" if policy == "truncate" else "skipped (both sides) as longer than"
-        stage(f"length: {too_long} pair(s) {done} {max_positions - 1} pieces + </s> ("
+        source = f" (source: {bert_limit - 1})" if bert_limit is not None else ""
+        stage(f"length: {too_long} pair(s) {done} {max_positions - 1}{source} pieces + </s> ("
               + ", ".join(f"{split} {stats['too_long']}" for split, stats in fitted.items()) + ")")
     else:
-        stage(f"length: every sentence fits --max-positions {max_positions}")
+        stage(f"length: every sentence fits --max-positions {max_positions}"
+              + (f" (source: {bert_limit}, BERT's)" if bert_limit is not None else ""))
     for split, stats in fitted.items():
         if stats["kept"] == 0:
             raise PrepareError(f"{split}: no pair left after --skip (all {stats['passed']} have a side longer "
                                f"than {max_positions - 1} pieces); use --truncate or raise --max-positions")
 
-    stage(f"binarise: fairseq-preprocess{' --joined-dictionary' if args.joint else ''} -> {bin_dir}")
-    return run_fairseq_preprocess(spm_dir, bin_dir, args.src, args.tgt, args.joint, args.workers)
+    stage(f"binarise: fairseq-preprocess{' --joined-dictionary' if args.joint else ''}"
+          f"{' --srcdict ' + str(srcdict) if srcdict else ''} -> {bin_dir}")
+    return run_fairseq_preprocess(spm_dir, bin_dir, args.src, args.tgt, args.joint, args.workers, srcdict)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -564,6 +604,11 @@ def build_parser() -> argparse.ArgumentParser:
                           help="cut longer sentences to N-1 pieces (the .raw references stay whole)")
     too_long.add_argument("--skip", action="store_true",
                           help="drop pairs with a longer side from both sides (and from the .raw references)")
+    bert = parser.add_argument_group("BERT source (bert_fused_transformer: BV-T, BSDMA-T)")
+    bert.add_argument("--src-bert-dir", metavar="DIR",
+                      help="tokenise the source with this local Hugging Face BERT's tokenizer and binarise it "
+                           "with BERT's vocabulary as the source dictionary (the target keeps sentencepiece, "
+                           "--tgt-vocab-size); the source limit becomes BERT's positions minus [CLS]")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the binarised data of a previous run in OUT/bin")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
@@ -575,7 +620,15 @@ def validate_args(args: argparse.Namespace, error: Callable[[str], None]) -> arg
     """Check option combinations; call ``error(message)`` on a problem."""
     if args.src == args.tgt:
         error("--src and --tgt must differ")
-    if args.joint:
+    if args.src_bert_dir:
+        if args.joint:
+            error("--src-bert-dir: the source uses BERT's vocabulary, so no --joint sentencepiece model")
+        if args.src_vocab_size is not None:
+            error("--src-bert-dir: the source vocabulary is BERT's; drop --src-vocab-size")
+        args.tgt_vocab_size = args.tgt_vocab_size or args.vocab_size
+        if args.tgt_vocab_size is None:
+            error("--src-bert-dir needs --tgt-vocab-size (or --vocab-size) for the target's sentencepiece model")
+    elif args.joint:
         if args.vocab_size is None:
             error("--joint needs --vocab-size")
         if args.src_vocab_size is not None or args.tgt_vocab_size is not None:

@@ -37,14 +37,13 @@ import torch
 from fairseq.models import BaseFairseqModel, register_model, register_model_architecture
 from torch import Tensor, nn
 
+from latent_core.data.bert_source import PADDING_OFFSET_POSITIONS
 from latent_core.errors import PluginConfigError
 from ..hf_pretrained import inspect_hf_directory
 
 logger = logging.getLogger(__name__)
 
 ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "electra", "mpnet", "distilbert")
-# position ids start after the padding index (RoBERTa's create_position_ids_from_input_ids)
-PADDING_OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert", "mpnet")
 POOLINGS = ("cls", "mean")
 
 

@@ -144,7 +144,8 @@ class SDMADecoderLayer(TransformerDecoderLayerBase):
                 prev_self_attn_state=None, prev_attn_state=None, self_attn_mask=None,
                 self_attn_padding_mask=None, need_attn=False, need_head_weights=False):
         # cross-attention needs the decoder padding for its (query-side) losses
-        cross = self.encoder_attn if isinstance(self.encoder_attn, SDMAMultiheadAttention) else None
+        # (SDMAMultiheadAttention, or bert_fused.BertFusedAttention around one)
+        cross = self.encoder_attn if hasattr(self.encoder_attn, "query_padding_mask") else None
         if cross is not None:
             cross.query_padding_mask = self_attn_padding_mask
         try:

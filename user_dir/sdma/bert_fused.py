@@ -1,0 +1,540 @@
+"""``bert_fused_transformer``: BV-T and BSDMA-T of the SDMA paper (Tables II and III).
+
+"The pre-trained BERT is incorporated to implement the BERT-fused V-T (BV-T) and SDMA-T
+(BSDMA-T) with base model where the positional encoding and input/output embeddings are
+replaced by BERT contextual embeddings [Zhu et al., ICLR 2020]" (Section IV-C). The model is
+``sdma_transformer`` (same layers, same SDMA core, ``--sdma-mode {sdma,sma,none}``: BSDMA-T
+is ``sdma``, BV-T ``none``) whose source side reads a local Hugging Face BERT-family
+directory (``--bert-dir``, ``transformers.AutoModel``, never a download):
+
+* ``--bert-fusion embed`` (default, the paper's description): BERT's contextual vector of
+  each source token, projected to the model's width when the widths differ, replaces the
+  source embedding and the positional encoding; the encoder has no source embedding table.
+* ``--bert-fusion attention`` (Zhu et al.'s full BERT-fused model, beyond the paper's text):
+  the encoder keeps its own embeddings, and every encoder and decoder layer also attends to
+  BERT's (projected) output through an extra attention -- an SDMA attention in BSDMA-T --
+  averaged with the layer's self-attention (encoder) or encoder-decoder attention (decoder):
+  ``h = 1/2 (attn(x) + attn_B(x, H_B))``. Drop-net (``--bert-dropnet p``, Zhu et al.'s
+  p_net = 1.0): in training, with probability p/2 only ``attn``, p/2 only ``attn_B``, else the
+  average; the average at inference. Both branches are always computed (the one dropped is
+  weighted 0), so every parameter has a gradient in every step and DDP needs no
+  ``--find-unused-parameters``.
+
+Source data are tokenised with BERT's own tokenizer and binarised with BERT's vocabulary as
+the fairseq source dictionary (``prepare-translation --src-bert-dir DIR``); the model maps
+each dictionary index to BERT's id once (fairseq's ``<s>``/``</s>``/``<pad>``/``<unk>`` to
+``[CLS]``/``[SEP]``/``[PAD]``/``[UNK]``), puts ``[CLS]`` in front, feeds BERT right-padded
+ids with its attention mask (fairseq pads sources on the left; BERT's absolute positions
+must start at the first real piece) and puts the outputs back in fairseq's layout, so
+padding never changes a real token's vector. Nothing of BERT's output is cached across
+forward passes (within one beam search it travels in ``encoder_out``, reordered with it).
+
+BERT is frozen by default (``--bert-finetune true`` trains it): its parameters do not
+require gradients, it stays in eval mode (no dropout) and its weights are NOT written to
+checkpoints -- they are re-read from ``--bert-dir`` (the saved path, or ``fairseq-generate
+--model-overrides "{'bert_dir': 'DIR'}"``) and checked against a fingerprint saved with the
+model. fairseq's own log line ``num. model params: X (num. trained: Y)`` then counts as the
+paper does: Y excludes the frozen BERT (Table II: BV-T 39.5M, BSDMA-T 39.6M at base size).
+
+Sources longer than BERT's positions (``max_position_embeddings`` minus ``[CLS]``) are
+refused: the model's ``max_positions()`` says so to fairseq, which stops with its
+"skip this example with --skip-invalid-size-inputs-valid-test" error, and
+``prepare-translation --src-bert-dir`` refuses, truncates or skips them beforehand.
+"""
+
+import argparse
+import contextlib
+import logging
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+from fairseq.models import register_model, register_model_architecture
+from fairseq.models.transformer import TransformerConfig
+from fairseq.modules.multihead_attention import MultiheadAttention
+from omegaconf import OmegaConf
+from torch import Tensor
+
+from latent_core.data.bert_source import load_tokenizer, max_source_pieces
+from latent_core.errors import PluginConfigError, parse_bool
+from ..hf_pretrained import inspect_hf_directory
+from ..hf_sentence.model import ENCODER_TYPES, load_pretrained_encoder
+from .fairseq_attention import SDMAMultiheadAttention
+from .model import (
+    SMALLER_DISENTANGLEMENT,
+    SDMADecoderLayer,
+    SDMAEncoderLayer,
+    SDMATransformerDecoder,
+    SDMATransformerEncoder,
+    SDMATransformerModel,
+    _attention_kwargs,
+    _set_default,
+    _table_one,
+    _wrap_layer,
+    sdma_options,
+    sdma_base_architecture,
+    validate_sdma_args,
+)
+
+logger = logging.getLogger(__name__)
+
+BERT_FUSIONS = ("embed", "attention")
+DEFAULT_FUSION = "embed"
+DEFAULT_DROPNET = 1.0  # Zhu et al.'s p_net
+# fairseq dictionary symbols that are not BERT tokens: fairseq-preprocess pads a dictionary it
+# builds with these (never seen in data); they map to [UNK]
+MADE_UP_PREFIX = "madeupword"
+
+
+class BertFusedConfigError(PluginConfigError):
+    """An impossible BERT-fusion option or a BERT directory / dictionary that does not fit."""
+
+
+# ------------------------------------------------------------------------------ BERT side
+def _check_bert_family(config: dict, where: str) -> None:
+    model_type = config.get("model_type")
+    if model_type not in ENCODER_TYPES:
+        raise BertFusedConfigError(
+            f"--bert-dir {where}: model_type {model_type!r} is not a BERT-family encoder "
+            f"(supported: {', '.join(ENCODER_TYPES)})")
+
+
+MOVED_HINT = ("a checkpoint keeps the path it was trained with; point fairseq-generate elsewhere with "
+              "--model-overrides \"{'bert_dir': 'DIR'}\"")
+
+
+def bert_token_ids(dictionary, tokenizer, bert_dir: str, dict_name: str = "the source dictionary") -> Tensor:
+    """BERT's id of every fairseq dictionary index, ``[len(dictionary)]``.
+
+    fairseq's ``<s>``, ``</s>``, ``<pad>``, ``<unk>`` become the tokenizer's CLS, SEP, PAD
+    and UNK; every other symbol must be a token of BERT's vocabulary (the dictionary that
+    ``prepare-translation --src-bert-dir`` writes), else the data were binarised with
+    another tokenizer and the error says so.
+    """
+    vocab = tokenizer.get_vocab()
+    ids = torch.full((len(dictionary),), int(tokenizer.unk_token_id), dtype=torch.long)
+    ids[dictionary.bos()] = tokenizer.cls_token_id
+    ids[dictionary.eos()] = tokenizer.sep_token_id
+    ids[dictionary.pad()] = tokenizer.pad_token_id
+    ids[dictionary.unk()] = tokenizer.unk_token_id
+    unknown = []
+    for index in range(dictionary.nspecial, len(dictionary)):
+        symbol = dictionary[index]
+        if symbol in vocab:
+            ids[index] = vocab[symbol]
+        elif not symbol.startswith(MADE_UP_PREFIX):
+            unknown.append(symbol)
+    if unknown:
+        raise BertFusedConfigError(
+            f"--bert-dir {bert_dir}: {len(unknown)} of the {len(dictionary) - dictionary.nspecial} symbols of "
+            f"{dict_name} are not tokens of this BERT's vocabulary (e.g. {unknown[:5]}): the source side was "
+            f"binarised with another tokenizer; prepare it with prepare-translation --src-bert-dir {bert_dir}")
+    return ids
+
+
+def _fingerprint(module: nn.Module) -> Tensor:
+    """(number, sum, sum of squares) of a module's parameters, float64: which weights were used."""
+    values = [p.detach().double() for p in module.parameters()]
+    return torch.stack([
+        torch.tensor(float(sum(v.numel() for v in values)), dtype=torch.float64),
+        sum(v.sum() for v in values), sum(v.pow(2).sum() for v in values)])
+
+
+class BertContext(nn.Module):
+    """A local Hugging Face BERT-family encoder read over fairseq source tokens.
+
+    ``forward(src_tokens [B, S]) -> [B, S, H]``: BERT's last hidden state of every source
+    token in fairseq's layout (either padding side; zeros at padding), from one batched
+    BERT pass over ``[CLS] tokens [SEP]`` (fairseq's appended ``</s>`` is BERT's ``[SEP]``),
+    right-padded, with its attention mask. ``[CLS]``'s own vector is not returned.
+    """
+
+    def __init__(self, bert: nn.Module, token_ids: Tensor, padding_idx: int, bert_dir: str,
+                 cls_id: int, bert_pad_id: int, finetune: bool = False):
+        super().__init__()
+        self.bert = bert
+        self.bert_dir = bert_dir
+        self.padding_idx = int(padding_idx)  # fairseq's
+        self.cls_id, self.bert_pad_id = int(cls_id), int(bert_pad_id)  # BERT's
+        self.finetune = bool(finetune)
+        config = bert.config
+        self.hidden_size = int(config.hidden_size)
+        self.register_buffer("token_ids", token_ids, persistent=False)
+        # pieces + </s> per source sentence: BERT's positions minus [CLS] (and RoBERTa's offset)
+        self.max_source_positions = max_source_pieces(config.to_dict())
+        self.register_buffer("bert_fingerprint", _fingerprint(bert), persistent=True)
+        if not self.finetune:
+            bert.requires_grad_(False)
+            bert.eval()
+            self.register_state_dict_post_hook(_drop_frozen_weights)
+            self.register_load_state_dict_pre_hook(_restore_frozen_weights)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if not self.finetune:
+            self.bert.eval()  # a frozen BERT never runs its dropout
+        return self
+
+    def forward(self, src_tokens: Tensor) -> Tensor:
+        real = src_tokens.ne(self.padding_idx)  # [B, S]
+        lengths = real.sum(1)
+        width = int(lengths.max()) + 1 if real.numel() else 1
+        if width - 1 > self.max_source_positions:
+            raise BertFusedConfigError(
+                f"a source sentence has {width - 1} pieces (with </s>) but BERT at --bert-dir {self.bert_dir} "
+                f"takes at most {self.max_source_positions} after [CLS]; shorten the data "
+                f"(prepare-translation --src-bert-dir ... --truncate or --skip) or let fairseq skip them "
+                f"(--skip-invalid-size-inputs-valid-test)")
+        batch, rows = real.nonzero(as_tuple=True)
+        slots = 1 + (real.long().cumsum(1) - 1)[batch, rows]  # BERT position of each real token
+        ids = src_tokens.new_full((src_tokens.size(0), width), self.bert_pad_id)
+        ids[:, 0] = self.cls_id
+        ids[batch, slots] = self.token_ids[src_tokens[batch, rows]]
+        attention_mask = (torch.arange(width, device=ids.device)[None, :] <= lengths[:, None]).long()
+        with torch.set_grad_enabled(self.finetune and torch.is_grad_enabled()):
+            hidden = self.bert(input_ids=ids, attention_mask=attention_mask).last_hidden_state  # [B, W, H]
+        states = hidden.new_zeros(src_tokens.size(0), src_tokens.size(1), hidden.size(-1))
+        states[batch, rows] = hidden[batch, slots]
+        return states
+
+
+def _restore_frozen_weights(context: "BertContext", state_dict, prefix, local_metadata, strict, missing_keys,
+                            unexpected_keys, error_msgs) -> None:
+    """A checkpoint of a frozen-BERT model has no BERT weights: take them from ``--bert-dir``,
+    after checking that they are the ones the model was trained with."""
+    saved = state_dict.get(prefix + "bert_fingerprint")
+    has_weights = any(key.startswith(prefix + "bert.") for key in state_dict)
+    if has_weights:
+        return
+    if saved is not None and not torch.allclose(saved.double(), context.bert_fingerprint, rtol=1e-6, atol=1e-6):
+        raise BertFusedConfigError(
+            f"--bert-dir {context.bert_dir}: these BERT weights differ from the ones the checkpoint was trained "
+            f"with (parameter fingerprint {context.bert_fingerprint.tolist()} vs {saved.double().tolist()}); "
+            + MOVED_HINT)
+    for key, value in context.bert.state_dict().items():
+        state_dict[prefix + "bert." + key] = value
+
+
+def _drop_frozen_weights(context: "BertContext", state_dict, prefix, local_metadata) -> None:
+    """state_dict post-hook of a frozen BERT's context: its weights stay in ``--bert-dir``, not in checkpoints."""
+    for key in [k for k in state_dict if k.startswith(prefix + "bert.")]:
+        del state_dict[key]
+
+
+def build_bert_context(bert_dir: Optional[str], dictionary, finetune: bool) -> BertContext:
+    """Load BERT and its tokenizer from ``bert_dir`` and map ``dictionary`` onto its vocabulary."""
+    if not bert_dir:
+        raise BertFusedConfigError("--bert-dir is required: a local Hugging Face BERT-family directory "
+                                   "(save_pretrained() output with config.json, weights and tokenizer files)")
+    try:
+        inspect_hf_directory(bert_dir, "--bert-dir", BertFusedConfigError, validate=_check_bert_family)
+    except BertFusedConfigError as error:
+        raise BertFusedConfigError(f"{error}; {MOVED_HINT}") from None
+    tokenizer = load_tokenizer(bert_dir, "--bert-dir")
+    token_ids = bert_token_ids(dictionary, tokenizer, bert_dir)
+    bert = load_pretrained_encoder(bert_dir, "--bert-dir")
+    return BertContext(bert, token_ids, dictionary.pad(), bert_dir, tokenizer.cls_token_id,
+                       tokenizer.pad_token_id, finetune)
+
+
+# ------------------------------------------------------------------------- BERT attention
+def dropnet_weights(p_net: float, training: bool) -> Tuple[float, float]:
+    """Zhu et al.'s drop-net: weights of (the layer's own attention, the BERT attention)."""
+    if training and p_net > 0:
+        u = float(torch.rand(()))
+        if u < p_net / 2:
+            return 1.0, 0.0
+        if u > 1 - p_net / 2:
+            return 0.0, 1.0
+    return 0.5, 0.5
+
+
+class BertFusedAttention(nn.Module):
+    """A layer's attention fused with an attention over BERT's output (Zhu et al., eq. 3/4).
+
+    Called exactly like fairseq's ``MultiheadAttention`` by fairseq's own layers; returns
+    ``(w_a attention(x) + w_b attention_B(x, H_B), attention(x)'s weights)`` with
+    ``(w_a, w_b)`` from :func:`dropnet_weights`. ``H_B`` (``[S, B, E]``) and its padding mask
+    (``[B, S]``) are set by the encoder/decoder for one forward pass (:meth:`bert_input`).
+    Both inner modules keep their own incremental state, so decoding step by step equals
+    the full pass and beam reordering reaches both.
+    """
+
+    def __init__(self, attention: nn.Module, bert_attention: nn.Module, p_net: float):
+        super().__init__()
+        self.attention = attention
+        self.bert_attention = bert_attention
+        self.p_net = float(p_net)
+        self.bert_states: Optional[Tensor] = None
+        self.bert_padding_mask: Optional[Tensor] = None
+        self.query_padding_mask: Optional[Tensor] = None  # the decoder's padding (SDMA losses)
+
+    @contextlib.contextmanager
+    def bert_input(self, states: Tensor, padding_mask: Optional[Tensor]) -> Iterator[None]:
+        self.bert_states, self.bert_padding_mask = states, padding_mask
+        try:
+            yield
+        finally:
+            self.bert_states = self.bert_padding_mask = None
+
+    def forward(self, query, key, value, key_padding_mask=None, incremental_state=None, need_weights=True,
+                static_kv=False, attn_mask=None, before_softmax=False, need_head_weights=False):
+        if self.bert_states is None:
+            raise RuntimeError("BertFusedAttention called outside bert_input(): the encoder/decoder sets "
+                               "BERT's output for each forward pass")
+        query_padding = key_padding_mask if getattr(self.attention, "self_attention", False) \
+            else self.query_padding_mask
+        for module in (self.attention, self.bert_attention):
+            if isinstance(module, SDMAMultiheadAttention) and not module.self_attention:
+                module.query_padding_mask = query_padding
+        try:
+            out, weights = self.attention(
+                query=query, key=key, value=value, key_padding_mask=key_padding_mask,
+                incremental_state=incremental_state, need_weights=need_weights, static_kv=static_kv,
+                attn_mask=attn_mask, before_softmax=before_softmax, need_head_weights=need_head_weights)
+            if before_softmax:
+                return out, weights
+            bert_out, _ = self.bert_attention(
+                query=query, key=self.bert_states, value=self.bert_states,
+                key_padding_mask=self.bert_padding_mask, incremental_state=incremental_state,
+                need_weights=False, static_kv=True)
+        finally:
+            for module in (self.attention, self.bert_attention):
+                if isinstance(module, SDMAMultiheadAttention) and not module.self_attention:
+                    module.query_padding_mask = None
+        own, bert = dropnet_weights(self.p_net, self.training)
+        return own * out + bert * bert_out, weights
+
+    def extra_repr(self) -> str:
+        return f"p_net={self.p_net}"
+
+
+def build_bert_attention(layer, cfg, embed_dim: int, heads: int, side: str) -> nn.Module:
+    """The attention over BERT's output of one layer: SDMA unless ``--sdma-mode none``."""
+    if cfg.sdma_mode == "none":
+        return MultiheadAttention(embed_dim, heads, kdim=embed_dim, vdim=embed_dim,
+                                  encoder_decoder_attention=True, **_attention_kwargs(layer, cfg))
+    return SDMAMultiheadAttention(embed_dim, heads, kdim=embed_dim, vdim=embed_dim,
+                                  encoder_decoder_attention=True, sdma=sdma_options(cfg, side),
+                                  group=f"{side}_bert", **_attention_kwargs(layer, cfg))
+
+
+class BertFusedEncoderLayer(SDMAEncoderLayer):
+    def build_self_attention(self, embed_dim, cfg):
+        attention = super().build_self_attention(embed_dim, cfg)
+        if cfg.bert_fusion != "attention":
+            return attention
+        bert = build_bert_attention(self, cfg, embed_dim, cfg.encoder.attention_heads, "encoder")
+        return BertFusedAttention(attention, bert, cfg.bert_dropnet)
+
+
+class BertFusedDecoderLayer(SDMADecoderLayer):
+    def build_encoder_attention(self, embed_dim, cfg):
+        attention = super().build_encoder_attention(embed_dim, cfg)
+        if cfg.bert_fusion != "attention":
+            return attention
+        bert = build_bert_attention(self, cfg, embed_dim, cfg.decoder.attention_heads, "decoder")
+        return BertFusedAttention(attention, bert, cfg.bert_dropnet)
+
+
+def fused_attentions(layers) -> List[BertFusedAttention]:
+    return [m for layer in layers for m in layer.modules() if isinstance(m, BertFusedAttention)]
+
+
+@contextlib.contextmanager
+def bert_inputs(modules: List[BertFusedAttention], states: Tensor, padding_mask: Optional[Tensor]):
+    with contextlib.ExitStack() as stack:
+        for module in modules:
+            stack.enter_context(module.bert_input(states, padding_mask))
+        yield
+
+
+# --------------------------------------------------------------------- encoder / decoder
+class BertFusedEncoder(SDMATransformerEncoder):
+    """fairseq's (SDMA) transformer encoder over BERT's contextual source vectors.
+
+    ``encoder_out`` is fairseq's dict plus ``bert_out`` (``[S, B, E]``, BERT's projected
+    output) and ``bert_padding_mask`` (``[B, S]``) in attention fusion, reordered by
+    :meth:`reorder_encoder_out` like the rest.
+    """
+
+    def __init__(self, cfg, dictionary, embed_tokens, bert: BertContext):
+        super().__init__(cfg, dictionary, embed_tokens)
+        self.fusion = cfg.bert_fusion
+        self.bert = bert
+        embed_dim = cfg.encoder.embed_dim
+        self.bert_proj = nn.Linear(bert.hidden_size, embed_dim) if bert.hidden_size != embed_dim else None
+        self.max_source_positions = min(self.max_source_positions, bert.max_source_positions)
+        if self.fusion == "embed":
+            # BERT replaces the source embedding and the positional encoding (no unused parameters)
+            self.embed_tokens = None
+            self.embed_positions = None
+
+    def build_encoder_layer(self, cfg):
+        return _wrap_layer(BertFusedEncoderLayer(cfg, return_fc=self.return_fc), cfg)
+
+    def bert_states(self, src_tokens: Tensor) -> Tensor:
+        """BERT's vectors of the source tokens at the model's width, ``[B, S, E]``."""
+        states = self.bert(src_tokens)
+        return states if self.bert_proj is None else self.bert_proj(states)
+
+    def forward(self, src_tokens, src_lengths: Optional[Tensor] = None, return_all_hiddens: bool = False,
+                token_embeddings: Optional[Tensor] = None):
+        states = self.bert_states(src_tokens)
+        if self.fusion == "embed":
+            return self.forward_scriptable(src_tokens, src_lengths, return_all_hiddens, states)
+        bert_out, padding_mask = states.transpose(0, 1), src_tokens.eq(self.padding_idx)
+        with bert_inputs(fused_attentions(self.layers), bert_out, padding_mask):
+            out = self.forward_scriptable(src_tokens, src_lengths, return_all_hiddens, token_embeddings)
+        out["bert_out"] = [bert_out]
+        out["bert_padding_mask"] = [padding_mask]
+        return out
+
+    def forward_embedding(self, src_tokens, token_embedding: Optional[Tensor] = None):
+        if self.fusion != "embed":
+            return super().forward_embedding(src_tokens, token_embedding)
+        x = embedded = token_embedding  # BERT's vectors: no scaling, no positions
+        if self.layernorm_embedding is not None:
+            x = self.layernorm_embedding(x)
+        x = self.dropout_module(x)
+        if self.quant_noise is not None:
+            x = self.quant_noise(x)
+        return x, embedded
+
+    def reorder_encoder_out(self, encoder_out: Dict[str, List[Tensor]], new_order):
+        reordered = super().reorder_encoder_out(encoder_out, new_order)
+        if encoder_out.get("bert_out"):
+            reordered["bert_out"] = [encoder_out["bert_out"][0].index_select(1, new_order)]
+            reordered["bert_padding_mask"] = [encoder_out["bert_padding_mask"][0].index_select(0, new_order)]
+        return reordered
+
+    def max_positions(self):
+        return self.max_source_positions
+
+
+class BertFusedDecoder(SDMATransformerDecoder):
+    """fairseq's (SDMA) transformer decoder; in attention fusion each layer also attends to BERT."""
+
+    def build_decoder_layer(self, cfg, no_encoder_attn=False):
+        return _wrap_layer(BertFusedDecoderLayer(cfg, no_encoder_attn), cfg)
+
+    def extract_features(self, prev_output_tokens, encoder_out=None, incremental_state=None,
+                         full_context_alignment: bool = False, alignment_layer: Optional[int] = None,
+                         alignment_heads: Optional[int] = None):
+        modules = fused_attentions(self.layers)
+        if not modules:
+            return super().extract_features(prev_output_tokens, encoder_out, incremental_state,
+                                            full_context_alignment, alignment_layer, alignment_heads)
+        if not encoder_out or not encoder_out.get("bert_out"):
+            raise RuntimeError("the attention-fusion decoder needs encoder_out['bert_out'] from BertFusedEncoder")
+        with bert_inputs(modules, encoder_out["bert_out"][0], encoder_out["bert_padding_mask"][0]):
+            return super().extract_features(prev_output_tokens, encoder_out, incremental_state,
+                                            full_context_alignment, alignment_layer, alignment_heads)
+
+
+# ----------------------------------------------------------------------------- the model
+@register_model("bert_fused_transformer")
+class BertFusedTransformerModel(SDMATransformerModel):
+    """BV-T (``--sdma-mode none``) and BSDMA-T (``--sdma-mode sdma``); see the module docstring."""
+
+    @staticmethod
+    def add_args(parser):
+        SDMATransformerModel.add_args(parser)
+        group = parser.add_argument_group("BERT fusion (BV-T / BSDMA-T)")
+        group.add_argument("--bert-dir", metavar="DIR",
+                           help="local Hugging Face BERT-family directory (config.json, weights, tokenizer); "
+                                f"model_type one of {', '.join(ENCODER_TYPES)}")
+        group.add_argument("--bert-fusion", choices=BERT_FUSIONS,
+                           help="'embed': BERT's vectors replace the source embeddings and positions (the "
+                                "paper); 'attention': Zhu et al.'s extra BERT attention in every layer "
+                                f"(default: {DEFAULT_FUSION})")
+        group.add_argument("--bert-finetune", type=parse_bool, metavar="BOOL",
+                           help="train BERT too (default: false, frozen, not saved in checkpoints)")
+        group.add_argument("--bert-dropnet", type=float, metavar="P",
+                           help="drop-net rate p_net of the attention fusion, in [0, 1] (default: "
+                                f"{DEFAULT_DROPNET}, Zhu et al.)")
+
+    @classmethod
+    def build_model(cls, args, task):
+        if OmegaConf.is_config(args):
+            args = argparse.Namespace(**OmegaConf.to_container(args, resolve=True))
+        bert_fused_base_architecture(args)
+        validate_bert_args(args)
+        model = super().build_model(args, task)
+        log_parameter_counts(model)
+        return model
+
+    @classmethod
+    def build_encoder(cls, args, src_dict, embed_tokens):
+        cfg = TransformerConfig.from_namespace(args)
+        bert = build_bert_context(args.bert_dir, src_dict, args.bert_finetune)
+        return BertFusedEncoder(cfg, src_dict, embed_tokens, bert)
+
+    @classmethod
+    def build_decoder(cls, args, tgt_dict, embed_tokens):
+        cfg = TransformerConfig.from_namespace(args)
+        return BertFusedDecoder(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention)
+
+
+def parameter_counts(model: nn.Module) -> Dict[str, int]:
+    """``trained`` (what the optimiser updates; the paper's count) and ``bert`` (all BERT parameters)."""
+    bert = sum(p.numel() for p in model.encoder.bert.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"trained": trained, "bert": bert, "total": sum(p.numel() for p in model.parameters())}
+
+
+def log_parameter_counts(model: nn.Module) -> None:
+    counts = parameter_counts(model)
+    state = "fine-tuned, counted" if model.encoder.bert.finetune else "frozen, not counted"
+    logger.info(f"bert_fused_transformer: {counts['trained']:,} trained parameters "
+                f"(BERT {counts['bert']:,}, {state})")
+
+
+def validate_bert_args(args) -> None:
+    if args.bert_fusion not in BERT_FUSIONS:
+        raise BertFusedConfigError(f"--bert-fusion={args.bert_fusion!r}: expected one of {', '.join(BERT_FUSIONS)}")
+    try:
+        args.bert_finetune = parse_bool(args.bert_finetune)
+    except ValueError as error:
+        raise BertFusedConfigError(f"--bert-finetune={args.bert_finetune!r}: {error}") from None
+    dropnet = args.bert_dropnet
+    if isinstance(dropnet, bool) or not isinstance(dropnet, (int, float)) or not 0.0 <= dropnet <= 1.0:
+        raise BertFusedConfigError(f"--bert-dropnet={dropnet!r}: the drop-net rate p_net must be in [0, 1]")
+    if getattr(args, "share_all_embeddings", False):
+        raise BertFusedConfigError("--share-all-embeddings cannot be used: the source side is BERT's vocabulary "
+                                   "and the target side the model's own (use --share-decoder-input-output-embed)")
+    validate_sdma_args(args)
+
+
+def _bert_defaults(args) -> None:
+    _set_default(args, "bert_fusion", DEFAULT_FUSION)
+    _set_default(args, "bert_finetune", False)
+    _set_default(args, "bert_dropnet", DEFAULT_DROPNET)
+
+
+def bert_fused_base_architecture(args) -> None:
+    _bert_defaults(args)
+    sdma_base_architecture(args)
+
+
+# architecture -> (Embed, FFN, n_h, SDMA overrides): the base rows of Tables II/III (Table I) and tiny
+BERT_FUSED_ARCHITECTURES = {
+    "bert_fused_transformer": (512, 1024, 4, {}),
+    "bert_fused_transformer_iwslt_de_en": (512, 1024, 4, {}),
+    "bert_fused_transformer_wmt_en_de": (512, 2048, 8, {}),
+    "bert_fused_transformer_tiny": (256, 512, 4, SMALLER_DISENTANGLEMENT),
+}
+
+
+def _register(name, embed, ffn, heads, overrides):
+    def architecture(args):
+        _bert_defaults(args)
+        _table_one(args, embed, ffn, heads, **overrides)
+
+    architecture.__name__ = name
+    architecture.__doc__ = f"Embed {embed}, FFN {ffn}, {heads} heads, 6+6 layers (Table I)"
+    register_model_architecture("bert_fused_transformer", name)(architecture)
+
+
+for _name, _row in BERT_FUSED_ARCHITECTURES.items():
+    _register(_name, *_row)
