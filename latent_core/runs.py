@@ -174,6 +174,12 @@ def model_parameters(log: str) -> int:
     return int(match.group(1).replace(",", "")) if match else -1
 
 
+def trained_parameters(log: str) -> int:
+    """fairseq's ``num. trained`` count (parameters that require gradients); -1 when not logged."""
+    match = re.search(r"num\. (?:shared )?model params: [0-9,]+ \(num\. trained: ([0-9,]+)\)", log)
+    return int(match.group(1).replace(",", "")) if match else -1
+
+
 def generate(data_bin: Path, checkpoint: Path, out_dir: Path, subset: str = "test", beam: int = 5,
              max_tokens: int = 4000, extra: Sequence = (), cpu: bool = True) -> Dict:
     """``fairseq-generate`` with sentencepiece removal; returns hypotheses in corpus order."""

@@ -111,6 +111,10 @@ def attention_modules(model) -> Dict[str, List[torch.nn.Module]]:
         "decoder_self": [getattr(layer, "self_attn", None) for layer in decoder.layers],
         "decoder_cross": [getattr(layer, "encoder_attn", None) for layer in decoder.layers],
     }
+    # bert_fused_transformer's attention fusion: the layer's own attention inside the wrapper
+    # (the extra attentions over BERT's output are not one of the paper's three types)
+    modules = {kind: [getattr(m, "attention", m) if hasattr(m, "bert_attention") else m for m in mods]
+               for kind, mods in modules.items()}
     if all(m is None for m in modules["decoder_cross"]):
         modules["decoder_cross"] = []  # --no-cross-attention
     for kind, mods in modules.items():

