@@ -4,8 +4,8 @@ Used by ``prepare-translation --src-bert-dir DIR`` (:mod:`latent_core.data.trans
 read back by the ``bert_fused_transformer`` model (``user_dir/sdma/bert_fused.py``):
 
 * :func:`load_tokenizer`: the tokenizer of a local Hugging Face directory (never a download);
-* :func:`encode_lines`: raw sentences -> BERT's pieces (WordPiece ``##`` pieces for BERT,
-  byte-level BPE for RoBERTa), space-separated, no special tokens;
+* :func:`encode_pieces`: a batch of raw sentences -> BERT's pieces (WordPiece ``##`` pieces
+  for BERT, byte-level BPE for RoBERTa), space-separated, no special tokens;
 * :func:`write_dictionary`: BERT's vocabulary as a fairseq dictionary file (``--srcdict``), in
   BERT's id order, without fairseq's own four specials (``<s> <pad> </s> <unk>``, which the
   model maps to BERT's CLS/PAD/SEP/UNK);
@@ -16,14 +16,13 @@ read back by the ``bert_fused_transformer`` model (``user_dir/sdma/bert_fused.py
 import json
 import os
 from pathlib import Path
-from typing import Iterable, Iterator, List
+from typing import List, Sequence
 
 from latent_core.errors import PluginConfigError
 
 # position ids start after the padding index (RoBERTa's create_position_ids_from_input_ids)
 PADDING_OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert", "mpnet")
 FAIRSEQ_SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")
-ENCODE_CHUNK = 2_000
 
 
 class BertSourceError(PluginConfigError):
@@ -66,22 +65,10 @@ def load_tokenizer(bert_dir: os.PathLike, option: str = "--src-bert-dir"):
     return tokenizer
 
 
-def _chunks(lines: Iterable[str], size: int) -> Iterator[List[str]]:
-    chunk: List[str] = []
-    for line in lines:
-        chunk.append(line)
-        if len(chunk) == size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
-
-
-def encode_lines(tokenizer, lines: Iterable[str]) -> Iterator[str]:
+def encode_pieces(tokenizer, lines: Sequence[str]) -> List[str]:
     """Each line as BERT's pieces, space-separated (no [CLS]/[SEP]; the model adds them)."""
-    for chunk in _chunks(lines, ENCODE_CHUNK):
-        for ids in tokenizer(chunk, add_special_tokens=False)["input_ids"]:
-            yield " ".join(tokenizer.convert_ids_to_tokens(ids))
+    return [" ".join(tokenizer.convert_ids_to_tokens(ids))
+            for ids in tokenizer(list(lines), add_special_tokens=False)["input_ids"]]
 
 
 def write_dictionary(tokenizer, path: os.PathLike) -> int:

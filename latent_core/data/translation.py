@@ -527,7 +527,8 @@ def prepare(args: argparse.Namespace) -> Path:
         for lang in langs:
             pieces = spm_dir / f"{split}.{lang}.pieces"
             if bert_dir and lang == args.src:
-                write_lines(pieces, bert_source.encode_lines(tokenizer, read_lines(text_dir / f"{split}.{lang}")))
+                chunks = _chunks(read_lines(text_dir / f"{split}.{lang}"), ENCODE_CHUNK)
+                write_lines(pieces, (line for chunk in chunks for line in bert_source.encode_pieces(tokenizer, chunk)))
             else:
                 encode_file(models[lang], text_dir / f"{split}.{lang}", pieces, args.workers)
     policy = "truncate" if getattr(args, "truncate", False) else "skip" if getattr(args, "skip", False) else None

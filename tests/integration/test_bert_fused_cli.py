@@ -95,9 +95,9 @@ def test_generate_reloads_bert_from_the_saved_dir_or_an_override(bert_bin, train
 
 
 def test_ddp_two_cpu_processes_embed_fusion(bert_bin, tmp_path):
-    """fairseq's DistributedDataParallel (pytorch_ddp, gloo) on two processes == one process with
-    --update-freq 2; pytorch_ddp also fails on any parameter without a gradient (a frozen BERT has none
-    to give, an unused source embedding would)."""
+    """fairseq DDP (gloo, 2 processes; legacy_ddp, fairseq's DDP on CPU) == one process with --update-freq 2.
+    That no trained parameter is ever left without a gradient (what pytorch_ddp on GPUs would refuse) is
+    tests/unit/user_dir/test_bert_fused.py::test_every_trained_parameter_gets_a_gradient_in_every_step."""
     common = ["--max-update", 2, "--dropout", 0, "--sdma-noise-var", 0, "--disable-validation",
               "--max-tokens", 600]
     single = tmp_path / "single"
@@ -108,7 +108,7 @@ def test_ddp_two_cpu_processes_embed_fusion(bert_bin, tmp_path):
         [str(c) for c in train_cmd(bert_bin, ddp, *common, "--distributed-world-size", 2, "--distributed-rank",
                                    rank, "--distributed-no-spawn", "--distributed-init-method",
                                    f"tcp://127.0.0.1:{port}", "--distributed-backend", "gloo",
-                                   "--ddp-backend", "pytorch_ddp")],
+                                   "--ddp-backend", "legacy_ddp")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
     outs = [p.communicate(timeout=900)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]

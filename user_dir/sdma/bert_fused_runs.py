@@ -25,6 +25,7 @@ fairseq's ``transformer``) so that all four share one criterion and one code pat
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Dict, List
 
@@ -40,6 +41,7 @@ from latent_core.runs import (
     sacrebleu_score,
     segment_words_per_second,
     stage,
+    train_words_per_second,
     trained_parameters,
     write_json,
 )
@@ -105,7 +107,8 @@ def train(system: str, data_bin: Path, save_dir: Path, model_args: List[str], up
     log_path = save_dir / "train.log"
     cmd = [console_script("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--task", "translation",
            *model_args, *MODEL_SIZE, *OPTIMIZATION, "--seed", seed, "--cpu", "--save-dir", save_dir,
-           "--no-epoch-checkpoints", "--log-format", "simple", "--log-interval", "25", "--no-progress-bar",
+           "--no-epoch-checkpoints", "--log-format", "simple", "--log-interval", max(1, min(25, updates // 4)),
+           "--no-progress-bar",
            "--max-update", updates, "--max-epoch", "1000"]
     stage(f"{system}: fairseq-train to {updates} updates -> {save_dir} (log {log_path})")
     run = run_streaming(cmd, log_path, echo_filter=r"train_inner|\| valid \||num\. (shared )?model params")
@@ -113,8 +116,10 @@ def train(system: str, data_bin: Path, save_dir: Path, model_args: List[str], up
     if reached != updates:
         raise SystemExit(f"{log_path}: training stopped at update {reached}, expected {updates} (a checkpoint "
                          f"with more updates in {save_dir}? remove it or raise --updates)")
-    measured = {"train_wps": segment_words_per_second(run["log"], start_update=resumed_update(run["log"]))[
-                    "words_per_second"],
+    wps = segment_words_per_second(run["log"], start_update=resumed_update(run["log"]))["words_per_second"]
+    if math.isnan(wps):  # too few logged intervals: fairseq's epoch summary
+        wps = train_words_per_second(run["log"])
+    measured = {"train_wps": wps,
                 "trained_params": trained_parameters(run["log"]), "train_seconds": run["seconds"]}
     write_json(done_path, {"updates": updates, "model_args": model_args, "measured": measured})
     return measured
