@@ -44,7 +44,9 @@ refused: the model's ``max_positions()`` says so to fairseq, which stops with it
 
 import argparse
 import contextlib
+import hashlib
 import logging
+import struct
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -133,11 +135,13 @@ def bert_token_ids(dictionary, tokenizer, bert_dir: str, dict_name: str = "the s
 
 
 def _fingerprint(module: nn.Module) -> Tensor:
-    """(number, sum, sum of squares) of a module's parameters, float64: which weights were used."""
-    values = [p.detach().double() for p in module.parameters()]
-    return torch.stack([
-        torch.tensor(float(sum(v.numel() for v in values)), dtype=torch.float64),
-        sum(v.sum() for v in values), sum(v.pow(2).sum() for v in values)])
+    """SHA-256 of a module's float32 parameters (names and values) as four int64: which weights
+    were used. Integer, so ``model.half()`` (fairseq's --fp16) leaves it as it is."""
+    digest = hashlib.sha256()
+    for name, parameter in module.named_parameters():
+        digest.update(name.encode())
+        digest.update(parameter.detach().float().cpu().contiguous().numpy().tobytes())
+    return torch.tensor(struct.unpack("<4q", digest.digest()), dtype=torch.long)
 
 
 class BertContext(nn.Module):
@@ -206,11 +210,10 @@ def _restore_frozen_weights(context: "BertContext", state_dict, prefix, local_me
     has_weights = any(key.startswith(prefix + "bert.") for key in state_dict)
     if has_weights:
         return
-    if saved is not None and not torch.allclose(saved.double(), context.bert_fingerprint, rtol=1e-6, atol=1e-6):
+    if saved is not None and not torch.equal(saved.cpu(), context.bert_fingerprint.cpu()):
         raise BertFusedConfigError(
             f"--bert-dir {context.bert_dir}: these BERT weights differ from the ones the checkpoint was trained "
-            f"with (parameter fingerprint {context.bert_fingerprint.tolist()} vs {saved.double().tolist()}); "
-            + MOVED_HINT)
+            f"with (their SHA-256 fingerprints differ); " + MOVED_HINT)
     for key, value in context.bert.state_dict().items():
         state_dict[prefix + "bert." + key] = value
 

@@ -267,6 +267,16 @@ def test_other_bert_weights_are_refused_when_loading(tmp_path, bert_dir):
         wrong.load_state_dict(model.state_dict())
 
 
+def test_a_checkpoint_of_an_fp16_model_reloads(tmp_path, bert_dir):
+    """fairseq --fp16 halves every float buffer: the BERT fingerprint is an integer and survives it."""
+    model, _, _ = build(tmp_path, bert_dir)
+    fingerprint = model.encoder.bert.bert_fingerprint.clone()
+    state = model.half().state_dict()
+    assert torch.equal(state["encoder.bert.bert_fingerprint"], fingerprint)
+    fresh, _, _ = build(tmp_path / "fresh", bert_dir)
+    fresh.load_state_dict(state, strict=True)
+
+
 # ----------------------------------------------------------------------------- bad input
 def test_a_directory_that_is_not_bert_is_refused(tmp_path, bert_dir):
     gpt = tmp_path / "gpt"
