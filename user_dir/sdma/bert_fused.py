@@ -74,8 +74,6 @@ from .model import (
     _table_one,
     _wrap_layer,
     sdma_options,
-    sdma_base_architecture,
-    validate_sdma_args,
 )
 
 logger = logging.getLogger(__name__)
@@ -105,7 +103,7 @@ MOVED_HINT = ("a checkpoint keeps the path it was trained with; point fairseq-ge
               "--model-overrides \"{'bert_dir': 'DIR'}\"")
 
 
-def bert_token_ids(dictionary, tokenizer, bert_dir: str, dict_name: str = "the source dictionary") -> Tensor:
+def bert_token_ids(dictionary, tokenizer, bert_dir: str) -> Tensor:
     """BERT's id of every fairseq dictionary index, ``[len(dictionary)]``.
 
     fairseq's ``<s>``, ``</s>``, ``<pad>``, ``<unk>`` become the tokenizer's CLS, SEP, PAD
@@ -129,7 +127,7 @@ def bert_token_ids(dictionary, tokenizer, bert_dir: str, dict_name: str = "the s
     if unknown:
         raise BertFusedConfigError(
             f"--bert-dir {bert_dir}: {len(unknown)} of the {len(dictionary) - dictionary.nspecial} symbols of "
-            f"{dict_name} are not tokens of this BERT's vocabulary (e.g. {unknown[:5]}): the source side was "
+            f"the source dictionary are not tokens of this BERT's vocabulary (e.g. {unknown[:5]}): the source side was "
             f"binarised with another tokenizer; prepare it with prepare-translation --src-bert-dir {bert_dir}")
     return ids
 
@@ -312,32 +310,28 @@ class BertFusedAttention(nn.Module):
         return f"p_net={self.p_net}"
 
 
-def build_bert_attention(layer, cfg, embed_dim: int, heads: int, side: str) -> nn.Module:
-    """The attention over BERT's output of one layer: SDMA unless ``--sdma-mode none``."""
+def fuse_with_bert(layer, attention: nn.Module, cfg, embed_dim: int, side: str) -> nn.Module:
+    """``attention`` as it is (embed fusion), or wrapped with an attention over BERT's output
+    (attention fusion): SDMA unless ``--sdma-mode none``."""
+    if cfg.bert_fusion != "attention":
+        return attention
+    heads = getattr(cfg, side).attention_heads
+    common = dict(kdim=embed_dim, vdim=embed_dim, encoder_decoder_attention=True, **_attention_kwargs(layer, cfg))
     if cfg.sdma_mode == "none":
-        return MultiheadAttention(embed_dim, heads, kdim=embed_dim, vdim=embed_dim,
-                                  encoder_decoder_attention=True, **_attention_kwargs(layer, cfg))
-    return SDMAMultiheadAttention(embed_dim, heads, kdim=embed_dim, vdim=embed_dim,
-                                  encoder_decoder_attention=True, sdma=sdma_options(cfg, side),
-                                  group=f"{side}_bert", **_attention_kwargs(layer, cfg))
+        bert = MultiheadAttention(embed_dim, heads, **common)
+    else:
+        bert = SDMAMultiheadAttention(embed_dim, heads, sdma=sdma_options(cfg, side), group=f"{side}_bert", **common)
+    return BertFusedAttention(attention, bert, cfg.bert_dropnet)
 
 
 class BertFusedEncoderLayer(SDMAEncoderLayer):
     def build_self_attention(self, embed_dim, cfg):
-        attention = super().build_self_attention(embed_dim, cfg)
-        if cfg.bert_fusion != "attention":
-            return attention
-        bert = build_bert_attention(self, cfg, embed_dim, cfg.encoder.attention_heads, "encoder")
-        return BertFusedAttention(attention, bert, cfg.bert_dropnet)
+        return fuse_with_bert(self, super().build_self_attention(embed_dim, cfg), cfg, embed_dim, "encoder")
 
 
 class BertFusedDecoderLayer(SDMADecoderLayer):
     def build_encoder_attention(self, embed_dim, cfg):
-        attention = super().build_encoder_attention(embed_dim, cfg)
-        if cfg.bert_fusion != "attention":
-            return attention
-        bert = build_bert_attention(self, cfg, embed_dim, cfg.decoder.attention_heads, "decoder")
-        return BertFusedAttention(attention, bert, cfg.bert_dropnet)
+        return fuse_with_bert(self, super().build_encoder_attention(embed_dim, cfg), cfg, embed_dim, "decoder")
 
 
 def fused_attentions(layers) -> List[BertFusedAttention]:
@@ -372,6 +366,7 @@ class BertFusedEncoder(SDMATransformerEncoder):
             # BERT replaces the source embedding and the positional encoding (no unused parameters)
             self.embed_tokens = None
             self.embed_positions = None
+        self.fused = fused_attentions(self.layers)  # found once, not in every forward
 
     def build_encoder_layer(self, cfg):
         return _wrap_layer(BertFusedEncoderLayer(cfg, return_fc=self.return_fc), cfg)
@@ -387,7 +382,7 @@ class BertFusedEncoder(SDMATransformerEncoder):
         if self.fusion == "embed":
             return self.forward_scriptable(src_tokens, src_lengths, return_all_hiddens, states)
         bert_out, padding_mask = states.transpose(0, 1), src_tokens.eq(self.padding_idx)
-        with bert_inputs(fused_attentions(self.layers), bert_out, padding_mask):
+        with bert_inputs(self.fused, bert_out, padding_mask):
             out = self.forward_scriptable(src_tokens, src_lengths, return_all_hiddens, token_embeddings)
         out["bert_out"] = [bert_out]
         out["bert_padding_mask"] = [padding_mask]
@@ -421,10 +416,14 @@ class BertFusedDecoder(SDMATransformerDecoder):
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
         return _wrap_layer(BertFusedDecoderLayer(cfg, no_encoder_attn), cfg)
 
+    def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn=False):
+        super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn)
+        self.fused = fused_attentions(self.layers)  # found once, not in every step
+
     def extract_features(self, prev_output_tokens, encoder_out=None, incremental_state=None,
                          full_context_alignment: bool = False, alignment_layer: Optional[int] = None,
                          alignment_heads: Optional[int] = None):
-        modules = fused_attentions(self.layers)
+        modules = self.fused
         if not modules:
             return super().extract_features(prev_output_tokens, encoder_out, incremental_state,
                                             full_context_alignment, alignment_layer, alignment_heads)
@@ -461,9 +460,9 @@ class BertFusedTransformerModel(SDMATransformerModel):
     def build_model(cls, args, task):
         if OmegaConf.is_config(args):
             args = argparse.Namespace(**OmegaConf.to_container(args, resolve=True))
-        bert_fused_base_architecture(args)
+        _bert_defaults(args)
         validate_bert_args(args)
-        model = super().build_model(args, task)
+        model = super().build_model(args, task)  # SDMA defaults and checks
         log_parameter_counts(model)
         return model
 
@@ -506,18 +505,12 @@ def validate_bert_args(args) -> None:
     if getattr(args, "share_all_embeddings", False):
         raise BertFusedConfigError("--share-all-embeddings cannot be used: the source side is BERT's vocabulary "
                                    "and the target side the model's own (use --share-decoder-input-output-embed)")
-    validate_sdma_args(args)
 
 
 def _bert_defaults(args) -> None:
     _set_default(args, "bert_fusion", DEFAULT_FUSION)
     _set_default(args, "bert_finetune", False)
     _set_default(args, "bert_dropnet", DEFAULT_DROPNET)
-
-
-def bert_fused_base_architecture(args) -> None:
-    _bert_defaults(args)
-    sdma_base_architecture(args)
 
 
 # architecture -> (Embed, FFN, n_h, SDMA overrides): the base rows of Tables II/III (Table I) and tiny

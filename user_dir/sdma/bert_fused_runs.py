@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from latent_core.data import ding, translation
+from latent_core.redundancy import ATTENTION_TYPES
 from latent_core.runs import (
     USER_DIR,
     console_script,
@@ -45,24 +46,14 @@ from latent_core.runs import (
     trained_parameters,
     write_json,
 )
+from . import quickstart
 
 SYSTEMS = ("V-T", "SDMA-T", "BV-T", "BSDMA-T")
 SRC, TGT = "en", "de"
-# The size of the demo (quickstart.MODEL_SIZE): Table I's tiny width, 2+2 layers; no shared
+# The demo's size and optimisation (quickstart.py: Table I's tiny width, 2+2 layers), without shared
 # source/target embeddings (BERT's vocabulary is the source side of the BERT-fused rows).
-MODEL_SIZE = [
-    "--encoder-layers", "2", "--decoder-layers", "2",
-    "--encoder-embed-dim", "256", "--decoder-embed-dim", "256",
-    "--encoder-ffn-embed-dim", "512", "--decoder-ffn-embed-dim", "512",
-    "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
-    "--share-decoder-input-output-embed",
-]
-OPTIMIZATION = [
-    "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", "2e-3",
-    "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "400", "--weight-decay", "1e-4",
-    "--dropout", "0.1", "--label-smoothing", "0.1", "--max-tokens", "4096",
-    "--criterion", "sdma_label_smoothed_cross_entropy",
-]
+MODEL_SIZE = [a for a in quickstart.MODEL_SIZE if a != "--share-all-embeddings"] + ["--share-decoder-input-output-embed"]
+OPTIMIZATION = [*quickstart.OPTIMIZATION, "--criterion", "sdma_label_smoothed_cross_entropy"]
 
 
 def system_arguments(system: str, bert_dir: str, fusion: str) -> List[str]:
@@ -136,11 +127,10 @@ def evaluate(system: str, data_bin: Path, save_dir: Path, references: List[str],
     stage(f"{system}: LR/HR of the three attention types on the first {max_sentences} test sentences")
     redundancy = attention_redundancy(str(checkpoint), data=str(data_bin), subset="test",
                                       max_sentences=max_sentences, device="cpu", user_dir=str(USER_DIR))
-    kinds = ("encoder_self", "decoder_self", "decoder_cross")
     return {
         "bleu": bleu,
-        "lr": {kind: redundancy[kind]["LR"] for kind in kinds},
-        "hr": {kind: redundancy[kind]["HR"] for kind in kinds},
+        "lr": {kind: redundancy[kind]["LR"] for kind in ATTENTION_TYPES},
+        "hr": {kind: redundancy[kind]["HR"] for kind in ATTENTION_TYPES},
         "redundancy_sentences": redundancy["sentences"],
         "test_sentences": len(references),
         "generate_sentences_per_second": result["sentences_per_second"],
