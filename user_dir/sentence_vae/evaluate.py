@@ -16,11 +16,15 @@ Reported (nats; "per sentence" = averaged over sentences):
 
 * ``iw_ppl`` = exp(-sum_x L_k(x) / N_tok), N_tok = target tokens incl. EOS (fairseq's ntokens);
 * ``elbo_ppl`` = exp(-sum_x ELBO(x) / N_tok) (>= iw_ppl in expectation);
+* ``iw_ppl_word`` / ``elbo_ppl_word``: the same per word, N_word = whitespace words of the
+  detokenised target + 1 (end of sentence), for tasks whose tokens are not words
+  (``optimus_lm``: GPT-2 BPE; the perplexities of Optimus' Tables 1 and 8-11 are per word);
 * ``nll`` = -mean L_k(x); ``elbo`` = mean ELBO(x); ``rec`` = mean -log p(x|z), z ~ q(z|x);
 * ``kl`` / ``kl_<latent>`` = mean KL(q(z|x) || N(0, I)), all latents / one latent;
 * ``mi`` / ``mi_<latent>``: I_q(x, z) of the joint / of one latent;
 * ``au`` / ``au_<latent>``: active units, total / of one latent;
-* ``rec_bleu``: corpus BLEU (sacrebleu, ``tokenize="none"`` on the data's own tokens) of greedy
+* ``rec_bleu``: corpus BLEU (sacrebleu; ``tokenize="none"`` on the data's own tokens for
+  ``sentence_vae``, sacreBLEU's ``13a`` on detokenised text for ``optimus_lm``) of greedy
   reconstructions decoded from the posterior means against the input sentences (skipped with
   ``--no-bleu``);
 * ``iw_seconds_per_sentence``: wall time of the IW estimate per sentence (with k, chunk size
@@ -149,9 +153,10 @@ def evaluate_split(model, task, subset: str = "test", k: int = 100, chunk_size: 
     pad = task.target_dictionary.pad()
     latents = list(model.latent_sizes)
     iw_sum, elbo_sum, rec_sum, num_tokens, num_sentences, iw_seconds = 0.0, 0.0, 0.0, 0, 0, 0.0
+    num_words = 0  # stays 0 when the task has no word unit (target_word_count -> None)
     kl_sums = {name: 0.0 for name in latents}
     # per sentence, for standard errors and the bootstrap interval of the perplexity
-    per_sentence: Dict[str, List[torch.Tensor]] = {"log_px": [], "elbo": [], "kl": [], "tokens": []}
+    per_sentence: Dict[str, List[torch.Tensor]] = {"log_px": [], "elbo": [], "kl": [], "tokens": [], "words": []}
     means: Dict[str, List[torch.Tensor]] = {name: [] for name in latents}
     logvars: Dict[str, List[torch.Tensor]] = {name: [] for name in latents}
     references: List[str] = []
@@ -186,26 +191,35 @@ def evaluate_split(model, task, subset: str = "test", k: int = 100, chunk_size: 
         num_sentences += int(sample["target"].size(0))
         if bleu:
             hypotheses += greedy.reconstruct_batch(net_input["src_tokens"], net_input["src_lengths"])
-            references += [task.target_dictionary.string(utils.strip_pad(t, pad).int().cpu())
-                           for t in sample["target"]]
+            references += [task.target_text(utils.strip_pad(t, pad).int().cpu()) for t in sample["target"]]
+        words = [task.target_word_count(utils.strip_pad(t, pad).cpu()) for t in sample["target"]]
+        if None not in words:
+            num_words += sum(words)
+            per_sentence["words"].append(torch.tensor(words, dtype=torch.float64))
     if num_sentences < 2:
         raise ValueError(f"split {subset!r} has {num_sentences} sentence(s); MI and AU need at least 2")
 
     results = OrderedDict()
     results["iw_ppl"] = perplexity(iw_sum, num_tokens)
     results["elbo_ppl"] = perplexity(elbo_sum, num_tokens)
+    if num_words:
+        results["iw_ppl_word"] = perplexity(iw_sum, num_words)
+        results["elbo_ppl_word"] = perplexity(elbo_sum, num_words)
     results["nll"] = -iw_sum / num_sentences
     results["elbo"] = elbo_sum / num_sentences
     results["rec"] = rec_sum / num_sentences
     results["kl"] = sum(kl_sums.values()) / num_sentences
     mean_all = {name: torch.cat(means[name]) for name in latents}
     logvar_all = {name: torch.cat(logvars[name]) for name in latents}
-    stats = {name: torch.cat(values) for name, values in per_sentence.items()}
+    stats = {name: torch.cat(values) for name, values in per_sentence.items() if values}
     results["nll_se"] = standard_error(stats["log_px"])
     results["elbo_se"] = standard_error(stats["elbo"])
     results["kl_se"] = standard_error(stats["kl"])
     low, high = bootstrap_perplexity_interval(stats["log_px"], stats["tokens"], seed=seed)
     results["iw_ppl_ci95_low"], results["iw_ppl_ci95_high"] = low, high
+    if num_words:
+        low, high = bootstrap_perplexity_interval(stats["log_px"], stats["words"], seed=seed)
+        results["iw_ppl_word_ci95_low"], results["iw_ppl_word_ci95_high"] = low, high
     mi_generator = torch.Generator().manual_seed(seed)
     mi = mutual_information(torch.cat([mean_all[n] for n in latents], -1),
                             torch.cat([logvar_all[n] for n in latents], -1),
@@ -222,16 +236,18 @@ def evaluate_split(model, task, subset: str = "test", k: int = 100, chunk_size: 
     if bleu:
         import sacrebleu
 
-        results["rec_bleu"] = sacrebleu.corpus_bleu(hypotheses, [references], tokenize="none").score
+        results["rec_bleu"] = sacrebleu.corpus_bleu(hypotheses, [references], tokenize=task.bleu_tokenize).score
     results["num_sentences"] = num_sentences
     results["num_tokens"] = num_tokens
+    if num_words:
+        results["num_words"] = num_words
     results["k"] = k
     results["chunk_size"] = chunk_size
     results["batch_size"] = batch_size
     results["mi_samples"] = mi_samples
     results["mi_max_log_n"] = mi.log_n
     results["iw_seconds_per_sentence"] = iw_seconds / num_sentences
-    results["estimators"] = estimators(k, mi_samples, num_sentences)
+    results["estimators"] = estimators(k, mi_samples, num_sentences, bool(num_words), task.bleu_tokenize)
     return results
 
 
@@ -246,9 +262,10 @@ def bootstrap_perplexity_interval(log_px: torch.Tensor, tokens: torch.Tensor, re
     return float(np.percentile(values, tail)), float(np.percentile(values, 100 - tail))
 
 
-def estimators(k: int, mi_samples: int, num_sentences: int) -> Dict[str, str]:
+def estimators(k: int, mi_samples: int, num_sentences: int, per_word: bool = False,
+               bleu_tokenize: str = "none") -> Dict[str, str]:
     """What each reported number estimates and from how many samples (written to the JSON)."""
-    return {
+    described = {
         "iw_ppl": f"importance-weighted bound L_k, k={k} samples of q(z|x) per sentence (Burda et al.; "
                   f"Optimus eq. 15), {num_sentences} sentences; 95% interval: percentile bootstrap over "
                   "sentences, 1,000 resamples",
@@ -259,13 +276,22 @@ def estimators(k: int, mi_samples: int, num_sentences: int) -> Dict[str, str]:
               "(e.g. the papers') do not compare",
         "au": "Cov_x(E_q[z]) per dimension (unbiased) >= threshold, over the evaluated sentences",
         "standard_errors": "*_se: std over sentences / sqrt(N)",
+        "ppl_unit": "iw_ppl/elbo_ppl: per target token incl. the end token (fairseq's ntokens)"
+                    + ("; *_ppl_word: per word = whitespace words of the detokenised target + 1 for the end "
+                       "of the sentence (the LSTM-VAE literature's unit, Optimus Tables 1, 8-11)" if per_word else ""),
+        "rec_bleu": f"sacreBLEU corpus BLEU, tokenize={bleu_tokenize!r}, greedy reconstructions from the "
+                    "posterior means",
     }
+    return described
 
 
 # ----------------------------------------------------------------------------- CLI
 DESCRIPTIONS = OrderedDict([
     ("iw_ppl", "perplexity of the IW bound, exp(-sum L_k / tokens)"),
     ("elbo_ppl", "perplexity of the ELBO, exp(-sum ELBO / tokens)"),
+    ("iw_ppl_word", "perplexity of the IW bound per word, exp(-sum L_k / words)"),
+    ("elbo_ppl_word", "perplexity of the ELBO per word, exp(-sum ELBO / words)"),
+    ("num_words", "words of the evaluated targets (whitespace words + 1 end token each)"),
     ("nll", "-L_k per sentence (nats)"),
     ("elbo", "ELBO per sentence (nats)"),
     ("rec", "reconstruction NLL per sentence (nats)"),
@@ -286,6 +312,8 @@ def describe(key: str) -> str:
         return "standard error of the MI estimate" + (f", latent {latent}" if latent else "")
     if key.endswith("_se") and key[:-3] in DESCRIPTIONS:
         return f"standard error of: {DESCRIPTIONS[key[:-3]]}"
+    if key.startswith("iw_ppl_word_ci95"):
+        return "95% bootstrap interval of iw_ppl_word over sentences"
     if key.startswith("iw_ppl_ci95"):
         return "95% bootstrap interval of iw_ppl over sentences"
     if key == "mi_max_log_n":

@@ -18,11 +18,14 @@ sampling (``--sampling``, restricted with ``--sampling-topk K`` or ``--sampling-
 ``src_tokens`` (see :mod:`user_dir.sentence_vae.base`); ``reconstruct`` passes the sentences
 themselves as ``src_tokens`` (the encoder then returns the posterior means).
 
-Input and output text: sentences are split on whitespace and mapped with the checkpoint's
-dictionary (``dict.txt``), so they must be tokenised exactly like the text given to
-``fairseq-preprocess`` (same tokenizer, lower-casing and BPE); out-of-vocabulary words become
-``<unk>`` and are reported on stderr. Outputs are the dictionary's tokens joined by spaces;
-``--post-process`` (e.g. ``subword_nmt``, ``sentencepiece``) removes a BPE of the output.
+Input and output text (the task's ``source_ids`` / ``target_text``): for ``sentence_vae``
+checkpoints sentences are split on whitespace and mapped with the checkpoint's dictionary
+(``dict.txt``), so they must be tokenised exactly like the text given to ``fairseq-preprocess``
+(same tokenizer, lower-casing and BPE); out-of-vocabulary words become ``<unk>`` and are
+reported on stderr. Outputs are the dictionary's tokens joined by spaces; ``--post-process``
+(e.g. ``subword_nmt``, ``sentencepiece``) removes a BPE of the output. For ``optimus_lm``
+checkpoints input is raw text (BERT's tokenizer, saved with the data) and output is GPT-2's
+detokenised text.
 """
 
 import argparse
@@ -88,7 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         description="Decode from a sentence VAE's latent space with fairseq's SequenceGenerator. "
-                    "Input sentences must be tokenised like the training data (split on whitespace)."
+                    "Input sentences must be tokenised like the training data (split on whitespace; "
+                    "with --task optimus_lm checkpoints: raw text, tokenised by BERT's tokenizer and "
+                    "detokenised by GPT-2's)."
     )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("reconstruct", parents=[common], help="decode sentences from their posterior means")

@@ -189,6 +189,21 @@ class SentenceVAETask(FairseqTask):
     def max_positions(self):
         return (self.cfg.max_positions, self.cfg.max_positions)
 
+    # ------------------------------------------------ text <-> tokens (the tools' hooks)
+    bleu_tokenize = "none"  # reconstruction BLEU on the data's own tokens
+
+    def source_ids(self, sentence: str) -> torch.Tensor:
+        """A whitespace-tokenised sentence -> source ids + EOS ``[L + 1]`` (unknown words: ``<unk>``)."""
+        return self.source_dictionary.encode_line(sentence, add_if_not_exist=False, append_eos=True).long()
+
+    def target_text(self, tokens: torch.Tensor, post_process: Optional[str] = None) -> str:
+        """Target ids -> the dictionary's tokens joined by spaces (``post_process`` removes a BPE)."""
+        return self.target_dictionary.string(tokens.int().cpu(), bpe_symbol=post_process)
+
+    def target_word_count(self, tokens: torch.Tensor) -> Optional[int]:
+        """Words of a target for a per-word perplexity; ``None``: the data's tokens are the unit."""
+        return None
+
     @property
     def source_dictionary(self):
         return self.dictionary

