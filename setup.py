@@ -48,6 +48,7 @@ setup(
             "vae-generate = user_dir.sentence_vae.generate:cli_main",
             "vae-bench = user_dir.sentence_vae.bench:main",
             "qkvae-probe = user_dir.qkvae.probe:main",
+            "optimus-lambda-sweep = user_dir.optimus.lambda_sweep:main",
             "glue-predict = user_dir.hf_sentence.predict:main",
             "hans-eval = user_dir.hf_sentence.hans:main",
             "topic-report = user_dir.topic_vq.report:main",

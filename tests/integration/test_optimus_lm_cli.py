@@ -79,3 +79,23 @@ def test_vae_generate_reads_and_writes_plain_text(trained):
         lines = proc.stdout.splitlines()
         assert lines, (command, proc.stderr[-1000:])
         assert not any("\u0120" in line or "<s>" in line for line in lines), lines  # detokenised by GPT-2
+
+
+def test_lambda_sweep_fine_tunes_from_the_checkpoint_evaluates_and_resumes(trained, tmp_path):
+    out = tmp_path / "sweep"
+    cmd = [venv_bin("optimus-lambda-sweep"), "--data", trained["data"], "--pretrained", trained["ckpt"],
+           "--out-dir", out, "--lambdas", "0", "0.5", "--epochs", "0.1", "--k", "2", "--mi-samples", "1",
+           "--max-eval-sentences", "10", "--log-interval", "1", "--cpu"]
+    first = run_checked(cmd, timeout=900)
+    table = json.loads((out / "lambda_sweep.json").read_text())
+    assert set(table) == {"0", "0.5"}
+    for key, entry in table.items():
+        assert {"iw_ppl", "elbo_ppl", "kl", "mi", "au"} <= set(entry)
+        assert entry["updates"] == 2  # ceil(0.1 x 300 train sentences / 16)
+        assert entry["iw_ppl"] > entry["iw_ppl_token"] > 1  # per word: fewer units than BPE tokens
+        log = (out / f"lambda_{key}" / "train.log").read_text()
+        assert f"kl_threshold='{float(key)}'" in log and "kl_variant='hinge'" in log
+        assert "Loaded checkpoint" in log and str(trained["ckpt"]) in log  # restored from the pre-trained model
+    assert "Optimus lambda sweep" in first.stdout
+    second = run_checked(cmd, timeout=300)
+    assert second.stdout.count("reusing the finished run") == 2
