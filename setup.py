@@ -49,6 +49,7 @@ setup(
             "vae-bench = user_dir.sentence_vae.bench:main",
             "qkvae-probe = user_dir.qkvae.probe:main",
             "optimus-lambda-sweep = user_dir.optimus.lambda_sweep:main",
+            "optimus-low-resource = user_dir.optimus.low_resource:main",
             "glue-predict = user_dir.hf_sentence.predict:main",
             "hans-eval = user_dir.hf_sentence.hans:main",
             "topic-report = user_dir.topic_vq.report:main",

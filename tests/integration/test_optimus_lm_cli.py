@@ -4,6 +4,7 @@
 
 import json
 import re
+import subprocess
 
 import pytest
 
@@ -99,3 +100,30 @@ def test_lambda_sweep_fine_tunes_from_the_checkpoint_evaluates_and_resumes(train
     assert "Optimus lambda sweep" in first.stdout
     second = run_checked(cmd, timeout=300)
     assert second.stdout.count("reusing the finished run") == 2
+
+
+def test_low_resource_curve_and_tsne_of_optimus_and_its_bert(trained, minilm, tmp_path):
+    labelled = tmp_path / "labelled"
+    labelled.mkdir()
+    for split, part in (("train", trained["lines"][:40]), ("test", trained["lines"][330:])):
+        rows = [f"{line}\t{int(len(line.split()) > 5)}" for line in part]  # a real, learnable property
+        (labelled / f"{split}.tsv").write_text("sentence\tlabel\n" + "\n".join(rows) + "\n")
+    out = tmp_path / "low_resource.json"
+    png = tmp_path / "tsne.png"
+    proc = run_checked([venv_bin("optimus-low-resource"), "--checkpoint", trained["ckpt"], "--optimus-data",
+                        trained["data"], "--bert-dir", minilm, "--data-dir", labelled, "--labels-per-class", "1", "3",
+                        "--trials", "2", "--finetune-trials", "1", "--finetune-max-updates", "2", "--out", out,
+                        "--tsne", png], timeout=900)
+    table = json.loads(out.read_text())
+    assert set(table) == {"optimus_z", "optimus_cls", "bert_cls", "optimus_finetune", "bert_finetune"}
+    for system, by_n in table.items():
+        assert set(by_n) == {"1", "3"} and all(0.0 <= a <= 1.0 for a in by_n.values()), (system, by_n)
+    details = json.loads((tmp_path / "low_resource_details.json").read_text())
+    assert len(details["per_trial"]["bert_cls"]["3"]) == 2 and details["test_sentences"] == 30
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "optimus_z" in proc.stdout
+    bad = subprocess.run([venv_bin("optimus-low-resource"), "--checkpoint", str(trained["ckpt"]), "--optimus-data",
+                          str(trained["data"]), "--bert-dir", minilm, "--data-dir", str(labelled),
+                          "--labels-per-class", "500", "--finetune-trials", "0", "--out", str(tmp_path / "x.json")],
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "--labels-per-class 500: class" in bad.stderr

@@ -238,3 +238,28 @@ def test_evaluation_reports_per_token_and_per_word_perplexity_of_one_bound(corpu
     assert results["iw_ppl_word_ci95_low"] <= results["iw_ppl_word"] <= results["iw_ppl_word_ci95_high"]
     assert "13a" in results["estimators"]["rec_bleu"] and "per word" in results["estimators"]["ppl_unit"]
     assert 0.0 <= results["rec_bleu"] <= 100.0
+
+
+# ------------------------------------------------------------------------ low-resource helpers
+def test_labelled_draws_and_the_feature_classifier(tmp_path):
+    from latent_core.vae import VAEConfigError
+    from user_dir.optimus.low_resource import feature_based_accuracy, read_labelled, sample_per_class
+
+    labels = ["0"] * 30 + ["1"] * 20
+    rows = sample_per_class(labels, 5, seed=3)
+    assert len(rows) == 10 and len(set(rows)) == 10
+    assert sorted(labels[i] for i in rows) == ["0"] * 5 + ["1"] * 5
+    assert rows == sample_per_class(labels, 5, seed=3) and rows != sample_per_class(labels, 5, seed=4)
+    with pytest.raises(VAEConfigError, match="class '1' has only 20"):
+        sample_per_class(labels, 21, seed=0)
+    rng = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 4, generator=rng).numpy()
+    x[:30, 0] += 4.0  # separable along the first feature
+    assert feature_based_accuracy(x[rows], [labels[i] for i in rows], x, labels) >= 0.95
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("text\tlabel\na b\t1\n")
+    with pytest.raises(VAEConfigError, match=r"bad\.tsv:1: expected the header"):
+        read_labelled(bad)
+    bad.write_text("sentence\tlabel\na b\t1\nno label here\n")
+    with pytest.raises(VAEConfigError, match=r"bad\.tsv:3: expected"):
+        read_labelled(bad)
