@@ -50,6 +50,7 @@ setup(
             "qkvae-probe = user_dir.qkvae.probe:main",
             "optimus-lambda-sweep = user_dir.optimus.lambda_sweep:main",
             "optimus-low-resource = user_dir.optimus.low_resource:main",
+            "optimus-cond-gen = user_dir.optimus.conditional_generation:main",
             "glue-predict = user_dir.hf_sentence.predict:main",
             "hans-eval = user_dir.hf_sentence.hans:main",
             "topic-report = user_dir.topic_vq.report:main",

@@ -127,3 +127,22 @@ def test_low_resource_curve_and_tsne_of_optimus_and_its_bert(trained, minilm, tm
                           "--labels-per-class", "500", "--finetune-trials", "0", "--out", str(tmp_path / "x.json")],
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "--labels-per-class 500: class" in bad.stderr
+
+
+def test_conditional_generation_reports_table_6_metrics(trained, tmp_path):
+    labelled = tmp_path / "labelled"
+    labelled.mkdir()
+    for split, part in (("train", trained["lines"][:60]), ("test", trained["lines"][330:])):
+        rows = [f"{line}\t{int(len(line.split()) > 5)}" for line in part]
+        (labelled / f"{split}.tsv").write_text("sentence\tlabel\n" + "\n".join(rows) + "\n")
+    out = tmp_path / "cond.json"
+    proc = run_checked([venv_bin("optimus-cond-gen"), "--checkpoint", trained["ckpt"], "--optimus-data",
+                        trained["data"], "--data-dir", labelled, "--samples-per-label", "3", "--gan-steps", "20",
+                        "--max-len", "10", "--print-samples", "2", "--out", out], timeout=600)
+    result = json.loads(out.read_text())
+    assert set(result["per_label"]) == {"0", "1"}
+    assert 0.0 <= result["accuracy"] <= 1.0 and 0.0 <= result["classifier_test_accuracy"] <= 1.0
+    assert result["g_score"] == pytest.approx((result["accuracy"] * result["bleu"] / 100) ** 0.5)
+    assert sum(result["prior_label_rates"].values()) == pytest.approx(1.0)
+    assert all(len(e["samples"]) == 2 for e in result["per_label"].values())
+    assert "label 0\t" in proc.stdout and "\u0120" not in proc.stdout

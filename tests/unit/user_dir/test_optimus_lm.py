@@ -263,3 +263,21 @@ def test_labelled_draws_and_the_feature_classifier(tmp_path):
     bad.write_text("sentence\tlabel\na b\t1\nno label here\n")
     with pytest.raises(VAEConfigError, match=r"bad\.tsv:3: expected"):
         read_labelled(bad)
+
+
+def test_latent_cgan_learns_where_each_label_lives():
+    from user_dir.optimus.conditional_generation import mean_sentence_bleu, self_bleu, train_cgan
+
+    g = torch.Generator().manual_seed(0)
+    centres = torch.tensor([[3.0, 0.0, 0.0, 0.0], [-3.0, 0.0, 0.0, 0.0]])
+    labels = torch.arange(2).repeat(200)
+    z = centres[labels] + 0.3 * torch.randn(400, 4, generator=g)
+    gan = train_cgan(z, labels, num_labels=2, steps=600, batch=64, seed=0, hidden=64)
+    with torch.no_grad():
+        for label in (0, 1):
+            made = gan.generate(torch.full((200,), label, dtype=torch.long), torch.Generator().manual_seed(1))
+            own = (made - centres[label]).norm(dim=-1).mean()
+            other = (made - centres[1 - label]).norm(dim=-1).mean()
+            assert own < 1.5 < other  # the generated z of a label sit at that label's latents
+    assert self_bleu(["the cat sat", "the cat sat"]) == pytest.approx(100.0)
+    assert mean_sentence_bleu(["a b c d"], ["w x y z"]) < 5.0
