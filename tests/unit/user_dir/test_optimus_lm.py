@@ -281,3 +281,19 @@ def test_latent_cgan_learns_where_each_label_lives():
             assert own < 1.5 < other  # the generated z of a label sit at that label's latents
     assert self_bleu(["the cat sat", "the cat sat"]) == pytest.approx(100.0)
     assert mean_sentence_bleu(["a b c d"], ["w x y z"]) < 5.0
+
+
+def test_pair_speed_times_optimus_against_its_own_decoder_alone(corpus):
+    from user_dir.optimus.speed import time_pair_vs_gpt2
+
+    small = ["--decoder-layers", "2", "--decoder-embed-dim", "32", "--decoder-attention-heads", "2",
+             "--decoder-ffn-embed-dim", "64", "--latent-dim", "8"]
+    result = time_pair_vs_gpt2(str(corpus["data"]), str(corpus["bert"]), sentences=8, rounds=2,
+                               updates_per_round=1, extra=small)
+    assert result["decoder"] == {"n_layer": 2, "n_embd": 32, "n_head": 2,
+                                 "vocab_size": result["decoder"]["vocab_size"]}
+    # the pairing does the GPT-2's work plus BERT's and the latent's: more FLOPs, bound < 1
+    assert result["flops_per_update"]["optimus"] > result["flops_per_update"]["gpt2"] > 0
+    assert 0 < result["flops_bound"] < 1
+    assert len(result["wps_ratio"]["per_round"]) == 2 and result["wps_ratio"]["median"] > 0
+    assert result["params"]["optimus"] > result["params"]["gpt2"]
