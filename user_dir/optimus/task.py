@@ -186,13 +186,27 @@ class OptimusLMTask(SentenceVAETask):
 
         return load_tokenizer(directory, f"{name}/ of the data directory")
 
+    def _checked(self, name: str, dictionary: Dictionary):
+        """The tokenizer saved with the data, refused when the dictionary has symbols it lacks
+        (the dictionary and the tokenizer then come from different models)."""
+        tokenizer = self._tokenizer(name)
+        vocab = tokenizer.get_vocab()
+        foreign = [s for s in dictionary.symbols[dictionary.nspecial:]
+                   if s not in vocab and not s.startswith("madeupword")]
+        if foreign:
+            raise OptimusDataError(
+                f"{len(foreign)} symbols of the data's dictionary are not in {name}/ (e.g. {foreign[:5]}): the "
+                f"dictionary and the tokenizer come from different models; {PREPARE_HINT}"
+            )
+        return tokenizer
+
     @cached_property
     def bert_tokenizer(self):
-        return self._tokenizer("bert_tokenizer")
+        return self._checked("bert_tokenizer", self.src_dict)
 
     @cached_property
     def gpt2_tokenizer(self):
-        return self._tokenizer("gpt2_tokenizer")
+        return self._checked("gpt2_tokenizer", self.tgt_dict)
 
     def source_ids(self, sentence: str) -> torch.Tensor:
         """Raw text -> BERT pieces -> source dictionary ids + ``</s>`` ``[L + 1]``."""

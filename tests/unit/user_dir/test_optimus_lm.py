@@ -297,3 +297,14 @@ def test_pair_speed_times_optimus_against_its_own_decoder_alone(corpus):
     assert 0 < result["flops_bound"] < 1
     assert len(result["wps_ratio"]["per_round"]) == 2 and result["wps_ratio"]["median"] > 0
     assert result["params"]["optimus"] > result["params"]["gpt2"]
+
+
+def test_tokenizer_saved_with_other_data_is_refused(corpus, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(corpus["data"], data)
+    other = train_gpt2_tokenizer([corpus["root"] / "test.txt"], tmp_path / "other_bpe", vocab_size=300)
+    shutil.rmtree(data / "gpt2_tokenizer")
+    shutil.copytree(other, data / "gpt2_tokenizer")
+    task, _ = build(data)
+    with pytest.raises(TaskDataError, match=r"symbols of the data's dictionary are not in gpt2_tokenizer/"):
+        task.target_text(torch.tensor([task.target_dictionary.nspecial + 5]))
