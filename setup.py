@@ -51,6 +51,7 @@ setup(
             "optimus-lambda-sweep = user_dir.optimus.lambda_sweep:main",
             "optimus-low-resource = user_dir.optimus.low_resource:main",
             "optimus-cond-gen = user_dir.optimus.conditional_generation:main",
+            "optimus-bench = user_dir.optimus.speed:main",
             "glue-predict = user_dir.hf_sentence.predict:main",
             "hans-eval = user_dir.hf_sentence.hans:main",
             "topic-report = user_dir.topic_vq.report:main",

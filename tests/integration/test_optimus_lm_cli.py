@@ -146,3 +146,15 @@ def test_conditional_generation_reports_table_6_metrics(trained, tmp_path):
     assert sum(result["prior_label_rates"].values()) == pytest.approx(1.0)
     assert all(len(e["samples"]) == 2 for e in result["per_label"].values())
     assert "label 0\t" in proc.stdout and "\u0120" not in proc.stdout
+
+
+def test_optimus_bench_merges_the_pair_timing_into_the_bench_json(trained, minilm, tmp_path):
+    out = tmp_path / "vae.json"
+    out.write_text(json.dumps({"qkvae_wps_ratio": 0.9}))  # what vae-bench wrote before
+    run_checked([venv_bin("optimus-bench"), "--data", trained["data"], "--bert-dir", minilm, "--sentences", "4",
+                 "--rounds", "1", "--updates-per-round", "1", "--out", out], timeout=600)
+    payload = json.loads(out.read_text())
+    assert payload["qkvae_wps_ratio"] == 0.9
+    pair = payload["optimus_pair"]
+    assert payload["optimus_pair_wps_ratio"] == pair["wps_ratio"]["median"] > 0
+    assert 0 < pair["flops_bound"] < 1 and pair["decoder"]["n_layer"] == 4

@@ -1,5 +1,5 @@
 """Training speed of the BERT + GPT-2 pairing against the same GPT-2 trained alone, in one process
-(``vae-bench --optimus-data DIR --bert-dir DIR``).
+(command ``optimus-bench --data DIR --bert-dir DIR``; merged into ``outputs/bench/vae.json``).
 
 The two models take turns on one real batch of an ``optimus_lm`` corpus, so machine drift
 between them cancels (the method of ``user_dir/sdma/step_timing.py``):
@@ -119,3 +119,41 @@ def time_pair_vs_gpt2(data: str, bert_dir: str, sentences: int = 64, rounds: int
                      "seconds per update within each round, min/median/max over rounds; FLOPs: FlopCounterMode, "
                      "matrix products only",
     }
+
+
+def main(argv=None) -> int:
+    """``optimus-bench``: print the comparison and merge it into ``--out`` (``outputs/bench/vae.json``,
+    beside ``vae-bench``'s results) as ``optimus_pair`` and ``optimus_pair_wps_ratio``."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    from latent_core.runs import print_table, write_json
+
+    p = argparse.ArgumentParser(prog="optimus-bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", type=Path, required=True, help="an optimus_lm corpus (prepare-optimus-data)")
+    p.add_argument("--bert-dir", type=Path, required=True, help="the pairing's local BERT directory")
+    p.add_argument("--sentences", type=int, default=64, help="sentences of the timed batch")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    p.add_argument("--updates-per-round", type=int, default=2)
+    p.add_argument("--out", type=Path, default=Path("outputs") / "bench" / "vae.json")
+    args = p.parse_args(argv)
+    if min(args.sentences, args.rounds, args.updates_per_round) < 1:
+        p.error("--sentences, --rounds and --updates-per-round must be >= 1")
+    pair = time_pair_vs_gpt2(str(args.data), str(args.bert_dir), args.sentences, args.rounds, args.updates_per_round)
+    ratio = pair["wps_ratio"]
+    print_table([{"model": name, "words/s": pair["words_per_second"][name],
+                  "GFLOPs/update": pair["flops_per_update"][name] / 1e9, "params": pair["params"][name]}
+                 for name in ("optimus", "gpt2")], ["model", "words/s", "GFLOPs/update", "params"],
+                f"BERT + GPT-2 vs the same GPT-2 alone: words/s ratio {ratio['min']:.3f} / {ratio['median']:.3f} / "
+                f"{ratio['max']:.3f} (min/median/max over rounds), FLOPs bound {pair['flops_bound']:.3f}")
+    payload = json.loads(args.out.read_text()) if args.out.exists() else {}
+    payload["optimus_pair"] = pair
+    payload["optimus_pair_wps_ratio"] = ratio["median"]
+    write_json(args.out, payload)
+    print(f"[optimus] wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -17,14 +17,7 @@ with k = ``--k`` samples (``vae-eval``, batched: one decoder pass per chunk of
 samples). Prints a table and writes ``outputs/bench/vae.json`` (``*_wps_ratio`` and
 ``iw_seconds_per_sentence``). Target of the issue: wps ratio >= 0.8.
 
-With ``--optimus-data DIR --bert-dir BERT`` (an ``optimus_lm`` corpus of
-``prepare-optimus-data``) it also times the real pairing -- BERT encoder + GPT-2 decoder over two
-tokenizations -- against the same GPT-2 trained alone, in one process on one real batch
-(:mod:`user_dir.optimus.speed`), and writes ``optimus_pair`` and ``optimus_pair_wps_ratio``
-(the median over ``--pair-rounds``); ``--models`` with no name skips the fairseq-train runs.
-
     vae-bench --data outputs/english_vae/bin
-    vae-bench --models --optimus-data outputs/optimus/data/pretrain --bert-dir BERT
 """
 
 import argparse
@@ -75,21 +68,13 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--k", type=int, default=100, help="importance samples for the IW-PPL timing")
     p.add_argument("--eval-sentences", type=int, default=100, help="test sentences timed for IW-PPL")
-    p.add_argument("--models", nargs="*", choices=list(MODELS), default=list(MODELS))
-    p.add_argument("--optimus-data", type=Path, help="an optimus_lm corpus: also time BERT + GPT-2 vs GPT-2 alone")
-    p.add_argument("--bert-dir", type=Path, help="the BERT of the pairing (with --optimus-data)")
-    p.add_argument("--pair-sentences", type=int, default=64, help="sentences of the pairing's timed batch")
-    p.add_argument("--pair-rounds", type=int, default=5, help="interleaved rounds of the pairing's timing")
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     p.add_argument("--out", type=Path, default=Path("outputs") / "bench" / "vae.json")
     args = p.parse_args(argv)
     if args.updates < 20:
         p.error("--updates must be >= 20 (the first logged interval is warm-up)")
-    if args.models and not (args.data / "dict.txt").is_file():
+    if not (args.data / "dict.txt").is_file():
         p.error(f"--data {args.data}: no dict.txt; run prepare-english-vae-data first")
-    if (args.optimus_data is None) != (args.bert_dir is None):
-        p.error("--optimus-data and --bert-dir go together")
-    if not args.models and args.optimus_data is None:
-        p.error("nothing to measure: name --models or give --optimus-data and --bert-dir")
     return args
 
 
@@ -146,8 +131,8 @@ def main(argv=None):
             stage(f"round {round_index + 1}/{args.repeats} {name}: {runs[name][-1]['train_wps']:.0f} words/s")
     raw = {name: {key: statistics.median(r[key] for r in results) for key in results[0]}
            for name, results in runs.items()}
-    payload, rows = ({"updates": args.updates, "batch_size": args.batch_size, "k": args.k, "raw": raw,
-                      "runs": runs} if args.models else {}), []
+    payload, rows = {"updates": args.updates, "batch_size": args.batch_size, "k": args.k, "raw": raw,
+                     "runs": runs}, []
     for name in args.models:
         baseline = MODELS[name][2]
         row = {"model": name, "params": raw[name]["params"], "train words/s": raw[name]["train_wps"]}
@@ -160,28 +145,7 @@ def main(argv=None):
         else:
             row["wps ratio"], row["IW s/sentence"] = 1.0, float("nan")
         rows.append(row)
-    if rows:
-        print_table(rows, list(rows[0].keys()), f"sentence-VAE benchmark ({args.updates} updates, CPU)")
-    if args.optimus_data is not None:
-        from user_dir.optimus.speed import time_pair_vs_gpt2
-
-        stage(f"Optimus pairing (BERT {args.bert_dir} + GPT-2) vs the same GPT-2 alone, {args.pair_rounds} rounds")
-        pair = time_pair_vs_gpt2(str(args.optimus_data), str(args.bert_dir), args.pair_sentences, args.pair_rounds)
-        payload["optimus_pair"] = pair
-        payload["optimus_pair_wps_ratio"] = pair["wps_ratio"]["median"]
-        print_table([{"model": name, "words/s": pair["words_per_second"][name],
-                      "GFLOPs/update": pair["flops_per_update"][name] / 1e9,
-                      "params": pair["params"][name]} for name in ("optimus", "gpt2")]
-                    + [{"model": "ratio (min/median/max)", "words/s": pair["wps_ratio"]["median"],
-                        "GFLOPs/update": pair["flops_bound"]}],
-                    ["model", "words/s", "GFLOPs/update", "params"],
-                    f"BERT + GPT-2 vs GPT-2 alone (ratio {pair['wps_ratio']['min']:.3f} / "
-                    f"{pair['wps_ratio']['median']:.3f} / {pair['wps_ratio']['max']:.3f}; FLOPs bound "
-                    f"{pair['flops_bound']:.3f})")
-    if args.out.exists():  # keep what other runs wrote (e.g. the pairing alone after a full run)
-        previous = json.loads(args.out.read_text())
-        previous.update(payload)
-        payload = previous
+    print_table(rows, list(rows[0].keys()), f"sentence-VAE benchmark ({args.updates} updates, CPU)")
     write_json(args.out, payload)
     stage(f"wrote {args.out}")
 
