@@ -36,6 +36,7 @@ from typing import Dict, List, Sequence
 import torch
 
 from latent_core.runs import (
+    USER_DIR,
     console_script,
     finished,
     fairseq_train,
@@ -49,7 +50,6 @@ from latent_core.safe_loading import model_config, register_checkpoint_types
 from .model import OptimusModel
 
 LAMBDAS = (0.0, 0.05, 0.1, 0.25, 0.5, 1.0)  # Table 1 / Tables 8-11, and lambda = 0
-USER_DIR = str(Path(__file__).resolve().parents[1])
 
 
 def stage(message: str) -> None:
@@ -90,10 +90,11 @@ def count_sentences(data: Path, split: str = "train") -> int:
     return len(dataset)
 
 
-def finetune_arguments(args, lam: float, save_dir: Path, updates: int) -> List[str]:
+def finetune_arguments(args, flags: Sequence[str], lam: float, save_dir: Path, updates: int) -> List[str]:
+    """fairseq-train's arguments for one lambda; ``flags``: :func:`model_flags` of the pre-trained model."""
     return [
-        str(args.data), "--user-dir", USER_DIR, "--task", "optimus_lm", "--criterion", "sentence_vae",
-        *model_flags(args.pretrained),
+        str(args.data), "--user-dir", str(USER_DIR), "--task", "optimus_lm", "--criterion", "sentence_vae",
+        *flags,
         "--restore-file", str(args.pretrained.resolve()), "--reset-optimizer", "--reset-lr-scheduler",
         "--reset-meters", "--reset-dataloader",
         "--beta-schedule", f"cyclical:1:0.5:0.25:0.25:{args.beta_max}", "--kl-variant", args.kl_variant,
@@ -178,6 +179,7 @@ def main(argv=None) -> int:
     results_path = out / "lambda_sweep.json"
     table = json.loads(results_path.read_text()) if results_path.exists() else {}
     updates = max(1, math.ceil(args.epochs * count_sentences(args.data) / args.batch_size))
+    flags = None  # the pre-trained checkpoint is read once, when the first lambda needs training
     for lam in args.lambdas:
         key = lambda_key(lam)
         save_dir = out / f"lambda_{key}"
@@ -195,7 +197,8 @@ def main(argv=None) -> int:
             log = log_path.read_text()
         else:
             stage(f"lambda {key}: fine-tuning {updates} updates from {args.pretrained} -> {save_dir} (log {log_path})")
-            log = fairseq_train(finetune_arguments(args, lam, save_dir, updates), log_path)["log"]
+            flags = flags or model_flags(args.pretrained)
+            log = fairseq_train(finetune_arguments(args, flags, lam, save_dir, updates), log_path)["log"]
         stage(f"lambda {key}: vae-eval on {args.eval_subset} (k={args.k})")
         results = evaluate(args, save_dir / "checkpoint_last.pt", save_dir / "eval.json")
         table[key] = sweep_entry(results, log, updates, lam, settings)

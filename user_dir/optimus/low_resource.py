@@ -93,7 +93,7 @@ class OptimusEncoderFeatures:
         self.model, self.task, _ = load_sentence_vae(str(checkpoint), data=str(data), cpu=True)
         if not hasattr(self.model.encoder, "bert"):
             raise VAEConfigError(f"{checkpoint}: not an Optimus checkpoint (its encoder has no BERT)")
-        self.encoder = self.model.encoder
+        self.encoder = self.module = self.model.encoder
 
     def batch(self, sentences: Sequence[str]) -> Tuple[torch.Tensor, torch.Tensor]:
         from fairseq.data import data_utils
@@ -127,7 +127,7 @@ class BertFeatures:
         from latent_core.data.bert_source import load_tokenizer
 
         self.tokenizer = load_tokenizer(bert_dir, "--bert-dir")
-        self.model = AutoModel.from_pretrained(str(bert_dir), local_files_only=True)
+        self.model = self.module = AutoModel.from_pretrained(str(bert_dir), local_files_only=True)
 
     def forward(self, sentences: Sequence[str], kind: str = "cls") -> torch.Tensor:
         inputs = self.tokenizer(list(sentences), padding=True, truncation=True, return_tensors="pt")
@@ -167,7 +167,8 @@ def finetune_accuracy(encoder, kind: str, dim: int, train_s: Sequence[str], trai
     encoder's weights are restored afterwards, so trials start from the same model."""
     classes = sorted(set(train_y) | set(test_y))
     target = torch.tensor([classes.index(y) for y in train_y])
-    saved = {name: value.detach().clone() for name, value in _named(encoder)}
+    state = encoder.module.state_dict(keep_vars=True)
+    saved = {name: value.detach().clone() for name, value in state.items()}
     torch.manual_seed(seed)
     head = nn.Linear(dim, len(classes))  # W_C
     params = [p for p in encoder.parameters() if p.requires_grad] + list(head.parameters())
@@ -196,14 +197,9 @@ def finetune_accuracy(encoder, kind: str, dim: int, train_s: Sequence[str], trai
         for first in range(0, len(test_s), 64):
             predictions += head(encoder.forward(test_s[first:first + 64], kind)).argmax(-1).tolist()
     with torch.no_grad():
-        for name, value in _named(encoder):
+        for name, value in state.items():
             value.copy_(saved[name])
     return float(np.mean([classes[p] == y for p, y in zip(predictions, test_y)]))
-
-
-def _named(encoder):
-    module = encoder.encoder if isinstance(encoder, OptimusEncoderFeatures) else encoder.model
-    return list(module.state_dict(keep_vars=True).items())
 
 
 # ----------------------------------------------------------------------------- t-SNE

@@ -28,16 +28,17 @@ from fairseq import options, tasks
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from transformers import GPT2LMHeadModel
 
+from latent_core.runs import USER_DIR
+
 from ..sdma.flops import count_flops
 
-USER_DIR = str(__import__("pathlib").Path(__file__).resolve().parents[1])
 DECODER_4x256 = ["--decoder-layers", "4", "--decoder-embed-dim", "256", "--decoder-attention-heads", "4",
                  "--decoder-ffn-embed-dim", "1024"]
 
 
 def build_pair(data: str, bert_dir: str, extra: Sequence[str] = DECODER_4x256):
     """(task, Optimus model, criterion) through fairseq's own builders."""
-    argv = [str(data), "--user-dir", USER_DIR, "--task", "optimus_lm", "--criterion", "sentence_vae",
+    argv = [str(data), "--user-dir", str(USER_DIR), "--task", "optimus_lm", "--criterion", "sentence_vae",
             "--arch", "optimus_small", "--bert-dir", str(bert_dir), *extra, "--beta-schedule", "constant:1.0",
             "--optimizer", "adam", "--lr", "1e-4"]
     args = options.parse_args_and_arch(options.get_training_parser(), argv)
