@@ -6,10 +6,12 @@ latents travel to the decoder and how text is tokenised."""
 
 import argparse
 import logging
+import math
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from fairseq.data import data_utils
+from fairseq.ngram_repeat_block import NGramRepeatBlock
 from torch import Tensor
 
 from latent_core.vae import VAEConfigError
@@ -44,6 +46,29 @@ def generation_args(beam: int = 1, sampling: bool = False, sampling_topk: int = 
     )
 
 
+class GeneratedPrefixNGramBlock(NGramRepeatBlock):
+    """fairseq's n-gram blocker, comparing only the tokens generated so far.
+
+    ``SequenceGenerator`` hands the blocker its whole token buffer ``[bsz * beam, max_len + 2]``;
+    fairseq's CPU path compares against the buffer's last n - 1 entries, which are padding, so
+    ``--no-repeat-ngram-size`` never blocks anything off CUDA (fairseq issues #4709 and #5206,
+    open), and with n = 1 its empty context never matches. Here the context is the last n - 1
+    tokens of the generated prefix ``tokens[:, : step + 1]``; the CUDA kernel, which indexes by
+    ``step`` itself, is kept where fairseq uses it.
+    """
+
+    def forward(self, tokens: Tensor, lprobs: Tensor, bsz: int, beam_size: int, step: int) -> Tensor:
+        if self.use_extension:
+            return super().forward(tokens, lprobs, bsz, beam_size, step)
+        n = self.no_repeat_ngram_size
+        for row, prefix in enumerate(tokens[:, : step + 1].tolist()):
+            context = prefix[len(prefix) - n + 1:] if n > 1 else []
+            banned = [prefix[i + n - 1] for i in range(len(prefix) - n + 1) if prefix[i:i + n - 1] == context]
+            if banned:
+                lprobs[row, banned] = -math.inf
+        return lprobs
+
+
 class LatentDecoder:
     """Encode sentences to posterior means and decode latents with fairseq's SequenceGenerator."""
 
@@ -52,6 +77,10 @@ class LatentDecoder:
         self.model, self.task = model.eval(), task
         self.dictionary = task.source_dictionary
         self.generator = task.build_generator([model], gen_args)
+        blocker = getattr(self.generator, "repeat_ngram_blocker", None)
+        if blocker is not None:
+            self.generator.repeat_ngram_blocker = GeneratedPrefixNGramBlock(blocker.no_repeat_ngram_size,
+                                                                            blocker.use_extension)
         self.batch_size = batch_size
         self.post_process = post_process
         self.device = model_device(model)

@@ -22,7 +22,9 @@ from latent_core.data.optimus_text import (
 )
 from tests.conftest import REPO, english_phrases, save_tiny_bert
 from user_dir.optimus.task import OptimusDataError as TaskDataError
-from user_dir.sentence_vae.decoding import LatentDecoder, generation_args
+from fairseq.ngram_repeat_block import NGramRepeatBlock
+
+from user_dir.sentence_vae.decoding import GeneratedPrefixNGramBlock, LatentDecoder, generation_args
 from user_dir.sentence_vae.evaluate import evaluate_split
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -225,6 +227,31 @@ def test_generation_starts_from_bos_and_scores_equal_forced_scoring(corpus):
             assert torch.allclose(hypo[0]["positional_scores"], forced, atol=1e-4)
     text = decoder.reconstruct([corpus["lines"][0]])[0]
     assert isinstance(text, str) and "\u0120" not in text
+
+
+def test_repeated_ngrams_are_blocked_in_the_generated_prefix_not_the_padded_buffer():
+    # SequenceGenerator's buffer after step 2 of a 6-long budget: <s> 7 8 7, then padding (1).
+    tokens = torch.tensor([[0, 7, 8, 7, 1, 1, 1, 1]])
+    lprobs = torch.zeros(1, 10)
+    blocked = GeneratedPrefixNGramBlock(2, use_extension=False)(tokens, lprobs.clone(), 1, 1, step=3)
+    assert blocked[0, 8] == float("-inf")  # "7 8" was generated: 8 cannot follow the last 7 again
+    assert torch.isfinite(blocked[0, [i for i in range(10) if i != 8]]).all()
+    # fairseq's own CPU path compares the buffer's padding tail and blocks nothing (issues #4709, #5206)
+    assert torch.isfinite(NGramRepeatBlock(2, use_extension=False)(tokens, lprobs.clone(), 1, 1, step=3)).all()
+
+
+def test_no_repeat_ngram_size_reaches_vae_generation(corpus):
+    task, model = pretrained(corpus)
+    decoder = LatentDecoder(model.eval(), task, generation_args(beam=2, max_len=12, min_len=12,
+                                                               no_repeat_ngram_size=1), batch_size=4)
+    assert isinstance(decoder.generator.repeat_ngram_blocker, GeneratedPrefixNGramBlock)
+    latents = decoder.prior_samples(4, torch.Generator().manual_seed(0))
+    for row in range(4):
+        hypos = task.inference_step(decoder.generator, [model], {"net_input": {
+            "src_tokens": torch.empty(1, 0, dtype=torch.long), "src_lengths": torch.zeros(1, dtype=torch.long),
+            "latents": {name: z[row:row + 1] for name, z in latents.items()}}})
+        generated = hypos[0][0]["tokens"][:-1].tolist()  # without the final </s>
+        assert len(generated) >= 12 and len(set(generated)) == len(generated)
 
 
 def test_evaluation_reports_per_token_and_per_word_perplexity_of_one_bound(corpus):
