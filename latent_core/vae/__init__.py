@@ -21,6 +21,7 @@ from .evaluation import (
     importance_weighted_log_likelihood,
     mutual_information,
     perplexity,
+    principal_variance_shares,
     standard_error,
 )
 from .kl import KL_GRANULARITIES, KL_SCOPES, KL_VARIANTS, KLRegularizer, KLTerm, regularize_latents
@@ -35,7 +36,8 @@ from .schedules import (
 
 __all__ = [
     "LOGVAR_RANGE", "DiagonalGaussian", "standard_normal_log_prob", "VAEConfigError",
-    "ElboTerms", "MIEstimate", "active_units", "elbo_terms", "importance_weighted_log_likelihood",
+    "ElboTerms", "MIEstimate", "active_units", "principal_variance_shares", "elbo_terms",
+    "importance_weighted_log_likelihood",
     "mutual_information", "perplexity", "standard_error", "KL_GRANULARITIES", "KL_SCOPES", "KL_VARIANTS",
     "KLRegularizer", "KLTerm", "regularize_latents", "AutoEncoderPhase", "ConstantSchedule",
     "CyclicalSchedule", "LinearSchedule", "parse_beta_schedules", "parse_schedule",

@@ -206,3 +206,19 @@ def active_units(means: Tensor, threshold: float = 0.01) -> Tuple[int, Tensor]:
         raise ValueError(f"means must be [N, D] with N >= 2, got {list(means.shape)}")
     variances = means.double().var(dim=0, unbiased=True)
     return int((variances >= threshold).sum()), variances
+
+
+def principal_variance_shares(means: Tensor) -> Tensor:
+    """Shares of the posterior means' total variance along their principal directions, largest
+    first (``[min(N, D)]``, summing to 1; all 0 when the means do not vary).
+
+    ``means``: ``[N, D]``, N >= 2. Active units count dimensions one at a time, so means that
+    vary along one direction spread over many dimensions count as many active units; a first
+    share near 1 says the latent space is used as a single number (e.g. sentence length).
+    """
+    if means.dim() != 2 or means.size(0) < 2:
+        raise ValueError(f"means must be [N, D] with N >= 2, got {list(means.shape)}")
+    centred = means.double() - means.double().mean(0)
+    squared = torch.linalg.svdvals(centred) ** 2
+    total = squared.sum()
+    return squared / total if total > 0 else squared

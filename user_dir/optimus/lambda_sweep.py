@@ -128,6 +128,7 @@ def sweep_entry(results: Dict, log: str, updates: int, lam: float, settings: Dic
         "elbo_ppl": results["elbo_ppl_word"] if per_word else results["elbo_ppl"],
         "iw_ppl_token": results["iw_ppl"], "elbo_ppl_token": results["elbo_ppl"],
         "kl": results["kl"], "mi": results["mi"], "mi_se": results["mi_se"], "au": results["au"],
+        "pc1_share": results.get("pc1_share"),
         "latent_dim": results.get("dim_z"), "rec": results["rec"], "rec_bleu": results.get("rec_bleu"),
         "nll": results["nll"], "elbo": results["elbo"], "num_sentences": results["num_sentences"],
         "updates": updates,

@@ -56,6 +56,7 @@ from latent_core.vae import (
     MIEstimate,
     mutual_information,
     perplexity,
+    principal_variance_shares,
     standard_error,
 )
 
@@ -227,11 +228,13 @@ def evaluate_split(model, task, subset: str = "test", k: int = 100, chunk_size: 
     results["mi"], results["mi_se"] = mi.value, mi.standard_error
     au_counts = {name: active_units(mean_all[name], au_threshold)[0] for name in latents}
     results["au"] = sum(au_counts.values())
+    results["pc1_share"] = float(principal_variance_shares(torch.cat([mean_all[n] for n in latents], -1))[0])
     for name in latents:
         results[f"kl_{name}"] = kl_sums[name] / num_sentences
         mi = mutual_information(mean_all[name], logvar_all[name], num_samples=mi_samples, generator=mi_generator)
         results[f"mi_{name}"], results[f"mi_se_{name}"] = mi.value, mi.standard_error
         results[f"au_{name}"] = au_counts[name]
+        results[f"pc1_share_{name}"] = float(principal_variance_shares(mean_all[name])[0])
         results[f"dim_{name}"] = int(model.latent_sizes[name])
     if bleu:
         import sacrebleu
@@ -275,6 +278,8 @@ def estimators(k: int, mi_samples: int, num_sentences: int, per_word: bool = Fal
               f"exceed log N = {math.log(num_sentences):.2f} nats, so values from sets of other sizes "
               "(e.g. the papers') do not compare",
         "au": "Cov_x(E_q[z]) per dimension (unbiased) >= threshold, over the evaluated sentences",
+        "pc1_share": "share of the total variance of E_q[z] over the evaluated sentences along its first "
+                     "principal direction (1: the means vary along one line, however many units are active)",
         "standard_errors": "*_se: std over sentences / sqrt(N)",
         "ppl_unit": "iw_ppl/elbo_ppl: per target token incl. the end token (fairseq's ntokens)"
                     + ("; *_ppl_word: per word = whitespace words of the detokenised target + 1 for the end "
@@ -298,6 +303,7 @@ DESCRIPTIONS = OrderedDict([
     ("kl", "KL(q(z|x) || p(z)) per sentence (nats)"),
     ("mi", "mutual information I_q(x, z) (nats; at most log N)"),
     ("au", "active units (Cov_x E[z] >= threshold)"),
+    ("pc1_share", "share of the variance of E[z] along its first principal direction"),
     ("rec_bleu", "BLEU of greedy reconstructions from the posterior means"),
     ("mi_samples", "z samples per sentence of the MI estimate"),
 ])

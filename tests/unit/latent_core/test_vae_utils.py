@@ -21,6 +21,7 @@ from latent_core.vae import (
     parse_beta_schedules,
     parse_schedule,
     perplexity,
+    principal_variance_shares,
     regularize_latents,
     standard_normal_log_prob,
 )
@@ -402,3 +403,18 @@ def test_active_units_by_hand():
     assert variances.tolist() == pytest.approx([0.0, 0.01 / 3, 4.0 / 3, 0.04 / 3])
     assert count == 2
     assert active_units(means, threshold=0.001)[0] == 3
+
+
+def test_principal_variance_shares_see_one_direction_spread_over_many_units():
+    generator = torch.Generator().manual_seed(0)
+    length = torch.randn(200, 1, generator=generator)
+    on_a_line = length * torch.linspace(0.5, 1.5, 16)  # 16 active units, one direction
+    assert active_units(on_a_line)[0] == 16
+    shares = principal_variance_shares(on_a_line)
+    assert shares[0] == pytest.approx(1.0) and shares.sum() == pytest.approx(1.0)
+    isotropic = principal_variance_shares(torch.randn(5000, 4, generator=generator))
+    assert isotropic.tolist() == pytest.approx([0.25] * 4, abs=0.02)
+    assert torch.all(isotropic[:-1] >= isotropic[1:])
+    assert principal_variance_shares(torch.ones(3, 2)).tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match="N >= 2"):
+        principal_variance_shares(torch.zeros(1, 4))

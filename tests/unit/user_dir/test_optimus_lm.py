@@ -265,6 +265,7 @@ def test_evaluation_reports_per_token_and_per_word_perplexity_of_one_bound(corpu
     assert results["iw_ppl_word_ci95_low"] <= results["iw_ppl_word"] <= results["iw_ppl_word_ci95_high"]
     assert "13a" in results["estimators"]["rec_bleu"] and "per word" in results["estimators"]["ppl_unit"]
     assert 0.0 <= results["rec_bleu"] <= 100.0
+    assert 0.0 < results["pc1_share"] == results["pc1_share_z"] <= 1.0 and "principal" in results["estimators"]["pc1_share"]
 
 
 # ------------------------------------------------------------------------ low-resource helpers
