@@ -18,8 +18,11 @@ products only) give the arithmetic bound of that ratio: the pairing runs a BERT 
 GPT-2, so its ratio cannot exceed GPT-2 FLOPs / Optimus FLOPs whatever the implementation.
 """
 
+import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 from typing import Dict, Sequence
 
 import torch
@@ -28,7 +31,7 @@ from fairseq import options, tasks
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from transformers import GPT2LMHeadModel
 
-from latent_core.runs import USER_DIR
+from latent_core.runs import USER_DIR, print_table, write_json
 
 from ..sdma.flops import count_flops
 
@@ -125,12 +128,6 @@ def time_pair_vs_gpt2(data: str, bert_dir: str, sentences: int = 64, rounds: int
 def main(argv=None) -> int:
     """``optimus-bench``: print the comparison and merge it into ``--out`` (``outputs/bench/vae.json``,
     beside ``vae-bench``'s results) as ``optimus_pair`` and ``optimus_pair_wps_ratio``."""
-    import argparse
-    import json
-    from pathlib import Path
-
-    from latent_core.runs import print_table, write_json
-
     p = argparse.ArgumentParser(prog="optimus-bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--data", type=Path, required=True, help="an optimus_lm corpus (prepare-optimus-data)")
     p.add_argument("--bert-dir", type=Path, required=True, help="the pairing's local BERT directory")

@@ -69,6 +69,15 @@ class GeneratedPrefixNGramBlock(NGramRepeatBlock):
         return lprobs
 
 
+def with_generated_prefix_ngram_block(generator):
+    """``generator`` (fairseq's ``SequenceGenerator``) with its n-gram blocker, if it has one,
+    replaced by :class:`GeneratedPrefixNGramBlock`."""
+    blocker = getattr(generator, "repeat_ngram_blocker", None)
+    if blocker is not None:
+        generator.repeat_ngram_blocker = GeneratedPrefixNGramBlock(blocker.no_repeat_ngram_size, blocker.use_extension)
+    return generator
+
+
 class LatentDecoder:
     """Encode sentences to posterior means and decode latents with fairseq's SequenceGenerator."""
 
@@ -77,10 +86,6 @@ class LatentDecoder:
         self.model, self.task = model.eval(), task
         self.dictionary = task.source_dictionary
         self.generator = task.build_generator([model], gen_args)
-        blocker = getattr(self.generator, "repeat_ngram_blocker", None)
-        if blocker is not None:
-            self.generator.repeat_ngram_blocker = GeneratedPrefixNGramBlock(blocker.no_repeat_ngram_size,
-                                                                            blocker.use_extension)
         self.batch_size = batch_size
         self.post_process = post_process
         self.device = model_device(model)

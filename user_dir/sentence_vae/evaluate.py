@@ -222,13 +222,13 @@ def evaluate_split(model, task, subset: str = "test", k: int = 100, chunk_size: 
         low, high = bootstrap_perplexity_interval(stats["log_px"], stats["words"], seed=seed)
         results["iw_ppl_word_ci95_low"], results["iw_ppl_word_ci95_high"] = low, high
     mi_generator = torch.Generator().manual_seed(seed)
-    mi = mutual_information(torch.cat([mean_all[n] for n in latents], -1),
-                            torch.cat([logvar_all[n] for n in latents], -1),
+    joint_means = torch.cat([mean_all[n] for n in latents], -1)  # every latent's posterior means, [N, sum D]
+    mi = mutual_information(joint_means, torch.cat([logvar_all[n] for n in latents], -1),
                             num_samples=mi_samples, generator=mi_generator)
     results["mi"], results["mi_se"] = mi.value, mi.standard_error
     au_counts = {name: active_units(mean_all[name], au_threshold)[0] for name in latents}
     results["au"] = sum(au_counts.values())
-    results["pc1_share"] = float(principal_variance_shares(torch.cat([mean_all[n] for n in latents], -1))[0])
+    results["pc1_share"] = float(principal_variance_shares(joint_means)[0])
     for name in latents:
         results[f"kl_{name}"] = kl_sums[name] / num_sentences
         mi = mutual_information(mean_all[name], logvar_all[name], num_samples=mi_samples, generator=mi_generator)

@@ -184,6 +184,13 @@ class SentenceVAETask(FairseqTask):
             counter.set_num_updates(update_num + 1)
         return result
 
+    def build_generator(self, models, args, *rest, **kwargs):
+        """fairseq's generator (also for ``fairseq-generate``), its ``--no-repeat-ngram-size``
+        blocker comparing the generated prefix (:class:`.decoding.GeneratedPrefixNGramBlock`)."""
+        from .decoding import with_generated_prefix_ngram_block
+
+        return with_generated_prefix_ngram_block(super().build_generator(models, args, *rest, **kwargs))
+
     can_reuse_epoch_itr = no_epoch_iterator_reuse  # bit-identical resume: user_dir/exact_resume.py
 
     def max_positions(self):
