@@ -15,14 +15,23 @@ Everything that touches log-densities runs in float32 and in log space, so the
 module is safe under fp16/bf16 autocast and a collapsed cluster (all of its
 responsibilities ~0) never produces NaN.
 
-Interpretation choices where the paper is ambiguous (see README):
+Two readings (``SDMAOptions.reading``), see :data:`READINGS` and the README's table:
 
-* the sampling noise is ``sqrt(noise_var) * eps`` (variance sigma^2 = 0.01, as in
-  the authors' code); one sample per step is used both for clustering and for
-  the q/k/v projections (eq. 8 and Algorithm 1 together), in training only; the
-  queries are not perturbed a second time (they carry the sample through W_q);
-* the variational posteriors are q(z|x) = N(z, sigma_tilde^2 I), sigma_tilde^2 = 0.1;
-* the scaling factor ``s`` of Algorithm 1 is 1 (its final value in the paper).
+* ``authors`` (default): the training computation of the authors' fairseq code, which
+  produced the paper's tables (``modules/disentangled_attention.py`` of
+  NYCU-MLLab/Disentangled-Mask-Attention-in-Transformers): a second noise draw on the
+  scaled queries, k and v from the clean input in self-attention (the noisy keys and the
+  clean values in cross-attention), posterior variance = the noise variance (0.01),
+  regularisers averaged over the padded length, KL(pi || gamma), alpha/beta on the
+  squared entries of eq. (23), their L_Dqq normaliser (one max shift per layer, clamped
+  at 1e-6), the cross-attention keys' KL and diversity, their initialisation and the two
+  1e-6 floors of their L1 normalisations;
+* ``paper``: the equations as printed: one sample z per step for clustering and the q/k/v
+  projections (eq. 8 and Algorithm 1), sigma_tilde^2 = 0.1 (Section IV-A3), real positions
+  only, KL(gamma || pi) (eq. 20), the weighted mask squared (eq. 23), the exact
+  per-sentence softmax of eq. (17).
+
+In both, the scaling factor ``s`` of Algorithm 1 is 1 (its final value in the paper).
 """
 
 import math
@@ -37,6 +46,8 @@ from torch import Tensor
 from latent_core.errors import PluginConfigError
 
 SDMA_MODES = ("sdma", "sma", "none")
+# What the SDMA modules compute in training (SDMAOptions.reading): the authors' code or the printed equations
+READINGS = ("authors", "paper")
 # How the mixed attention of eq. (11) is computed (SDMAOptions.attention_kernel)
 ATTENTION_KERNELS = ("auto", "explicit", "sdpa")
 # Names of the regularisers every SDMA module reports (eq. 20, 21, 22, 23).
@@ -67,6 +78,11 @@ REGULARISER_SCALES = ("sentence", "batch", "token")
 
 _LOG_2PI = math.log(2.0 * math.pi)
 _MASK_FLOOR = 1e-6  # smallest semantic-mask value, keeps log M finite
+_AUTHORS_EPS = 1e-6  # the eps of the authors' F.normalize calls and of their log(1 - p + eps)
+# Posterior variance sigma_tilde^2 of eq. (20): Section IV-A3 prints 0.1; the authors' code uses
+# its fixed ``self.var`` = 0.01, the variance of its sampling noise too.
+PAPER_POSTERIOR_VAR = 0.1
+AUTHORS_POSTERIOR_VAR = 0.01
 _LOGVAR_RANGE = (-9.0, 9.0)
 
 
@@ -93,6 +109,11 @@ class SDMAOptions:
 
     mode: str = _option("sdma", "sdma: SDMA-T; sma: SMA-T (no head disentanglement); none: vanilla attention",
                         choices=SDMA_MODES)
+    reading: str = _option(
+        "authors", "authors: the training computation of the authors' code, which produced the paper's "
+                   "numbers (second noise draw on the queries, clean k/v, their KL, diversity and L_Dqq "
+                   "forms, padded-length averages, their initialisation); paper: the equations as printed "
+                   "(see the README's table of the two readings)", choices=READINGS)
     num_clusters: int = _option(8, "n_c of the feature GMM theta_z, eq. (5)/(9) (Table I: 8; Tables II-IV: 4)",
                                 metavar="N")
     num_query_clusters: int = _option(8, "n_c of the query GMM theta_q, eq. (18)", metavar="N")
@@ -102,7 +123,10 @@ class SDMAOptions:
     centroid_grad_scale: float = _option(10.0, "c_g: multiplier of the GMM means' gradient (Table I: 10; 5 for "
                                                "Zh-En and Aishell-1)", metavar="C_G")
     noise_var: float = _option(0.01, "variance sigma^2 of the training-time sampling noise, eq. (8)", metavar="S2")
-    posterior_var: float = _option(0.1, "variance of q(z|x) and q(q|x) in the KL of eq. (20)", metavar="S2")
+    posterior_var: Optional[float] = _option(
+        None, "variance sigma_tilde^2 of q(z|x) and q(q|x) in the KL of eq. (20) (default: the reading's: "
+              f"authors = {AUTHORS_POSTERIOR_VAR}, their code; paper = {PAPER_POSTERIOR_VAR}, Section IV-A3)",
+        metavar="S2")
     diversity_alpha: float = _option(1.25, "alpha of the diversity mask, eq. (23)", metavar="A")
     diversity_beta: float = _option(0.75, "beta of the diversity mask, eq. (23)", metavar="B")
     attention_kernel: str = _option(
@@ -137,6 +161,8 @@ class SDMAOptions:
             raise SDMAConfigError(
                 f"{opt('mode')}={self.mode!r} is not one of {', '.join(SDMA_MODES)}"
             )
+        if self.reading not in READINGS:
+            raise SDMAConfigError(f"{opt('reading')}={self.reading!r} is not one of {', '.join(READINGS)}")
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise SDMAConfigError(f"{opt('attention_kernel')}={self.attention_kernel!r} is not one of "
                                   f"{', '.join(ATTENTION_KERNELS)}")
@@ -149,6 +175,8 @@ class SDMAOptions:
         for name in ("mix_max", "mix_rate", "centroid_grad_scale", "noise_var", "posterior_var",
                      "diversity_alpha", "diversity_beta"):
             value = getattr(self, name)
+            if name == "posterior_var" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise SDMAConfigError(f"{opt(name)}={value!r} must be a finite number")
         if not (0.0 < self.mix_max <= 1.0):
@@ -156,7 +184,7 @@ class SDMAOptions:
         for name in ("mix_rate", "centroid_grad_scale", "noise_var"):
             if getattr(self, name) < 0:
                 raise SDMAConfigError(f"{opt(name)}={getattr(self, name)} must be >= 0")
-        if self.posterior_var <= 0:
+        if self.posterior_var is not None and self.posterior_var <= 0:
             raise SDMAConfigError(f"{opt('posterior_var')}={self.posterior_var} must be > 0")
         for name in ("diversity_alpha", "diversity_beta"):
             if getattr(self, name) < 0:
@@ -164,6 +192,17 @@ class SDMAOptions:
         if not isinstance(self.mask_at_inference, bool):
             raise SDMAConfigError(f"{opt('mask_at_inference')}={self.mask_at_inference!r} must be true or false")
         return self
+
+    @property
+    def authors(self) -> bool:
+        return self.reading == "authors"
+
+    @property
+    def kl_posterior_var(self) -> float:
+        """sigma_tilde^2 of eq. (20): ``posterior_var``, else the reading's value."""
+        if self.posterior_var is not None:
+            return float(self.posterior_var)
+        return AUTHORS_POSTERIOR_VAR if self.authors else PAPER_POSTERIOR_VAR
 
 
 def option_name(field_name: str) -> str:
@@ -196,16 +235,23 @@ class GaussianMixture(nn.Module):
     """``groups`` independent diagonal GMMs of ``num_clusters`` components in ``dim`` dims.
 
     Parameters (eq. 5): prior logits ``[G, C]`` (pi = softmax), means ``[G, C, d]``
-    and log-variances ``[G, C, d]``. The gradient of the means is multiplied by
+    and log-variances ``[G, C, d]``; ``init="paper"`` draws the means from N(0, 1) with unit
+    variances and a uniform prior, ``init="authors"`` as their code. The gradient of the means is multiplied by
     ``centroid_grad_scale`` (c_g of Section IV-A3).
     """
 
-    def __init__(self, groups: int, num_clusters: int, dim: int, centroid_grad_scale: float = 1.0):
+    def __init__(self, groups: int, num_clusters: int, dim: int, centroid_grad_scale: float = 1.0,
+                 init: str = "paper"):
         super().__init__()
         self.groups, self.num_clusters, self.dim = groups, num_clusters, dim
         self.prior_logits = nn.Parameter(torch.zeros(groups, num_clusters))
         self.means = nn.Parameter(torch.randn(groups, num_clusters, dim))
         self.log_vars = nn.Parameter(torch.zeros(groups, num_clusters, dim))
+        if init == "authors":
+            # xavier_normal_ (gain 1) on every GMM parameter, as the authors' init_cluster_params:
+            # means near the origin (std sqrt(2 / ((G + C) d)), ~0.044 at base), soft clusters at step 0
+            for parameter in (self.prior_logits, self.means, self.log_vars):
+                nn.init.xavier_normal_(parameter)
         self.centroid_grad_scale = float(centroid_grad_scale)
         if self.centroid_grad_scale != 1.0:
             self.means.register_hook(self._scale_centroid_grad)
@@ -246,6 +292,10 @@ class GaussianMixture(nn.Module):
         """The expanded log-density of the CURRENT parameters, ``([G*d, C*G], [G*d, C*G], [C*G])``."""
         with torch.no_grad():
             return _gmm_terms(self.means, self.log_vars, self.prior_logits, dtype)
+
+    def log_prior(self) -> Tensor:
+        """log pi, ``[G, C]`` (float32)."""
+        return F.log_softmax(self.prior_logits.float(), dim=-1)
 
     def trace_precision(self) -> Tensor:
         """sum_d 1 / sigma_{c,d}^2, shape ``[G, C]`` (enters the KL of eq. 20)."""
@@ -345,7 +395,8 @@ def _sentence_mean(per_token: Tensor, valid: Tensor) -> Tensor:
 
 
 def vade_kl(log_joint: Tensor, log_resp: Tensor, trace_precision: Tensor, dim: int,
-            posterior_var: float, valid: Tensor, resp: Optional[Tensor] = None) -> Tensor:
+            posterior_var: float, valid: Tensor, resp: Optional[Tensor] = None,
+            authors_log_prior: Optional[Tensor] = None) -> Tensor:
     """KL(q(z, c | x) || p(z, c)) in the VaDE form per sentence, ``[B]`` (eq. 20).
 
     With q(z|x) = N(z, s2 I) and q(c|x) = p(c|z) (eq. 9), per token and head:
@@ -354,47 +405,91 @@ def vade_kl(log_joint: Tensor, log_resp: Tensor, trace_precision: Tensor, dim: i
     where log p(z) = log_joint_c - log p(c|z) for any c. ``trace_precision`` is
     ``[L, n_h, C]`` (see :meth:`GaussianMixture.trace_precision`); ``resp`` is
     ``log_resp.exp()`` when the caller already has it.
+
+    ``authors_log_prior`` (log pi, ``[L, n_h, C]``): the authors' categorical term
+    KL(pi || q(c)) (``F.kl_div(log_probs, prior)``) replaces KL(q(c) || pi).
     """
     log_joint, log_resp = clusters_first(log_joint), clusters_first(log_resp)  # [C, L, T, B, H]
     resp = log_resp.exp() if resp is None else clusters_first(resp)
     log_marginal = log_joint[0] - log_resp[0]  # log p(z), [L, T, B, H]
     trace = (resp * trace_precision.permute(2, 0, 1)[:, :, None, None, :]).sum(0)
     const = 0.5 * dim * (_LOG_2PI + math.log(posterior_var) + 1.0)
-    kl = (0.5 * posterior_var * trace - log_marginal).mean(-1) - const
+    per_token = 0.5 * posterior_var * trace - log_marginal
+    if authors_log_prior is not None:
+        log_prior = authors_log_prior.permute(2, 0, 1)[:, :, None, None, :]  # [C, L, 1, 1, H]
+        forward_kl = (resp * (log_resp - log_prior)).sum(0)  # KL(gamma || pi), inside -log p(z)
+        reverse_kl = (log_prior.exp() * (log_prior - log_resp)).sum(0)  # KL(pi || gamma)
+        per_token = per_token - forward_kl + reverse_kl
+    kl = per_token.mean(-1) - const
     return _sentence_mean(kl, valid)
 
 
-def cluster_diversity(resp: Tensor, valid: Tensor, alpha: float, beta: float) -> Tensor:
+def cluster_diversity(resp: Tensor, valid: Tensor, alpha: float, beta: float, squared: bool = True) -> Tensor:
     """L_DV of eq. (23) per sentence, ``[B]`` (mean over layers and heads).
 
     sum_ij [M_hat o (C C^T - I)]_ij^2 with M_hat = alpha I + beta (1 - I) equals
     alpha^2 sum_i (s_i - 1)^2 + beta^2 (||C^T C||_F^2 - sum_i s_i^2), s_i = ||C_i||^2,
     so no ``T x T`` matrix is formed. Normalised by n_q^2 of each sentence.
+    ``squared=False``: the authors' form, M_hat o (C C^T - I)^2 (alpha and beta weigh the
+    squared entries).
     """
+    diag_weight, off_weight = (alpha * alpha, beta * beta) if squared else (alpha, beta)
     resp = clusters_first(resp) * valid[None, None, :, :, None]  # [C, L, T, B, H]
     self_sim = (resp * resp).sum(0)  # s_i, [L, T, B, H]
     gram = torch.einsum("cltbh,kltbh->cklbh", resp, resp)  # C^T C, [C, C, L, B, H]
-    diag = (alpha * alpha) * ((self_sim - 1.0) ** 2 * valid[None, :, :, None]).sum(1)  # [L, B, H]
-    off = (beta * beta) * ((gram * gram).sum((0, 1)) - (self_sim * self_sim).sum(1))
+    diag = diag_weight * ((self_sim - 1.0) ** 2 * valid[None, :, :, None]).sum(1)  # [L, B, H]
+    off = off_weight * ((gram * gram).sum((0, 1)) - (self_sim * self_sim).sum(1))
     n_q = valid.sum(0).clamp_min(1.0)[None, :, None]  # [1, B, 1]
     return ((diag + off) / (n_q * n_q)).mean((0, 2))
 
 
-def head_mi_upper_bound(log_joint_q: Tensor, resp_q: Tensor, valid: Tensor) -> Tensor:
+def token_given_cluster(log_joint_q: Tensor, valid: Tensor) -> Tensor:
+    """p(q_i^h | c) of eq. (17), clusters-first ``[C, L, T, B, H]``: pi_c N(q_i^h | c) normalised
+    over the sentence's real tokens (an exact softmax)."""
+    pad = (valid <= 0)[None, None, :, :, None]
+    p_token_given_c = torch.softmax(log_joint_q.masked_fill(pad, float("-inf")), dim=2)
+    return p_token_given_c.masked_fill(pad, 0.0)  # sentences of length 0 stay finite
+
+
+def authors_token_given_cluster(log_joint_q: Tensor) -> Tuple[Tensor, Tensor]:
+    """The authors' p(q_i^h | c) (``F.normalize(cluster_probs * pdf, p=1, dim=length, eps=1e-6)``
+    with ``pdf = exp(log_pdf - log_pdf.max())``), clusters-first ``[C, L, T, B, H]``, and which of
+    its normalisers ``[C, L, 1, B, H]`` sit at the 1e-6 clamp.
+
+    One max over the whole batch of a layer shifts every log-density, so a sentence whose
+    queries all lie far below that max gets a normaliser under 1e-6: its probabilities are then
+    divided by 1e-6 instead of their sum and stop summing to one.
+    """
+    layer_max = log_joint_q.detach().amax(dim=(0, 2, 3, 4), keepdim=True)  # one max per layer
+    joint = torch.exp(log_joint_q - layer_max)
+    norm = joint.sum(2, keepdim=True)
+    clamped = norm < _AUTHORS_EPS
+    return joint / norm.clamp_min(_AUTHORS_EPS), clamped
+
+
+def head_mi_upper_bound(log_joint_q: Tensor, resp_q: Tensor, valid: Tensor, authors: bool = False,
+                        p_token_given_c: Optional[Tensor] = None) -> Tensor:
     """L_Dqq of eq. (21) per sentence, ``[B]``: -1/(n_q n_h^2) sum_i sum_{h != h'} log(1 - p(q_i^h | q_i^h')).
 
     p(q_i^h | c) (eq. 17) = pi_c N(q_i^h | c) / sum_i' pi_c N(q_i'^h | c): a softmax over
     the sentence's tokens of the query GMM's log-joint (eq. 18);
     p(q_i^h | q_i^h') = sum_c p(q_i^h | c) p(c | q_i^h')  (eq. 16).
+
+    ``authors=True``: their normaliser (:func:`authors_token_given_cluster`; pass the
+    ``valid`` of the padded length for their sum over pad tokens) and their
+    -log(1 - min(p, 1) + 1e-6). ``p_token_given_c``: precomputed p(q_i^h | c), clusters-first.
     """
     log_joint_q, resp_q = clusters_first(log_joint_q), clusters_first(resp_q)  # [C, L, T, B, H]
     n_h = log_joint_q.size(-1)
-    pad = (valid <= 0)[None, None, :, :, None]
-    p_token_given_c = torch.softmax(log_joint_q.masked_fill(pad, float("-inf")), dim=2)
-    p_token_given_c = p_token_given_c.masked_fill(pad, 0.0)  # sentences of length 0 stay finite
+    if p_token_given_c is None:
+        p_token_given_c = (authors_token_given_cluster(log_joint_q)[0] if authors
+                           else token_given_cluster(log_joint_q, valid))
     p_pair = (p_token_given_c[..., :, None] * resp_q[..., None, :]).sum(0)  # [L, T, B, H, H']
     off_diag = 1.0 - torch.eye(n_h, device=p_pair.device, dtype=p_pair.dtype)
-    neg_log = -torch.log1p(-p_pair.clamp(max=1.0 - 1e-6)) * off_diag
+    if authors:
+        neg_log = -torch.log(1.0 - p_pair.clamp(max=1.0) + _AUTHORS_EPS) * off_diag
+    else:
+        neg_log = -torch.log1p(-p_pair.clamp(max=1.0 - 1e-6)) * off_diag
     return _sentence_mean(neg_log.sum((-1, -2)) / (n_h * n_h), valid)
 
 
@@ -415,12 +510,8 @@ def query_input_mi_lower_bound(resp_q: Tensor, valid: Tensor) -> Tensor:
     return _sentence_mean(log_ratio.mean(-1), valid)
 
 
-def semantic_mask_product(resp_query: Tensor, resp_key: Tensor, heads: Optional[int] = None) -> Tensor:
-    """M of eq. (10) up to its row normaliser, ``[N, T, C] x [N, S, C] -> [N, T, S]``.
-
-    M_ij is proportional to sum_c p(c|z_i) p(c|z_j); the normaliser over keys cancels in
-    the renormalised masked attention of eq. (2), so only the product is kept (plus 1e-6,
-    so a row with no overlap falls back to plain attention, never NaN).
+def responsibility_product(resp_query: Tensor, resp_key: Tensor, heads: Optional[int] = None) -> Tensor:
+    """sum_c p(c|z_i) p(c|z_j), ``[N, T, C] x [N, S, C] -> [N, T, S]`` (float32 or wider).
 
     When several hypotheses share one set of keys (fairseq's beamable encoder-decoder
     attention), ``resp_query`` is ``[B * beam * heads, T, C]`` and ``resp_key``
@@ -428,16 +519,39 @@ def semantic_mask_product(resp_query: Tensor, resp_key: Tensor, heads: Optional[
     """
     with _full_precision(resp_query):
         if resp_query.size(0) == resp_key.size(0):
-            product = torch.bmm(resp_query, resp_key.transpose(1, 2))
-        else:
-            n_key, S, C = resp_key.shape
-            batch, T = n_key // heads, resp_query.size(1)
-            product = torch.einsum(
-                "bxhtc,bhsc->bxhts",
-                resp_query.view(batch, -1, heads, T, C),
-                resp_key.view(batch, heads, S, C),
-            ).reshape(-1, T, S)
-    return product + _MASK_FLOOR
+            return torch.bmm(resp_query, resp_key.transpose(1, 2))
+        n_key, S, C = resp_key.shape
+        batch, T = n_key // heads, resp_query.size(1)
+        return torch.einsum(
+            "bxhtc,bhsc->bxhts",
+            resp_query.view(batch, -1, heads, T, C),
+            resp_key.view(batch, heads, S, C),
+        ).reshape(-1, T, S)
+
+
+def semantic_mask_product(resp_query: Tensor, resp_key: Tensor, heads: Optional[int] = None) -> Tensor:
+    """M of eq. (10) up to its row normaliser, ``[N, T, S]`` (the paper reading).
+
+    M_ij is proportional to sum_c p(c|z_i) p(c|z_j) (:func:`responsibility_product`, which
+    documents the shapes and ``heads``); the normaliser over keys cancels in the renormalised
+    masked attention of eq. (2), so only the product is kept (plus 1e-6, so a row with no
+    overlap falls back to plain attention, never NaN).
+    """
+    return responsibility_product(resp_query, resp_key, heads) + _MASK_FLOOR
+
+
+def authors_semantic_mask(resp_query: Tensor, resp_key: Tensor, allowed: Optional[Tensor],
+                          heads: Optional[int] = None) -> Tensor:
+    """M of eq. (10) as the authors compute it, ``[N, T, S]``: the product of the responsibilities
+    times the 0/1 padding/causal mask ``allowed`` (or None), L1-normalised over keys with their
+    eps (``F.normalize(..., p=1, eps=1e-6)``). ``allowed`` is ``[K, 1 or N/K, 1 or T, S]``: the N
+    rows are read as K sentence-major blocks (e.g. ``[B, 1, 1, S]`` key padding, ``[1, 1, T, S]``
+    a causal mask)."""
+    product = responsibility_product(resp_query, resp_key, heads)
+    if allowed is not None:
+        T, S = product.shape[-2:]
+        product = (product.view(allowed.size(0), -1, T, S) * allowed).view(-1, T, S)
+    return product / product.sum(-1, keepdim=True).clamp_min(_AUTHORS_EPS)
 
 
 def semantic_log_mask(resp_query: Tensor, resp_key: Tensor, heads: Optional[int] = None) -> Tensor:
@@ -454,7 +568,7 @@ def semantic_mask(resp_query: Tensor, resp_key: Tensor, key_padding_mask: Option
     return m / m.sum(-1, keepdim=True).clamp_min(1e-12)
 
 
-def mix_attention(scores: Tensor, mask: Optional[Tensor], mix: Tensor) -> Tensor:
+def mix_attention(scores: Tensor, mask: Optional[Tensor], mix: Tensor, norm_floor: float = 0.0) -> Tensor:
     """A_hat = (1 - g) A + g A_bar (eq. 11), from pre-softmax ``scores`` (float32).
 
     A = softmax(scores) (eq. 1); A_bar = M o A / sum_j' (M o A) (eq. 2) with ``mask`` the
@@ -462,26 +576,32 @@ def mix_attention(scores: Tensor, mask: Optional[Tensor], mix: Tensor) -> Tensor
     softmax: A_bar reuses A (the same value as softmax(scores + log M), without a
     second exponential pass). Differentiable in ``scores`` and ``mask`` by
     :class:`_MixedAttention`, which keeps only A, M and the row sums for the backward pass.
+    ``norm_floor``: the row sums are clamped from below (the authors' ``F.normalize`` eps, 1e-6,
+    with the normalised mask of :func:`authors_semantic_mask`).
     """
     if mask is None:
         return torch.softmax(scores, dim=-1)
     # g is a schedule (the SDMACore buffer), never trained: no gradient flows to it
-    return _MixedAttention.apply(scores, mask.to(scores.dtype), mix.detach().to(scores.dtype))
+    return _MixedAttention.apply(scores, mask.to(scores.dtype), mix.detach().to(scores.dtype), norm_floor)
 
 
 class _MixedAttention(torch.autograd.Function):
     """eq. (1), (2), (11) as one autograd node: ``(scores, M, g) -> A_hat``, ``[..., T, S]``.
 
-    Saves A, M and Z = sum_j M_ij A_ij (autograd would keep A, M, M o A and A_bar). Backward:
-    dA_bar = g dA_hat; dW = (dA_bar - <dA_bar, A_bar>) / Z for W = M o A; dM = dW o A;
-    dA = (1 - g) dA_hat + dW o M; dscores = A o (dA - <dA, A>), <.,.> the row sums.
+    Saves A, M and Z = max(sum_j M_ij A_ij, floor) (autograd would keep A, M, M o A and A_bar).
+    Backward: dA_bar = g dA_hat; dW = (dA_bar - <dA_bar, A_bar>) / Z for W = M o A (the second
+    term vanishes on rows where Z is the floor); dM = dW o A; dA = (1 - g) dA_hat + dW o M;
+    dscores = A o (dA - <dA, A>), <.,.> the row sums.
     """
 
     @staticmethod
-    def forward(ctx, scores, mask, mix):
+    def forward(ctx, scores, mask, mix, norm_floor=0.0):
         attn = torch.softmax(scores, dim=-1)
         masked = attn * mask
         norm = masked.sum(-1, keepdim=True)
+        if norm_floor > 0:
+            norm = norm.clamp_min(norm_floor)
+        ctx.norm_floor = norm_floor
         ctx.save_for_backward(attn, mask, norm, mix)
         return torch.lerp(attn, masked.div_(norm), mix)
 
@@ -490,11 +610,14 @@ class _MixedAttention(torch.autograd.Function):
         attn, mask, norm, mix = ctx.saved_tensors
         masked = attn * mask / norm  # A_bar
         grad_masked = grad * mix
-        grad_w = (grad_masked - (grad_masked * masked).sum(-1, keepdim=True)).div_(norm)
+        inner = (grad_masked * masked).sum(-1, keepdim=True)
+        if ctx.norm_floor > 0:
+            inner = inner.masked_fill(norm <= ctx.norm_floor, 0.0)
+        grad_w = (grad_masked - inner).div_(norm)
         grad_mask = grad_w * attn if ctx.needs_input_grad[1] else None
         grad_attn = torch.addcmul(grad * (1.0 - mix), grad_w, mask)
         grad_scores = attn * (grad_attn - (grad_attn * attn).sum(-1, keepdim=True))
-        return grad_scores, grad_mask, None
+        return grad_scores, grad_mask, None, None
 
 
 def fused_mix_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, mix: Tensor,
@@ -509,8 +632,10 @@ def fused_mix_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, mix: Tens
     ``base_mask`` an additive float mask (padding / future positions as ``-inf``) broadcastable
     to ``[B, H, T, S]`` in ``q``'s dtype, or None. Returns ``[B, H, T, D]`` in ``q``'s dtype.
     With ``dropout_p > 0`` each branch draws its own dropout (the explicit path drops A_hat).
+    A mask with zeros (the authors' :func:`authors_semantic_mask`) is floored at the smallest
+    normal float before the log; the authors' 1e-6 floor of sum_j M_ij A_ij is not applied here.
     """
-    log_mask = torch.log(mask).to(q.dtype)
+    log_mask = torch.log(mask.clamp_min(torch.finfo(mask.dtype).tiny)).to(q.dtype)
     if base_mask is not None:
         log_mask = log_mask + base_mask
     plain = F.scaled_dot_product_attention(q, k, v, attn_mask=base_mask, dropout_p=dropout_p, scale=1.0)
@@ -550,10 +675,11 @@ class SDMACore(nn.Module):
         self.num_heads = num_heads
         self.head_dim = embed_dim // num_heads
         self.feature_gmm = GaussianMixture(
-            num_heads, options.num_clusters, self.head_dim, options.centroid_grad_scale
+            num_heads, options.num_clusters, self.head_dim, options.centroid_grad_scale, init=options.reading
         )
         self.query_gmm = (
-            GaussianMixture(1, options.num_query_clusters, self.head_dim, options.centroid_grad_scale)
+            GaussianMixture(1, options.num_query_clusters, self.head_dim, options.centroid_grad_scale,
+                            init=options.reading)
             if options.mode == "sdma"
             else None
         )
@@ -578,6 +704,29 @@ class SDMACore(nn.Module):
             eps = torch.randn(x.shape, dtype=x.dtype, device=x.device)
             return torch.add(x, eps, alpha=math.sqrt(self.options.noise_var))
         return x
+
+    def sample(self, x: Tensor, training: bool) -> Tuple[Tensor, Tensor]:
+        """(input of the feature clustering, input of the projections) for attention input ``x``.
+
+        Both are the one sample z of eq. (8), except in the authors' reading with c_g <= 1, where
+        their code clusters x / 10 without noise and projects the noisy x (their
+        ``grad_multiplier == 1`` branch).
+        """
+        if self.options.authors and self.options.centroid_grad_scale <= 1:
+            return x / 10.0, self.perturb(x, training)
+        z = self.perturb(x, training)
+        return z, z
+
+    def sample_queries(self, q: Tensor, training: bool) -> Tuple[Tensor, Tensor]:
+        """(input of the query GMM, queries of the scores) for the scaled queries ``q``.
+
+        Paper reading: ``q`` itself (it carries the sample of eq. 8 through W_q). Authors
+        reading: a second draw, q + sigma * eps (their ``disentangled_attention`` step 4), used
+        for both; with c_g <= 1 their code clusters q / 10 and scores the noisy q.
+        """
+        if not self.options.authors:
+            return q, q
+        return self.sample(q, training)
 
     def cluster(self, x: Tensor, gmm_terms: Optional[Tuple[Tensor, Tensor, Tensor]] = None) -> Tuple[Tensor, Tensor]:
         """Feature clustering of eq. (9): ``x [..., n_h * d_k]`` -> (log-joint, log p(c|z)), ``[..., n_h, n_c]``.
@@ -604,11 +753,18 @@ class SDMACore(nn.Module):
 
     # -- regularisers -----------------------------------------------------------
     def record(self, log_joint_z: Tensor, log_resp_z: Tensor, query_valid: Tensor,
-               log_joint_q: Optional[Tensor] = None, log_resp_q: Optional[Tensor] = None) -> None:
-        """Keep this forward pass's clustering for the regularisers (``[T, B, n_h, C]``)."""
+               log_joint_q: Optional[Tensor] = None, log_resp_q: Optional[Tensor] = None,
+               log_joint_k: Optional[Tensor] = None, log_resp_k: Optional[Tensor] = None,
+               key_valid: Optional[Tensor] = None) -> None:
+        """Keep this forward pass's clustering for the regularisers (``[T, B, n_h, C]``).
+
+        ``*_k`` (``[S, B, n_h, C]``, ``key_valid [S, B]``): the clustering of a cross-attention's
+        keys, whose KL and diversity the authors' reading adds to the module's.
+        """
         self.pending = {
             "log_joint_z": log_joint_z, "log_resp_z": log_resp_z, "valid": query_valid,
             "log_joint_q": log_joint_q, "log_resp_q": log_resp_q,
+            "log_joint_k": log_joint_k, "log_resp_k": log_resp_k, "valid_k": key_valid,
         }
 
     def pop_pending(self) -> Optional[Dict[str, Tensor]]:
@@ -625,7 +781,7 @@ class SDMACore(nn.Module):
     def extra_repr(self) -> str:
         o = self.options
         return (
-            f"mode={o.mode}, heads={self.num_heads}, clusters={o.num_clusters}, "
+            f"mode={o.mode}, reading={o.reading}, heads={self.num_heads}, clusters={o.num_clusters}, "
             f"query_clusters={o.num_query_clusters}, nu={o.mix_max}, c_g={o.centroid_grad_scale}"
         )
 
@@ -635,12 +791,24 @@ def _stack_layers(tensors: List[Tensor]) -> Tensor:
     return torch.stack([clusters_first(t) for t in tensors], dim=1).movedim(0, -1)
 
 
-def sdma_losses(cores) -> Dict[str, Tensor]:
+# Diagnostics of the clustering a user can watch (sums, so they add over batches and DDP workers):
+# the share of the authors' L_Dqq normalisers at their 1e-6 clamp, their L_Dqq against the exact one
+# (same positions), and the cluster hardness (mean max_c p(c|z) of the feature GMMs over real tokens).
+DIAGNOSTIC_SUMS = ("dqq_clamped", "dqq_normalisers", "dqq_authors", "dqq_exact", "hardness_sum", "hardness_count")
+
+
+def _accumulate(into: Dict[str, Tensor], name: str, value: Tensor) -> None:
+    value = value.detach().float()
+    into[name] = into[name] + value if name in into else value
+
+
+def sdma_losses(cores, diagnostics: Optional[Dict[str, Tensor]] = None) -> Dict[str, Tensor]:
     """The regularisers of SDMA modules of ONE attention type, per sentence (``[B]`` each).
 
     The modules' clustering tensors are stacked along a layer axis so each term is one
     batched computation, averaged over the layers; modules without a recorded forward
-    pass are skipped.
+    pass are skipped. The modules' ``reading`` decides the form of each term (see the module
+    docstring). ``diagnostics``: a dict to which the sums of :data:`DIAGNOSTIC_SUMS` are added.
     """
     items = [(c, c.pop_pending()) for c in cores]
     items = [(c, p) for c, p in items if p is not None]
@@ -648,29 +816,64 @@ def sdma_losses(cores) -> Dict[str, Tensor]:
         return {}
     first_core, first = items[0]
     o = first_core.options
-    valid = first["valid"].float()
+    authors = o.authors
+    real = first["valid"].float()
+    # the authors average over the padded length and normalise over pad tokens too
+    valid = torch.ones_like(real) if authors else real
     log_joint_z = _stack_layers([p["log_joint_z"] for _, p in items])
     log_resp_z = _stack_layers([p["log_resp_z"] for _, p in items])
     resp_z = log_resp_z.exp()
     trace_z = torch.stack([c.feature_gmm.trace_precision() for c, _ in items])
+    log_prior_z = torch.stack([c.feature_gmm.log_prior() for c, _ in items]) if authors else None
+    s2 = o.kl_posterior_var
     losses = {
-        "kl_z": vade_kl(log_joint_z, log_resp_z, trace_z, first_core.head_dim, o.posterior_var, valid, resp_z),
-        "dv_z": cluster_diversity(resp_z, valid, o.diversity_alpha, o.diversity_beta),
+        "kl_z": vade_kl(log_joint_z, log_resp_z, trace_z, first_core.head_dim, s2, valid, resp_z, log_prior_z),
+        "dv_z": cluster_diversity(resp_z, valid, o.diversity_alpha, o.diversity_beta, squared=not authors),
     }
+    if authors and first["log_joint_k"] is not None:
+        # cross-attention: the (noisy) encoder keys' KL and diversity, over the padded source length
+        log_joint_k = _stack_layers([p["log_joint_k"] for _, p in items])
+        log_resp_k = _stack_layers([p["log_resp_k"] for _, p in items])
+        resp_k = log_resp_k.exp()
+        valid_k = torch.ones_like(first["valid_k"].float())
+        losses["kl_z"] = losses["kl_z"] + vade_kl(log_joint_k, log_resp_k, trace_z, first_core.head_dim, s2,
+                                                  valid_k, resp_k, log_prior_z)
+        losses["dv_z"] = losses["dv_z"] + cluster_diversity(resp_k, valid_k, o.diversity_alpha,
+                                                            o.diversity_beta, squared=False)
+    if diagnostics is not None:
+        with torch.no_grad():
+            hardest = clusters_first(resp_z).amax(0)  # [L, T, B, H]
+            _accumulate(diagnostics, "hardness_sum", (hardest * real[None, :, :, None]).sum())
+            _accumulate(diagnostics, "hardness_count", real.sum() * hardest.size(0) * hardest.size(-1))
     if first["log_joint_q"] is not None:
         log_joint_q = _stack_layers([p["log_joint_q"] for _, p in items])
         log_resp_q = _stack_layers([p["log_resp_q"] for _, p in items])
         resp_q = log_resp_q.exp()
         trace_q = torch.stack([c.query_gmm.trace_precision().expand(c.num_heads, -1) for c, _ in items])
-        losses["kl_q"] = vade_kl(log_joint_q, log_resp_q, trace_q, first_core.head_dim, o.posterior_var,
-                                 valid, resp_q)
-        losses["dv_q"] = cluster_diversity(resp_q, valid, o.diversity_alpha, o.diversity_beta)
-        losses["dqq"] = head_mi_upper_bound(log_joint_q, resp_q, valid)
+        log_prior_q = (torch.stack([c.query_gmm.log_prior().expand(c.num_heads, -1) for c, _ in items])
+                       if authors else None)
+        losses["kl_q"] = vade_kl(log_joint_q, log_resp_q, trace_q, first_core.head_dim, s2,
+                                 valid, resp_q, log_prior_q)
+        losses["dv_q"] = cluster_diversity(resp_q, valid, o.diversity_alpha, o.diversity_beta, squared=not authors)
+        authors_p = clamped = None
+        if authors or diagnostics is not None:
+            authors_p, clamped = authors_token_given_cluster(clusters_first(log_joint_q))
+        losses["dqq"] = head_mi_upper_bound(log_joint_q, resp_q, valid, authors,
+                                            p_token_given_c=authors_p if authors else None)
         losses["dxq"] = query_input_mi_lower_bound(resp_q, valid)
+        if diagnostics is not None:
+            with torch.no_grad():
+                other = head_mi_upper_bound(log_joint_q, resp_q, valid, not authors,
+                                            p_token_given_c=None if authors else authors_p)
+                exact, theirs = (other, losses["dqq"]) if authors else (losses["dqq"], other)
+                _accumulate(diagnostics, "dqq_clamped", clamped.sum())
+                _accumulate(diagnostics, "dqq_normalisers", log_joint_q.new_tensor(float(clamped.numel())))
+                _accumulate(diagnostics, "dqq_authors", theirs.sum())
+                _accumulate(diagnostics, "dqq_exact", exact.sum())
     return losses
 
 
-def collect_sdma_losses(model: nn.Module) -> Dict[str, Tensor]:
+def collect_sdma_losses(model: nn.Module, diagnostics: Optional[Dict[str, Tensor]] = None) -> Dict[str, Tensor]:
     """Per-sentence SDMA losses (eq. 20-23): layer mean per attention type, summed over types.
 
     Modules are grouped by ``sdma_group`` (e.g. ``encoder_self``, ``decoder_self``,
@@ -678,16 +881,18 @@ def collect_sdma_losses(model: nn.Module) -> Dict[str, Tensor]:
     eq. 20 and 23), and the groups are summed. Every value is ``[B]`` (one per sentence
     of the batch); a term no module produced (e.g. the query terms of SMA-T) is zeros,
     and when no SDMA module ran at all (V-T) every term is a 0-dim zero, so every term is
-    present in every step's logging output. Clears the recorded passes.
+    present in every step's logging output. Clears the recorded passes. ``diagnostics``:
+    see :func:`sdma_losses`.
     """
     groups: Dict[str, list] = {}
     for module in model.modules():
         if isinstance(module, SDMACore) and module.pending is not None:
             pending = module.pending
             key = (getattr(module, "sdma_group", "default"), tuple(pending["log_joint_z"].shape),
-                   None if pending["log_joint_q"] is None else tuple(pending["log_joint_q"].shape))
+                   None if pending["log_joint_q"] is None else tuple(pending["log_joint_q"].shape),
+                   None if pending["log_joint_k"] is None else tuple(pending["log_joint_k"].shape))
             groups.setdefault(key, []).append(module)
-    per_group = [sdma_losses(cores) for cores in groups.values()]
+    per_group = [sdma_losses(cores, diagnostics) for cores in groups.values()]
     present = [v for g in per_group for v in g.values()]
     zeros = torch.zeros_like(present[0]) if present else torch.zeros(())
     total = {}
@@ -695,6 +900,20 @@ def collect_sdma_losses(model: nn.Module) -> Dict[str, Tensor]:
         values = [g[name] for g in per_group if name in g]
         total[name] = torch.stack(values).sum(0) if values else zeros
     return total
+
+
+def diagnostic_summary(sums: Mapping[str, float]) -> Dict[str, float]:
+    """``dqq_clamped`` (share of the authors' L_Dqq normalisers at their clamp), ``dqq_ratio``
+    (their L_Dqq / the exact one) and ``hardness`` (mean max_c p(c|z)) from the sums of
+    :data:`DIAGNOSTIC_SUMS`; a value whose denominator is 0 is left out."""
+    out = {}
+    for name, num, den in (("dqq_clamped", "dqq_clamped", "dqq_normalisers"),
+                           ("dqq_ratio", "dqq_authors", "dqq_exact"),
+                           ("hardness", "hardness_sum", "hardness_count")):
+        denominator = float(sums.get(den, 0.0))
+        if denominator > 0:
+            out[name] = float(sums.get(num, 0.0)) / denominator
+    return out
 
 
 def check_finite(terms: Dict[str, Tensor], advice: str,

@@ -172,10 +172,11 @@ def test_restore_file_resumes_schedule_and_g(trained, data_bin, tmp_path):
     assert resumed["optimizer_history"][-1]["num_updates"] == 44
 
 
-def test_ddp_two_cpu_processes_match_update_freq_two(data_bin, tmp_path):
+@pytest.mark.parametrize("reading", ["authors", "paper"])
+def test_ddp_two_cpu_processes_match_update_freq_two(data_bin, tmp_path, reading):
     """fairseq DDP (gloo, 2 processes) == one process with --update-freq 2 on the same batches."""
     common = ["--max-update", "3", "--dropout", "0", "--sdma-noise-var", "0", "--disable-validation",
-              "--no-epoch-checkpoints", "--max-tokens", "600"]
+              "--no-epoch-checkpoints", "--max-tokens", "600", "--sdma-reading", reading]
     single = tmp_path / "single"
     run(train_cmd(data_bin, single, *common, "--update-freq", "2"))
     ddp = tmp_path / "ddp"

@@ -139,7 +139,8 @@ def assert_fairseq_states_identical(a, b):
 
 # ------------------------------------------------------------- (a) SDMA translation
 @needs_ding
-def test_sdma_translation_resume_is_bit_identical(small_translation_bin, tmp_path):
+@pytest.mark.parametrize("reading", ["authors", "paper"])
+def test_sdma_translation_resume_is_bit_identical(small_translation_bin, tmp_path, reading):
     def train(save_dir, max_update):
         return run([
             venv_bin("fairseq-train"), small_translation_bin, "--user-dir", REPO / "user_dir",
@@ -150,7 +151,7 @@ def test_sdma_translation_resume_is_bit_identical(small_translation_bin, tmp_pat
             "--optimizer", "adam", "--lr", "2e-3", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "10",
             "--max-tokens", "500", "--max-update", max_update, "--max-epoch", "100", "--seed", "1", "--cpu",
             "--no-progress-bar", "--log-format", "json", "--log-interval", "1", "--save-dir", save_dir,
-            "--no-epoch-checkpoints", "--num-workers", "0",
+            "--no-epoch-checkpoints", "--num-workers", "0", "--sdma-reading", reading,
         ])
 
     a, b, log_c, log_r = fairseq_resume(train, tmp_path)

@@ -525,7 +525,7 @@ BERT_FUSED_ARCHITECTURES = {
 def _register(name, embed, ffn, heads, overrides):
     def architecture(args):
         _bert_defaults(args)
-        _table_one(args, embed, ffn, heads, **overrides)
+        _table_one(args, embed, ffn, heads, authors_script=True, **overrides)
 
     architecture.__name__ = name
     architecture.__doc__ = f"Embed {embed}, FFN {ffn}, {heads} heads, 6+6 layers (Table I)"

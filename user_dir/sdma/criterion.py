@@ -31,6 +31,7 @@ from fairseq.logging import metrics
 from fairseq.dataclass import ChoiceEnum
 
 from latent_core.sdma import (
+    DIAGNOSTIC_SUMS,
     LOSS_NAMES,
     LOSS_WEIGHTS,
     REGULARISER_SCALES,
@@ -40,6 +41,7 @@ from latent_core.sdma import (
     check_loss_weight,
     collect_sdma_losses,
     diagnose_nonfinite,
+    diagnostic_summary,
     scale_regulariser,
     weighted_regulariser,
 )
@@ -105,7 +107,8 @@ class SDMALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion)
         net_output = model(**sample["net_input"])
         loss, nll_loss = self.compute_loss(model, net_output, sample, reduce=reduce)
         sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
-        terms = collect_sdma_losses(model)
+        diagnostics = {}
+        terms = collect_sdma_losses(model, diagnostics)
         check_finite(terms, FAIRSEQ_ADVICE,
                      diagnose=lambda: diagnose_nonfinite(model, lambda: model(**sample["net_input"])))
         per_sentence = weighted_regulariser(terms, self.loss_weights(model))  # [B]
@@ -124,6 +127,8 @@ class SDMALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion)
         for name in LOSS_NAMES:  # summed over sentences here, per sentence in reduce_metrics
             term = terms[name].detach().float()
             logging_output["sdma_" + name] = term.sum() if term.dim() else term * sample["target"].size(0)
+        for name, value in diagnostics.items():  # sums: the ratios are formed in reduce_metrics
+            logging_output["sdma_diag_" + name] = value
         if self.report_accuracy:
             n_correct, total = self.compute_accuracy(model, net_output, sample)
             logging_output["n_correct"] = n_correct.data
@@ -144,6 +149,7 @@ class SDMALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion)
         for name in LOSS_NAMES:
             total = sum(log.get("sdma_" + name, 0) for log in logging_outputs)
             metrics.log_scalar("sdma_" + name, total / max(nsentences, 1), nsentences, round=4)
+        log_sdma_diagnostics(logging_outputs)
 
     @staticmethod
     def logging_outputs_can_be_summed() -> bool:
@@ -154,3 +160,16 @@ def _unwrap(model):
     while hasattr(model, "module"):
         model = model.module
     return model
+
+
+def log_sdma_diagnostics(logging_outputs) -> None:
+    """``sdma_dqq_clamped`` (share of the authors' L_Dqq normalisers at their 1e-6 clamp),
+    ``sdma_dqq_ratio`` (their L_Dqq / the exact one) and ``sdma_hardness`` (mean max_c p(c|z) of the
+    feature GMMs over real tokens), each weighted by its denominator so that averages over log
+    intervals and DDP workers are ratios of sums."""
+    sums = {name: float(sum(log.get("sdma_diag_" + name, 0) for log in logging_outputs))
+            for name in DIAGNOSTIC_SUMS}
+    weights = {"dqq_clamped": sums["dqq_normalisers"], "dqq_ratio": sums["dqq_exact"],
+               "hardness": sums["hardness_count"]}
+    for name, value in diagnostic_summary(sums).items():
+        metrics.log_scalar("sdma_" + name, value, weights[name], round=4)

@@ -6,9 +6,11 @@ next to ``prev_key`` (key ``prev_key_resp``, shape ``[B, n_h, S, n_c]``) so that
 step-by-step decoding computes the same semantic mask as a full forward pass.
 """
 
+import math
 from typing import Dict, Optional, Tuple
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from fairseq.modules.multihead_attention import MultiheadAttention
 from torch import Tensor
@@ -16,11 +18,15 @@ from torch import Tensor
 from latent_core.sdma import (
     SDMACore,
     SDMAOptions,
+    authors_semantic_mask,
     fused_mix_attention,
     mix_attention,
     semantic_mask_product,
     use_fused_kernel,
 )
+
+
+AUTHORS_NORM_FLOOR = 1e-6  # the eps of the authors' F.normalize of M o A
 
 
 class SDMAMultiheadAttention(MultiheadAttention):
@@ -34,6 +40,12 @@ class SDMAMultiheadAttention(MultiheadAttention):
     ``key_padding_mask [B, S]`` (True = pad); returns ``([T, B, E], weights)`` with the
     mixed attention A_hat of eq. (11) as weights (``[B, T, S]``, or
     ``[n_h, B, T, S]`` with ``need_head_weights``).
+
+    In the ``authors`` reading (:class:`SDMAOptions`) the module computes what the authors'
+    ``DisentangledAttention`` computes in training: the queries get a second noise draw, k and v
+    come from the clean input (cross-attention: k from the noisy keys, v from the clean values),
+    the mask is their normalised one, the decoder self-attention ignores key padding beside its
+    causal mask, and the four projections start from their initialisation.
     """
 
     def __init__(self, embed_dim, num_heads, *, sdma: SDMAOptions, group: str, **kwargs):
@@ -48,6 +60,8 @@ class SDMAMultiheadAttention(MultiheadAttention):
         super().__init__(embed_dim, num_heads, **kwargs)
         self.sdma = SDMACore(embed_dim, num_heads, sdma)
         self.sdma.sdma_group = group
+        if sdma.authors and sdma.mode != "none":
+            self._reset_projections_as_authors()
         # Set by SDMADecoderLayer for the duration of one forward: the decoder's
         # padding, which cross-attention does not otherwise receive.
         self.query_padding_mask: Optional[Tensor] = None
@@ -82,16 +96,23 @@ class SDMAMultiheadAttention(MultiheadAttention):
             if "prev_key" in saved_state and static_kv:
                 key = value = None
 
+        authors = core.options.authors
+        real_key_padding_mask = key_padding_mask
+        if authors and self.self_attention and attn_mask is not None:
+            # their causal self-attention masks the future only (pad keys stay visible to pad queries)
+            key_padding_mask = None
+
         # eq. (8): one noisy sample z, clustered (eq. 9) and projected (Algorithm 1)
-        z = core.perturb(query, self.training)
+        z_cluster, z = core.sample(query, self.training)
         gmm_terms = self._decoding_gmm_terms(incremental_state)
-        log_joint_z, log_resp_z = core.cluster(z, gmm_terms)  # [T, B, H, C]
+        log_joint_z, log_resp_z = core.cluster(z_cluster, gmm_terms)  # [T, B, H, C]
         resp_query = core.heads_first(log_resp_z.exp())  # [B*H, T, C]
 
         q = self._scaled_query(z)
-        key_resp = None
+        key_resp = log_joint_k = log_resp_k = None
         if self.self_attention:
-            k, v = self.k_proj(z), self.v_proj(z)
+            source = query if authors else z  # the authors project k and v from the clean input
+            k, v = self.k_proj(source), self.v_proj(source)
             key_resp = resp_query
         elif key is not None:
             if self.beam_size > 1 and bsz == key.size(1):
@@ -102,18 +123,26 @@ class SDMAMultiheadAttention(MultiheadAttention):
                     key_padding_mask = key_padding_mask.view(
                         -1, self.beam_size, key_padding_mask.size(1)
                     )[:, 0, :]
-            k, v = self.k_proj(key), self.v_proj(value)
-            key_resp = core.heads_first(core.cluster(key, gmm_terms)[1].exp())
+                real_key_padding_mask = key_padding_mask
+            if authors:  # their keys are perturbed, clustered and projected noisy; values stay clean
+                key_cluster, key_sample = core.sample(key, self.training)
+                log_joint_k, log_resp_k = core.cluster(key_cluster, gmm_terms)
+                k, v = self.k_proj(key_sample), self.v_proj(value)
+            else:
+                k, v = self.k_proj(key), self.v_proj(value)
+                log_resp_k = core.cluster(key, gmm_terms)[1]
+            key_resp = core.heads_first(log_resp_k.exp())
         else:
             k = v = None
 
-        # query clustering for head disentanglement (eq. 16-19), on the scaled queries
-        q_heads = q.view(tgt_len, bsz, H, D)
+        # query clustering for head disentanglement (eq. 16-19), on the scaled queries; the
+        # paper reading's q = W_q z + b already carries the sample of eq. (8), the authors'
+        # draws a second one
+        q_cluster, q = core.sample_queries(q, self.training)
         log_joint_q = log_resp_q = None
         need_losses = incremental_state is None
         if core.query_gmm is not None and need_losses:
-            # q = W_q z + b already carries the sample of eq. (8); no second draw
-            log_joint_q, log_resp_q = core.cluster_queries(q_heads)
+            log_joint_q, log_resp_q = core.cluster_queries(q_cluster.view(tgt_len, bsz, H, D))
 
         q = q.contiguous().view(tgt_len, bsz * H, D).transpose(0, 1)
         kv_bsz = bsz
@@ -152,7 +181,11 @@ class SDMAMultiheadAttention(MultiheadAttention):
             key_padding_mask = None
 
         beamable = self.encoder_decoder_attention and bsz != kv_bsz
-        mask = semantic_mask_product(resp_query, key_resp, heads=H)  # eq. (10), [B*H, T, S]
+        if authors:  # eq. (10) as their code: times the padding/causal mask, L1-normalised with eps
+            mask = authors_semantic_mask(resp_query, key_resp, self._allowed_keys(
+                key_padding_mask, attn_mask, bsz, kv_bsz, tgt_len, src_len), heads=H)
+        else:
+            mask = semantic_mask_product(resp_query, key_resp, heads=H)  # eq. (10), [B*H, T, S]
         dropout_active = self.training and self.dropout_module.p > 0
         attn_float = None
         if not beamable and not before_softmax and use_fused_kernel(
@@ -189,7 +222,8 @@ class SDMAMultiheadAttention(MultiheadAttention):
             if before_softmax:
                 return scores, v
 
-            attn_float = mix_attention(scores, mask, core.mix_weight)  # eq. (1), (2), (11)
+            attn_float = mix_attention(  # eq. (1), (2), (11)
+                scores, mask, core.mix_weight, norm_floor=AUTHORS_NORM_FLOOR if authors else 0.0)
             attn_probs = self.dropout_module(attn_float.type_as(v))
             if beamable:
                 attn = torch.einsum(
@@ -203,12 +237,18 @@ class SDMAMultiheadAttention(MultiheadAttention):
         attn = self.out_proj(attn)
 
         if need_losses:
-            query_pad = key_padding_mask if self.self_attention else self.query_padding_mask
+            query_pad = real_key_padding_mask if self.self_attention else self.query_padding_mask
             if query_pad is not None and query_pad.size(-1) == tgt_len:
                 query_valid = (~query_pad.to(torch.bool)).t().float()
             else:
                 query_valid = query.new_ones(tgt_len, bsz, dtype=torch.float32)
-            core.record(log_joint_z, log_resp_z, query_valid, log_joint_q, log_resp_q)
+            key_valid = None
+            if log_joint_k is not None:
+                key_valid = query.new_ones(src_len, kv_bsz, dtype=torch.float32)
+                if real_key_padding_mask is not None:
+                    key_valid = (~real_key_padding_mask.to(torch.bool)).t().float()
+            core.record(log_joint_z, log_resp_z, query_valid, log_joint_q, log_resp_q,
+                        log_joint_k, log_resp_k, key_valid)
 
         weights: Optional[Tensor] = None
         if need_weights and attn_float is not None:
@@ -216,6 +256,28 @@ class SDMAMultiheadAttention(MultiheadAttention):
             if not need_head_weights:
                 weights = weights.mean(dim=0)
         return attn, weights
+
+    def _reset_projections_as_authors(self) -> None:
+        """The authors' initialisation of the four projections (``DisentangledAttention.init_params``):
+        weights xavier_normal_ with gain 1/sqrt(2), biases as ``nn.Linear`` leaves them."""
+        for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            nn.init.xavier_normal_(proj.weight, gain=1 / math.sqrt(2))
+            if proj.bias is not None:
+                bound = 1 / math.sqrt(proj.weight.size(1))
+                nn.init.uniform_(proj.bias, -bound, bound)
+
+    @staticmethod
+    def _allowed_keys(key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor], bsz: int,
+                      kv_bsz: int, tgt_len: int, src_len: int) -> Optional[Tensor]:
+        """The 0/1 mask of keys a query may attend to, broadcastable to ``[B*H, T, S]`` through a
+        ``[kv_bsz, -1, T, S]`` view (None when every key is allowed)."""
+        allowed = None
+        if key_padding_mask is not None:
+            allowed = (~key_padding_mask.to(torch.bool)).float()[:, None, None, :]  # [kv_bsz, 1, 1, S]
+        if attn_mask is not None:
+            future = (attn_mask > float("-inf")).float()[None, None]  # [1, 1, T, S]
+            allowed = future if allowed is None else allowed * future
+        return allowed
 
     def _scaled_query(self, z: Tensor) -> Tensor:
         """``q_proj(z) / sqrt(d_k)``, the scaling folded into W_q and b_q (``[E, E]``) rather than

@@ -109,9 +109,14 @@ def test_causal_mask_future_tokens_do_not_change_the_past(tmp_path):
     assert not torch.allclose(out[:, 4:], out2[:, 4:], atol=1e-3)
 
 
+READINGS = ["authors", "paper"]
+
+
+@pytest.mark.parametrize("reading", READINGS)
 @pytest.mark.parametrize("mask_at_inference", ["false", "true"])
-def test_incremental_decoding_equals_full_scoring(tmp_path, mask_at_inference):
-    model, task, _ = build(tmp_path, "--sdma-decoder-mask-at-inference", mask_at_inference)
+def test_incremental_decoding_equals_full_scoring(tmp_path, mask_at_inference, reading):
+    model, task, _ = build(tmp_path, "--sdma-decoder-mask-at-inference", mask_at_inference,
+                           "--sdma-reading", reading)
     model.eval()
     model.set_num_updates(4000)  # g = 0.86: the mask matters
     src, lengths, prev = batch(task)
@@ -139,10 +144,12 @@ def test_mask_option_changes_inference(tmp_path):
     assert not torch.allclose(outs[0], outs[1], atol=1e-4)
 
 
+@pytest.mark.parametrize("reading", READINGS)
 @pytest.mark.parametrize("mask_at_inference", ["false", "true"])
-def test_beam_search_scores_equal_forced_decoding(tmp_path, mask_at_inference):
+def test_beam_search_scores_equal_forced_decoding(tmp_path, mask_at_inference, reading):
     """Beam search (reorder_incremental_state, beamable cross-attention) vs full scoring."""
-    model, task, _ = build(tmp_path, "--sdma-decoder-mask-at-inference", mask_at_inference)
+    model, task, _ = build(tmp_path, "--sdma-decoder-mask-at-inference", mask_at_inference,
+                           "--sdma-reading", reading)
     model.eval()
     model.set_num_updates(4000)
     src, lengths, _ = batch(task)
@@ -248,10 +255,14 @@ def test_loss_is_extensive_in_the_batch_in_every_term(tmp_path):
         assert float(two[key]) == pytest.approx(2 * float(one[key]), rel=1e-4), key
 
 
-@pytest.mark.parametrize("scale", ["sentence", "batch", "token"])
-def test_regulariser_scale_option(tmp_path, scale):
-    log = train_step_logging(tmp_path, "--sdma-regulariser-scale", scale)
-    weights = {"kl": 0.01, "dqq": 50.0, "dxq": 5.0, "dv": 1.0}  # Table I, IWSLT'14 tiny
+@pytest.mark.parametrize("scale,reading", [("sentence", "authors"), ("batch", "authors"), ("token", "authors"),
+                                           ("sentence", "paper")])
+def test_regulariser_scale_option(tmp_path, scale, reading):
+    log = train_step_logging(tmp_path, "--sdma-regulariser-scale", scale, "--sdma-reading", reading)
+    if reading == "authors":  # their IWSLT script's --mi_loss_weight 10 for every size
+        weights = {"kl": 0.01, "dqq": 100.0, "dxq": 10.0, "dv": 1.0}
+    else:
+        weights = {"kl": 0.01, "dqq": 50.0, "dxq": 5.0, "dv": 1.0}  # Table I, IWSLT'14 tiny
     summed = (weights["kl"] * (log["sdma_kl_z"] + log["sdma_kl_q"]) + weights["dqq"] * log["sdma_dqq"]
               - weights["dxq"] * log["sdma_dxq"] + weights["dv"] * (log["sdma_dv_z"] + log["sdma_dv_q"]))
     expected = {"sentence": summed, "batch": summed / 2, "token": summed / 2 * log["ntokens"]}[scale]

@@ -72,7 +72,8 @@ def sdma_overhead_band(d, s: FlopsSetting, disentangle: bool):
       costs.
     * semantic mask (eq. 10) M = C_q C_k^T: 2 * H * C * queries * keys per sentence (needed).
     * cluster diversity (eq. 23) C^T C per sentence: 2 * H * C^2 * tokens, at most (an
-      implementation may avoid the product; lower bound 0).
+      implementation may avoid the product; lower bound 0); the authors reading (default) adds
+      the cross-attention keys' diversity, so the clustered keys count too.
     * SDMA only: the query GMM (eq. 18), one d_k-dimensional GMM applied to each head's
       query, 4 * E * C_q per query (exact); L_Dqq (eq. 21) 2 * H^2 * C_q per query, L_Dxq's
       critic (eq. 22) 2 * H * C_q * queries^2 per sentence, the query diversity
@@ -85,7 +86,7 @@ def sdma_overhead_band(d, s: FlopsSetting, disentangle: bool):
     square_pairs = B * (Le * S * S + Ld * T * T + Ld * T * S)  # queries x keys
     mask = 2 * H * C * square_pairs
     lower = 4 * E * C * clustered + mask
-    upper = 4 * E * H * C * clustered + mask + 2 * H * C * C * queries
+    upper = 4 * E * H * C * clustered + mask + 2 * H * C * C * clustered
     if disentangle:
         query_gmm = 4 * E * Cq * queries
         lower += query_gmm

@@ -1,0 +1,85 @@
+"""One SDMA attention module on fixed weights, inputs and noise: the case that
+``tests/reference/sdma_authors.py`` runs through the authors' ``DisentangledAttention`` and
+``tests/unit/user_dir/test_sdma_authors_reading.py`` through ours (``reading="authors"``).
+
+Float64 throughout; batch-first ``[B, T, E]`` tensors, as the authors' module takes them.
+"""
+
+from typing import Dict
+
+import torch
+
+EMBED, HEADS, CLUSTERS, BATCH = 16, 2, 3, 3
+HEAD_DIM = EMBED // HEADS
+NUM_UPDATES = 1000  # g = 1 - max(0.1, exp(-0.5)) = 0.393
+# kind -> (attention, c_g, shift of the query GMM's log-variances)
+CASES = {
+    "encoder_self": ("encoder", 10.0, -1.0),
+    "decoder_self": ("decoder", 10.0, -1.0),
+    "decoder_cross": ("cross", 10.0, -1.0),
+    # query variances ~0.015: most of the authors' L_Dqq normalisers sit at their 1e-6 clamp
+    "dqq_clamped": ("encoder", 10.0, -4.2),
+    # c_g = 1: their grad_multiplier == 1 branch (clusters x / 10, projects the noisy x)
+    "centroid_scale_one": ("encoder", 1.0, -1.0),
+}
+PARAMETERS = ("tok_mu", "tok_log_var", "tok_log_prior", "head_mu", "head_log_var", "head_log_prior",
+              "q.weight", "k.weight", "v.weight", "out.weight")
+
+
+def build_case(name: str) -> Dict:
+    """Weights, inputs, key padding and the noise draws of one case (a fixed generator)."""
+    attention, centroid_grad_scale, head_log_var_shift = CASES[name]
+    g = torch.Generator().manual_seed(7)
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    E, H, C, B, D = EMBED, HEADS, CLUSTERS, BATCH, HEAD_DIM
+    T = 5
+    S = 6 if attention == "cross" else T
+    weights = {
+        "q.weight": draw(E, E) / 4, "q.bias": draw(E) / 10, "k.weight": draw(E, E) / 4, "k.bias": draw(E) / 10,
+        "v.weight": draw(E, E) / 4, "v.bias": draw(E) / 10, "out.weight": draw(E, E) / 4, "out.bias": draw(E) / 10,
+        "tok_log_prior": draw(H, C) / 2, "tok_log_var": draw(H, C, D) / 5, "tok_mu": draw(H, C, D) / 2,
+        "head_log_prior": draw(1, C) / 2, "head_log_var": draw(1, C, D) / 5 + head_log_var_shift,
+        "head_mu": draw(1, C, D) / 3,
+    }
+    x = draw(B, T, E)
+    key = draw(B, S, E) if attention == "cross" else x
+    lengths = torch.tensor([S, S - 3, S - 1]) if attention == "cross" else torch.tensor([T, T - 2, T - 1])
+    # noise, in the authors' [B, H, L, d_k] layout: the attention input, (the keys), the scaled queries
+    noise = {"query": draw(B, H, T, D), "key": draw(B, H, S, D), "scaled_query": draw(B, H, T, D)}
+    return {
+        "attention": attention, "centroid_grad_scale": centroid_grad_scale, "weights": weights, "x": x,
+        "key": key, "key_padding_mask": torch.arange(S)[None, :] >= lengths[:, None],  # [B, S], True = pad
+        "noise": noise, "output_weight": draw(B, T, E),
+    }
+
+
+def noise_order(case: Dict):
+    """The noise draws in the order the authors' module makes them."""
+    keys = ["query"] + (["key"] if case["attention"] == "cross" else []) + ["scaled_query"]
+    return [case["noise"][k] for k in keys]
+
+
+def objective(output, kl, diversity, mi):
+    """What is differentiated: a fixed linear read-out of the output plus the authors' criterion
+    weights (0.01 KL + diversity + mi_loss_weight 10 x mi_loss)."""
+    return output, 0.01 * kl.sum() + diversity.sum() + 10.0 * mi.sum()
+
+
+def summary(case: Dict, output, kl, diversity, mi, gradients: Dict[str, torch.Tensor]) -> Dict:
+    """The numbers compared: per-sentence terms (``kl`` = token + key + query KL, ``diversity`` the
+    same for eq. 23, ``mi`` = 10 L_Dqq - L_Dxq, the authors' ``mi_loss``), the read-out of the output
+    and, per parameter, the dot product of its gradient with a fixed random tensor."""
+    g = torch.Generator().manual_seed(11)
+    dots = {}
+    for name in PARAMETERS:
+        grad = gradients[name]
+        dots[name] = float((grad * torch.randn(grad.shape, generator=g, dtype=torch.float64)).sum())
+    return {
+        "kl": [float(v) for v in kl.detach()], "diversity": [float(v) for v in diversity.detach()],
+        "mi": [float(v) for v in mi.detach()],
+        "output": float((output.detach() * case["output_weight"]).sum()),
+        "gradients": dots,
+    }
