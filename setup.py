@@ -43,6 +43,7 @@ setup(
             "sdma-bench = user_dir.sdma.bench:main",
             "sdma-regulariser-scales = user_dir.sdma.regulariser_scales:main",
             "sdma-bert-runs = user_dir.sdma.bert_fused_runs:main",
+            "sdma-readings-runs = user_dir.sdma.readings_runs:main",
             "sdma-espnet-redundancy = espnet_plugin.asr.redundancy:main",
             "vae-eval = user_dir.sentence_vae.evaluate:cli_main",
             "vae-generate = user_dir.sentence_vae.generate:cli_main",

@@ -13,8 +13,10 @@ import json
 import math
 import re
 import statistics
+import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -37,14 +39,93 @@ def stage(message: str) -> None:
     print(f"[sdma] {message}", flush=True)
 
 
+class CpuContentionMonitor:
+    """Samples, once a ``period``, how much CPU the whole machine and one process tree have used
+    (Linux ``/proc``), so that a run's timed intervals can be split into those during which other
+    processes competed for the cores and those during which they did not.
+
+    ``samples``: ``(seconds since start, machine busy CPU-seconds, tree busy CPU-seconds)``.
+    Without ``/proc`` (not Linux) it records nothing and every interval counts as uncontended.
+    """
+
+    def __init__(self, pid: int, period: float = 1.0):
+        self.pid, self.period = pid, period
+        self.samples: List[tuple] = []
+        self.available = os.path.exists("/proc/stat") and os.path.exists(f"/proc/{pid}/stat")
+        self._tick = os.sysconf("SC_CLK_TCK") if self.available else 100
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._start = time.time()
+
+    def __enter__(self):
+        if self.available:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _machine_busy(self) -> float:
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+        idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+        return (sum(values[:8]) - idle) / self._tick
+
+    def _tree_busy(self) -> float:
+        """CPU-seconds of ``pid`` and its live descendants (e.g. data-loader workers)."""
+        stats = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / self._tick)
+        if self.pid not in stats:
+            raise ValueError("the process has exited")  # its CPU time is gone from /proc: no sample
+        tree, frontier = {self.pid}, [self.pid]
+        while frontier:
+            parent = frontier.pop()
+            children = [p for p, (ppid, _) in stats.items() if ppid == parent and p not in tree]
+            tree.update(children)
+            frontier.extend(children)
+        return sum(stats[p][1] for p in tree if p in stats)
+
+    def sample(self) -> None:
+        try:
+            self.samples.append((time.time() - self._start, self._machine_busy(), self._tree_busy()))
+        except (OSError, ValueError, IndexError):
+            pass
+
+    def _run(self) -> None:
+        self.sample()
+        while not self._stop.wait(self.period):
+            self.sample()
+        self.sample()
+
+    def other_cores(self, start: float, end: float) -> float:
+        """Mean number of cores used by processes outside the tree between ``start`` and ``end``
+        (seconds since the monitor started); NaN when fewer than two samples cover the span."""
+        inside = [s for s in self.samples if start - self.period <= s[0] <= end + self.period]
+        if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+            return float("nan")
+        (t0, m0, p0), (t1, m1, p1) = inside[0], inside[-1]
+        return max(0.0, ((m1 - m0) - (p1 - p0)) / (t1 - t0))
+
+
 def run_streaming(cmd: Sequence, log_path: Path, echo_filter: Optional[str] = None,
-                  wrap_rss: bool = False, echo: bool = True) -> Dict:
+                  wrap_rss: bool = False, echo: bool = True, monitor_cpu: bool = False) -> Dict:
     """Run ``cmd``; echo lines matching ``echo_filter`` (all if None; none without ``echo``);
     keep the full log (stdout and stderr) in ``log_path``. SystemExit with the log's tail when
     the command fails.
 
     With ``wrap_rss`` the command (a console script) runs under ``latent_core.peak_rss``, which
-    reports the process's peak resident memory (``ru_maxrss``) when it exits.
+    reports the process's peak resident memory (``ru_maxrss``) when it exits. With
+    ``monitor_cpu`` a :class:`CpuContentionMonitor` watches it (``result["cpu_monitor"]``; its
+    clock starts with the command, as ``line_seconds`` does).
     """
     cmd = [str(c) for c in cmd]
     if wrap_rss:
@@ -54,22 +135,32 @@ def run_streaming(cmd: Sequence, log_path: Path, echo_filter: Optional[str] = No
     lines: List[str] = []
     arrived: List[float] = []
     pattern = re.compile(echo_filter) if echo_filter else None
+    monitor = None
     with open(log_path, "w") as log, subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
     ) as proc:
-        for line in proc.stdout:
-            log.write(line)
-            lines.append(line)
-            arrived.append(time.time() - start)
-            if echo and (pattern is None or pattern.search(line)):
-                print("    " + line.rstrip()[-200:], flush=True)
-        proc.wait()
+        if monitor_cpu:
+            monitor = CpuContentionMonitor(proc.pid)
+            monitor._start = start
+            monitor.__enter__()
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                lines.append(line)
+                arrived.append(time.time() - start)
+                if echo and (pattern is None or pattern.search(line)):
+                    print("    " + line.rstrip()[-200:], flush=True)
+            proc.wait()
+        finally:
+            if monitor is not None:
+                monitor.__exit__(None, None, None)
     if proc.returncode != 0:
         tail = "".join(lines[-40:])
         raise SystemExit(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{tail}\nfull log: {log_path}")
     text = "".join(lines)
     # line_seconds[i]: when lines[i] arrived, in seconds after the start (fairseq flushes each line)
-    result = {"log": text, "seconds": time.time() - start, "lines": lines, "line_seconds": arrived}
+    result = {"log": text, "seconds": time.time() - start, "lines": lines, "line_seconds": arrived,
+              "cpu_monitor": monitor}
     match = re.search(r"PEAK_RSS_MB=([0-9.]+)", text)
     if match:
         result["peak_rss_mb"] = float(match.group(1))
@@ -145,6 +236,45 @@ def segment_words_per_second(log: str, start_update: int = 0, skip_first: int = 
     words, seconds = sum(w for w, _ in used), sum(s for _, s in used)
     return {"words": words, "seconds": seconds, "intervals": len(used),
             "words_per_second": words / seconds if seconds > 0 else float("nan")}
+
+
+def uncontended_words_per_second(run: Dict, start_update: int = 0, skip_first: int = 1,
+                                 max_other_cores: float = 0.25) -> Dict[str, float]:
+    """:func:`segment_words_per_second` over the logged intervals of ``run`` (a
+    :func:`run_streaming` result with ``monitor_cpu``) during which processes outside the
+    training process used at most ``max_other_cores`` cores on average.
+
+    An interval runs from the arrival of the previous ``train_inner`` line (or the first line
+    after start-up) to the arrival of its own. Returns the words/s of the uncontended intervals
+    and of all, and how many intervals each holds.
+    """
+    monitor = run.get("cpu_monitor")
+    timed, previous_update, previous_time = [], start_update, None
+    for line, arrived in zip(run["lines"], run["line_seconds"]):
+        if previous_time is None and "begin training epoch" in line:
+            previous_time = arrived
+        if "train_inner" not in line:
+            continue
+        fields = dict(re.findall(r"(\w+)=([-+0-9.eE]+|nan|inf)", line))
+        if not {"num_updates", "wps", "wpb"} <= fields.keys():
+            continue
+        n = int(fields["num_updates"]) - previous_update
+        previous_update = int(fields["num_updates"])
+        begin, previous_time = previous_time, arrived
+        if n <= 0 or float(fields["wps"]) <= 0:
+            continue
+        words = float(fields["wpb"]) * n
+        other = monitor.other_cores(begin, arrived) if (monitor is not None and begin is not None) else 0.0
+        timed.append((words, words / float(fields["wps"]), other))
+    timed = timed[skip_first:] or timed
+
+    def rate(items):
+        words, seconds = sum(w for w, _, _ in items), sum(s for _, s, _ in items)
+        return words / seconds if seconds > 0 else float("nan")
+
+    quiet = [t for t in timed if not (t[2] > max_other_cores)]  # NaN (unknown) counts as quiet
+    return {"words_per_second": rate(quiet), "intervals": len(quiet), "all_words_per_second": rate(timed),
+            "all_intervals": len(timed), "max_other_cores": max_other_cores}
 
 
 def ratio_stats(values: Sequence[float]) -> Dict:

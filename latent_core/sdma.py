@@ -395,7 +395,7 @@ def _sentence_mean(per_token: Tensor, valid: Tensor) -> Tensor:
 
 
 def vade_kl(log_joint: Tensor, log_resp: Tensor, trace_precision: Tensor, dim: int,
-            posterior_var: float, valid: Tensor, resp: Optional[Tensor] = None,
+            posterior_var, valid: Tensor, resp: Optional[Tensor] = None,
             authors_log_prior: Optional[Tensor] = None) -> Tensor:
     """KL(q(z, c | x) || p(z, c)) in the VaDE form per sentence, ``[B]`` (eq. 20).
 
@@ -407,21 +407,24 @@ def vade_kl(log_joint: Tensor, log_resp: Tensor, trace_precision: Tensor, dim: i
     ``log_resp.exp()`` when the caller already has it.
 
     ``authors_log_prior`` (log pi, ``[L, n_h, C]``): the authors' categorical term
-    KL(pi || q(c)) (``F.kl_div(log_probs, prior)``) replaces KL(q(c) || pi).
+    KL(pi || q(c)) (``F.kl_div(log_probs, prior)``) replaces KL(q(c) || pi). ``posterior_var``
+    is s2, a number or a tensor ``[L, T, B, n_h]`` (one variance per position and head).
     """
     log_joint, log_resp = clusters_first(log_joint), clusters_first(log_resp)  # [C, L, T, B, H]
     resp = log_resp.exp() if resp is None else clusters_first(resp)
     log_marginal = log_joint[0] - log_resp[0]  # log p(z), [L, T, B, H]
     trace = (resp * trace_precision.permute(2, 0, 1)[:, :, None, None, :]).sum(0)
-    const = 0.5 * dim * (_LOG_2PI + math.log(posterior_var) + 1.0)
-    per_token = 0.5 * posterior_var * trace - log_marginal
+    if isinstance(posterior_var, Tensor):
+        const = 0.5 * dim * (_LOG_2PI + torch.log(posterior_var) + 1.0)
+    else:
+        const = 0.5 * dim * (_LOG_2PI + math.log(posterior_var) + 1.0)
+    per_token = 0.5 * posterior_var * trace - log_marginal - const
     if authors_log_prior is not None:
         log_prior = authors_log_prior.permute(2, 0, 1)[:, :, None, None, :]  # [C, L, 1, 1, H]
         forward_kl = (resp * (log_resp - log_prior)).sum(0)  # KL(gamma || pi), inside -log p(z)
         reverse_kl = (log_prior.exp() * (log_prior - log_resp)).sum(0)  # KL(pi || gamma)
         per_token = per_token - forward_kl + reverse_kl
-    kl = per_token.mean(-1) - const
-    return _sentence_mean(kl, valid)
+    return _sentence_mean(per_token.mean(-1), valid)
 
 
 def cluster_diversity(resp: Tensor, valid: Tensor, alpha: float, beta: float, squared: bool = True) -> Tensor:
@@ -581,8 +584,9 @@ def mix_attention(scores: Tensor, mask: Optional[Tensor], mix: Tensor, norm_floo
     """
     if mask is None:
         return torch.softmax(scores, dim=-1)
-    # g is a schedule (the SDMACore buffer), never trained: no gradient flows to it
-    return _MixedAttention.apply(scores, mask.to(scores.dtype), mix.detach().to(scores.dtype), norm_floor)
+    # g is a schedule (the SDMACore buffer), never trained: no gradient flows to it; a copy, so that
+    # advancing the schedule before backward (the authors' ESPnet counter) leaves the graph intact
+    return _MixedAttention.apply(scores, mask.to(scores.dtype), mix.detach().to(scores.dtype, copy=True), norm_floor)
 
 
 class _MixedAttention(torch.autograd.Function):
@@ -640,7 +644,7 @@ def fused_mix_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, mix: Tens
         log_mask = log_mask + base_mask
     plain = F.scaled_dot_product_attention(q, k, v, attn_mask=base_mask, dropout_p=dropout_p, scale=1.0)
     masked = F.scaled_dot_product_attention(q, k, v, attn_mask=log_mask, dropout_p=dropout_p, scale=1.0)
-    return torch.lerp(plain, masked, mix.to(plain.dtype))
+    return torch.lerp(plain, masked, mix.detach().to(plain.dtype, copy=True))
 
 
 def use_fused_kernel(kernel: str, device: torch.device, need_weights: bool, dropout_active: bool) -> bool:
@@ -696,8 +700,16 @@ class SDMACore(nn.Module):
         return training or self.options.mask_at_inference
 
     # -- clustering -------------------------------------------------------------
-    def perturb(self, x: Tensor, training: bool) -> Tensor:
-        """z = x + sigma * eps in training (eq. 8, variance ``noise_var``)."""
+    def perturb(self, x: Tensor, training: bool, log_var: Optional[Tensor] = None) -> Tensor:
+        """z = x + sigma * eps in training (eq. 8, variance ``noise_var``).
+
+        ``log_var`` (``[..., n_h]``, the authors' ESPnet ``var_estimation``): a log-variance per
+        position and head instead of ``noise_var``.
+        """
+        if training and log_var is not None:
+            eps = torch.randn(x.shape, dtype=x.dtype, device=x.device)
+            std = torch.exp(0.5 * log_var.float()).to(x.dtype)
+            return x + (eps.view(*x.shape[:-1], self.num_heads, -1) * std[..., None]).view(x.shape)
         if training and self.options.noise_var > 0:
             # torch.randn, not randn_like: fairseq hands the layers a transposed (non-contiguous)
             # x, and sampling into a strided tensor takes PyTorch's per-element path (~9x slower)
@@ -755,16 +767,19 @@ class SDMACore(nn.Module):
     def record(self, log_joint_z: Tensor, log_resp_z: Tensor, query_valid: Tensor,
                log_joint_q: Optional[Tensor] = None, log_resp_q: Optional[Tensor] = None,
                log_joint_k: Optional[Tensor] = None, log_resp_k: Optional[Tensor] = None,
-               key_valid: Optional[Tensor] = None) -> None:
+               key_valid: Optional[Tensor] = None, log_vars: Optional[Dict[str, Tensor]] = None) -> None:
         """Keep this forward pass's clustering for the regularisers (``[T, B, n_h, C]``).
 
         ``*_k`` (``[S, B, n_h, C]``, ``key_valid [S, B]``): the clustering of a cross-attention's
-        keys, whose KL and diversity the authors' reading adds to the module's.
+        keys, whose KL and diversity the authors' reading adds to the module's. ``log_vars``:
+        learned posterior log-variances per position and head (``{"z": [T, B, n_h], "q": ...,
+        "k": [S, B, n_h]}``, the authors' ESPnet ``var_estimation``) replacing sigma_tilde^2.
         """
         self.pending = {
             "log_joint_z": log_joint_z, "log_resp_z": log_resp_z, "valid": query_valid,
             "log_joint_q": log_joint_q, "log_resp_q": log_resp_q,
             "log_joint_k": log_joint_k, "log_resp_k": log_resp_k, "valid_k": key_valid,
+            "log_vars": log_vars or {},
         }
 
     def pop_pending(self) -> Optional[Dict[str, Tensor]]:
@@ -825,7 +840,12 @@ def sdma_losses(cores, diagnostics: Optional[Dict[str, Tensor]] = None) -> Dict[
     resp_z = log_resp_z.exp()
     trace_z = torch.stack([c.feature_gmm.trace_precision() for c, _ in items])
     log_prior_z = torch.stack([c.feature_gmm.log_prior() for c, _ in items]) if authors else None
-    s2 = o.kl_posterior_var
+    def posterior_var(kind):  # sigma_tilde^2: the option's number, or the learned [L, T, B, H]
+        if kind not in first["log_vars"]:
+            return o.kl_posterior_var
+        return torch.stack([p["log_vars"][kind].float() for _, p in items]).exp()
+
+    s2 = posterior_var("z")
     losses = {
         "kl_z": vade_kl(log_joint_z, log_resp_z, trace_z, first_core.head_dim, s2, valid, resp_z, log_prior_z),
         "dv_z": cluster_diversity(resp_z, valid, o.diversity_alpha, o.diversity_beta, squared=not authors),
@@ -836,8 +856,8 @@ def sdma_losses(cores, diagnostics: Optional[Dict[str, Tensor]] = None) -> Dict[
         log_resp_k = _stack_layers([p["log_resp_k"] for _, p in items])
         resp_k = log_resp_k.exp()
         valid_k = torch.ones_like(first["valid_k"].float())
-        losses["kl_z"] = losses["kl_z"] + vade_kl(log_joint_k, log_resp_k, trace_z, first_core.head_dim, s2,
-                                                  valid_k, resp_k, log_prior_z)
+        losses["kl_z"] = losses["kl_z"] + vade_kl(log_joint_k, log_resp_k, trace_z, first_core.head_dim,
+                                                  posterior_var("k"), valid_k, resp_k, log_prior_z)
         losses["dv_z"] = losses["dv_z"] + cluster_diversity(resp_k, valid_k, o.diversity_alpha,
                                                             o.diversity_beta, squared=False)
     if diagnostics is not None:
@@ -852,7 +872,7 @@ def sdma_losses(cores, diagnostics: Optional[Dict[str, Tensor]] = None) -> Dict[
         trace_q = torch.stack([c.query_gmm.trace_precision().expand(c.num_heads, -1) for c, _ in items])
         log_prior_q = (torch.stack([c.query_gmm.log_prior().expand(c.num_heads, -1) for c, _ in items])
                        if authors else None)
-        losses["kl_q"] = vade_kl(log_joint_q, log_resp_q, trace_q, first_core.head_dim, s2,
+        losses["kl_q"] = vade_kl(log_joint_q, log_resp_q, trace_q, first_core.head_dim, posterior_var("q"),
                                  valid, resp_q, log_prior_q)
         losses["dv_q"] = cluster_diversity(resp_q, valid, o.diversity_alpha, o.diversity_beta, squared=not authors)
         authors_p = clamped = None
@@ -873,7 +893,11 @@ def sdma_losses(cores, diagnostics: Optional[Dict[str, Tensor]] = None) -> Dict[
     return losses
 
 
-def collect_sdma_losses(model: nn.Module, diagnostics: Optional[Dict[str, Tensor]] = None) -> Dict[str, Tensor]:
+GROUP_COMBINATIONS = ("sum", "module_mean")
+
+
+def collect_sdma_losses(model: nn.Module, diagnostics: Optional[Dict[str, Tensor]] = None,
+                        combine: str = "sum") -> Dict[str, Tensor]:
     """Per-sentence SDMA losses (eq. 20-23): layer mean per attention type, summed over types.
 
     Modules are grouped by ``sdma_group`` (e.g. ``encoder_self``, ``decoder_self``,
@@ -883,6 +907,10 @@ def collect_sdma_losses(model: nn.Module, diagnostics: Optional[Dict[str, Tensor
     and when no SDMA module ran at all (V-T) every term is a 0-dim zero, so every term is
     present in every step's logging output. Clears the recorded passes. ``diagnostics``:
     see :func:`sdma_losses`.
+
+    ``combine="module_mean"``: the authors' ESPnet model instead averages over every module of
+    every type (``torch.cat(loss_kl, dim=1).mean()``): each group's layer mean is weighted by
+    its share of the modules.
     """
     groups: Dict[str, list] = {}
     for module in model.modules():
@@ -892,7 +920,15 @@ def collect_sdma_losses(model: nn.Module, diagnostics: Optional[Dict[str, Tensor
                    None if pending["log_joint_q"] is None else tuple(pending["log_joint_q"].shape),
                    None if pending["log_joint_k"] is None else tuple(pending["log_joint_k"].shape))
             groups.setdefault(key, []).append(module)
-    per_group = [sdma_losses(cores, diagnostics) for cores in groups.values()]
+    if combine not in GROUP_COMBINATIONS:
+        raise SDMAConfigError(f"combine={combine!r} is not one of {', '.join(GROUP_COMBINATIONS)}")
+    modules = sum(len(cores) for cores in groups.values())
+    per_group = []
+    for cores in groups.values():
+        terms = sdma_losses(cores, diagnostics)
+        if combine == "module_mean":
+            terms = {name: value * (len(cores) / modules) for name, value in terms.items()}
+        per_group.append(terms)
     present = [v for g in per_group for v in g.values()]
     zeros = torch.zeros_like(present[0]) if present else torch.zeros(())
     total = {}

@@ -10,9 +10,10 @@ full-sequence scores without an extra cache.
 """
 
 import math
-from typing import Iterable, Optional
+from typing import Dict, Iterable, Optional
 
 import torch
+import torch.nn as nn
 from espnet.nets.pytorch_backend.transformer.attention import MultiHeadedAttention
 from torch import Tensor
 
@@ -20,6 +21,7 @@ from latent_core.errors import PluginConfigError
 from latent_core.sdma import (
     SDMACore,
     SDMAOptions,
+    authors_semantic_mask,
     fused_mix_attention,
     mix_attention,
     semantic_mask_product,
@@ -27,6 +29,7 @@ from latent_core.sdma import (
 )
 
 ATTENTION_GROUPS = ("encoder_self", "decoder_self", "decoder_cross")
+AUTHORS_NORM_FLOOR = 1e-6  # the eps of the authors' F.normalize of M o A
 
 
 class ESPnetConfigError(PluginConfigError):
@@ -80,6 +83,14 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
     ``forward(query (B, T1, D), key (B, T2, D), value (B, T2, D), mask)`` with ``mask``
     (B, 1, T2) or (B, T1, T2), True = attend, returns (B, T1, D). The mixed attention
     A_hat of eq. (11), (B, n_h, T1, T2), is kept in ``self.attn`` like ESPnet's class.
+
+    The ``authors`` reading computes what the authors' ESPnet ``DisentangledMaskAttention``
+    computes with their Aishell-1 config (``var_estimation: True``): the sampling noise and the
+    posteriors of eq. (20) get a log-variance per position and head from ``Linear(n_feat, n_head)``
+    heads (``sdma.noise_log_var`` on the input, ``sdma.key_noise_log_var`` on cross-attention keys,
+    ``sdma.query_noise_log_var`` on the projected queries), the queries a second draw, k and v come
+    from the clean input (cross-attention: k from the noisy keys), the decoder self-attention
+    masks the future only, and every weight starts from their initialisation.
     """
 
     def __init__(self, n_head: int, n_feat: int, dropout_rate: float, *, sdma: SDMAOptions, group: str):
@@ -89,12 +100,30 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         self.sdma = SDMACore(n_feat, n_head, sdma)
         self.sdma.sdma_group = group
         self.is_self_attention = group != "decoder_cross"
+        self.is_causal = group == "decoder_self"
+        if sdma.authors and sdma.mode != "none":
+            self._build_authors_variance_heads(n_feat, n_head)
         # Set by the decoder around one forward pass: cross-attention only receives the
         # key mask, the regularisers need the decoder's (query) padding, (B, T1).
         self.query_valid: Optional[Tensor] = None
         # False while the decoder scores one step of a beam search: the regularisers
         # (and the query GMM) are training/validation quantities.
         self.record_losses = True
+
+    def _build_authors_variance_heads(self, n_feat: int, n_head: int) -> None:
+        """Their ``var_estimation`` heads and their initialisation (``init_params``): xavier_normal_
+        (gain 1) on every weight of two or more dimensions (the four projections and the GMMs),
+        gain 0.01 on the variance heads; biases as ``nn.Linear`` leaves them."""
+        for proj in (self.linear_q, self.linear_k, self.linear_v, self.linear_out):
+            nn.init.xavier_normal_(proj.weight)
+        # kept in the core, so that every SDMA parameter is under ``.sdma.``
+        core = self.sdma
+        core.noise_log_var = nn.Linear(n_feat, n_head)
+        core.key_noise_log_var = None if self.is_self_attention else nn.Linear(n_feat, n_head)
+        core.query_noise_log_var = nn.Linear(n_feat, n_head)
+        for head in (core.noise_log_var, core.key_noise_log_var, core.query_noise_log_var):
+            if head is not None:
+                nn.init.xavier_normal_(head.weight, gain=0.01)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor],
                 expand_kv: bool = False) -> Tensor:
@@ -103,6 +132,8 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
             return super().forward(query, key, value, mask, expand_kv)
         if expand_kv:
             raise NotImplementedError("SDMA attention does not support partially autoregressive decoding")
+        if core.options.authors:
+            return self._forward_authors(query, key, value, mask)
         B, T1, _ = query.shape
         H, D = self.h, self.d_k
 
@@ -150,6 +181,81 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
                 log_joint_q, log_resp_q = log_joint_q.transpose(0, 1), log_resp_q.transpose(0, 1)
             core.record(log_joint_z.transpose(0, 1), log_resp_z.transpose(0, 1),
                         self._query_valid(mask, B, T1, query).t(), log_joint_q, log_resp_q)
+        return self.linear_out(x)
+
+    def _forward_authors(self, query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor]) -> Tensor:
+        """The ``authors`` reading (their ESPnet ``disentangled_attention``), shapes as :meth:`forward`."""
+        core = self.sdma
+        B, T1, _ = query.shape
+        H, D = self.h, self.d_k
+        training = self.training
+        # 1. feature clustering of the noisy input, the noise variance predicted per position and head
+        log_var_z = core.noise_log_var(query)  # (B, T1, H)
+        zq = core.perturb(query, training, log_var_z)
+        log_joint_z, log_resp_z = core.cluster(zq)  # (B, T1, H, C)
+        log_joint_k = log_resp_k = log_var_k = None
+        if self.is_self_attention:
+            key_resp = log_resp_z if key is query else core.cluster(core.perturb(key, training))[1]
+            key_input = key  # their k and v come from the clean input
+        else:
+            log_var_k = core.key_noise_log_var(key)
+            key_input = core.perturb(key, training, log_var_k)
+            log_joint_k, log_resp_k = core.cluster(key_input)
+            key_resp = log_resp_k
+        q, k, v = self.forward_qkv(zq, key_input, value)  # (B, H, T, d_k)
+        # 4. the scaled queries get their own draw (variance from the unscaled projection)
+        log_var_q = core.query_noise_log_var(q.transpose(1, 2).reshape(B, T1, H * D))  # (B, T1, H)
+        q = core.perturb((q / math.sqrt(D)).transpose(1, 2).reshape(B, T1, H * D), training, log_var_q)
+        q = q.view(B, T1, H, D)
+        log_joint_q = log_resp_q = None
+        if self.record_losses and core.query_gmm is not None:
+            log_joint_q, log_resp_q = core.cluster_queries(q)  # (B, T1, H, C_q)
+        q = q.transpose(1, 2)  # (B, H, T1, d_k)
+
+        # 2. the mask: times the padding (encoder, cross) or causal (decoder self) mask, L1-normalised
+        T2 = k.size(2)
+        if self.is_causal and T1 == T2:
+            allowed = torch.ones(T1, T2, dtype=torch.bool, device=q.device).tril()[None]  # (1, T1, T2)
+        elif mask is not None:
+            allowed = mask.to(torch.bool)
+        else:
+            allowed = None
+        allowed_float = None if allowed is None else allowed.float().unsqueeze(1)  # (B or 1, 1, T1 or 1, T2)
+        sem_mask = authors_semantic_mask(_heads_first(log_resp_z.exp()), _heads_first(key_resp.exp()),
+                                         allowed_float).view(B, H, T1, T2)
+        blocked = None if allowed is None else ~allowed.unsqueeze(1)
+        dropout_active = training and self.dropout.p > 0
+        if use_fused_kernel(core.options.attention_kernel, q.device, not training, dropout_active):
+            base_mask = None
+            if blocked is not None:
+                base_mask = torch.zeros(blocked.shape, dtype=q.dtype, device=q.device).masked_fill(
+                    blocked, torch.finfo(q.dtype).min)
+            self.attn = None
+            x = fused_mix_attention(q, k, v, sem_mask, core.mix_weight, base_mask,
+                                    self.dropout.p if dropout_active else 0.0)
+        else:
+            scores = torch.matmul(q, k.transpose(-2, -1)).float()
+            if blocked is not None:
+                scores = scores.masked_fill(blocked, torch.finfo(torch.float32).min)
+            attn = mix_attention(scores, sem_mask, core.mix_weight, norm_floor=AUTHORS_NORM_FLOOR)
+            if blocked is not None:
+                attn = attn.masked_fill(blocked, 0.0)
+            self.attn = attn
+            x = torch.matmul(self.dropout(attn.type_as(v)), v)
+        x = x.transpose(1, 2).reshape(B, T1, H * D)
+
+        if self.record_losses:
+            log_vars: Dict[str, Tensor] = {"z": log_var_z.transpose(0, 1), "q": log_var_q.transpose(0, 1)}
+            key_valid = None
+            if log_joint_k is not None:
+                log_vars["k"] = log_var_k.transpose(0, 1)
+                key_valid = (mask[:, 0, :] if mask is not None else key.new_ones(B, T2)).t().float()
+                log_joint_k, log_resp_k = log_joint_k.transpose(0, 1), log_resp_k.transpose(0, 1)
+            if log_joint_q is not None:
+                log_joint_q, log_resp_q = log_joint_q.transpose(0, 1), log_resp_q.transpose(0, 1)
+            core.record(log_joint_z.transpose(0, 1), log_resp_z.transpose(0, 1),
+                        self._query_valid(mask, B, T1, query).t(), log_joint_q, log_resp_q,
+                        log_joint_k, log_resp_k, key_valid, log_vars)
         return self.linear_out(x)
 
     def _query_valid(self, mask: Optional[Tensor], B: int, T1: int, query: Tensor) -> Tensor:

@@ -25,6 +25,10 @@ from latent_core.sdma import (
 ESPNET_ADVICE = "Lower the learning rate or check the input features."
 # The paper's Aishell-1 weights of eq. (24) (lambda_d keeps the core default, 1)
 AISHELL_LOSS_WEIGHTS = SDMALossWeights(kl_weight=0.001, dqq_weight=30.0, dxq_weight=4.0)
+# The authors' Aishell-1 config (kl_weight 0.001, div_weight 1, mi_weight 1): their mi loss is
+# 10 L_Dqq - L_Dxq, so lambda_q = 10, lambda_x = 1
+AUTHORS_AISHELL_LOSS_WEIGHTS = SDMALossWeights(kl_weight=0.001, dqq_weight=10.0, dxq_weight=1.0)
+READING_LOSS_WEIGHTS = {"authors": AUTHORS_AISHELL_LOSS_WEIGHTS, "paper": AISHELL_LOSS_WEIGHTS}
 
 
 class ESPnetSDMAASRModel(ESPnetASRModel):
@@ -43,8 +47,13 @@ class ESPnetSDMAASRModel(ESPnetASRModel):
     ESPnet's default; with ``sentence`` this is the batch MEAN added to the per-utterance
     loss, as the authors' ESPnet code does) or the number of target tokens
     (``length_normalized_loss: true``). So a lambda weighs an utterance's regularisers
-    against that utterance's summed CE in both toolkits. Defaults: the paper's Aishell-1
-    weights (``AISHELL_LOSS_WEIGHTS``).
+    against that utterance's summed CE in both toolkits. Defaults: the Aishell-1 weights of the
+    attentions' reading (``READING_LOSS_WEIGHTS``: the authors' config, or the paper's).
+
+    In the ``authors`` reading the regularisers are averaged over every SDMA module of every type
+    (their ``torch.cat(loss_kl, dim=1).mean()``) instead of summed over the three types, and the
+    update counter advances once per ``forward`` call, training and validation alike, after the
+    call (their ``m.num_updates += 1``), not per optimizer step.
 
     Every term is reported as its own stat (``sdma_kl_z`` ... ``sdma_dv_q``, the weighted
     sum ``sdma_reg`` and the mixing weight ``sdma_mix``) on every step, zero when a term
@@ -57,10 +66,10 @@ class ESPnetSDMAASRModel(ESPnetASRModel):
     """
 
     @typechecked
-    def __init__(self, *args, sdma_kl_weight: float = AISHELL_LOSS_WEIGHTS.kl_weight,
-                 sdma_dqq_weight: float = AISHELL_LOSS_WEIGHTS.dqq_weight,
-                 sdma_dxq_weight: float = AISHELL_LOSS_WEIGHTS.dxq_weight,
-                 sdma_diversity_weight: float = AISHELL_LOSS_WEIGHTS.diversity_weight,
+    def __init__(self, *args, sdma_kl_weight: Optional[float] = None,
+                 sdma_dqq_weight: Optional[float] = None,
+                 sdma_dxq_weight: Optional[float] = None,
+                 sdma_diversity_weight: Optional[float] = None,
                  sdma_regulariser_scale: str = "sentence", **kwargs):
         ctc_weight, interctc_weight = kwargs.get("ctc_weight", 0.5), kwargs.get("interctc_weight", 0.0)
         if not 0.0 <= ctc_weight <= 1.0:  # ESPnet asserts both without a message
@@ -74,20 +83,26 @@ class ESPnetSDMAASRModel(ESPnetASRModel):
                 f"{', '.join(REGULARISER_SCALES)}"
             )
         self.sdma_regulariser_scale = sdma_regulariser_scale
-        self.sdma_loss_weights = {
-            "sdma_kl_weight": sdma_kl_weight,
-            "sdma_dqq_weight": sdma_dqq_weight,
-            "sdma_dxq_weight": sdma_dxq_weight,
-            "sdma_diversity_weight": sdma_diversity_weight,
-        }
-        for name, value in self.sdma_loss_weights.items():
-            check_loss_weight(name, value, f"model_conf.{name}")
         self.sdma_cores: List[SDMACore] = [m for m in self.modules() if isinstance(m, SDMACore)]
         if not self.sdma_cores:
             raise SDMAConfigError(
                 "model: sdma needs an SDMA encoder or decoder (encoder: sdma_transformer and/or "
                 "decoder: sdma_transformer); use model: espnet for a vanilla transformer"
             )
+        readings = sorted({core.options.reading for core in self.sdma_cores})
+        if len(readings) > 1:
+            raise ESPnetConfigError(
+                f"encoder_conf.sdma_conf.reading and decoder_conf.sdma_conf.reading differ ({' vs '.join(readings)}): "
+                "the reading decides how the model adds the regularisers and counts updates; use one")
+        self.sdma_reading = readings[0]
+        defaults = READING_LOSS_WEIGHTS[self.sdma_reading].as_options()
+        given = {"sdma_kl_weight": sdma_kl_weight, "sdma_dqq_weight": sdma_dqq_weight,
+                 "sdma_dxq_weight": sdma_dxq_weight, "sdma_diversity_weight": sdma_diversity_weight}
+        self.sdma_loss_weights = {name: defaults[name] if value is None else value for name, value in given.items()}
+        for name, value in self.sdma_loss_weights.items():
+            check_loss_weight(name, value, f"model_conf.{name}")
+        # the authors count forward calls (training and validation), not optimizer steps
+        self.counts_forward_calls = self.sdma_reading == "authors"
         self.register_buffer("num_updates", torch.zeros((), dtype=torch.long), persistent=True)
 
     def set_num_updates(self, num_updates: int) -> None:
@@ -97,7 +112,10 @@ class ESPnetSDMAASRModel(ESPnetASRModel):
             core.set_num_updates(int(num_updates))
 
     def increment_num_updates(self) -> None:
-        self.set_num_updates(int(self.num_updates) + 1)
+        """Called after every optimizer step (``SDMAASRTask``); the authors reading counts forward
+        calls instead (see :meth:`forward`)."""
+        if not self.counts_forward_calls:
+            self.set_num_updates(int(self.num_updates) + 1)
 
     def forward(self, speech: torch.Tensor, speech_lengths: torch.Tensor, text: torch.Tensor,
                 text_lengths: torch.Tensor, **kwargs) -> Tuple[torch.Tensor, Dict[str, Optional[torch.Tensor]], torch.Tensor]:
@@ -105,7 +123,7 @@ class ESPnetSDMAASRModel(ESPnetASRModel):
         for core in self.sdma_cores:
             core.pending = None  # nothing recorded by an earlier encode()/inference call
         loss, stats, weight = super().forward(speech, speech_lengths, text, text_lengths, **kwargs)
-        terms = collect_sdma_losses(self)
+        terms = collect_sdma_losses(self, combine="module_mean" if self.sdma_reading == "authors" else "sum")
         check_finite(terms, ESPNET_ADVICE, diagnose=lambda: diagnose_nonfinite(
             self, lambda: ESPnetASRModel.forward(self, speech, speech_lengths, text, text_lengths, **kwargs)))
         per_utterance = weighted_regulariser(terms, self.sdma_loss_weights)  # (B,)
@@ -119,6 +137,8 @@ class ESPnetSDMAASRModel(ESPnetASRModel):
         sdma_stats["sdma_mix"] = self.sdma_cores[0].mix_weight.detach().clone()
         stats.update(sdma_stats)
         stats["loss"] = loss.detach()
+        if self.counts_forward_calls:  # after the call, as their m.num_updates += 1
+            self.set_num_updates(int(self.num_updates) + 1)
         return force_gatherable((loss, stats, weight), loss.device)
 
 

@@ -24,6 +24,14 @@ CASES = {
 }
 PARAMETERS = ("tok_mu", "tok_log_var", "tok_log_prior", "head_mu", "head_log_var", "head_log_prior",
               "q.weight", "k.weight", "v.weight", "out.weight")
+# The authors' ESPnet DisentangledMaskAttention with their Aishell-1 config (var_estimation, mu_grad 5)
+ESPNET_CASES = {
+    "espnet_encoder_self": "encoder",
+    "espnet_decoder_self": "decoder",
+    "espnet_decoder_cross": "cross",
+}
+ESPNET_CENTROID_GRAD_SCALE = 5.0
+ESPNET_PARAMETERS = PARAMETERS + ("var.weight", "head_var.weight")
 
 
 def build_case(name: str) -> Dict:
@@ -56,6 +64,30 @@ def build_case(name: str) -> Dict:
     }
 
 
+def build_espnet_case(name: str) -> Dict:
+    """An ESPnet case: the weights of :func:`build_case` plus their variance heads (log-variances
+    near -3), ESPnet's boolean masks (True = attend; the decoder's (B, T, T) subsequent-and-padding
+    mask, as ESPnet builds it)."""
+    attention = ESPNET_CASES[name]
+    case = build_case({"encoder": "encoder_self", "decoder": "decoder_self", "cross": "decoder_cross"}[attention])
+    case["centroid_grad_scale"] = ESPNET_CENTROID_GRAD_SCALE
+    g = torch.Generator().manual_seed(13)
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    for head in ("var", "var_k", "head_var"):
+        case["weights"][f"{head}.weight"] = draw(HEADS, EMBED) / 20
+        case["weights"][f"{head}.bias"] = draw(HEADS) / 10 - 3.0
+    valid = ~case["key_padding_mask"]  # [B, S]
+    if attention == "decoder":
+        T = valid.size(1)
+        case["mask"] = valid[:, None, :] & torch.ones(T, T, dtype=torch.bool).tril()[None]
+    else:
+        case["mask"] = valid[:, None, :]
+    return case
+
+
 def noise_order(case: Dict):
     """The noise draws in the order the authors' module makes them."""
     keys = ["query"] + (["key"] if case["attention"] == "cross" else []) + ["scaled_query"]
@@ -74,7 +106,7 @@ def summary(case: Dict, output, kl, diversity, mi, gradients: Dict[str, torch.Te
     and, per parameter, the dot product of its gradient with a fixed random tensor."""
     g = torch.Generator().manual_seed(11)
     dots = {}
-    for name in PARAMETERS:
+    for name in [n for n in ESPNET_PARAMETERS if n in gradients]:
         grad = gradients[name]
         dots[name] = float((grad * torch.randn(grad.shape, generator=g, dtype=torch.float64)).sum())
     return {

@@ -36,6 +36,14 @@ def tiny_args(**overrides):
     return args
 
 
+def tiny_args_read(reading, **overrides):
+    """``tiny_args`` with both SDMA sides in ``reading``."""
+    args = tiny_args(**overrides)
+    args.encoder_conf = dict(args.encoder_conf, sdma_conf={"reading": reading})
+    args.decoder_conf = dict(args.decoder_conf, sdma_conf={"reading": reading})
+    return args
+
+
 def tiny_batch(seed=0):
     g = torch.Generator().manual_seed(seed)
     speech = torch.randn(3, 12000, generator=g)
@@ -197,9 +205,11 @@ def espnet_plugin_vanilla_decoder(kwargs):
 # --------------------------------------------------------------------------- model
 
 
-def test_model_adds_weighted_regularisers_and_reports_every_term():
+@pytest.mark.parametrize("reading, weights", [("authors", (0.001, 10.0, 1.0)), ("paper", (0.001, 30.0, 4.0))])
+def test_model_adds_weighted_regularisers_and_reports_every_term(reading, weights):
+    """Defaults: the authors' Aishell-1 config (mi_weight 1 = lambda_q 10, lambda_x 1) or the paper's."""
     torch.manual_seed(0)
-    model = SDMAASRTask.build_model(tiny_args())
+    model = SDMAASRTask.build_model(tiny_args_read(reading))
     model.train()
     loss, stats, weight = model(*tiny_batch())
     w = model.sdma_loss_weights
@@ -208,7 +218,7 @@ def test_model_adds_weighted_regularisers_and_reports_every_term():
                     + w["sdma_diversity_weight"] * (stats["sdma_dv_z"] + stats["sdma_dv_q"]))
     torch.testing.assert_close(stats["sdma_reg"], expected_reg)
     torch.testing.assert_close(loss, 0.3 * stats["loss_ctc"] + 0.7 * stats["loss_att"] + expected_reg)
-    assert (w["sdma_kl_weight"], w["sdma_dqq_weight"], w["sdma_dxq_weight"]) == (0.001, 30.0, 4.0)
+    assert (w["sdma_kl_weight"], w["sdma_dqq_weight"], w["sdma_dxq_weight"]) == weights
     loss.backward()
     for path in ("encoder.encoders.0.self_attn", "decoder.decoders.1.self_attn", "decoder.decoders.0.src_attn"):
         core = model.get_submodule(path).sdma
@@ -228,7 +238,8 @@ def test_every_stat_is_present_even_without_the_attention_decoder():
 
 
 def test_optimizer_steps_drive_the_mixing_weight_and_survive_reload():
-    args = tiny_args()
+    """Paper reading: g follows the optimizer steps (a forward without a step leaves it)."""
+    args = tiny_args_read("paper")
     model = SDMAASRTask.build_model(args)
     optimizer = SDMAASRTask.build_optimizers(args, model)[0]
     for _ in range(3):
@@ -245,6 +256,29 @@ def test_optimizer_steps_drive_the_mixing_weight_and_survive_reload():
     restored.load_state_dict(model.state_dict())
     assert int(restored.num_updates) == 3
     assert float(restored.decoder.decoders[1].src_attn.sdma.mix_weight) == pytest.approx(mixing_weight(3))
+
+
+def test_authors_reading_counts_forward_calls():
+    """The authors' ESPnet model advances g after every forward call, training or validation, and
+    not at optimizer steps; each call uses the g of the calls before it."""
+    args = tiny_args_read("authors")
+    model = SDMAASRTask.build_model(args)
+    optimizer = SDMAASRTask.build_optimizers(args, model)[0]
+    for step in range(3):
+        loss, stats, _ = model(*tiny_batch())
+        assert float(stats["sdma_mix"]) == pytest.approx(mixing_weight(step))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert int(model.num_updates) == 3
+    model.eval()
+    with torch.no_grad():
+        model(*tiny_batch())  # a validation batch counts too
+    assert int(model.num_updates) == 4
+    restored = SDMAASRTask.build_model(args)
+    restored.load_state_dict(model.state_dict())
+    assert int(restored.num_updates) == 4
+    assert float(restored.decoder.decoders[1].src_attn.sdma.mix_weight) == pytest.approx(mixing_weight(4))
 
 
 def test_regulariser_is_normalised_like_espnets_attention_loss():
@@ -266,16 +300,18 @@ def test_regulariser_is_normalised_like_espnets_attention_loss():
         torch.testing.assert_close(loss, 0.3 * stats["loss_ctc"] + 0.7 * stats["loss_att"] + stats["sdma_reg"])
 
 
-def test_model_loss_per_utterance_is_unchanged_by_duplicating_the_batch():
+@pytest.mark.parametrize("reading", ["authors", "paper"])
+def test_model_loss_per_utterance_is_unchanged_by_duplicating_the_batch(reading):
     """ESPnet's loss is per utterance: two copies of a batch give the same loss and regulariser."""
     torch.manual_seed(0)
-    model = SDMAASRTask.build_model(tiny_args())
+    model = SDMAASRTask.build_model(tiny_args_read(reading))
     model.train()
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-    for core in model.sdma_cores:
-        core.options.noise_var = 0.0
+    for core in model.sdma_cores:  # no sampling noise (the authors' variance is learned: bypass it)
+        core.perturb = lambda x, training, log_var=None: x
+    model.counts_forward_calls = False  # the same g in both calls
     speech, speech_lengths, text, text_lengths = tiny_batch()
     _, one, _ = model(speech, speech_lengths, text, text_lengths)
     _, two, _ = model(speech.repeat(2, 1), speech_lengths.repeat(2), text.repeat(2, 1), text_lengths.repeat(2))

@@ -1,15 +1,9 @@
-"""The ``authors`` reading of SDMA against numbers computed by the authors' own code (issue 29).
+"""The ``authors`` reading of SDMA in fairseq against numbers computed by the authors' own code (issue 29).
 
-``AUTHORS_REFERENCE`` was produced by running the cases of ``tests/reference/sdma_authors_case.py``
-(fixed weights, inputs and noise; float64) through ``DisentangledAttention`` of the authors' fairseq
-code (NYCU-MLLab/Disentangled-Mask-Attention-in-Transformers, commit ce68dee)::
-
-    .venv/bin/python -m tests.reference.sdma_authors --authors-dir /path/to/their/checkout
-
-Per case: the per-sentence KL (token + key + query, their ``cluster_loss``), diversity (their
-``cluster_div_loss``) and ``mi_loss`` (10 L_Dqq - L_Dxq), a linear read-out of the attention output
-and, per parameter, the dot product of the gradient of (read-out + 0.01 KL + diversity + 10 mi_loss)
-with a fixed random tensor. Our attention computes its scores in float32, hence the tolerances.
+``AUTHORS_REFERENCE`` (``tests/reference/sdma_authors_reference.py``) holds what their fairseq
+``DisentangledAttention`` computes on the cases of ``tests/reference/sdma_authors_case.py`` (fixed
+weights, inputs and noise; float64), and the command that produced it. Our attention computes its
+scores in float32, hence the tolerances.
 """
 
 import math
@@ -21,78 +15,8 @@ from latent_core.sdma import SDMAOptions, diagnostic_summary, sdma_losses
 from tests.reference.sdma_authors_case import (
     BATCH, CASES, CLUSTERS, EMBED, HEADS, NUM_UPDATES, build_case, noise_order, objective, summary,
 )
+from tests.reference.sdma_authors_reference import AUTHORS_REFERENCE
 from user_dir.sdma.fairseq_attention import SDMAMultiheadAttention
-
-AUTHORS_REFERENCE = {'encoder_self': {'kl': [30.674467677169105, 29.483538713901087, 30.841360979154043],
-                  'diversity': [0.325765191273773, 0.3113004352909823, 0.39710131265655935],
-                  'mi': [2.7298772437497973, 2.777120708487928, 2.8729978827759624],
-                  'output': -7.448658534144209,
-                  'gradients': {'tok_mu': -31.24015548132258,
-                                'tok_log_var': 1.8164332881962757,
-                                'tok_log_prior': 0.3343805976090399,
-                                'head_mu': 174.47102653791092,
-                                'head_log_var': -6.901516722417795,
-                                'head_log_prior': -1.8176214201404002,
-                                'q.weight': -13.506084291203209,
-                                'k.weight': 29.145592159524828,
-                                'v.weight': -28.43549150221269,
-                                'out.weight': 20.038385941033987}},
- 'decoder_self': {'kl': [30.674467677169105, 29.483538713901087, 30.841360979154043],
-                  'diversity': [0.325765191273773, 0.3113004352909823, 0.39710131265655935],
-                  'mi': [2.7298772437497973, 2.777120708487928, 2.8729978827759624],
-                  'output': -9.337346021365963,
-                  'gradients': {'tok_mu': 4.39747746005874,
-                                'tok_log_var': 0.9776680600216077,
-                                'tok_log_prior': 0.060836067677664155,
-                                'head_mu': 174.47102653791092,
-                                'head_log_var': -6.901516722417795,
-                                'head_log_prior': -1.8176214201404002,
-                                'q.weight': -18.751672988834656,
-                                'k.weight': 14.818217121880561,
-                                'v.weight': 47.963110442399426,
-                                'out.weight': 36.20297103435061}},
- 'decoder_cross': {'kl': [49.44236069548943, 49.037861174459906, 49.76313770325595],
-                   'diversity': [0.5218235229463288, 0.44035473749264153, 0.5649689230409058],
-                   'mi': [2.7257889676839113, 2.856608063913882, 2.645153386518359],
-                   'output': 6.664055631814044,
-                   'gradients': {'tok_mu': -24.214807494185905,
-                                 'tok_log_var': -6.507409609520984,
-                                 'tok_log_prior': 0.9072696556734652,
-                                 'head_mu': 205.24522909655383,
-                                 'head_log_var': -4.288647785916197,
-                                 'head_log_prior': -1.323309954538912,
-                                 'q.weight': 25.379267390841797,
-                                 'k.weight': -26.33846118395478,
-                                 'v.weight': 6.263877121758053,
-                                 'out.weight': -67.23171081490702}},
- 'dqq_clamped': {'kl': [79.01381184361878, 72.42442235394259, 91.22909312321772],
-                 'diversity': [0.36831979280739113, 0.3294589747193564, 0.5289947149320119],
-                 'mi': [1.2336016752740306, 8.157895680518607, 1.4958049814031256],
-                 'output': -7.448658534144209,
-                 'gradients': {'tok_mu': -31.24015548132258,
-                               'tok_log_var': 1.8164332881962757,
-                               'tok_log_prior': 0.3343805976090399,
-                               'head_mu': -94.53194036734034,
-                               'head_log_var': 3.722768831168611,
-                               'head_log_prior': 0.05923017030602487,
-                               'q.weight': -83.11214507216042,
-                               'k.weight': 29.145592159524828,
-                               'v.weight': -28.43549150221269,
-                               'out.weight': 20.038385941033987}},
- 'centroid_scale_one': {'kl': [26.45529548543425, 26.415110182611905, 26.480394084941317],
-                        'diversity': [0.4108636940381549, 0.40963208891282765, 0.42022364478728835],
-                        'mi': [2.724812276661396, 2.725008875131607, 2.725315324962139],
-                        'output': -7.08713793405161,
-                        'gradients': {'tok_mu': 0.33829582485427334,
-                                      'tok_log_var': 0.20960686819779692,
-                                      'tok_log_prior': 0.10775790705183283,
-                                      'head_mu': 0.003853386032413378,
-                                      'head_log_var': -0.06774188433409224,
-                                      'head_log_prior': -0.0755229090382228,
-                                      'q.weight': -9.459933440880867,
-                                      'k.weight': 29.135279544604774,
-                                      'v.weight': -26.885160096003776,
-                                      'out.weight': 23.29484170512778}}}
 
 GROUPS = {"encoder": "encoder_self", "decoder": "decoder_self", "cross": "decoder_cross"}
 GMM_PARAMETERS = {"tok_mu": ("feature_gmm", "means"), "tok_log_var": ("feature_gmm", "log_vars"),
