@@ -938,17 +938,24 @@ def collect_sdma_losses(model: nn.Module, diagnostics: Optional[Dict[str, Tensor
     return total
 
 
-def diagnostic_summary(sums: Mapping[str, float]) -> Dict[str, float]:
+def diagnostic_summary(sums: Mapping) -> Dict:
     """``dqq_clamped`` (share of the authors' L_Dqq normalisers at their clamp), ``dqq_ratio``
     (their L_Dqq / the exact one) and ``hardness`` (mean max_c p(c|z)) from the sums of
-    :data:`DIAGNOSTIC_SUMS`; a value whose denominator is 0 is left out."""
+    :data:`DIAGNOSTIC_SUMS`. Numbers give floats (a value whose denominator is 0 is left out);
+    tensors give 0-dim tensors without a device sync (NaN where the denominator is 0); a value
+    whose sums are missing is left out."""
     out = {}
     for name, num, den in (("dqq_clamped", "dqq_clamped", "dqq_normalisers"),
                            ("dqq_ratio", "dqq_authors", "dqq_exact"),
                            ("hardness", "hardness_sum", "hardness_count")):
-        denominator = float(sums.get(den, 0.0))
-        if denominator > 0:
-            out[name] = float(sums.get(num, 0.0)) / denominator
+        if den not in sums:
+            continue
+        denominator, numerator = sums[den], sums.get(num, 0.0)
+        if isinstance(denominator, Tensor):
+            ratio = numerator / denominator.clamp_min(torch.finfo(denominator.dtype).tiny)
+            out[name] = torch.where(denominator > 0, ratio, torch.full_like(ratio, float("nan")))
+        elif float(denominator) > 0:
+            out[name] = float(numerator) / float(denominator)
     return out
 
 

@@ -18,11 +18,14 @@ from latent_core.sdma import (
     check_loss_weight,
     collect_sdma_losses,
     diagnose_nonfinite,
+    diagnostic_summary,
     scale_regulariser,
     weighted_regulariser,
 )
 
 ESPNET_ADVICE = "Lower the learning rate or check the input features."
+# sdma_dqq_clamped, sdma_dqq_ratio, sdma_hardness (latent_core.sdma.diagnostic_summary), in every step's stats
+DIAGNOSTICS = ("dqq_clamped", "dqq_ratio", "hardness")
 # The paper's Aishell-1 weights of eq. (24) (lambda_d keeps the core default, 1)
 AISHELL_LOSS_WEIGHTS = SDMALossWeights(kl_weight=0.001, dqq_weight=30.0, dxq_weight=4.0)
 # The authors' Aishell-1 config (kl_weight 0.001, div_weight 1, mi_weight 1): their mi loss is
@@ -57,7 +60,10 @@ class ESPnetSDMAASRModel(ESPnetASRModel):
 
     Every term is reported as its own stat (``sdma_kl_z`` ... ``sdma_dv_q``, the weighted
     sum ``sdma_reg`` and the mixing weight ``sdma_mix``) on every step, zero when a term
-    does not apply, so ESPnet's distributed stat averaging always sees the same keys.
+    does not apply, so ESPnet's distributed stat averaging always sees the same keys; so are the
+    clustering diagnostics ``sdma_dqq_clamped`` (share of the authors' L_Dqq normalisers at their
+    1e-6 clamp), ``sdma_dqq_ratio`` (their L_Dqq / the exact one) and ``sdma_hardness`` (mean
+    max_c p(c|z) of the feature GMMs), NaN where they do not apply (no query GMM).
 
     The update counter that drives the mixing weight g of eq. (11) is the persistent
     buffer ``num_updates``: :class:`espnet_plugin.tasks.sdma_asr.SDMAASRTask` advances it
@@ -123,7 +129,9 @@ class ESPnetSDMAASRModel(ESPnetASRModel):
         for core in self.sdma_cores:
             core.pending = None  # nothing recorded by an earlier encode()/inference call
         loss, stats, weight = super().forward(speech, speech_lengths, text, text_lengths, **kwargs)
-        terms = collect_sdma_losses(self, combine="module_mean" if self.sdma_reading == "authors" else "sum")
+        diagnostics = {}
+        terms = collect_sdma_losses(self, diagnostics,
+                                    combine="module_mean" if self.sdma_reading == "authors" else "sum")
         check_finite(terms, ESPNET_ADVICE, diagnose=lambda: diagnose_nonfinite(
             self, lambda: ESPnetASRModel.forward(self, speech, speech_lengths, text, text_lengths, **kwargs)))
         per_utterance = weighted_regulariser(terms, self.sdma_loss_weights)  # (B,)
@@ -135,6 +143,11 @@ class ESPnetSDMAASRModel(ESPnetASRModel):
         sdma_stats = {f"sdma_{name}": _utterance_mean(terms[name]).detach() for name in LOSS_NAMES}
         sdma_stats["sdma_reg"] = regulariser.detach()
         sdma_stats["sdma_mix"] = self.sdma_cores[0].mix_weight.detach().clone()
+        # the clustering diagnostics (the fairseq criterion's keys): NaN when a term does not apply
+        summary = diagnostic_summary(diagnostics)
+        for name in DIAGNOSTICS:
+            value = summary.get(name)
+            sdma_stats[f"sdma_{name}"] = loss.new_tensor(float("nan")) if value is None else value.to(loss.dtype)
         stats.update(sdma_stats)
         stats["loss"] = loss.detach()
         if self.counts_forward_calls:  # after the call, as their m.num_updates += 1

@@ -70,6 +70,13 @@ def test_training_logs_every_term_and_loss_drops(trained):
     _, log = trained
     for term in ("ce_loss", "sdma_kl_z", "sdma_kl_q", "sdma_dqq", "sdma_dxq", "sdma_dv_z", "sdma_dv_q"):
         assert term + "=" in log, term
+    # the clustering diagnostics, per update and per validation, each a share in [0, 1] or a ratio
+    for term in ("sdma_dqq_clamped", "sdma_dqq_ratio", "sdma_hardness"):
+        values = [float(v) for v in re.findall(term + r"=([0-9.]+)", log)]
+        assert len(values) >= 20 and f"| {term} " in log, term
+    hardness = [float(v) for v in re.findall(r"sdma_hardness=([0-9.]+)", log)]
+    assert all(0.25 <= h <= 1.0 for h in hardness)  # 4 clusters: a max_c p(c|z) of at least 1/4
+    assert all(0.0 <= float(v) <= 1.0 for v in re.findall(r"sdma_dqq_clamped=([0-9.]+)", log))
     values = losses(log)
     assert len(values) >= 20
     first, last = sum(values[:5]) / 5, sum(values[-5:]) / 5

@@ -28,7 +28,7 @@ import datetime
 import shutil
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from latent_core.data import ding, translation
 from latent_core.runs import (
@@ -148,15 +148,17 @@ def parse_args(argv=None):
     return args
 
 
-def prepare_data(out_dir: Path, max_words: int, vocab_size: int, seed: int = 1) -> Path:
-    """Ding pairs -> sentencepiece -> fairseq-preprocess; reuses a finished earlier run."""
+def prepare_data(out_dir: Path, max_words: int, vocab_size: int, seed: int = 1,
+                 split_sizes: Sequence[str] = ()) -> Path:
+    """Ding pairs -> sentencepiece -> fairseq-preprocess; reuses a finished earlier run.
+    ``split_sizes``: extra ``prepare-ding`` options (``--valid-size N``, ``--test-size N``)."""
     raw, prep = out_dir / "raw", out_dir / "prep"
     bin_dir = prep / "bin"
     if (bin_dir / "train.de-en.de.bin").exists() and (raw / "test.en").exists():
         stage(f"data: reusing {bin_dir}")
         return bin_dir
     stage("data 1/2: German-English sentence pairs from the Ding dictionary (trans-de-en)")
-    ding.main(["--out-dir", str(raw), "--max-words", str(max_words), "--seed", str(seed)])
+    ding.main(["--out-dir", str(raw), "--max-words", str(max_words), "--seed", str(seed), *map(str, split_sizes)])
     stage("data 2/2: joint sentencepiece vocabulary + fairseq-preprocess")
     translation.main([
         "--train-prefix", str(raw / "train"), "--valid-prefix", str(raw / "valid"),

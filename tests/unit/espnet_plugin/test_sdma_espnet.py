@@ -219,6 +219,8 @@ def test_model_adds_weighted_regularisers_and_reports_every_term(reading, weight
     torch.testing.assert_close(stats["sdma_reg"], expected_reg)
     torch.testing.assert_close(loss, 0.3 * stats["loss_ctc"] + 0.7 * stats["loss_att"] + expected_reg)
     assert (w["sdma_kl_weight"], w["sdma_dqq_weight"], w["sdma_dxq_weight"]) == weights
+    assert 0.25 <= float(stats["sdma_hardness"]) <= 1.0  # 4 or 8 clusters per GMM
+    assert 0.0 <= float(stats["sdma_dqq_clamped"]) <= 1.0 and float(stats["sdma_dqq_ratio"]) > 0
     loss.backward()
     for path in ("encoder.encoders.0.self_attn", "decoder.decoders.1.self_attn", "decoder.decoders.0.src_attn"):
         core = model.get_submodule(path).sdma
