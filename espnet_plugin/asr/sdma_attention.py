@@ -111,19 +111,33 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         self.record_losses = True
 
     def _build_authors_variance_heads(self, n_feat: int, n_head: int) -> None:
-        """Their ``var_estimation`` heads and their initialisation (``init_params``): xavier_normal_
-        (gain 1) on every weight of two or more dimensions (the four projections and the GMMs),
-        gain 0.01 on the variance heads; biases as ``nn.Linear`` leaves them."""
-        for proj in (self.linear_q, self.linear_k, self.linear_v, self.linear_out):
-            nn.init.xavier_normal_(proj.weight)
-        # kept in the core, so that every SDMA parameter is under ``.sdma.``
+        """Their ``var_estimation`` heads (kept in the core, so that every SDMA parameter is under
+        ``.sdma.``) and their initialisation."""
         core = self.sdma
         core.noise_log_var = nn.Linear(n_feat, n_head)
         core.key_noise_log_var = None if self.is_self_attention else nn.Linear(n_feat, n_head)
         core.query_noise_log_var = nn.Linear(n_feat, n_head)
-        for head in (core.noise_log_var, core.key_noise_log_var, core.query_noise_log_var):
-            if head is not None:
-                nn.init.xavier_normal_(head.weight, gain=0.01)
+        self.espnet_initialization_fn()
+
+    def espnet_initialization_fn(self) -> None:
+        """The authors' initialisation of this module (their ``init_params``): xavier_normal_ (gain 1)
+        on the four projections and every GMM parameter, gain 0.01 on the variance heads, biases as
+        ``nn.Linear`` draws them. ESPnet's ``initialize`` (the ``init:`` key) calls it after its own
+        pass, so a global ``init: xavier_uniform`` cannot give the variance heads gain-1 weights (a
+        noise variance of exp(+-several)). Only in the ``authors`` reading."""
+        core = self.sdma
+        if not core.options.authors or core.options.mode == "none":
+            return
+        heads = [h for h in (core.noise_log_var, core.key_noise_log_var, core.query_noise_log_var) if h is not None]
+        for layer, gain in [(p, 1.0) for p in (self.linear_q, self.linear_k, self.linear_v, self.linear_out)] + [
+                (h, 0.01) for h in heads]:
+            nn.init.xavier_normal_(layer.weight, gain=gain)
+            bound = 1 / math.sqrt(layer.weight.size(1))
+            nn.init.uniform_(layer.bias, -bound, bound)
+        for gmm in (core.feature_gmm, core.query_gmm):
+            if gmm is not None:
+                for parameter in (gmm.prior_logits, gmm.means, gmm.log_vars):
+                    nn.init.xavier_normal_(parameter)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor],
                 expand_kv: bool = False) -> Tensor:
@@ -153,26 +167,7 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         sem_mask = semantic_mask_product(_heads_first(log_resp_z.exp()), _heads_first(log_resp_k.exp()))
         sem_mask = sem_mask.view(B, H, T1, -1)
         blocked = None if mask is None else mask.unsqueeze(1).eq(0)  # (B, 1, T1 or 1, T2)
-        dropout_active = self.training and self.dropout.p > 0
-        # Outside training ESPnet reads the weights (self.attn: attention plots), so they are kept there.
-        if use_fused_kernel(core.options.attention_kernel, q.device, not self.training, dropout_active):
-            base_mask = None
-            if blocked is not None:
-                base_mask = torch.zeros(blocked.shape, dtype=q.dtype, device=q.device).masked_fill(
-                    blocked, torch.finfo(q.dtype).min)
-            self.attn = None
-            x = fused_mix_attention(q, k, v, sem_mask, core.mix_weight, base_mask,
-                                    self.dropout.p if dropout_active else 0.0)  # eq. (1), (2), (11)
-        else:
-            scores = torch.matmul(q, k.transpose(-2, -1)).float()
-            if blocked is not None:
-                scores = scores.masked_fill(blocked, torch.finfo(torch.float32).min)
-            attn = mix_attention(scores, sem_mask, core.mix_weight)  # eq. (1), (2), (11)
-            if blocked is not None:
-                attn = attn.masked_fill(blocked, 0.0)
-            self.attn = attn
-            x = torch.matmul(self.dropout(attn.type_as(v)), v)  # (B, H, T1, d_k)
-        x = x.transpose(1, 2).reshape(B, T1, H * D)
+        x = self._attend(q, k, v, sem_mask, blocked).transpose(1, 2).reshape(B, T1, H * D)
 
         if self.record_losses:
             log_joint_q = log_resp_q = None
@@ -224,25 +219,7 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         sem_mask = authors_semantic_mask(_heads_first(log_resp_z.exp()), _heads_first(key_resp.exp()),
                                          allowed_float).view(B, H, T1, T2)
         blocked = None if allowed is None else ~allowed.unsqueeze(1)
-        dropout_active = training and self.dropout.p > 0
-        if use_fused_kernel(core.options.attention_kernel, q.device, not training, dropout_active):
-            base_mask = None
-            if blocked is not None:
-                base_mask = torch.zeros(blocked.shape, dtype=q.dtype, device=q.device).masked_fill(
-                    blocked, torch.finfo(q.dtype).min)
-            self.attn = None
-            x = fused_mix_attention(q, k, v, sem_mask, core.mix_weight, base_mask,
-                                    self.dropout.p if dropout_active else 0.0)
-        else:
-            scores = torch.matmul(q, k.transpose(-2, -1)).float()
-            if blocked is not None:
-                scores = scores.masked_fill(blocked, torch.finfo(torch.float32).min)
-            attn = mix_attention(scores, sem_mask, core.mix_weight, norm_floor=AUTHORS_NORM_FLOOR)
-            if blocked is not None:
-                attn = attn.masked_fill(blocked, 0.0)
-            self.attn = attn
-            x = torch.matmul(self.dropout(attn.type_as(v)), v)
-        x = x.transpose(1, 2).reshape(B, T1, H * D)
+        x = self._attend(q, k, v, sem_mask, blocked, AUTHORS_NORM_FLOOR).transpose(1, 2).reshape(B, T1, H * D)
 
         if self.record_losses:
             log_vars: Dict[str, Tensor] = {"z": log_var_z.transpose(0, 1), "q": log_var_q.transpose(0, 1)}
@@ -257,6 +234,31 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
                         self._query_valid(mask, B, T1, query).t(), log_joint_q, log_resp_q,
                         log_joint_k, log_resp_k, key_valid, log_vars)
         return self.linear_out(x)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, sem_mask: Tensor, blocked: Optional[Tensor],
+                norm_floor: float = 0.0) -> Tensor:
+        """A_hat V of eq. (1), (2), (11): ``q`` (B, H, T1, d_k) scaled, ``k``/``v`` (B, H, T2, d_k),
+        ``sem_mask`` (B, H, T1, T2), ``blocked`` (B, 1, T1 or 1, T2) True = masked -> (B, H, T1, d_k).
+        Outside training ESPnet reads the weights (``self.attn``: attention plots), so the explicit
+        path keeps them there."""
+        core = self.sdma
+        dropout_active = self.training and self.dropout.p > 0
+        if use_fused_kernel(core.options.attention_kernel, q.device, not self.training, dropout_active):
+            base_mask = None
+            if blocked is not None:
+                base_mask = torch.zeros(blocked.shape, dtype=q.dtype, device=q.device).masked_fill(
+                    blocked, torch.finfo(q.dtype).min)
+            self.attn = None
+            return fused_mix_attention(q, k, v, sem_mask, core.mix_weight, base_mask,
+                                       self.dropout.p if dropout_active else 0.0)
+        scores = torch.matmul(q, k.transpose(-2, -1)).float()
+        if blocked is not None:
+            scores = scores.masked_fill(blocked, torch.finfo(torch.float32).min)
+        attn = mix_attention(scores, sem_mask, core.mix_weight, norm_floor=norm_floor)
+        if blocked is not None:
+            attn = attn.masked_fill(blocked, 0.0)
+        self.attn = attn
+        return torch.matmul(self.dropout(attn.type_as(v)), v)
 
     def _query_valid(self, mask: Optional[Tensor], B: int, T1: int, query: Tensor) -> Tensor:
         """(B, T1) float, 1 for real (non-padding) query positions."""

@@ -240,7 +240,8 @@ def test_hf_sentence_resume_is_bit_identical(tmp_path):
 
 # --------------------------------------------------------------------- (d) ESPnet SDMA ASR
 RECIPE = REPO / "examples" / "aishell_sdma" / "asr1"
-SDMA_CONFIG = "train_asr_sdma_transformer.yaml"
+SDMA_CONFIG = "train_asr_sdma_transformer.yaml"  # the synthetic recipe's: paper reading
+AUTHORS_CONFIG = "train_asr_sdma_transformer_authors.yaml"
 
 
 def espnet_available():
@@ -267,6 +268,12 @@ def asr_work(tmp_path_factory):
             config["decoder_conf"].update(attention_heads=2, linear_units=64, num_blocks=1)
             config["frontend_conf"]["n_mels"] = 40
             config.update(batch_size=4, keep_nbest_models=1, num_att_plot=0)
+            authors = yaml.safe_load(yaml.safe_dump(config))  # the same model in the authors reading
+            for side in ("encoder_conf", "decoder_conf"):
+                authors[side]["sdma_conf"]["reading"] = "authors"
+            for weight in ("sdma_kl_weight", "sdma_dqq_weight", "sdma_dxq_weight", "sdma_diversity_weight"):
+                authors["model_conf"].pop(weight, None)  # the authors' config's weights
+            (conf / AUTHORS_CONFIG).write_text(yaml.safe_dump(authors), encoding="utf-8")
         (conf / name).write_text(yaml.safe_dump(config), encoding="utf-8")
     work = root / "work"
     run([sys.executable, RECIPE / "run_synthetic.py", "--work-dir", work, "--conf-dir", conf, "--num-sentences", "12",
@@ -274,12 +281,12 @@ def asr_work(tmp_path_factory):
     return work, conf
 
 
-def espnet_train(work, conf, out, max_epoch):
+def espnet_train(work, conf, out, max_epoch, config=SDMA_CONFIG):
     data, stats = work / "corpus" / "data", work / "stats"
     command = [sys.executable, "-m", "espnet_plugin.bin.asr_train", "--use_preprocessor", "true", "--token_type",
                "char", "--token_list", work / "tokens.txt", "--non_linguistic_symbols", "none", "--cleaner", "none",
                "--g2p", "none", "--ngpu", "0", "--num_workers", "0", "--seed", "0", "--use_tensorboard", "false",
-               "--config", conf / SDMA_CONFIG, "--output_dir", out, "--frontend_conf", "fs=16k",
+               "--config", conf / config, "--output_dir", out, "--frontend_conf", "fs=16k",
                "--normalize", "global_mvn", "--normalize_conf", f"stats_file={stats / 'train' / 'feats_stats.npz'}",
                "--train_shape_file", stats / "train" / "speech_shape",
                "--train_shape_file", stats / "train" / "text_shape.char",
@@ -300,15 +307,18 @@ def load_espnet_checkpoint(path):
 
 
 @pytest.mark.skipif(not espnet_available(), reason="needs espnet2, espeak-ng and sox (make install)")
-def test_espnet_sdma_asr_resume_is_bit_identical(asr_work, tmp_path):
+@pytest.mark.parametrize("config", [SDMA_CONFIG, AUTHORS_CONFIG])
+def test_espnet_sdma_asr_resume_is_bit_identical(asr_work, tmp_path, config):
+    """Both readings; the authors' counts forward calls (training and validation), the paper's
+    optimizer steps: either way the counter and g are restored exactly."""
     import espnet_plugin  # noqa: F401  (the SDMA classes)
 
     work, conf = asr_work
     continuous, resumed = tmp_path / "continuous", tmp_path / "resumed"
-    espnet_train(work, conf, continuous, 2)
-    espnet_train(work, conf, resumed, 1)
+    espnet_train(work, conf, continuous, 2, config)
+    espnet_train(work, conf, resumed, 1, config)
     after_one = load_espnet_checkpoint(resumed / "checkpoint.pth")
-    log = espnet_train(work, conf, resumed, 2)
+    log = espnet_train(work, conf, resumed, 2, config)
     assert "The training was resumed using" in log, log[-2000:]
     a = load_espnet_checkpoint(continuous / "checkpoint.pth")
     b = load_espnet_checkpoint(resumed / "checkpoint.pth")

@@ -115,3 +115,15 @@ def summary(case: Dict, output, kl, diversity, mi, gradients: Dict[str, torch.Te
         "output": float((output.detach() * case["output_weight"]).sum()),
         "gradients": dots,
     }
+
+
+def assert_matches(ours: Dict, theirs: Dict) -> None:
+    """Our :func:`summary` against the authors' (terms and output to 1e-6, gradient read-outs to
+    1e-5: our attention scores are float32)."""
+    import pytest
+
+    for key in ("kl", "diversity", "mi"):
+        assert ours[key] == pytest.approx(theirs[key], rel=1e-6, abs=1e-6), key
+    assert ours["output"] == pytest.approx(theirs["output"], rel=1e-6, abs=1e-6)
+    for parameter, value in theirs["gradients"].items():
+        assert ours["gradients"][parameter] == pytest.approx(value, rel=1e-5, abs=1e-5), parameter

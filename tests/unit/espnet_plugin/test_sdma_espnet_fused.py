@@ -8,16 +8,18 @@ from espnet_plugin.asr.sdma_attention import SDMAMultiHeadedAttention
 from latent_core.sdma import SDMAOptions
 
 
-def attention(kernel, group="encoder_self"):
+def attention(kernel, group="encoder_self", reading="authors"):
     torch.manual_seed(0)
     module = SDMAMultiHeadedAttention(2, 16, 0.0, group=group, sdma=SDMAOptions(
-        num_clusters=3, num_query_clusters=2, noise_var=0.0, attention_kernel=kernel))
+        num_clusters=3, num_query_clusters=2, noise_var=0.0, attention_kernel=kernel, reading=reading))
+    module.sdma.perturb = lambda x, training, log_var=None: x  # no noise (the authors' variance is learned)
     module.set_num_updates(2000)
     return module.train()
 
 
+@pytest.mark.parametrize("reading", ["authors", "paper"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_fused_training_forward_and_gradients_equal_the_explicit_path(causal):
+def test_fused_training_forward_and_gradients_equal_the_explicit_path(causal, reading):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 6, 16, generator=g)
     mask = torch.ones(2, 1, 6, dtype=torch.bool)
@@ -26,7 +28,7 @@ def test_fused_training_forward_and_gradients_equal_the_explicit_path(causal):
         mask = mask & torch.tril(torch.ones(6, 6, dtype=torch.bool))[None]
     results = []
     for kernel in ("explicit", "sdpa"):
-        module = attention(kernel)
+        module = attention(kernel, reading=reading)
         inp = x.clone().requires_grad_(True)
         out = module(inp, inp, inp, mask)
         losses = module.sdma.regularisers(*(module.sdma.pending[k] for k in (
