@@ -21,11 +21,14 @@ Two readings (``SDMAOptions.reading``), see :data:`READINGS` and the README's ta
   produced the paper's tables (``modules/disentangled_attention.py`` of
   NYCU-MLLab/Disentangled-Mask-Attention-in-Transformers): a second noise draw on the
   scaled queries, k and v from the clean input in self-attention (the noisy keys and the
-  clean values in cross-attention), posterior variance = the noise variance (0.01),
-  regularisers averaged over the padded length, KL(pi || gamma), alpha/beta on the
-  squared entries of eq. (23), their L_Dqq normaliser (one max shift per layer, clamped
-  at 1e-6), the cross-attention keys' KL and diversity, their initialisation and the two
-  1e-6 floors of their L1 normalisations;
+  clean values in cross-attention), posterior variance 0.01 (their fixed ``self.var``, also
+  their noise variance), regularisers averaged over the padded length, KL(pi || gamma),
+  alpha/beta on the squared entries of eq. (23), their L_Dqq normaliser (one max shift per
+  layer, clamped at 1e-6), the cross-attention keys' KL and diversity, their initialisation
+  and the two 1e-6 floors of their L1 normalisations. The ESPnet adapter's ``authors``
+  reading follows their ESPnet code instead (learned per-position variances: the
+  ``log_var`` arguments of :meth:`SDMACore.perturb` and :meth:`SDMACore.record`;
+  ``combine="module_mean"`` in :func:`collect_sdma_losses`);
 * ``paper``: the equations as printed: one sample z per step for clustering and the q/k/v
   projections (eq. 8 and Algorithm 1), sigma_tilde^2 = 0.1 (Section IV-A3), real positions
   only, KL(gamma || pi) (eq. 20), the weighted mask squared (eq. 23), the exact

@@ -275,10 +275,11 @@ def test_unknown_regulariser_scale_is_refused(tmp_path):
         build(tmp_path, "--sdma-regulariser-scale", "tokens")
 
 
-def test_inference_uses_weights_written_through_data_as_fp16_optimizer_does(tmp_path):
+@pytest.mark.parametrize("reading", READINGS)
+def test_inference_uses_weights_written_through_data_as_fp16_optimizer_does(tmp_path, reading):
     """FP16Optimizer copies the fp32 master weights with ``p.data.copy_``: no version bump, same
     storage. Validation and generation afterwards must use the new GMM parameters."""
-    model, task, args = build(tmp_path)
+    model, task, args = build(tmp_path, "--sdma-reading", reading)
     model.eval()
     model.set_num_updates(4000)
     src, lengths, prev = batch(task)
