@@ -28,8 +28,9 @@ def test_hydra_config_trains_the_table_one_model(tmp_path, small_translation_bin
     assert "sdma_kl_z=" in log and "sdma_dxq=" in log, log[-2000:]
     hydra = _checkpoint(save_dir / "checkpoint_last.pt")
     model_cfg = hydra["cfg"]["model"]
-    # the tiny row of Table I over the core defaults: n_c 4, lambda_q 50, lambda_x 5, c_g 10, 5e-4
-    assert (model_cfg["sdma_clusters"], model_cfg["sdma_dqq_weight"], model_cfg["sdma_dxq_weight"]) == (4, 50.0, 5.0)
+    # the tiny row in the authors reading (default): n_c 4, their scripts' lambda_q 100, lambda_x 10, c_g 10, 5e-4
+    assert model_cfg["sdma_reading"] == "authors"
+    assert (model_cfg["sdma_clusters"], model_cfg["sdma_dqq_weight"], model_cfg["sdma_dxq_weight"]) == (4, 100.0, 10.0)
     assert (model_cfg["sdma_centroid_grad_scale"], model_cfg["sdma_mix_rate"]) == (10.0, 5e-4)
 
     argparse_dir = tmp_path / "argparse"

@@ -149,11 +149,12 @@ def test_cross_attention_uses_memory_clustering_and_decoder_query_padding():
 # --------------------------------------------------------------------------- decoder
 
 
+@pytest.mark.parametrize("reading", ["authors", "paper"])
 @pytest.mark.parametrize("mask_at_inference", [True, False])
-def test_incremental_batch_score_equals_full_forward(mask_at_inference):
+def test_incremental_batch_score_equals_full_forward(mask_at_inference, reading):
     torch.manual_seed(0)
     decoder = SDMATransformerDecoder(vocab_size=13, encoder_output_size=32, attention_heads=2, linear_units=64,
-                                     num_blocks=2, sdma_conf=dict(clusters=3, query_clusters=2,
+                                     num_blocks=2, sdma_conf=dict(clusters=3, query_clusters=2, reading=reading,
                                      mask_at_inference=mask_at_inference)).eval()
     for module in decoder.modules():
         if isinstance(module, SDMAMultiHeadedAttention):
