@@ -274,7 +274,8 @@ def uncontended_words_per_second(run: Dict, start_update: int = 0, skip_first: i
 
     quiet = [t for t in timed if not (t[2] > max_other_cores)]  # NaN (unknown) counts as quiet
     return {"words_per_second": rate(quiet), "intervals": len(quiet), "all_words_per_second": rate(timed),
-            "all_intervals": len(timed), "max_other_cores": max_other_cores}
+            "all_intervals": len(timed), "max_other_cores": max_other_cores,
+            "per_interval": [{"words_per_second": w / sec, "other_cores": other} for w, sec, other in timed]}
 
 
 def ratio_stats(values: Sequence[float]) -> Dict:

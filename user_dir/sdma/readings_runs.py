@@ -92,6 +92,7 @@ def train(system: str, seed: int, data_bin: Path, save_dir: Path, updates: int) 
     measured = {
         "train_wps": speed["words_per_second"], "train_wps_all_intervals": speed["all_words_per_second"],
         "wps_intervals": speed["intervals"], "wps_all_intervals": speed["all_intervals"],
+        "wps_per_interval": speed["per_interval"],
         "trained_params": trained_parameters(run["log"]),
         "valid_nll": valid_metric(run["log"], "nll_loss"), "hardness": valid_metric(run["log"], "sdma_hardness"),
         "dqq_clamped": valid_metric(run["log"], "sdma_dqq_clamped"),

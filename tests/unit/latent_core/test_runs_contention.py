@@ -41,6 +41,7 @@ def test_contended_intervals_are_left_out():
     assert speed["intervals"] == 2 and speed["all_intervals"] == 3
     assert speed["words_per_second"] == pytest.approx(5000.0)
     assert speed["all_words_per_second"] == pytest.approx(30000 / (2 + 4 + 2))
+    assert [i["other_cores"] for i in speed["per_interval"]] == [0.0, 1.0, 0.0]
     run["cpu_monitor"] = None  # no monitor: every interval counts
     assert uncontended_words_per_second(run)["intervals"] == 3
 
