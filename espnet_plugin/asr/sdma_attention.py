@@ -119,6 +119,19 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         core.query_noise_log_var = nn.Linear(n_feat, n_head)
         self.espnet_initialization_fn()
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        core = self.sdma
+        if core.options.authors and getattr(core, "noise_log_var", None) is not None \
+                and prefix + "sdma.noise_log_var.weight" not in state_dict \
+                and any(key.startswith(prefix + "sdma.feature_gmm.") for key in state_dict):
+            raise ESPnetConfigError(
+                f"{prefix.rstrip('.')}: the model file has no learned noise variances (sdma.noise_log_var): it was "
+                "trained in the paper reading (the only one before readings existed); add `reading: paper` to "
+                "encoder_conf.sdma_conf and decoder_conf.sdma_conf of its config.yaml")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
     def espnet_initialization_fn(self) -> None:
         """The authors' initialisation of this module (their ``init_params``): xavier_normal_ (gain 1)
         on the four projections and every GMM parameter, gain 0.01 on the variance heads, biases as

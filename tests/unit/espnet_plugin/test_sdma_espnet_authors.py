@@ -99,3 +99,17 @@ def test_espnet_global_init_keeps_the_authors_attention_init():
     initialize(module, "xavier_uniform")
     assert module.sdma.noise_log_var.weight.std().item() < 0.01  # gain 0.01, not xavier_uniform's gain 1
     assert module.sdma.feature_gmm.means.std().item() == pytest.approx((2 / ((4 + 8) * 64)) ** 0.5, rel=0.1)
+
+
+def test_a_paper_reading_model_file_loaded_as_authors_says_what_to_change():
+    """Model files from before the readings (the paper reading) have no variance heads: loading one
+    into the authors reading (the new default) names the YAML key to set, instead of a bare
+    missing-keys error; with `reading: paper` it loads."""
+    from espnet_plugin.asr.sdma_attention import ESPnetConfigError
+
+    old = SDMAMultiHeadedAttention(2, 16, 0.0, sdma=SDMAOptions(reading="paper"), group="encoder_self")
+    with pytest.raises(ESPnetConfigError, match=r"reading: paper.*encoder_conf\.sdma_conf"):
+        SDMAMultiHeadedAttention(2, 16, 0.0, sdma=SDMAOptions(), group="encoder_self").load_state_dict(
+            old.state_dict())
+    SDMAMultiHeadedAttention(2, 16, 0.0, sdma=SDMAOptions(reading="paper"), group="encoder_self").load_state_dict(
+        old.state_dict())
