@@ -81,7 +81,7 @@ REGULARISER_SCALES = ("sentence", "batch", "token")
 
 _LOG_2PI = math.log(2.0 * math.pi)
 _MASK_FLOOR = 1e-6  # smallest semantic-mask value, keeps log M finite
-_AUTHORS_EPS = 1e-6  # the eps of the authors' F.normalize calls and of their log(1 - p + eps)
+AUTHORS_EPS = 1e-6  # the eps of the authors' F.normalize calls and of their log(1 - p + eps)
 # Posterior variance sigma_tilde^2 of eq. (20): Section IV-A3 prints 0.1; the authors' code uses
 # its fixed ``self.var`` = 0.01, the variance of its sampling noise too.
 PAPER_POSTERIOR_VAR = 0.1
@@ -251,13 +251,16 @@ class GaussianMixture(nn.Module):
         self.means = nn.Parameter(torch.randn(groups, num_clusters, dim))
         self.log_vars = nn.Parameter(torch.zeros(groups, num_clusters, dim))
         if init == "authors":
-            # xavier_normal_ (gain 1) on every GMM parameter, as the authors' init_cluster_params:
-            # means near the origin (std sqrt(2 / ((G + C) d)), ~0.044 at base), soft clusters at step 0
-            for parameter in (self.prior_logits, self.means, self.log_vars):
-                nn.init.xavier_normal_(parameter)
+            self.reset_parameters_as_authors()
         self.centroid_grad_scale = float(centroid_grad_scale)
         if self.centroid_grad_scale != 1.0:
             self.means.register_hook(self._scale_centroid_grad)
+
+    def reset_parameters_as_authors(self) -> None:
+        """xavier_normal_ (gain 1) on every GMM parameter, as the authors' init_cluster_params: means
+        near the origin (std sqrt(2 / ((G + C) d)), ~0.044 at base), soft clusters at step 0."""
+        for parameter in (self.prior_logits, self.means, self.log_vars):
+            nn.init.xavier_normal_(parameter)
 
     def _scale_centroid_grad(self, grad: Tensor) -> Tensor:
         return grad * self.centroid_grad_scale
@@ -303,6 +306,15 @@ class GaussianMixture(nn.Module):
     def trace_precision(self) -> Tensor:
         """sum_d 1 / sigma_{c,d}^2, shape ``[G, C]`` (enters the KL of eq. 20)."""
         return torch.exp(-self.log_vars.float().clamp(*_LOGVAR_RANGE)).sum(-1)
+
+
+def authors_linear_init(linear: nn.Linear, gain: float) -> None:
+    """The authors' initialisation of an attention projection: xavier_normal_ weights with ``gain``
+    and the bias ``nn.Linear`` would draw (uniform in +-1/sqrt(fan_in))."""
+    nn.init.xavier_normal_(linear.weight, gain=gain)
+    if linear.bias is not None:
+        bound = 1 / math.sqrt(linear.weight.size(1))
+        nn.init.uniform_(linear.bias, -bound, bound)
 
 
 def _full_precision(tensor: Tensor):
@@ -469,8 +481,8 @@ def authors_token_given_cluster(log_joint_q: Tensor) -> Tuple[Tensor, Tensor]:
     layer_max = log_joint_q.detach().amax(dim=(0, 2, 3, 4), keepdim=True)  # one max per layer
     joint = torch.exp(log_joint_q - layer_max)
     norm = joint.sum(2, keepdim=True)
-    clamped = norm < _AUTHORS_EPS
-    return joint / norm.clamp_min(_AUTHORS_EPS), clamped
+    clamped = norm < AUTHORS_EPS
+    return joint / norm.clamp_min(AUTHORS_EPS), clamped
 
 
 def head_mi_upper_bound(log_joint_q: Tensor, resp_q: Tensor, valid: Tensor, authors: bool = False,
@@ -493,7 +505,7 @@ def head_mi_upper_bound(log_joint_q: Tensor, resp_q: Tensor, valid: Tensor, auth
     p_pair = (p_token_given_c[..., :, None] * resp_q[..., None, :]).sum(0)  # [L, T, B, H, H']
     off_diag = 1.0 - torch.eye(n_h, device=p_pair.device, dtype=p_pair.dtype)
     if authors:
-        neg_log = -torch.log(1.0 - p_pair.clamp(max=1.0) + _AUTHORS_EPS) * off_diag
+        neg_log = -torch.log(1.0 - p_pair.clamp(max=1.0) + AUTHORS_EPS) * off_diag
     else:
         neg_log = -torch.log1p(-p_pair.clamp(max=1.0 - 1e-6)) * off_diag
     return _sentence_mean(neg_log.sum((-1, -2)) / (n_h * n_h), valid)
@@ -557,7 +569,7 @@ def authors_semantic_mask(resp_query: Tensor, resp_key: Tensor, allowed: Optiona
     if allowed is not None:
         T, S = product.shape[-2:]
         product = (product.view(allowed.size(0), -1, T, S) * allowed).view(-1, T, S)
-    return product / product.sum(-1, keepdim=True).clamp_min(_AUTHORS_EPS)
+    return product / product.sum(-1, keepdim=True).clamp_min(AUTHORS_EPS)
 
 
 def semantic_log_mask(resp_query: Tensor, resp_key: Tensor, heads: Optional[int] = None) -> Tensor:
@@ -770,19 +782,18 @@ class SDMACore(nn.Module):
     def record(self, log_joint_z: Tensor, log_resp_z: Tensor, query_valid: Tensor,
                log_joint_q: Optional[Tensor] = None, log_resp_q: Optional[Tensor] = None,
                log_joint_k: Optional[Tensor] = None, log_resp_k: Optional[Tensor] = None,
-               key_valid: Optional[Tensor] = None, log_vars: Optional[Dict[str, Tensor]] = None) -> None:
+               log_vars: Optional[Dict[str, Tensor]] = None) -> None:
         """Keep this forward pass's clustering for the regularisers (``[T, B, n_h, C]``).
 
-        ``*_k`` (``[S, B, n_h, C]``, ``key_valid [S, B]``): the clustering of a cross-attention's
-        keys, whose KL and diversity the authors' reading adds to the module's. ``log_vars``:
+        ``*_k`` (``[S, B, n_h, C]``): the clustering of a cross-attention's keys, whose KL and
+        diversity the authors' reading adds to the module's (over the padded length). ``log_vars``:
         learned posterior log-variances per position and head (``{"z": [T, B, n_h], "q": ...,
         "k": [S, B, n_h]}``, the authors' ESPnet ``var_estimation``) replacing sigma_tilde^2.
         """
         self.pending = {
             "log_joint_z": log_joint_z, "log_resp_z": log_resp_z, "valid": query_valid,
             "log_joint_q": log_joint_q, "log_resp_q": log_resp_q,
-            "log_joint_k": log_joint_k, "log_resp_k": log_resp_k, "valid_k": key_valid,
-            "log_vars": log_vars or {},
+            "log_joint_k": log_joint_k, "log_resp_k": log_resp_k, "log_vars": log_vars or {},
         }
 
     def pop_pending(self) -> Optional[Dict[str, Tensor]]:
@@ -858,7 +869,7 @@ def sdma_losses(cores, diagnostics: Optional[Dict[str, Tensor]] = None) -> Dict[
         log_joint_k = _stack_layers([p["log_joint_k"] for _, p in items])
         log_resp_k = _stack_layers([p["log_resp_k"] for _, p in items])
         resp_k = log_resp_k.exp()
-        valid_k = torch.ones_like(first["valid_k"].float())
+        valid_k = log_joint_k.new_ones(log_joint_k.shape[1:3], dtype=torch.float32)  # [S, B]: padded length
         losses["kl_z"] = losses["kl_z"] + vade_kl(log_joint_k, log_resp_k, trace_z, first_core.head_dim,
                                                   posterior_var("k"), valid_k, resp_k, log_prior_z)
         losses["dv_z"] = losses["dv_z"] + cluster_diversity(resp_k, valid_k, o.diversity_alpha,

@@ -19,8 +19,10 @@ from torch import Tensor
 
 from latent_core.errors import PluginConfigError
 from latent_core.sdma import (
+    AUTHORS_EPS,
     SDMACore,
     SDMAOptions,
+    authors_linear_init,
     authors_semantic_mask,
     fused_mix_attention,
     mix_attention,
@@ -29,7 +31,6 @@ from latent_core.sdma import (
 )
 
 ATTENTION_GROUPS = ("encoder_self", "decoder_self", "decoder_cross")
-AUTHORS_NORM_FLOOR = 1e-6  # the eps of the authors' F.normalize of M o A
 
 
 class ESPnetConfigError(PluginConfigError):
@@ -141,16 +142,14 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         core = self.sdma
         if not core.options.authors or core.options.mode == "none":
             return
-        heads = [h for h in (core.noise_log_var, core.key_noise_log_var, core.query_noise_log_var) if h is not None]
-        for layer, gain in [(p, 1.0) for p in (self.linear_q, self.linear_k, self.linear_v, self.linear_out)] + [
-                (h, 0.01) for h in heads]:
-            nn.init.xavier_normal_(layer.weight, gain=gain)
-            bound = 1 / math.sqrt(layer.weight.size(1))
-            nn.init.uniform_(layer.bias, -bound, bound)
+        for proj in (self.linear_q, self.linear_k, self.linear_v, self.linear_out):
+            authors_linear_init(proj, gain=1.0)
+        for head in (core.noise_log_var, core.key_noise_log_var, core.query_noise_log_var):
+            if head is not None:
+                authors_linear_init(head, gain=0.01)
         for gmm in (core.feature_gmm, core.query_gmm):
             if gmm is not None:
-                for parameter in (gmm.prior_logits, gmm.means, gmm.log_vars):
-                    nn.init.xavier_normal_(parameter)
+                gmm.reset_parameters_as_authors()
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor],
                 expand_kv: bool = False) -> Tensor:
@@ -232,20 +231,18 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         sem_mask = authors_semantic_mask(_heads_first(log_resp_z.exp()), _heads_first(key_resp.exp()),
                                          allowed_float).view(B, H, T1, T2)
         blocked = None if allowed is None else ~allowed.unsqueeze(1)
-        x = self._attend(q, k, v, sem_mask, blocked, AUTHORS_NORM_FLOOR).transpose(1, 2).reshape(B, T1, H * D)
+        x = self._attend(q, k, v, sem_mask, blocked, AUTHORS_EPS).transpose(1, 2).reshape(B, T1, H * D)
 
         if self.record_losses:
             log_vars: Dict[str, Tensor] = {"z": log_var_z.transpose(0, 1), "q": log_var_q.transpose(0, 1)}
-            key_valid = None
             if log_joint_k is not None:
                 log_vars["k"] = log_var_k.transpose(0, 1)
-                key_valid = (mask[:, 0, :] if mask is not None else key.new_ones(B, T2)).t().float()
                 log_joint_k, log_resp_k = log_joint_k.transpose(0, 1), log_resp_k.transpose(0, 1)
             if log_joint_q is not None:
                 log_joint_q, log_resp_q = log_joint_q.transpose(0, 1), log_resp_q.transpose(0, 1)
             core.record(log_joint_z.transpose(0, 1), log_resp_z.transpose(0, 1),
                         self._query_valid(mask, B, T1, query).t(), log_joint_q, log_resp_q,
-                        log_joint_k, log_resp_k, key_valid, log_vars)
+                        log_joint_k, log_resp_k, log_vars)
         return self.linear_out(x)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, sem_mask: Tensor, blocked: Optional[Tensor],

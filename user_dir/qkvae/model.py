@@ -89,11 +89,11 @@ class LatentAttentionVAE(FairseqEncoderDecoderModel):
     # -- subclass hooks -------------------------------------------------------------------
     @classmethod
     def architecture_defaults(cls, args) -> None:
-        raise NotImplementedError
+        raise NotImplementedError  # abstract
 
     @classmethod
     def latent_groups(cls, args) -> List[LatentGroup]:
-        raise NotImplementedError
+        raise NotImplementedError  # abstract
 
     @classmethod
     def validate_specific(cls, args) -> None:
@@ -101,7 +101,7 @@ class LatentAttentionVAE(FairseqEncoderDecoderModel):
 
     @classmethod
     def build_latent_decoder(cls, cfg, args, dictionary, embed_tokens):
-        raise NotImplementedError
+        raise NotImplementedError  # abstract
 
     # -- construction ---------------------------------------------------------------------
     @classmethod

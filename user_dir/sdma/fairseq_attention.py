@@ -10,23 +10,21 @@ import math
 from typing import Dict, Optional, Tuple
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from fairseq.modules.multihead_attention import MultiheadAttention
 from torch import Tensor
 
 from latent_core.sdma import (
+    AUTHORS_EPS,
     SDMACore,
     SDMAOptions,
+    authors_linear_init,
     authors_semantic_mask,
     fused_mix_attention,
     mix_attention,
     semantic_mask_product,
     use_fused_kernel,
 )
-
-
-AUTHORS_NORM_FLOOR = 1e-6  # the eps of the authors' F.normalize of M o A
 
 
 class SDMAMultiheadAttention(MultiheadAttention):
@@ -123,7 +121,6 @@ class SDMAMultiheadAttention(MultiheadAttention):
                     key_padding_mask = key_padding_mask.view(
                         -1, self.beam_size, key_padding_mask.size(1)
                     )[:, 0, :]
-                real_key_padding_mask = key_padding_mask
             if authors:  # their keys are perturbed, clustered and projected noisy; values stay clean
                 key_cluster, key_sample = core.sample(key, self.training)
                 log_joint_k, log_resp_k = core.cluster(key_cluster, gmm_terms)
@@ -182,8 +179,8 @@ class SDMAMultiheadAttention(MultiheadAttention):
 
         beamable = self.encoder_decoder_attention and bsz != kv_bsz
         if authors:  # eq. (10) as their code: times the padding/causal mask, L1-normalised with eps
-            mask = authors_semantic_mask(resp_query, key_resp, self._allowed_keys(
-                key_padding_mask, attn_mask, bsz, kv_bsz, tgt_len, src_len), heads=H)
+            mask = authors_semantic_mask(resp_query, key_resp, self._allowed_keys(key_padding_mask, attn_mask),
+                                         heads=H)
         else:
             mask = semantic_mask_product(resp_query, key_resp, heads=H)  # eq. (10), [B*H, T, S]
         dropout_active = self.training and self.dropout_module.p > 0
@@ -223,7 +220,7 @@ class SDMAMultiheadAttention(MultiheadAttention):
                 return scores, v
 
             attn_float = mix_attention(  # eq. (1), (2), (11)
-                scores, mask, core.mix_weight, norm_floor=AUTHORS_NORM_FLOOR if authors else 0.0)
+                scores, mask, core.mix_weight, norm_floor=AUTHORS_EPS if authors else 0.0)
             attn_probs = self.dropout_module(attn_float.type_as(v))
             if beamable:
                 attn = torch.einsum(
@@ -242,13 +239,7 @@ class SDMAMultiheadAttention(MultiheadAttention):
                 query_valid = (~query_pad.to(torch.bool)).t().float()
             else:
                 query_valid = query.new_ones(tgt_len, bsz, dtype=torch.float32)
-            key_valid = None
-            if log_joint_k is not None:
-                key_valid = query.new_ones(src_len, kv_bsz, dtype=torch.float32)
-                if real_key_padding_mask is not None:
-                    key_valid = (~real_key_padding_mask.to(torch.bool)).t().float()
-            core.record(log_joint_z, log_resp_z, query_valid, log_joint_q, log_resp_q,
-                        log_joint_k, log_resp_k, key_valid)
+            core.record(log_joint_z, log_resp_z, query_valid, log_joint_q, log_resp_q, log_joint_k, log_resp_k)
 
         weights: Optional[Tensor] = None
         if need_weights and attn_float is not None:
@@ -258,17 +249,12 @@ class SDMAMultiheadAttention(MultiheadAttention):
         return attn, weights
 
     def _reset_projections_as_authors(self) -> None:
-        """The authors' initialisation of the four projections (``DisentangledAttention.init_params``):
-        weights xavier_normal_ with gain 1/sqrt(2), biases as ``nn.Linear`` leaves them."""
+        """The authors' initialisation of the four projections (``DisentangledAttention.init_params``)."""
         for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
-            nn.init.xavier_normal_(proj.weight, gain=1 / math.sqrt(2))
-            if proj.bias is not None:
-                bound = 1 / math.sqrt(proj.weight.size(1))
-                nn.init.uniform_(proj.bias, -bound, bound)
+            authors_linear_init(proj, gain=1 / math.sqrt(2))
 
     @staticmethod
-    def _allowed_keys(key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor], bsz: int,
-                      kv_bsz: int, tgt_len: int, src_len: int) -> Optional[Tensor]:
+    def _allowed_keys(key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor]) -> Optional[Tensor]:
         """The 0/1 mask of keys a query may attend to, broadcastable to ``[B*H, T, S]`` through a
         ``[kv_bsz, -1, T, S]`` view (None when every key is allowed)."""
         allowed = None

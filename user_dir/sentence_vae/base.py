@@ -85,7 +85,7 @@ class SentenceVAEEncoder(FairseqEncoder):
 
     def posterior_parameters(self, src_tokens: Tensor, src_lengths: Tensor):
         """-> ``({name: mean [B, D]}, {name: logvar [B, D]})``."""
-        raise NotImplementedError
+        raise NotImplementedError  # abstract
 
     def forward(self, src_tokens: Tensor, src_lengths: Tensor,
                 latents: Optional[Mapping[str, Tensor]] = None, **unused) -> EncoderOut:
