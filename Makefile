@@ -4,7 +4,7 @@ STAMP := .venv/.install-stamp
 DEMO_MINUTES ?= 10
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast bench clean-outputs
+.PHONY: install demo test test-fast test-gpu gpu-check bench clean-outputs
 
 install: $(STAMP)
 
@@ -22,6 +22,15 @@ test: install
 # The unit tier only: equations, readers, in-process models (under two minutes).
 test-fast: install
 	$(PYTHON_VENV) -m pytest tests/unit -m "not integration" $(PYTEST_ARGS)
+
+# The GPU tier (tests/gpu): CUDA kernels, fairseq --fp16/--bf16/--amp, DDP, ESPnet --ngpu 1 (needs a GPU).
+test-gpu: install
+	@$(PYTHON_VENV) -c "import torch, sys; torch.cuda.is_available() or sys.exit('test-gpu: no CUDA device is visible (make test runs everything else)')"
+	$(PYTHON_VENV) -m pytest tests/gpu $(PYTEST_ARGS)
+
+# Validate a GPU machine: the GPU tier, then the benchmarks on the GPU; writes outputs/gpu/report.json.
+gpu-check: install
+	$(PYTHON_VENV) scripts/gpu_check.py
 
 bench: install
 	$(PYTHON_VENV) scripts/bench_sdma.py

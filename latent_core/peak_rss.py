@@ -1,10 +1,9 @@
 """Run a console script in this process and print its peak resident memory at exit.
 
 ``peak-rss fairseq-train ARGS...`` (or ``python -m latent_core.peak_rss``) -> ``PEAK_RSS_MB=<MiB>``
-on stdout. CONSOLE_SCRIPT is the name (or the path) of a console script of this environment; it
+on stdout, and ``PEAK_CUDA_MB=<MiB>`` (``torch.cuda.max_memory_allocated``) when the run used CUDA. CONSOLE_SCRIPT is the name (or the path) of a console script of this environment; it
 runs through its entry point, as its wrapper in ``bin/`` would run it.
-Used by the benchmark to compare training memory on CPU (on a GPU the benchmark also
-reads ``torch.cuda.max_memory_allocated``).
+Used by the benchmarks to compare training memory.
 """
 
 import resource
@@ -34,6 +33,9 @@ def peak_rss_kib() -> int:
 
 def _report() -> None:
     print(f"PEAK_RSS_MB={peak_rss_kib() / 1024:.1f}", flush=True)
+    torch = sys.modules.get("torch")  # a CUDA run: the peak of PyTorch's allocator on the current device
+    if torch is not None and torch.cuda.is_initialized():
+        print(f"PEAK_CUDA_MB={torch.cuda.max_memory_allocated() / 2 ** 20:.1f}", flush=True)
 
 
 def main(argv: Optional[List[str]] = None):

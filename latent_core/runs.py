@@ -123,7 +123,8 @@ def run_streaming(cmd: Sequence, log_path: Path, echo_filter: Optional[str] = No
     the command fails.
 
     With ``wrap_rss`` the command (a console script) runs under ``latent_core.peak_rss``, which
-    reports the process's peak resident memory (``ru_maxrss``) when it exits. With
+    reports the process's peak resident memory (``peak_rss_mb``) and, when it used CUDA, the peak of
+PyTorch's CUDA allocator (``peak_cuda_mb``) when it exits. With
     ``monitor_cpu`` a :class:`CpuContentionMonitor` watches it (``result["cpu_monitor"]``; its
     clock starts with the command, as ``line_seconds`` does).
     """
@@ -161,9 +162,10 @@ def run_streaming(cmd: Sequence, log_path: Path, echo_filter: Optional[str] = No
     # line_seconds[i]: when lines[i] arrived, in seconds after the start (fairseq flushes each line)
     result = {"log": text, "seconds": time.time() - start, "lines": lines, "line_seconds": arrived,
               "cpu_monitor": monitor}
-    match = re.search(r"PEAK_RSS_MB=([0-9.]+)", text)
-    if match:
-        result["peak_rss_mb"] = float(match.group(1))
+    for key in ("peak_rss_mb", "peak_cuda_mb"):
+        match = re.search(rf"{key.upper()}=([0-9.]+)", text)
+        if match:
+            result[key] = float(match.group(1))
     return result
 
 

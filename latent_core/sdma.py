@@ -662,6 +662,45 @@ def fused_mix_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, mix: Tens
     return torch.lerp(plain, masked, mix.detach().to(plain.dtype, copy=True))
 
 
+def lowrank_mix_attention(q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, resp_key: Tensor, mix: Tensor,
+                          base_mask: Optional[Tensor] = None, allowed: Optional[Tensor] = None,
+                          dropout_p: float = 0.0) -> Tensor:
+    """A_hat V of eq. (11) in one ``scaled_dot_product_attention`` call, with no T x S mask.
+
+    M_ij = sum_c gq_ic gk_jc (+ eps) has rank C, so the masked branch of eq. (2) is
+    ``(sum_c gq_ic [A (gk_c o V)]_i + eps [A V]_i) / (sum_c gq_ic [A gk_c]_i + eps)``: one SDPA call
+    with the value widened to ``[V | gk_1 V | ... | gk_C V | gk]`` (width (C+1) D + C) gives both
+    branches; the responsibilities get their gradient through that value and the final ratio.
+    ``q [B, H, T, D]`` scaled, ``k, v [B, H, S, D]``, ``resp_query [B, H, T, C]``,
+    ``resp_key [B, H, S, C]`` (p(c|.) per head), ``base_mask`` additive (``-inf`` at padding/future
+    keys) broadcastable to ``[B, H, T, S]`` in ``q``'s dtype. ``allowed`` (0/1, broadcastable to
+    ``[B, H, T, S]``) selects the authors reading (:func:`authors_semantic_mask`: M L1-normalised over
+    the allowed keys, both normalisers floored at their eps); None is the paper reading
+    (:func:`semantic_mask_product`). Returns ``[B, H, T, D]`` in ``q``'s dtype. Exact (no
+    approximation) up to rounding; with ``dropout_p > 0`` the kernel drops A before the mask
+    (one draw for both branches; the explicit path drops A_hat).
+    """
+    D, C = v.size(-1), resp_key.size(-1)
+    gk = resp_key.to(v.dtype)
+    widened = torch.cat([v, (gk.unsqueeze(-1) * v.unsqueeze(-2)).flatten(-2), gk], dim=-1)
+    out = F.scaled_dot_product_attention(q, k, widened, attn_mask=base_mask, dropout_p=dropout_p, scale=1.0)
+    wide = torch.promote_types(out.dtype, torch.float32)  # the ratio in fp32 (or wider) under fp16/bf16
+    with _full_precision(resp_query):
+        out = out.to(wide)
+        plain = out[..., :D]  # [A V]_i
+        gq = resp_query.to(wide)
+        num = torch.einsum("bhtc,bhtcd->bhtd", gq, out[..., D:D + C * D].unflatten(-1, (C, D)))
+        den = torch.einsum("bhtc,bhtc->bht", gq, out[..., D + C * D:]).unsqueeze(-1)
+        if allowed is None:  # eq. (10) plus the 1e-6 floor of semantic_mask_product
+            masked = (num + _MASK_FLOOR * plain) / (den + _MASK_FLOOR)
+        else:  # r_i = max(sum_c gq_ic sum_{j allowed} gk_jc, eps), then A o M renormalised with eps
+            key_mass = torch.matmul(allowed.to(wide), resp_key.to(wide))  # [B, H, T or 1, C]
+            row = (gq * key_mass).sum(-1, keepdim=True).clamp_min(AUTHORS_EPS)
+            masked = (num / row) / (den / row).clamp_min(AUTHORS_EPS)
+        mixed = torch.lerp(plain, masked, mix.detach().to(plain.dtype, copy=True))
+    return mixed.to(q.dtype)
+
+
 def use_fused_kernel(kernel: str, device: torch.device, need_weights: bool, dropout_active: bool) -> bool:
     """Whether :func:`fused_mix_attention` computes this forward pass (see ``SDMAOptions.attention_kernel``)."""
     if need_weights or kernel == "explicit":

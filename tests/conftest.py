@@ -13,16 +13,40 @@ import user_dir  # noqa: E402,F401  (registers models, criterions, safe globals)
 
 TESTS = Path(__file__).resolve().parent
 INTEGRATION = TESTS / "integration"
+GPU = TESTS / "gpu"
+# The GPU tier (tests/gpu, `make test-gpu`) runs where CUDA is; GPU_TESTS_DEVICE=cpu runs it on the
+# CPU instead (to check the tier's own code; fp16 cases are then skipped). Elsewhere its tests are
+# deselected, not skipped: a machine without a GPU has nothing missing.
+GPU_TESTS_DEVICE = os.environ.get("GPU_TESTS_DEVICE", "cuda")
 # Under CI=true a skip is an error: CI installs every resource (make install), so a skipped
 # end-to-end test (missing Ding dictionary, espeak-ng, MiniLM weights) means a broken install.
 STRICT_SKIPS = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
+def _gpu_tier_runs() -> bool:
+    if GPU_TESTS_DEVICE == "cpu":
+        return True
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def pytest_collection_modifyitems(config, items):
-    """Everything under tests/integration/ carries the ``integration`` marker (registered in pytest.ini)."""
+    """Everything under tests/integration/ carries the ``integration`` marker, everything under
+    tests/gpu/ the ``gpu`` marker (both registered in pytest.ini); the gpu tier is deselected
+    where it cannot run (no CUDA and no GPU_TESTS_DEVICE=cpu)."""
+    gpu_items = []
     for item in items:
-        if INTEGRATION in Path(str(item.fspath)).resolve().parents:
+        parents = Path(str(item.fspath)).resolve().parents
+        if INTEGRATION in parents:
             item.add_marker(pytest.mark.integration)
+        if GPU in parents:
+            item.add_marker(pytest.mark.gpu)
+            gpu_items.append(item)
+    if gpu_items and not _gpu_tier_runs():
+        config.hook.pytest_deselected(items=gpu_items)
+        gpu_ids = {id(item) for item in gpu_items}
+        items[:] = [item for item in items if id(item) not in gpu_ids]
 
 
 def _fail_skip(report, what: str) -> None:

@@ -141,7 +141,7 @@ def stage_tokens(args, work: Path) -> None:
 def common_train_args(args, work: Path) -> List[str]:
     return ["--use_preprocessor", "true", "--token_type", "char", "--token_list", work / "tokens.txt",
             "--non_linguistic_symbols", "none", "--cleaner", "none", "--g2p", "none",
-            "--ngpu", "0", "--num_workers", "0", "--seed", args.seed, "--use_tensorboard", "false"]
+            "--ngpu", args.ngpu, "--num_workers", "0", "--seed", args.seed, "--use_tensorboard", "false"]
 
 
 def stage_stats(args, work: Path) -> None:
@@ -169,7 +169,7 @@ def stage_train(args, work: Path, system: str) -> None:
         "--valid_shape_file", stats / "valid" / "speech_shape",
         "--valid_shape_file", stats / "valid" / "text_shape.char",
         "--fold_length", "80000", "--fold_length", "150",  # asr.sh's raw-speech / text fold lengths
-        "--resume", "true",
+        "--resume", "true", "--use_amp", str(args.use_amp).lower(),
     ] + extra + data_args(data, "train", "train") + data_args(data, "dev", "valid"),
         work / "logs" / f"train_{system}.log")
 
@@ -189,7 +189,7 @@ def stage_decode(args, work: Path, system: str) -> None:
     out = exp / "decode_test"
     shutil.rmtree(out, ignore_errors=True)
     run(python_module(args, "espnet_plugin.bin.asr_inference") + [
-        "--ngpu", "0", "--batch_size", "1", "--config", args.conf_dir / "decode_asr.yaml",
+        "--ngpu", args.ngpu, "--batch_size", "1", "--config", args.conf_dir / "decode_asr.yaml",
         "--data_path_and_name_and_type", f"{data / 'test' / 'wav.scp'},speech,sound",
         "--key_file", data / "test" / "wav.scp",
         "--asr_train_config", exp / "config.yaml", "--asr_model_file", model, "--output_dir", out,
@@ -254,10 +254,16 @@ def parse_args(argv=None):
     parser.add_argument("--stage", choices=STAGES, default=STAGES[0], help="first stage to run")
     parser.add_argument("--stop-stage", choices=STAGES, default=STAGES[-1], help="last stage to run")
     parser.add_argument("--python", default=sys.executable, help="interpreter with ESPnet and this repo")
+    parser.add_argument("--ngpu", type=int, choices=(0, 1), default=0,
+                        help="GPUs of every ESPnet stage (its --ngpu): statistics, training, decoding")
+    parser.add_argument("--use-amp", action="store_true",
+                        help="train with ESPnet's --use_amp true (CUDA autocast + GradScaler; needs --ngpu 1)")
     args = parser.parse_args(argv)
     for name in ("num_sentences", "speakers_per_sentence", "jobs"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.use_amp and args.ngpu == 0:
+        parser.error("--use-amp needs --ngpu 1 (ESPnet's mixed precision runs on CUDA)")
     if args.max_epoch is not None and args.max_epoch < 1:
         parser.error("--max-epoch must be >= 1")
     for name in list(SYSTEMS.values()) + ["decode_asr.yaml"]:

@@ -27,7 +27,7 @@ from typing import Dict, Sequence
 
 import torch
 import torch.nn.functional as F
-from fairseq import options, tasks
+from fairseq import options, tasks, utils
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from transformers import GPT2LMHeadModel
 
@@ -59,6 +59,11 @@ def real_batch(task, sentences: int, split: str = "train"):
     return dataset.collater([dataset[i] for i in range(sentences)])
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _gpt2_update(gpt2, optimizer, sample, pad: int) -> None:
     prev = sample["net_input"]["prev_output_tokens"]
     logits = gpt2(input_ids=prev, attention_mask=prev.ne(pad).long()).logits
@@ -76,15 +81,20 @@ def _optimus_update(model, criterion, optimizer, sample) -> None:
 
 
 def time_pair_vs_gpt2(data: str, bert_dir: str, sentences: int = 64, rounds: int = 5, updates_per_round: int = 2,
-                      seed: int = 1, extra: Sequence[str] = DECODER_4x256) -> Dict:
-    """Interleaved update timing of Optimus and GPT-2 alone (module doc); ratios Optimus / GPT-2."""
+                      seed: int = 1, extra: Sequence[str] = DECODER_4x256, device: str = "cpu") -> Dict:
+    """Interleaved update timing of Optimus and GPT-2 alone (module doc); ratios Optimus / GPT-2.
+    ``device``: where both models, the batch and the optimisers live (``cuda`` on a GPU; fp32)."""
     if min(sentences, rounds, updates_per_round) < 1:
         raise ValueError("sentences, rounds and updates_per_round must be >= 1")
     torch.manual_seed(seed)
     task, model, criterion = build_pair(data, bert_dir, extra)
-    sample = real_batch(task, sentences)
+    device = torch.device(device)
+    sample = utils.move_to_cuda(real_batch(task, sentences), device=device) if device.type == "cuda" else \
+        real_batch(task, sentences)
     config = model.decoder.gpt2.config
     gpt2 = GPT2LMHeadModel(config)
+    model.to(device)
+    gpt2.to(device)
     model.train()
     gpt2.train()
     pad = task.target_dictionary.pad()
@@ -98,9 +108,11 @@ def time_pair_vs_gpt2(data: str, bert_dir: str, sentences: int = 64, rounds: int
     wall = {name: [] for name in runs}
     for _ in range(rounds):
         for name, step in runs.items():
+            _sync(device)
             start = time.perf_counter()
             for _ in range(updates_per_round):
                 step()
+            _sync(device)
             wall[name].append((time.perf_counter() - start) / updates_per_round)
     ratios = [g / o for g, o in zip(wall["gpt2"], wall["optimus"])]
     ntokens = int(sample["ntokens"])
@@ -119,6 +131,7 @@ def time_pair_vs_gpt2(data: str, bert_dir: str, sentences: int = 64, rounds: int
         "batch": {"sentences": sentences, "target_tokens": ntokens,
                   "source_tokens": int(sample["net_input"]["src_lengths"].sum())},
         "rounds": rounds, "updates_per_round": updates_per_round, "threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "estimator": "words = target (GPT-2) tokens of one real batch; ratio = GPT-2-alone seconds / Optimus "
                      "seconds per update within each round, min/median/max over rounds; FLOPs: FlopCounterMode, "
                      "matrix products only",
@@ -134,16 +147,20 @@ def main(argv=None) -> int:
     p.add_argument("--sentences", type=int, default=64, help="sentences of the timed batch")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     p.add_argument("--updates-per-round", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (fp32 on the GPU)")
     p.add_argument("--out", type=Path, default=Path("outputs") / "bench" / "vae.json")
     args = p.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: no CUDA device is visible")
     if min(args.sentences, args.rounds, args.updates_per_round) < 1:
         p.error("--sentences, --rounds and --updates-per-round must be >= 1")
-    pair = time_pair_vs_gpt2(str(args.data), str(args.bert_dir), args.sentences, args.rounds, args.updates_per_round)
+    pair = time_pair_vs_gpt2(str(args.data), str(args.bert_dir), args.sentences, args.rounds, args.updates_per_round,
+                             device=args.device)
     ratio = pair["wps_ratio"]
     print_table([{"model": name, "words/s": pair["words_per_second"][name],
                   "GFLOPs/update": pair["flops_per_update"][name] / 1e9, "params": pair["params"][name]}
                  for name in ("optimus", "gpt2")], ["model", "words/s", "GFLOPs/update", "params"],
-                f"BERT + GPT-2 vs the same GPT-2 alone: words/s ratio {ratio['min']:.3f} / {ratio['median']:.3f} / "
+                f"BERT + GPT-2 vs the same GPT-2 alone ({pair['device']}): words/s ratio {ratio['min']:.3f} / {ratio['median']:.3f} / "
                 f"{ratio['max']:.3f} (min/median/max over rounds), FLOPs bound {pair['flops_bound']:.3f}")
     payload = json.loads(args.out.read_text()) if args.out.exists() else {}
     payload["optimus_pair"] = pair

