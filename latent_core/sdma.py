@@ -52,7 +52,7 @@ SDMA_MODES = ("sdma", "sma", "none")
 # What the SDMA modules compute in training (SDMAOptions.reading): the authors' code or the printed equations
 READINGS = ("authors", "paper")
 # How the mixed attention of eq. (11) is computed (SDMAOptions.attention_kernel)
-ATTENTION_KERNELS = ("auto", "explicit", "sdpa")
+ATTENTION_KERNELS = ("auto", "explicit", "sdpa", "lowrank")
 # Names of the regularisers every SDMA module reports (eq. 20, 21, 22, 23).
 LOSS_NAMES = ("kl_z", "kl_q", "dqq", "dxq", "dv_z", "dv_q")
 # Loss-weight option (fairseq --sdma-*-weight, ESPnet model_conf sdma_*_weight)
@@ -135,8 +135,11 @@ class SDMAOptions:
     attention_kernel: str = _option(
         "auto", "how A_hat V of eq. (11) is computed: explicit (scores, one softmax, the multiplicative mask of "
                 "eq. 2; attention weights available), sdpa (two torch scaled_dot_product_attention calls, the "
-                "mask as additive log M; attention dropout then drawn per branch), auto (sdpa on CUDA when the "
-                "weights are not needed and no attention dropout is active, explicit otherwise)",
+                "mask as additive log M; attention dropout then drawn per branch), lowrank (one SDPA call over the "
+                "value widened by the key responsibilities, no T x S mask; attention dropout then drops A before the "
+                "mask; slower than sdpa in every shape measured on an H100, see examples/sdma_translation/README.md), "
+                "auto (sdpa on CUDA when the weights are not needed and no attention dropout is active, explicit "
+                "otherwise)",
         choices=ATTENTION_KERNELS)
     mask_at_inference: bool = _option(True, "apply the semantic mask when not training (the paper drops the "
                                             "decoder self-attention's mask at test time)")
@@ -702,10 +705,12 @@ def lowrank_mix_attention(q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, r
 
 
 def use_fused_kernel(kernel: str, device: torch.device, need_weights: bool, dropout_active: bool) -> bool:
-    """Whether :func:`fused_mix_attention` computes this forward pass (see ``SDMAOptions.attention_kernel``)."""
+    """Whether a fused kernel (:func:`fused_mix_attention`, or :func:`lowrank_mix_attention` for ``lowrank``)
+    computes this forward pass (see ``SDMAOptions.attention_kernel``). ``auto`` never picks ``lowrank``:
+    measured on an H100 it was 0.48-0.98x the explicit path's speed where sdpa was 1.10-1.84x."""
     if need_weights or kernel == "explicit":
         return False
-    if kernel == "sdpa":
+    if kernel in ("sdpa", "lowrank"):
         return True
     return device.type == "cuda" and not dropout_active
 

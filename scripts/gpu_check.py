@@ -73,8 +73,10 @@ def junit_counts(path: Path) -> dict:
 
 
 def step_tests(args, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "tests/gpu", "-p", "no:cacheprovider", "-q", "-rfE",
+    # -v: one line per test as it finishes, so a stopped run still says which passed
+    cmd = [sys.executable, "-m", "pytest", "tests/gpu", "-p", "no:cacheprovider", "-v", "-rfE",
            "--junitxml", out / "pytest.xml"]
+    (out / "pytest.xml").unlink(missing_ok=True)
     try:
         import xdist  # noqa: F401
 

@@ -25,6 +25,7 @@ from latent_core.sdma import (
     authors_linear_init,
     authors_semantic_mask,
     fused_mix_attention,
+    lowrank_mix_attention,
     mix_attention,
     semantic_mask_product,
     use_fused_kernel,
@@ -175,11 +176,10 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         q, k, v = self.forward_qkv(zq, zk, zv)  # (B, H, T, d_k)
         q = q / math.sqrt(D)
 
-        # eq. (10): M up to its row normaliser, (B, H, T1, T2)
-        sem_mask = semantic_mask_product(_heads_first(log_resp_z.exp()), _heads_first(log_resp_k.exp()))
-        sem_mask = sem_mask.view(B, H, T1, -1)
         blocked = None if mask is None else mask.unsqueeze(1).eq(0)  # (B, 1, T1 or 1, T2)
-        x = self._attend(q, k, v, sem_mask, blocked).transpose(1, 2).reshape(B, T1, H * D)
+        x = self._attend(q, k, v, _heads_first(log_resp_z.exp()).view(B, H, T1, -1),
+                         _heads_first(log_resp_k.exp()).view(B, H, k.size(2), -1), None, blocked)
+        x = x.transpose(1, 2).reshape(B, T1, H * D)
 
         if self.record_losses:
             log_joint_q = log_resp_q = None
@@ -228,10 +228,10 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         else:
             allowed = None
         allowed_float = None if allowed is None else allowed.float().unsqueeze(1)  # (B or 1, 1, T1 or 1, T2)
-        sem_mask = authors_semantic_mask(_heads_first(log_resp_z.exp()), _heads_first(key_resp.exp()),
-                                         allowed_float).view(B, H, T1, T2)
         blocked = None if allowed is None else ~allowed.unsqueeze(1)
-        x = self._attend(q, k, v, sem_mask, blocked, AUTHORS_EPS).transpose(1, 2).reshape(B, T1, H * D)
+        x = self._attend(q, k, v, _heads_first(log_resp_z.exp()).view(B, H, T1, -1),
+                         _heads_first(key_resp.exp()).view(B, H, T2, -1), allowed_float, blocked, authors=True)
+        x = x.transpose(1, 2).reshape(B, T1, H * D)
 
         if self.record_losses:
             log_vars: Dict[str, Tensor] = {"z": log_var_z.transpose(0, 1), "q": log_var_q.transpose(0, 1)}
@@ -245,26 +245,39 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
                         log_joint_k, log_resp_k, log_vars)
         return self.linear_out(x)
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, sem_mask: Tensor, blocked: Optional[Tensor],
-                norm_floor: float = 0.0) -> Tensor:
-        """A_hat V of eq. (1), (2), (11): ``q`` (B, H, T1, d_k) scaled, ``k``/``v`` (B, H, T2, d_k),
-        ``sem_mask`` (B, H, T1, T2), ``blocked`` (B, 1, T1 or 1, T2) True = masked -> (B, H, T1, d_k).
-        Outside training ESPnet reads the weights (``self.attn``: attention plots), so the explicit
-        path keeps them there."""
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, resp_key: Tensor,
+                allowed: Optional[Tensor], blocked: Optional[Tensor], authors: bool = False) -> Tensor:
+        """A_hat V of eq. (1), (2), (10), (11): ``q`` (B, H, T1, d_k) scaled, ``k``/``v`` (B, H, T2, d_k),
+        ``resp_query`` (B, H, T1, C) and ``resp_key`` (B, H, T2, C) p(c|.), ``blocked`` (B, 1, T1 or 1, T2)
+        True = masked, ``allowed`` its 0/1 float complement (the authors reading's mask normaliser, else
+        None) -> (B, H, T1, d_k). Outside training ESPnet reads the weights (``self.attn``: attention
+        plots), so the explicit path keeps them there."""
         core = self.sdma
+        B, H, T1, T2 = q.size(0), q.size(1), q.size(2), k.size(2)
         dropout_active = self.training and self.dropout.p > 0
-        if use_fused_kernel(core.options.attention_kernel, q.device, not self.training, dropout_active):
+        flat_q, flat_k = resp_query.reshape(B * H, T1, -1), resp_key.reshape(B * H, T2, -1)
+
+        def semantic_mask() -> Tensor:  # eq. (10), (B, H, T1, T2)
+            if authors:
+                return authors_semantic_mask(flat_q, flat_k, allowed).view(B, H, T1, T2)
+            return semantic_mask_product(flat_q, flat_k).view(B, H, T1, T2)
+
+        kernel = core.options.attention_kernel
+        if use_fused_kernel(kernel, q.device, not self.training, dropout_active):
             base_mask = None
             if blocked is not None:
                 base_mask = torch.zeros(blocked.shape, dtype=q.dtype, device=q.device).masked_fill(
                     blocked, torch.finfo(q.dtype).min)
             self.attn = None
-            return fused_mix_attention(q, k, v, sem_mask, core.mix_weight, base_mask,
-                                       self.dropout.p if dropout_active else 0.0)
+            p = self.dropout.p if dropout_active else 0.0
+            if kernel == "lowrank":
+                return lowrank_mix_attention(q, k, v, resp_query, resp_key, core.mix_weight, base_mask,
+                                             allowed if authors else None, p)
+            return fused_mix_attention(q, k, v, semantic_mask(), core.mix_weight, base_mask, p)
         scores = torch.matmul(q, k.transpose(-2, -1)).float()
         if blocked is not None:
             scores = scores.masked_fill(blocked, torch.finfo(torch.float32).min)
-        attn = mix_attention(scores, sem_mask, core.mix_weight, norm_floor=norm_floor)
+        attn = mix_attention(scores, semantic_mask(), core.mix_weight, norm_floor=AUTHORS_EPS if authors else 0.0)
         if blocked is not None:
             attn = attn.masked_fill(blocked, 0.0)
         self.attn = attn

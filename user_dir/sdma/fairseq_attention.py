@@ -21,6 +21,7 @@ from latent_core.sdma import (
     authors_linear_init,
     authors_semantic_mask,
     fused_mix_attention,
+    lowrank_mix_attention,
     mix_attention,
     semantic_mask_product,
     use_fused_kernel,
@@ -178,15 +179,17 @@ class SDMAMultiheadAttention(MultiheadAttention):
             key_padding_mask = None
 
         beamable = self.encoder_decoder_attention and bsz != kv_bsz
-        if authors:  # eq. (10) as their code: times the padding/causal mask, L1-normalised with eps
-            mask = authors_semantic_mask(resp_query, key_resp, self._allowed_keys(key_padding_mask, attn_mask),
-                                         heads=H)
-        else:
-            mask = semantic_mask_product(resp_query, key_resp, heads=H)  # eq. (10), [B*H, T, S]
+        allowed = self._allowed_keys(key_padding_mask, attn_mask) if authors else None
+
+        def semantic_mask() -> Tensor:  # eq. (10), [B*H, T, S]
+            if authors:  # as their code: times the padding/causal mask, L1-normalised with eps
+                return authors_semantic_mask(resp_query, key_resp, allowed, heads=H)
+            return semantic_mask_product(resp_query, key_resp, heads=H)
+
         dropout_active = self.training and self.dropout_module.p > 0
         attn_float = None
-        if not beamable and not before_softmax and use_fused_kernel(
-                core.options.attention_kernel, q.device, need_weights, dropout_active):
+        kernel = core.options.attention_kernel
+        if not beamable and not before_softmax and use_fused_kernel(kernel, q.device, need_weights, dropout_active):
             base_mask = None
             if key_padding_mask is not None:
                 base_mask = torch.zeros(kv_bsz, 1, 1, src_len, dtype=q.dtype, device=q.device).masked_fill(
@@ -194,12 +197,18 @@ class SDMAMultiheadAttention(MultiheadAttention):
             if attn_mask is not None:
                 future = attn_mask.to(q.dtype)[None, None]
                 base_mask = future if base_mask is None else base_mask + future
-            attn = fused_mix_attention(  # eq. (1), (2), (11)
-                q.view(bsz, H, tgt_len, D), k.view(bsz, H, src_len, D), v.view(bsz, H, src_len, D),
-                mask.view(bsz, H, tgt_len, src_len), core.mix_weight, base_mask,
-                self.dropout_module.p if dropout_active else 0.0,
-            ).permute(2, 0, 1, 3).reshape(tgt_len, bsz, embed_dim)
+            q4, k4, v4 = (t.view(bsz, H, -1, D) for t in (q, k, v))
+            p = self.dropout_module.p if dropout_active else 0.0
+            if kernel == "lowrank":  # eq. (1), (2), (11) without the T x S mask
+                attn = lowrank_mix_attention(q4, k4, v4, resp_query.view(bsz, H, tgt_len, -1),
+                                             key_resp.view(bsz, H, src_len, -1), core.mix_weight, base_mask,
+                                             allowed, p)
+            else:  # eq. (1), (2), (11)
+                attn = fused_mix_attention(q4, k4, v4, semantic_mask().view(bsz, H, tgt_len, src_len),
+                                           core.mix_weight, base_mask, p)
+            attn = attn.permute(2, 0, 1, 3).reshape(tgt_len, bsz, embed_dim)
         else:
+            mask = semantic_mask()
             if beamable:
                 scores = torch.einsum(
                     "bxhtd,bhsd->bxhts",

@@ -1,4 +1,5 @@
-"""ESPnet's SDMA attention: the fused path (``sdma_conf: {attention_kernel: sdpa}``) equals the explicit one."""
+"""ESPnet's SDMA attention: the fused paths (``sdma_conf: {attention_kernel: sdpa}`` and ``lowrank``) equal the
+explicit one."""
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ def test_fused_training_forward_and_gradients_equal_the_explicit_path(causal, re
     if causal:
         mask = mask & torch.tril(torch.ones(6, 6, dtype=torch.bool))[None]
     results = []
-    for kernel in ("explicit", "sdpa"):
+    for kernel in ("explicit", "sdpa", "lowrank"):
         module = attention(kernel, reading=reading)
         inp = x.clone().requires_grad_(True)
         out = module(inp, inp, inp, mask)
@@ -36,12 +37,14 @@ def test_fused_training_forward_and_gradients_equal_the_explicit_path(causal, re
         (out.pow(2).sum() + sum(v.sum() for v in losses.values())).backward()
         results.append((out.detach(), inp.grad, {n: p.grad for n, p in module.named_parameters()},
                         module.attn))
-    (out_e, gx_e, grads_e, attn_e), (out_f, gx_f, grads_f, attn_f) = results
-    assert attn_e is not None and attn_f is None  # the fused path keeps no weights
-    torch.testing.assert_close(out_f, out_e, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(gx_f, gx_e, rtol=1e-4, atol=1e-5)
-    for name in grads_e:
-        torch.testing.assert_close(grads_f[name], grads_e[name], rtol=1e-4, atol=1e-5, msg=name)
+    out_e, gx_e, grads_e, attn_e = results[0]
+    assert attn_e is not None
+    for out_f, gx_f, grads_f, attn_f in results[1:]:
+        assert attn_f is None  # the fused paths keep no weights
+        torch.testing.assert_close(out_f, out_e, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gx_f, gx_e, rtol=1e-4, atol=1e-5)
+        for name in grads_e:
+            torch.testing.assert_close(grads_f[name], grads_e[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_evaluation_keeps_the_weights_for_espnet_attention_plots():

@@ -112,14 +112,16 @@ def test_authors_initialisation():
     assert hardness[0] < 0.7 < hardness[1]
 
 
-def test_fused_kernel_matches_explicit_in_the_authors_reading():
-    case = build_case("decoder_cross")
+@pytest.mark.parametrize("group", ["decoder_cross", "encoder_self"])
+def test_fused_kernels_match_explicit_in_the_authors_reading(group):
+    case = build_case(group)
     outputs = []
-    for kernel in ("explicit", "sdpa"):
+    for kernel in ("explicit", "sdpa", "lowrank"):
         module = our_module(case, attention_kernel=kernel)
         module.eval()
-        key = case["key"].transpose(0, 1)
+        x = case["x"].transpose(0, 1)
+        key = x if group == "encoder_self" else case["key"].transpose(0, 1)
         with torch.no_grad():
-            outputs.append(module(case["x"].transpose(0, 1), key, key, key_padding_mask=case["key_padding_mask"],
-                                  need_weights=False)[0])
-    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-6)
+            outputs.append(module(x, key, key, key_padding_mask=case["key_padding_mask"], need_weights=False)[0])
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(outputs[2], outputs[0], rtol=1e-5, atol=1e-6)

@@ -1,4 +1,4 @@
-"""The fused attention path (``--sdma-attention-kernel sdpa``) computes what the explicit path computes.
+"""The fused attention paths (``--sdma-attention-kernel sdpa`` and ``lowrank``) compute what the explicit path computes.
 
 fairseq's SDMA attention with two ``scaled_dot_product_attention`` calls (the semantic mask as an
 additive log M) against the explicit path (scores, one softmax, the multiplicative mask of eq. 2):
@@ -69,8 +69,9 @@ def fused_calls(monkeypatch):
     return calls
 
 
+@pytest.mark.parametrize("kernel", ["sdpa", "lowrank"])
 @pytest.mark.parametrize("case", ["encoder_self", "decoder_self_causal", "decoder_cross"])
-def test_fused_path_equals_explicit_path_fp32_outputs_and_gradients(case, fused_calls):
+def test_fused_path_equals_explicit_path_fp32_outputs_and_gradients(case, kernel, fused_calls):
     x, pad = inputs()
     kwargs = {}
     if case == "encoder_self":
@@ -82,8 +83,8 @@ def test_fused_path_equals_explicit_path_fp32_outputs_and_gradients(case, fused_
     group = "decoder_cross" if case == "decoder_cross" else "encoder_self"
     explicit = run(attention("explicit", group), x, **kwargs)
     assert not fused_calls
-    fused = run(attention("sdpa", group), x, **kwargs)
-    assert len(fused_calls) == 1 and fused[3] is None
+    fused = run(attention(kernel, group), x, **kwargs)
+    assert len(fused_calls) == (kernel == "sdpa") and fused[3] is None
     torch.testing.assert_close(fused[0], explicit[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused[1], explicit[1], rtol=1e-4, atol=1e-5)
     assert explicit[2].keys() == fused[2].keys()
@@ -92,11 +93,12 @@ def test_fused_path_equals_explicit_path_fp32_outputs_and_gradients(case, fused_
     assert explicit[2]["sdma.feature_gmm.means"].abs().sum() > 0  # the mask's gradient reached the GMM
 
 
+@pytest.mark.parametrize("kernel", ["sdpa", "lowrank"])
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
-def test_fused_path_equals_explicit_path_in_low_precision(dtype, tol):
+def test_fused_path_equals_explicit_path_in_low_precision(dtype, tol, kernel):
     x, pad = inputs()
     explicit = run(attention("explicit"), x, key_padding_mask=pad, dtype=dtype)
-    fused = run(attention("sdpa"), x, key_padding_mask=pad, dtype=dtype)
+    fused = run(attention(kernel), x, key_padding_mask=pad, dtype=dtype)
     reference = run(attention("explicit"), x, key_padding_mask=pad)
     assert torch.isfinite(fused[0]).all() and torch.isfinite(fused[1]).all()
     scale = reference[0].abs().max()
@@ -131,6 +133,8 @@ def test_kernel_choice():
     assert not use_fused_kernel("auto", cuda, need_weights=True, dropout_active=False)
     assert not use_fused_kernel("auto", cuda, need_weights=False, dropout_active=True)
     assert use_fused_kernel("sdpa", cpu, need_weights=False, dropout_active=True)
+    assert use_fused_kernel("lowrank", cpu, need_weights=False, dropout_active=True)
+    assert not use_fused_kernel("lowrank", cuda, need_weights=True, dropout_active=False)
     assert not use_fused_kernel("sdpa", cpu, need_weights=True, dropout_active=False)
     assert not use_fused_kernel("explicit", cuda, need_weights=False, dropout_active=False)
     with pytest.raises(SDMAConfigError, match="--sdma-attention-kernel='flash'"):
