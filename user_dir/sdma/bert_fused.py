@@ -44,6 +44,7 @@ refused: the model's ``max_positions()`` says so to fairseq, which stops with it
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import logging
 import struct
@@ -277,6 +278,11 @@ class BertFusedAttention(nn.Module):
             yield
         finally:
             self.bert_states = self.bert_padding_mask = None
+
+    def recompute_context(self):
+        """:meth:`bert_input` with this forward pass's BERT output, for activation checkpointing's
+        recomputation in backward (``model.regulariser_preserving_checkpoint``)."""
+        return functools.partial(self.bert_input, self.bert_states, self.bert_padding_mask)
 
     def forward(self, query, key, value, key_padding_mask=None, incremental_state=None, need_weights=True,
                 static_kv=False, attn_mask=None, before_softmax=False, need_head_weights=False):

@@ -9,9 +9,13 @@ transformer (V-T), ``sma`` SMA-T and ``sdma`` SDMA-T.
 """
 
 import argparse
+import contextlib
+import functools
 from dataclasses import field, fields, make_dataclass
 from typing import Dict, Optional
 
+import torch
+import torch.utils.checkpoint
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.distributed import fsdp_wrap
@@ -29,6 +33,7 @@ from omegaconf import OmegaConf
 
 from latent_core.errors import parse_bool
 from latent_core.sdma import (
+    SDMACore,
     SDMAConfigError,
     SDMALossWeights,
     SDMAOptions,
@@ -158,10 +163,56 @@ class SDMADecoderLayer(TransformerDecoderLayerBase):
                 cross.query_padding_mask = None
 
 
+def _checkpointed_forward(original_forward, offload_to_cpu, *args, **kwargs):
+    modules = list(original_forward.__self__.modules())
+    cores = [m for m in modules if isinstance(m, SDMACore)]
+    contexts = []  # state set around the layer for one forward pass (BERT's output), replayed
+
+    def run(*inner_args, **inner_kwargs):
+        if not contexts:  # the forward pass: its recorded terms are the criterion's
+            contexts.append([m.recompute_context() for m in modules if hasattr(m, "recompute_context")])
+            return original_forward(*inner_args, **inner_kwargs)
+        # the recomputation inside backward records again: put back what the modules held
+        held = [core.pending for core in cores]
+        try:
+            with contextlib.ExitStack() as stack:
+                for context in contexts[0]:
+                    stack.enter_context(context())
+                return original_forward(*inner_args, **inner_kwargs)
+        finally:
+            for core, pending in zip(cores, held):
+                core.pending = pending
+
+    context = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()) if offload_to_cpu else contextlib.nullcontext()
+    with context:
+        return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, **kwargs)
+
+
+def regulariser_preserving_checkpoint(layer, offload_to_cpu=False):
+    """``--checkpoint-activations`` (``--offload-activations``) for a layer with SDMA attention.
+
+    fairseq's ``checkpoint_wrapper`` runs the first forward under ``no_grad`` and recomputes it in
+    backward, so the regularisers the SDMA modules record in that forward (``SDMACore.record``)
+    would reach the criterion without a graph: no gradient for the query GMMs, none of the
+    regularisers' part anywhere. PyTorch's non-reentrant checkpoint builds the ordinary graph
+    (the recorded terms keep theirs) and recomputes the saved activations in backward, with the
+    RNG state of the first pass (same noise, same dropout); a module's ``recompute_context()``
+    (a context-manager factory taken at the first pass) is entered around the recomputation
+    (``BertFusedAttention``'s BERT output). Same attribute as fairseq's wrapper
+    (``precheckpoint_forward``), so ``fairseq.modules.checkpoint_activations.unwrap_checkpoint``
+    undoes it; a ``functools.partial`` of the bound method, so ``copy.deepcopy`` (EMA) follows the copy.
+    """
+    layer.precheckpoint_forward = layer.forward
+    layer.forward = functools.partial(_checkpointed_forward, layer.precheckpoint_forward, offload_to_cpu)
+    return layer
+
+
 def _wrap_layer(layer, cfg):
-    """fairseq's activation checkpointing / FSDP wrapping, as in its own build_*_layer."""
+    """fairseq's activation checkpointing / FSDP wrapping, as in its own build_*_layer (the vanilla
+    transformer keeps fairseq's wrapper; SMA/SDMA layers :func:`regulariser_preserving_checkpoint`)."""
     if cfg.checkpoint_activations:
-        layer = checkpoint_wrapper(layer, offload_to_cpu=cfg.offload_activations)
+        wrap = checkpoint_wrapper if cfg.sdma_mode == "none" else regulariser_preserving_checkpoint
+        layer = wrap(layer, offload_to_cpu=cfg.offload_activations)
     min_params_to_wrap = cfg.min_params_to_wrap if not cfg.checkpoint_activations else 0
     return fsdp_wrap(layer, min_num_params=min_params_to_wrap)
 
