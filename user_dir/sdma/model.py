@@ -15,6 +15,7 @@ from dataclasses import field, fields, make_dataclass
 from typing import Dict, Optional
 
 import torch
+import torch.nn as nn
 import torch.utils.checkpoint
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass
@@ -28,6 +29,9 @@ from fairseq.models.transformer import (
 )
 from fairseq.models.transformer.transformer_legacy import base_architecture
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
+from fairseq.models.transformer.transformer_decoder import module_name_fordropout as decoder_dropout_name
+from fairseq.models.transformer.transformer_encoder import module_name_fordropout as encoder_dropout_name
+from fairseq.modules import FairseqDropout
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from omegaconf import OmegaConf
 
@@ -217,12 +221,40 @@ def _wrap_layer(layer, cfg):
     return fsdp_wrap(layer, min_num_params=min_params_to_wrap)
 
 
+def use_fairseq_dropout_names(root: nn.Module) -> None:
+    """Name every ``FairseqDropout`` under ``root`` as fairseq's own transformer names it.
+
+    fairseq's ``--retain-dropout-modules`` matches ``FairseqDropout.module_name``, which each
+    module sets from its own class (``TransformerEncoderLayerBase``, ``MultiheadAttention``,
+    ``TransformerEncoder``, ...); the plugin's subclasses would carry theirs (``SDMAEncoderLayer``)
+    and MC-dropout decoding of an SDMA model would silently keep no dropout. The owner's first
+    fairseq class in its MRO gives the name (through fairseq's ``module_name_fordropout``).
+    """
+    for module in root.modules():
+        for attr in ("dropout_module", "activation_dropout_module"):
+            dropout = getattr(module, attr, None)
+            if not isinstance(dropout, FairseqDropout):
+                continue
+            base = next(c for c in type(module).__mro__ if c.__module__.startswith("fairseq."))
+            name = encoder_dropout_name(decoder_dropout_name(base.__name__))
+            dropout.module_name = name
+
+
 class SDMATransformerEncoder(TransformerEncoderBase):
+    def __init__(self, cfg, dictionary, embed_tokens, return_fc=False):
+        super().__init__(cfg, dictionary, embed_tokens, return_fc=return_fc)
+        use_fairseq_dropout_names(self)
+
     def build_encoder_layer(self, cfg):
         return _wrap_layer(SDMAEncoderLayer(cfg, return_fc=self.return_fc), cfg)
 
 
 class SDMATransformerDecoder(TransformerDecoderBase):
+    def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn=False, output_projection=None):
+        super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn,
+                         output_projection=output_projection)
+        use_fairseq_dropout_names(self)
+
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
         return _wrap_layer(SDMADecoderLayer(cfg, no_encoder_attn), cfg)
 
