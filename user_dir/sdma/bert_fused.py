@@ -445,6 +445,10 @@ class BertFusedDecoder(SDMATransformerDecoder):
 class BertFusedTransformerModel(SDMATransformerModel):
     """BV-T (``--sdma-mode none``) and BSDMA-T (``--sdma-mode sdma``); see the module docstring."""
 
+    def __prepare_scriptable__(self):
+        raise BertFusedConfigError("torch.jit.script: bert_fused_transformer cannot be scripted (a Hugging Face "
+                                   "BERT inside, state set around each forward); run it unscripted")
+
     @staticmethod
     def add_args(parser):
         SDMATransformerModel.add_args(parser)

@@ -122,7 +122,7 @@ class SDMAEncoderLayer(TransformerEncoderLayerBase):
 
 class SDMADecoderLayer(TransformerDecoderLayerBase):
     def build_self_attention(self, embed_dim, cfg, add_bias_kv=False, add_zero_attn=False):
-        if cfg.sdma_mode == "none" or cfg.cross_self_attention:
+        if cfg.sdma_mode == "none":  # --cross-self-attention is refused for SMA/SDMA (validate_sdma_args)
             return super().build_self_attention(embed_dim, cfg, add_bias_kv, add_zero_attn)
         return SDMAMultiheadAttention(
             embed_dim,
@@ -246,6 +246,8 @@ class SDMATransformerEncoder(TransformerEncoderBase):
         use_fairseq_dropout_names(self)
 
     def build_encoder_layer(self, cfg):
+        if cfg.sdma_mode == "none":  # fairseq's own layer: the vanilla transformer, scriptable
+            return _wrap_layer(TransformerEncoderLayerBase(cfg, return_fc=self.return_fc), cfg)
         return _wrap_layer(SDMAEncoderLayer(cfg, return_fc=self.return_fc), cfg)
 
 
@@ -256,6 +258,8 @@ class SDMATransformerDecoder(TransformerDecoderBase):
         use_fairseq_dropout_names(self)
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
+        if cfg.sdma_mode == "none":
+            return _wrap_layer(TransformerDecoderLayerBase(cfg, no_encoder_attn), cfg)
         return _wrap_layer(SDMADecoderLayer(cfg, no_encoder_attn), cfg)
 
 
@@ -286,7 +290,18 @@ class SDMATransformerModel(TransformerModel):
         validate_sdma_args(args)
         model = super().build_model(args, task)
         model.sdma_loss_weights = {name: float(getattr(args, name)) for name in LOSS_WEIGHT_ARGS}
+        model.sdma_mode = args.sdma_mode
         return model
+
+    def __prepare_scriptable__(self):
+        """``torch.jit.script`` (fairseq's export, a scripted ``SequenceGenerator``): ``--sdma-mode none``
+        is fairseq's transformer and scripts; SMA/SDMA attention does not (custom autograd functions,
+        the options dataclass, state set around each forward)."""
+        if getattr(self, "sdma_mode", "sdma") != "none":
+            raise SDMAConfigError(
+                f"torch.jit.script: a --sdma-mode {self.sdma_mode} model cannot be scripted (SMA/SDMA attention "
+                "uses custom autograd functions); run it unscripted, or script a --sdma-mode none model")
+        return self
 
     @classmethod
     def build_encoder(cls, args, src_dict, embed_tokens):
@@ -311,6 +326,16 @@ def validate_sdma_args(args) -> None:
             raise SDMAConfigError(
                 f"--{side}-attention-heads={heads} must be >= 1 and divide --{side}-embed-dim={dim}"
             )
+    if getattr(args, "sdma_mode", "sdma") != "none":
+        if args.encoder_embed_dim != args.decoder_embed_dim:
+            raise SDMAConfigError(
+                f"--encoder-embed-dim={args.encoder_embed_dim} and --decoder-embed-dim={args.decoder_embed_dim} "
+                "differ: SDMA's cross-attention clusters the encoder's keys with the decoder's feature GMM, so "
+                "both sides need one width (set them equal, or --sdma-mode none)")
+        if getattr(args, "cross_self_attention", False):
+            raise SDMAConfigError(
+                "--cross-self-attention is not implemented for SMA/SDMA attention (the decoder self-attention "
+                "would attend over encoder states clustered by the decoder's GMM); drop it, or --sdma-mode none")
     for name in LOSS_WEIGHT_ARGS:
         check_loss_weight(name, getattr(args, name), "--" + name.replace("_", "-"))
     for side in SIDES:

@@ -198,11 +198,20 @@ def test_sma_mode_reports_zero_disentanglement_terms(tmp_path):
         (["--encoder-attention-heads", "5"], "--encoder-attention-heads"),
         (["--sdma-mix-max", "1.5"], "--sdma-mix-max"),
         (["--sdma-mix-max", "0"], "--sdma-mix-max"),
+        (["--decoder-embed-dim", "48"], r"--encoder-embed-dim=32 and --decoder-embed-dim=48 differ"),
+        (["--cross-self-attention"], r"--cross-self-attention is not implemented for SMA/SDMA"),
+        (["--sdma-mode", "sma", "--cross-self-attention"], r"--cross-self-attention"),
     ],
 )
 def test_bad_model_options(tmp_path, extra, pattern):
     with pytest.raises(SDMAConfigError, match=pattern):
         build(tmp_path, *extra)
+
+
+def test_vanilla_mode_keeps_fairseqs_options(tmp_path):
+    """--sdma-mode none is fairseq's transformer: different widths and --cross-self-attention build."""
+    build(tmp_path, "--sdma-mode", "none", "--decoder-embed-dim", "48", "--decoder-output-dim", "48")
+    build(tmp_path, "--sdma-mode", "none", "--cross-self-attention")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
