@@ -71,6 +71,19 @@ def check_transformer_conf(conf_name: str, *, width: int, width_key: str, attent
         )
 
 
+def check_flash_attn(conf: str, use_flash_attn: Optional[bool], options: SDMAOptions) -> bool:
+    """ESPnet's ``use_flash_attn`` for a plugin encoder/decoder: None (the default) is ESPnet's default for
+    ``mode: none`` (flash attention where installed) and off for SMA/SDMA; ``true`` with SMA/SDMA is refused,
+    the flash_attn kernels have no semantic mask (SDMA's fused kernels: ``sdma_conf.attention_kernel``)."""
+    if options.mode == "none":
+        return True if use_flash_attn is None else use_flash_attn
+    if use_flash_attn:
+        raise ESPnetConfigError(
+            f"{conf}.use_flash_attn=true: flash_attn's kernels cannot apply SDMA's semantic mask; drop the key "
+            f"(SDMA's own fused kernels are {conf}.sdma_conf.attention_kernel) or set sdma_conf.mode: none")
+    return False
+
+
 class SDMAMultiHeadedAttention(MultiHeadedAttention):
     """Multi-head attention with semantic (and disentangled) mask attention.
 
@@ -81,6 +94,7 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         sdma: SDMA hyper-parameters (:class:`SDMAOptions`).
         group: ``encoder_self``, ``decoder_self`` or ``decoder_cross``; the regularisers
             are averaged over the layers of one group and summed over groups.
+        qk_norm: ESPnet's ``qk_norm`` (a LayerNorm of each head's q and k before the scores).
 
     ``forward(query (B, T1, D), key (B, T2, D), value (B, T2, D), mask)`` with ``mask``
     (B, 1, T2) or (B, T1, T2), True = attend, returns (B, T1, D). The mixed attention
@@ -95,10 +109,12 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
     masks the future only, and every weight starts from their initialisation.
     """
 
-    def __init__(self, n_head: int, n_feat: int, dropout_rate: float, *, sdma: SDMAOptions, group: str):
+    def __init__(self, n_head: int, n_feat: int, dropout_rate: float, *, sdma: SDMAOptions, group: str,
+                 qk_norm: bool = False):
         if group not in ATTENTION_GROUPS:
             raise ValueError(f"group={group!r} is not one of {', '.join(ATTENTION_GROUPS)}")
-        super().__init__(n_head, n_feat, dropout_rate)
+        # qk_norm: ESPnet's LayerNorm of q and k per head (in forward_qkv), before SDMA's scores and the query GMM
+        super().__init__(n_head, n_feat, dropout_rate, qk_norm)
         self.sdma = SDMACore(n_feat, n_head, sdma)
         self.sdma.sdma_group = group
         self.is_self_attention = group != "decoder_cross"
@@ -108,6 +124,7 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         # Set by the decoder around one forward pass: cross-attention only receives the
         # key mask, the regularisers need the decoder's (query) padding, (B, T1).
         self.query_valid: Optional[Tensor] = None
+        self.replay_query_valid: Optional[Tensor] = None  # for gradient checkpointing's recomputation
         # False while the decoder scores one step of a beam search: the regularisers
         # (and the query GMM) are training/validation quantities.
         self.record_losses = True

@@ -2,19 +2,42 @@
 
 import contextlib
 import dataclasses
+import functools
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from espnet2.asr.decoder.transformer_decoder import TransformerDecoder
 from espnet.nets.pytorch_backend.nets_utils import make_pad_mask
+from espnet.nets.pytorch_backend.transformer.embedding import PositionalEncoding
 from typeguard import typechecked
 
 from espnet_plugin.asr.sdma_attention import (
     AISHELL_DECODER_PRESET,
+    ESPnetConfigError,
     SDMAMultiHeadedAttention,
+    check_flash_attn,
     check_transformer_conf,
     sdma_options_from_conf,
 )
+
+
+def _recomputation_safe_forward(original_forward, attentions, *args, **kwargs):
+    """A decoder layer under ``gradient_checkpoint_layers``. ESPnet's non-reentrant checkpoint keeps the
+    graph of the regularisers the SDMA modules record in the forward pass; its recomputation inside
+    backward runs the layer again after the decoder has cleared the cross-attentions' query padding:
+    it gets that padding back, and what it records is discarded."""
+    if torch._C._current_graph_task_id() == -1:  # not inside backward: the forward pass
+        for module in attentions:
+            module.replay_query_valid = module.query_valid
+        return original_forward(*args, **kwargs)
+    held = [(module, module.query_valid, module.sdma.pending) for module in attentions]
+    try:
+        for module in attentions:
+            module.query_valid = module.replay_query_valid
+        return original_forward(*args, **kwargs)
+    finally:
+        for module, query_valid, pending in held:
+            module.query_valid, module.sdma.pending = query_valid, pending
 
 
 class SDMATransformerDecoder(TransformerDecoder):
@@ -26,7 +49,9 @@ class SDMATransformerDecoder(TransformerDecoder):
     equal full-sequence scores for both ``mask_at_inference`` settings.
 
     Constructible from ``vocab_size`` and ``encoder_output_size`` alone, like ESPnet's own
-    decoders. ``sdma_conf`` takes the options of
+    decoders; every keyword of ESPnet's ``TransformerDecoder`` is accepted with ESPnet's default
+    (``gradient_checkpoint_layers`` keeps the SDMA regularisers' gradients; ``use_flash_attn`` as in
+    the encoder). ``sdma_conf`` takes the options of
     :class:`~espnet_plugin.asr.encoder.sdma_transformer_encoder.SDMATransformerEncoder`, on top
     of ``AISHELL_DECODER_PRESET`` (4 feature and 4 query clusters, c_g = 5: the authors'
     Aishell-1 setting; ``mask_at_inference`` false). ``mask_at_inference`` governs the decoder
@@ -43,7 +68,7 @@ class SDMATransformerDecoder(TransformerDecoder):
         vocab_size: int,
         encoder_output_size: int,
         attention_heads: int = 4,
-        linear_units: int = 1024,
+        linear_units: int = 2048,
         num_blocks: int = 6,
         dropout_rate: float = 0.1,
         positional_dropout_rate: float = 0.1,
@@ -51,9 +76,13 @@ class SDMATransformerDecoder(TransformerDecoder):
         src_attention_dropout_rate: float = 0.0,
         input_layer: str = "embed",
         use_output_layer: bool = True,
+        pos_enc_class=PositionalEncoding,
         normalize_before: bool = True,
         concat_after: bool = False,
         layer_drop_rate: float = 0.0,
+        qk_norm: bool = False,
+        use_flash_attn: Optional[bool] = None,
+        gradient_checkpoint_layers: List[int] = [],
         sdma_conf: Optional[Dict[str, Any]] = None,
     ):
         check_transformer_conf(
@@ -65,6 +94,7 @@ class SDMATransformerDecoder(TransformerDecoder):
                            "layer_drop_rate": layer_drop_rate},
         )
         options = sdma_options_from_conf("decoder_conf", sdma_conf, AISHELL_DECODER_PRESET)
+        use_flash_attn = check_flash_attn("decoder_conf", use_flash_attn, options)
         super().__init__(
             vocab_size=vocab_size,
             encoder_output_size=encoder_output_size,
@@ -77,24 +107,34 @@ class SDMATransformerDecoder(TransformerDecoder):
             src_attention_dropout_rate=src_attention_dropout_rate,
             input_layer=input_layer,
             use_output_layer=use_output_layer,
+            pos_enc_class=pos_enc_class,
             normalize_before=normalize_before,
             concat_after=concat_after,
             layer_drop_rate=layer_drop_rate,
-            use_flash_attn=False,
+            qk_norm=qk_norm,
+            use_flash_attn=use_flash_attn,
+            gradient_checkpoint_layers=gradient_checkpoint_layers,
         )
         cross_options = dataclasses.replace(options, mask_at_inference=True)
         for layer in self.decoders if options.mode != "none" else ():  # "none": ESPnet's own attention
             layer.self_attn = SDMAMultiHeadedAttention(
                 attention_heads, encoder_output_size, self_attention_dropout_rate,
-                sdma=options, group="decoder_self",
+                sdma=options, group="decoder_self", qk_norm=qk_norm,
             )
             layer.src_attn = SDMAMultiHeadedAttention(
                 attention_heads, encoder_output_size, src_attention_dropout_rate,
-                sdma=cross_options, group="decoder_cross",
+                sdma=cross_options, group="decoder_cross", qk_norm=qk_norm,
             )
         # found once, not on every beam-search step (plain lists: not registered twice)
         self._sdma_attentions = [m for m in self.decoders.modules() if isinstance(m, SDMAMultiHeadedAttention)]
         self._cross_attentions = [m for m in self._sdma_attentions if not m.is_self_attention]
+        for index in gradient_checkpoint_layers:  # ESPnet counts them from 1
+            if not 1 <= index <= num_blocks:
+                raise ESPnetConfigError(f"decoder_conf.gradient_checkpoint_layers={gradient_checkpoint_layers}: "
+                                        f"layer {index} is not one of 1..{num_blocks} (counted from 1)")
+            layer = self.decoders[index - 1]
+            layer.forward = functools.partial(_recomputation_safe_forward, layer.forward, [
+                m for m in layer.modules() if isinstance(m, SDMAMultiHeadedAttention)])
 
     def forward(self, hs_pad: torch.Tensor, hlens: torch.Tensor, ys_in_pad: torch.Tensor,
                 ys_in_lens: torch.Tensor, return_hs: bool = False,

@@ -5,11 +5,13 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from espnet2.asr.ctc import CTC
 from espnet2.asr.encoder.transformer_encoder import TransformerEncoder
+from espnet.nets.pytorch_backend.transformer.embedding import PositionalEncoding
 from typeguard import typechecked
 
 from espnet_plugin.asr.sdma_attention import (
     AISHELL_ENCODER_PRESET,
     SDMAMultiHeadedAttention,
+    check_flash_attn,
     check_transformer_conf,
     sdma_options_from_conf,
 )
@@ -20,7 +22,11 @@ class SDMATransformerEncoder(TransformerEncoder):
 
     Everything but the attention is ESPnet's own (subsampling, positional encoding,
     feed-forward, layer norm, intermediate CTC), so a ``transformer`` encoder config
-    becomes an SDMA one by changing ``encoder:`` and adding an ``sdma_conf`` block.
+    becomes an SDMA one by changing ``encoder:`` and adding an ``sdma_conf`` block: every
+    keyword of ESPnet's ``TransformerEncoder`` is accepted with ESPnet's default (``qk_norm``
+    normalises q and k before SDMA's scores), except ``use_flash_attn``, whose default here is
+    ESPnet's for ``sdma_conf.mode: none`` and off for SMA/SDMA (``true`` is refused there:
+    flash_attn cannot apply the semantic mask).
 
     Args (besides those of ``TransformerEncoder``):
         sdma_conf: SDMA options, keyed by the option names of
@@ -41,12 +47,13 @@ class SDMATransformerEncoder(TransformerEncoder):
         input_size: int,
         output_size: int = 256,
         attention_heads: int = 4,
-        linear_units: int = 1024,
+        linear_units: int = 2048,
         num_blocks: int = 6,
         dropout_rate: float = 0.1,
         positional_dropout_rate: float = 0.1,
         attention_dropout_rate: float = 0.0,
         input_layer: Optional[str] = "conv2d",
+        pos_enc_class=PositionalEncoding,
         pos_enc_layer_type: str = "abs_pos",
         normalize_before: bool = True,
         concat_after: bool = False,
@@ -56,6 +63,8 @@ class SDMATransformerEncoder(TransformerEncoder):
         interctc_layer_idx: List[int] = [],
         interctc_use_conditioning: bool = False,
         layer_drop_rate: float = 0.0,
+        qk_norm: bool = False,
+        use_flash_attn: Optional[bool] = None,
         sdma_conf: Optional[Dict[str, Any]] = None,
     ):
         check_transformer_conf(
@@ -66,6 +75,7 @@ class SDMATransformerEncoder(TransformerEncoder):
             interctc_layer_idx=interctc_layer_idx,
         )
         options = sdma_options_from_conf("encoder_conf", sdma_conf, AISHELL_ENCODER_PRESET)
+        use_flash_attn = check_flash_attn("encoder_conf", use_flash_attn, options)
         super().__init__(
             input_size=input_size,
             output_size=output_size,
@@ -76,6 +86,7 @@ class SDMATransformerEncoder(TransformerEncoder):
             positional_dropout_rate=positional_dropout_rate,
             attention_dropout_rate=attention_dropout_rate,
             input_layer=input_layer,
+            pos_enc_class=pos_enc_class,
             pos_enc_layer_type=pos_enc_layer_type,
             normalize_before=normalize_before,
             concat_after=concat_after,
@@ -85,7 +96,8 @@ class SDMATransformerEncoder(TransformerEncoder):
             interctc_layer_idx=interctc_layer_idx,
             interctc_use_conditioning=interctc_use_conditioning,
             layer_drop_rate=layer_drop_rate,
-            use_flash_attn=False,
+            qk_norm=qk_norm,
+            use_flash_attn=use_flash_attn,
         )
         self.input_size = input_size
         self.input_layer = input_layer
@@ -93,7 +105,8 @@ class SDMATransformerEncoder(TransformerEncoder):
             return
         for layer in self.encoders:
             layer.self_attn = SDMAMultiHeadedAttention(
-                attention_heads, output_size, attention_dropout_rate, sdma=options, group="encoder_self"
+                attention_heads, output_size, attention_dropout_rate, sdma=options, group="encoder_self",
+                qk_norm=qk_norm,
             )
 
     def forward(self, xs_pad: torch.Tensor, ilens: torch.Tensor, prev_states: torch.Tensor = None,
