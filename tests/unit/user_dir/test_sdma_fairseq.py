@@ -323,3 +323,20 @@ def test_iwslt_base_defaults_reproduce_table_two_clusters(tmp_path):
     assert (table_one.sdma_clusters, table_one.sdma_query_clusters) == (8, 8)
 
 
+
+
+@pytest.mark.parametrize("num_updates", [0, 2000])
+@pytest.mark.parametrize("mode", [["--sdma-mode", "sdma", "--sdma-reading", "authors"],
+                                  ["--sdma-mode", "sdma", "--sdma-reading", "paper"], ["--sdma-mode", "sma"]],
+                         ids=["sdma-authors", "sdma-paper", "sma"])
+def test_every_trained_parameter_gets_a_gradient_for_ddp(tmp_path, mode, num_updates):
+    """fairseq's GPU DDP runs with find_unused_parameters off: a trained parameter without a gradient
+    in some step (g = 0 at the start, the mask's branch weighted by 0) would stop training there."""
+    model, task, args = build(tmp_path, *mode)
+    criterion = task.build_criterion(args)
+    model.train()
+    model.set_num_updates(num_updates)
+    loss, _, _ = criterion(model, criterion_sample(task, *batch(task)))
+    loss.backward()
+    unused = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert not unused, unused
