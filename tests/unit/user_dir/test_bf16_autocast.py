@@ -1,0 +1,73 @@
+"""Mixed precision on a CPU: a few training updates and a decoding under ``torch.autocast("cpu",
+dtype=torch.bfloat16)`` (what ``--amp``/``--use_amp`` do on a GPU with fp16) give finite losses
+that fall, and the SDMA core keeps its GMM log-densities in fp32 inside autocast."""
+
+import math
+
+import pytest
+import torch
+from fairseq.sequence_generator import SequenceGenerator
+
+from test_qkvae import batch as vae_batch
+from test_qkvae import build as vae_build
+from test_qkvae import nll
+from test_sdma_fairseq import batch, build, criterion_sample
+
+AUTOCAST = dict(device_type="cpu", dtype=torch.bfloat16)
+MODES = {
+    "sdma-authors": ["--sdma-mode", "sdma", "--sdma-reading", "authors"],
+    "sdma-paper": ["--sdma-mode", "sdma", "--sdma-reading", "paper"],
+    "sma": ["--sdma-mode", "sma"],
+    "vanilla": ["--sdma-mode", "none"],
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_sdma_transformer_trains_and_decodes_under_bf16_autocast(tmp_path, mode):
+    model, task, args = build(tmp_path, *MODES[mode])
+    criterion = task.build_criterion(args)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    sample = criterion_sample(task, *batch(task))
+    model.train()
+    model.set_num_updates(2000)
+    recorded = []
+    if mode.startswith("sdma"):
+        core = model.encoder.layers[0].self_attn.sdma
+        original = core.record
+        core.record = lambda *a, **k: (recorded.append(a[0].dtype), original(*a, **k))[1]
+    losses = []
+    for _ in range(6):
+        with torch.autocast(**AUTOCAST):
+            loss, sample_size, _ = criterion(model, sample)
+        optimizer.zero_grad()
+        (loss / sample_size).backward()
+        optimizer.step()
+        losses.append(float(loss))
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+    assert len(recorded) == 6 * mode.startswith("sdma")
+    assert all(dtype == torch.float32 for dtype in recorded)  # log p(c, z) in fp32 under autocast
+    model.eval()
+    src, lengths, _ = batch(task)
+    generator = SequenceGenerator([model], task.target_dictionary, beam_size=2, max_len_b=5)
+    with torch.autocast(**AUTOCAST), torch.no_grad():
+        hypos = generator.forward({"net_input": {"src_tokens": src, "src_lengths": lengths}})
+    assert all(math.isfinite(float(h[0]["score"])) for h in hypos)
+
+
+@pytest.mark.parametrize("kind", ["qkvae", "advae"])
+def test_sentence_vaes_train_under_bf16_autocast(kind):
+    model, d = vae_build(kind, word_dropout=0.0)
+    src, lengths, prev, target = vae_batch(d)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    model.train()
+    losses = []
+    for _ in range(8):
+        with torch.autocast(**AUTOCAST):
+            logits, extra = model(src, lengths, prev)
+            kl = sum(q.kl_standard_normal().sum(-1).mean() for q in extra["posteriors"].values())
+            loss = nll(logits.float(), target, d.pad()) + 0.1 * kl
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
