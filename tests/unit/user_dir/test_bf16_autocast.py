@@ -8,6 +8,7 @@ import pytest
 import torch
 from fairseq.sequence_generator import SequenceGenerator
 
+from test_bert_fused import bert_dir  # noqa: F401 (fixture)
 from test_qkvae import batch as vae_batch
 from test_qkvae import build as vae_build
 from test_qkvae import nll
@@ -68,6 +69,50 @@ def test_sentence_vaes_train_under_bf16_autocast(kind):
             loss = nll(logits.float(), target, d.pad()) + 0.1 * kl
         optimizer.zero_grad()
         loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+
+
+def test_optimus_trains_under_bf16_autocast():
+    from test_optimus import build as optimus_build
+    from test_optimus import make_batch
+
+    model = optimus_build()
+    src, lengths, prev, target = make_batch(model.decoder.dictionary)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model.train()
+    losses = []
+    for _ in range(8):
+        with torch.autocast(**AUTOCAST):
+            logits, extra = model(src, lengths, prev)
+            kl = sum(q.kl_standard_normal().sum(-1).mean() for q in extra["posteriors"].values())
+            loss = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), target,
+                                                     ignore_index=model.decoder.padding_idx) + 0.1 * kl
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize("fusion", ["embed", "attention"])
+def test_bert_fused_transformer_trains_under_bf16_autocast(tmp_path, bert_dir, fusion):  # noqa: F811
+    from test_bert_fused import batch as bert_batch
+    from test_bert_fused import build as bert_build
+
+    model, task, args = bert_build(tmp_path, bert_dir, "--bert-fusion", fusion)
+    criterion = task.build_criterion(args)
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    sample = criterion_sample(task, *bert_batch(task))
+    model.train()
+    model.set_num_updates(2000)
+    losses = []
+    for _ in range(6):
+        with torch.autocast(**AUTOCAST):
+            loss, sample_size, _ = criterion(model, sample)
+        optimizer.zero_grad()
+        (loss / sample_size).backward()
         optimizer.step()
         losses.append(float(loss))
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
