@@ -19,7 +19,7 @@ demo: install
 test: install
 	$(PYTHON_VENV) -m pytest tests $(PYTEST_ARGS)
 
-# The unit tier only: equations, readers, in-process models (under two minutes).
+# The unit tier only: equations, readers, in-process models (a few minutes).
 test-fast: install
 	$(PYTHON_VENV) -m pytest tests/unit -m "not integration" $(PYTEST_ARGS)
 
