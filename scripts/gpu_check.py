@@ -156,7 +156,8 @@ def step_optimus_bench(args, out: Path) -> dict:
                 "--out", out / "optimus_bench.json"], out / "optimus_bench.log", args.step_timeout)
     result = {"returncode": code}
     if code == 0:
-        result["optimus_pair_wps_ratio"] = json.loads((out / "optimus_bench.json").read_text())["optimus_pair_wps_ratio"]
+        bench = json.loads((out / "optimus_bench.json").read_text())
+        result["optimus_pair_wps_ratio"] = bench["optimus_pair_wps_ratio"]
     return result
 
 

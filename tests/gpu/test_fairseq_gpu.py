@@ -1,6 +1,6 @@
 """fairseq on the GPU: 20 updates of ``fairseq-train`` per model family in ``--fp16`` and ``--amp``
-(fairseq 0.12's ``--bf16`` is its TPU mode); fairseq's FP16Optimizer loss scaling and overflow skip; ``fairseq-generate`` on CUDA equals
-the CPU; ``--ddp-backend pytorch_ddp`` (find_unused_parameters off, fairseq's GPU default) with two
+(fairseq 0.12's ``--bf16`` is its TPU mode); fairseq's FP16Optimizer loss scaling and overflow skip;
+``fairseq-generate`` on CUDA equals the CPU; ``--ddp-backend pytorch_ddp`` (find_unused_parameters off, fairseq's GPU default) with two
 processes sharing the GPU.
 
 Every run must exit 0 with finite losses in every logged interval and write a checkpoint that
@@ -34,7 +34,8 @@ SDMA_TINY = ["--task", "translation", "--arch", "sdma_transformer_iwslt_de_en_ti
 VAE_SMALL = ["--task", "sentence_vae", "--criterion", "sentence_vae", "--lr", "1e-3", "--batch-size", "32"]
 TOPICS = {"animal": "cat dog bird horse cow sheep goat mouse".split(),
           "vehicle": "car bus train plane boat bike truck ship".split()}
-WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + "the and a with .".split() + TOPICS["animal"] + TOPICS["vehicle"]
+WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"the and a with .".split(), *TOPICS["animal"],
+         *TOPICS["vehicle"]]
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +143,8 @@ FAMILIES = {
     "sma": (("translation_bin",), lambda f: [f["translation_bin"], *SDMA_TINY, "--sdma-mode", "sma"]),
     "vanilla": (("translation_bin",), lambda f: [f["translation_bin"], *SDMA_TINY, "--sdma-mode", "none"]),
     "bert_fused": (("bert_bin", "english_bert"), lambda f: [
-        f["bert_bin"], "--task", "translation", "--arch", "bert_fused_transformer_tiny", "--bert-dir", f["english_bert"],
+        f["bert_bin"], "--task", "translation", "--arch", "bert_fused_transformer_tiny",
+        "--bert-dir", f["english_bert"],
         "--bert-fusion", "attention", "--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "64",
         "--decoder-embed-dim", "64", "--encoder-ffn-embed-dim", "128", "--decoder-ffn-embed-dim", "128",
         "--criterion", "sdma_label_smoothed_cross_entropy", "--lr", "1e-3", "--max-tokens", "800"]),

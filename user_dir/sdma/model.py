@@ -187,8 +187,10 @@ def _checkpointed_forward(original_forward, offload_to_cpu, *args, **kwargs):
             for core, pending in zip(cores, held):
                 core.pending = pending
 
-    context = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()) if offload_to_cpu else contextlib.nullcontext()
-    with context:
+    # pinned host memory needs CUDA (without it the recomputation's saved tensors mismatched)
+    offload = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()) if offload_to_cpu \
+        else contextlib.nullcontext()
+    with offload:
         return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, **kwargs)
 
 

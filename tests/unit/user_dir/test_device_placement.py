@@ -10,8 +10,8 @@ Covered: fairseq's SDMA attention (three attention types, both readings, the thr
 training and inference, one incremental decoding step) with the regularisers and diagnostics;
 ESPnet's SDMA attention (both readings, three types); the VAE estimators (posterior sampling, KL
 thresholds, importance-weighted bound; MI and active units return Python numbers, i.e. read values,
-which fake tensors cannot: ``vae-eval`` on a GPU runs them, in ``make gpu-check``). The last test plants a ``torch.zeros(n)``
-without ``device=`` and shows that the harness catches it.
+which fake tensors cannot: ``vae-eval`` on a GPU runs them, in ``make gpu-check``). The last test
+plants a ``torch.zeros(n)`` without ``device=`` and shows that the harness catches it.
 """
 
 import pytest
