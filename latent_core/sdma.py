@@ -833,7 +833,12 @@ class SDMACore(nn.Module):
         diversity the authors' reading adds to the module's (over the padded length). ``log_vars``:
         learned posterior log-variances per position and head (``{"z": [T, B, n_h], "q": ...,
         "k": [S, B, n_h]}``, the authors' ESPnet ``var_estimation``) replacing sigma_tilde^2.
+        A call inside backward is activation checkpointing recomputing the forward pass (fairseq's
+        ``--checkpoint-activations``, ESPnet's ``gradient_checkpoint_layers``): the criterion already
+        took the first pass's terms, so nothing is recorded.
         """
+        if torch._C._current_graph_task_id() != -1:
+            return
         self.pending = {
             "log_joint_z": log_joint_z, "log_resp_z": log_resp_z, "valid": query_valid,
             "log_joint_q": log_joint_q, "log_resp_q": log_resp_q,

@@ -15,14 +15,12 @@ precision. Prints a table and writes JSON (``--out``) with the milliseconds, the
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from latent_core.sdma import (  # noqa: E402
+from latent_core.sdma import (
     fused_mix_attention,
     lowrank_mix_attention,
     mix_attention,

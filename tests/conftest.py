@@ -146,6 +146,26 @@ def prepare_ding_bin(work: Path, *, src: str = "de", tgt: str = "en", max_words:
     return work / "prep" / "bin"
 
 
+def prepare_bert_ding_bin(work: Path, bert_dir, pairs: int) -> Path:
+    """The first ``pairs`` Ding pairs English -> German (at most 8 words; 50 valid, 50 test):
+    ``bert_dir``'s WordPiece source, a 300-piece sentencepiece target (``prepare-translation
+    --src-bert-dir``) under ``work``; the data-bin path."""
+    run_checked([venv_bin("prepare-ding"), "--out-dir", work / "all", "--max-words", 8, "--valid-size", 50,
+                 "--test-size", 50])
+    raw = work / "raw"
+    raw.mkdir()
+    for split in ("train", "valid", "test"):
+        for lang in ("de", "en"):
+            lines = (work / "all" / f"{split}.{lang}").read_text(encoding="utf-8").splitlines(True)
+            (raw / f"{split}.{lang}").write_text("".join(lines[:pairs]), encoding="utf-8")
+    proc = run_checked([venv_bin("prepare-translation"), "--train-prefix", raw / "train", "--valid-prefix",
+                        raw / "valid", "--test-prefix", raw / "test", "--src", "en", "--tgt", "de",
+                        "--src-bert-dir", bert_dir, "--tgt-vocab-size", 300, "--soft-vocab-limit",
+                        "--out-dir", work / "prep", "--workers", 1])
+    assert "--srcdict" in proc.stdout
+    return work / "prep" / "bin"
+
+
 @pytest.fixture(scope="session")
 def small_translation_bin(tmp_path_factory):
     """400 training pairs of the Ding dictionary (at most 8 words; 50 valid, 50 test),

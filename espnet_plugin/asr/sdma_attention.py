@@ -124,7 +124,6 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         # Set by the decoder around one forward pass: cross-attention only receives the
         # key mask, the regularisers need the decoder's (query) padding, (B, T1).
         self.query_valid: Optional[Tensor] = None
-        self.replay_query_valid: Optional[Tensor] = None  # for gradient checkpointing's recomputation
         # False while the decoder scores one step of a beam search: the regularisers
         # (and the query GMM) are training/validation quantities.
         self.record_losses = True

@@ -1,14 +1,10 @@
 """Shared by the GPU tier: the ``device`` fixture (CUDA, or the CPU under GPU_TESTS_DEVICE=cpu),
 the precisions, and the command-line flags that put fairseq and ESPnet on that device."""
 
-import sys
-
 import pytest
 import torch
 
-from conftest import GPU_TESTS_DEVICE, INTEGRATION
-
-sys.path.insert(0, str(INTEGRATION))  # the integration tests' data builders
+from conftest import GPU_TESTS_DEVICE
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

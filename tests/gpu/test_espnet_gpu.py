@@ -17,7 +17,7 @@ import yaml
 
 from conftest import REPO
 from gpu_support import ON_CPU
-from test_espnet_pipeline import RECIPE, write_tiny_configs
+from tests.integration.test_espnet_pipeline import RECIPE, write_tiny_configs
 
 pytest.importorskip("espnet2")
 CORPUS = os.environ.get("GPU_TESTS_ESPNET_CORPUS")

@@ -18,7 +18,8 @@ import subprocess
 import pytest
 import torch
 
-from conftest import REPO, english_phrases, prepare_ding_bin, run_checked, save_tiny_bert, venv_bin
+from conftest import (REPO, english_phrases, prepare_bert_ding_bin, prepare_ding_bin, run_checked, save_tiny_bert,
+                      venv_bin)
 from gpu_support import FAIRSEQ_PRECISION, ON_CPU, fairseq_device_flags, needs_cuda_for
 
 UPDATES = 20
@@ -111,19 +112,7 @@ def optimus_data(tmp_path_factory, english_bert):
 
 @pytest.fixture(scope="module")
 def bert_bin(tmp_path_factory, english_bert):
-    work = tmp_path_factory.mktemp("gpu_bert_ding")
-    run_checked([venv_bin("prepare-ding"), "--out-dir", work / "all", "--max-words", 8, "--valid-size", 50,
-                 "--test-size", 50])
-    raw = work / "raw"
-    raw.mkdir()
-    for split in ("train", "valid", "test"):
-        for lang in ("de", "en"):
-            lines = (work / "all" / f"{split}.{lang}").read_text(encoding="utf-8").splitlines(True)
-            (raw / f"{split}.{lang}").write_text("".join(lines[:1000]), encoding="utf-8")
-    run_checked([venv_bin("prepare-translation"), "--train-prefix", raw / "train", "--valid-prefix", raw / "valid",
-                 "--test-prefix", raw / "test", "--src", "en", "--tgt", "de", "--src-bert-dir", english_bert,
-                 "--tgt-vocab-size", 300, "--soft-vocab-limit", "--out-dir", work / "prep", "--workers", 1])
-    return work / "prep" / "bin"
+    return prepare_bert_ding_bin(tmp_path_factory.mktemp("gpu_bert_ding"), english_bert, pairs=1000)
 
 
 # ------------------------------------------------------------------------------------ families

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import REPO, run_checked, venv_bin
+from conftest import REPO, prepare_bert_ding_bin, run_checked, venv_bin
 
 pytestmark = pytest.mark.integration
 
@@ -25,21 +25,7 @@ def minilm_dir() -> str:
 @pytest.fixture(scope="module")
 def bert_bin(tmp_path_factory):
     """300 Ding pairs English -> German (50 valid, 50 test): MiniLM's WordPiece source, sentencepiece target."""
-    work = tmp_path_factory.mktemp("bert_ding")
-    run_checked([venv_bin("prepare-ding"), "--out-dir", work / "all", "--max-words", 8, "--valid-size", 50,
-                 "--test-size", 50])
-    raw = work / "raw"
-    raw.mkdir()
-    for split in ("train", "valid", "test"):
-        for lang in ("de", "en"):
-            lines = (work / "all" / f"{split}.{lang}").read_text(encoding="utf-8").splitlines(True)
-            (raw / f"{split}.{lang}").write_text("".join(lines[:300]), encoding="utf-8")
-    proc = run_checked([venv_bin("prepare-translation"), "--train-prefix", raw / "train", "--valid-prefix",
-                        raw / "valid", "--test-prefix", raw / "test", "--src", "en", "--tgt", "de",
-                        "--src-bert-dir", minilm_dir(), "--tgt-vocab-size", 300, "--soft-vocab-limit",
-                        "--out-dir", work / "prep", "--workers", 1])
-    assert "--srcdict" in proc.stdout
-    return work / "prep" / "bin"
+    return prepare_bert_ding_bin(tmp_path_factory.mktemp("bert_ding"), minilm_dir(), pairs=300)
 
 
 def train_cmd(data_bin, save_dir, *extra):

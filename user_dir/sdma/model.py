@@ -37,7 +37,6 @@ from omegaconf import OmegaConf
 
 from latent_core.errors import parse_bool
 from latent_core.sdma import (
-    SDMACore,
     SDMAConfigError,
     SDMALossWeights,
     SDMAOptions,
@@ -168,24 +167,14 @@ class SDMADecoderLayer(TransformerDecoderLayerBase):
 
 
 def _checkpointed_forward(original_forward, offload_to_cpu, *args, **kwargs):
-    modules = list(original_forward.__self__.modules())
-    cores = [m for m in modules if isinstance(m, SDMACore)]
-    contexts = []  # state set around the layer for one forward pass (BERT's output), replayed
+    # state set around the layer for this forward pass (BERT's output), replayed in the recomputation
+    contexts = [m.recompute_context() for m in original_forward.__self__.modules() if hasattr(m, "recompute_context")]
 
     def run(*inner_args, **inner_kwargs):
-        if not contexts:  # the forward pass: its recorded terms are the criterion's
-            contexts.append([m.recompute_context() for m in modules if hasattr(m, "recompute_context")])
+        with contextlib.ExitStack() as stack:
+            for context in contexts:
+                stack.enter_context(context())
             return original_forward(*inner_args, **inner_kwargs)
-        # the recomputation inside backward records again: put back what the modules held
-        held = [core.pending for core in cores]
-        try:
-            with contextlib.ExitStack() as stack:
-                for context in contexts[0]:
-                    stack.enter_context(context())
-                return original_forward(*inner_args, **inner_kwargs)
-        finally:
-            for core, pending in zip(cores, held):
-                core.pending = pending
 
     # pinned host memory needs CUDA (without it the recomputation's saved tensors mismatched)
     offload = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()) if offload_to_cpu \
@@ -201,10 +190,10 @@ def regulariser_preserving_checkpoint(layer, offload_to_cpu=False):
     backward, so the regularisers the SDMA modules record in that forward (``SDMACore.record``)
     would reach the criterion without a graph: no gradient for the query GMMs, none of the
     regularisers' part anywhere. PyTorch's non-reentrant checkpoint builds the ordinary graph
-    (the recorded terms keep theirs) and recomputes the saved activations in backward, with the
-    RNG state of the first pass (same noise, same dropout); a module's ``recompute_context()``
-    (a context-manager factory taken at the first pass) is entered around the recomputation
-    (``BertFusedAttention``'s BERT output). Same attribute as fairseq's wrapper
+    (the recorded terms keep theirs; ``SDMACore.record`` ignores the recomputation) and recomputes
+    the saved activations in backward, with the RNG state of the first pass (same noise, same
+    dropout); a module's ``recompute_context()`` (a context-manager factory taken at the forward
+    pass) is entered around every call (``BertFusedAttention``'s BERT output). Same attribute as fairseq's wrapper
     (``precheckpoint_forward``), so ``fairseq.modules.checkpoint_activations.unwrap_checkpoint``
     undoes it; a ``functools.partial`` of the bound method, so ``copy.deepcopy`` (EMA) follows the copy.
     """

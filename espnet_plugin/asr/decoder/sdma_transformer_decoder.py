@@ -2,7 +2,6 @@
 
 import contextlib
 import dataclasses
-import functools
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -21,25 +20,6 @@ from espnet_plugin.asr.sdma_attention import (
 )
 
 
-def _recomputation_safe_forward(original_forward, attentions, *args, **kwargs):
-    """A decoder layer under ``gradient_checkpoint_layers``. ESPnet's non-reentrant checkpoint keeps the
-    graph of the regularisers the SDMA modules record in the forward pass; its recomputation inside
-    backward runs the layer again after the decoder has cleared the cross-attentions' query padding:
-    it gets that padding back, and what it records is discarded."""
-    if torch._C._current_graph_task_id() == -1:  # not inside backward: the forward pass
-        for module in attentions:
-            module.replay_query_valid = module.query_valid
-        return original_forward(*args, **kwargs)
-    held = [(module, module.query_valid, module.sdma.pending) for module in attentions]
-    try:
-        for module in attentions:
-            module.query_valid = module.replay_query_valid
-        return original_forward(*args, **kwargs)
-    finally:
-        for module, query_valid, pending in held:
-            module.query_valid, module.sdma.pending = query_valid, pending
-
-
 class SDMATransformerDecoder(TransformerDecoder):
     """ESPnet2's ``TransformerDecoder`` with SDMA decoder self-attention and cross-attention.
 
@@ -50,7 +30,8 @@ class SDMATransformerDecoder(TransformerDecoder):
 
     Constructible from ``vocab_size`` and ``encoder_output_size`` alone, like ESPnet's own
     decoders; every keyword of ESPnet's ``TransformerDecoder`` is accepted with ESPnet's default
-    (``gradient_checkpoint_layers`` keeps the SDMA regularisers' gradients; ``use_flash_attn`` as in
+    (``gradient_checkpoint_layers`` keeps the SDMA regularisers' gradients: ESPnet's checkpoint is
+    non-reentrant and ``SDMACore.record`` ignores the recomputation; ``use_flash_attn`` as in
     the encoder). ``sdma_conf`` takes the options of
     :class:`~espnet_plugin.asr.encoder.sdma_transformer_encoder.SDMATransformerEncoder`, on top
     of ``AISHELL_DECODER_PRESET`` (4 feature and 4 query clusters, c_g = 5: the authors'
@@ -132,9 +113,6 @@ class SDMATransformerDecoder(TransformerDecoder):
             if not 1 <= index <= num_blocks:
                 raise ESPnetConfigError(f"decoder_conf.gradient_checkpoint_layers={gradient_checkpoint_layers}: "
                                         f"layer {index} is not one of 1..{num_blocks} (counted from 1)")
-            layer = self.decoders[index - 1]
-            layer.forward = functools.partial(_recomputation_safe_forward, layer.forward, [
-                m for m in layer.modules() if isinstance(m, SDMAMultiHeadedAttention)])
 
     def forward(self, hs_pad: torch.Tensor, hlens: torch.Tensor, ys_in_pad: torch.Tensor,
                 ys_in_lens: torch.Tensor, return_hs: bool = False,

@@ -9,12 +9,46 @@ import torch
 from fairseq.sequence_generator import SequenceGenerator
 
 from test_bert_fused import bert_dir  # noqa: F401 (fixture)
+from test_bert_fused import batch as bert_batch
+from test_bert_fused import build as bert_build
+from test_optimus import build as optimus_build
+from test_optimus import make_batch
 from test_qkvae import batch as vae_batch
 from test_qkvae import build as vae_build
-from test_qkvae import nll
 from test_sdma_fairseq import batch, build, criterion_sample
 
 AUTOCAST = dict(device_type="cpu", dtype=torch.bfloat16)
+def train_under_autocast(model, loss_fn, steps, lr=3e-3):
+    """``steps`` Adam updates with ``loss_fn()`` computed under bf16 autocast; the losses."""
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
+    model.train()
+    losses = []
+    for _ in range(steps):
+        with torch.autocast(**AUTOCAST):
+            loss = loss_fn()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+    return losses
+
+
+def criterion_loss(criterion, model, sample):
+    def loss_fn():
+        loss, sample_size, _ = criterion(model, sample)
+        return loss / sample_size
+    return loss_fn
+
+
+def vae_loss(model, src, lengths, prev, target, pad):
+    def loss_fn():
+        logits, extra = model(src, lengths, prev)
+        kl = sum(q.kl_standard_normal().sum(-1).mean() for q in extra["posteriors"].values())
+        return torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), target, ignore_index=pad) + 0.1 * kl
+    return loss_fn
+
+
 MODES = {
     "sdma-authors": ["--sdma-mode", "sdma", "--sdma-reading", "authors"],
     "sdma-paper": ["--sdma-mode", "sdma", "--sdma-reading", "paper"],
@@ -27,24 +61,14 @@ MODES = {
 def test_sdma_transformer_trains_and_decodes_under_bf16_autocast(tmp_path, mode):
     model, task, args = build(tmp_path, *MODES[mode])
     criterion = task.build_criterion(args)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     sample = criterion_sample(task, *batch(task))
-    model.train()
     model.set_num_updates(2000)
     recorded = []
     if mode.startswith("sdma"):
         core = model.encoder.layers[0].self_attn.sdma
         original = core.record
         core.record = lambda *a, **k: (recorded.append(a[0].dtype), original(*a, **k))[1]
-    losses = []
-    for _ in range(6):
-        with torch.autocast(**AUTOCAST):
-            loss, sample_size, _ = criterion(model, sample)
-        optimizer.zero_grad()
-        (loss / sample_size).backward()
-        optimizer.step()
-        losses.append(float(loss))
-    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+    train_under_autocast(model, criterion_loss(criterion, model, sample), steps=6)
     assert len(recorded) == 6 * mode.startswith("sdma")
     assert all(dtype == torch.float32 for dtype in recorded)  # log p(c, z) in fp32 under autocast
     model.eval()
@@ -58,61 +82,18 @@ def test_sdma_transformer_trains_and_decodes_under_bf16_autocast(tmp_path, mode)
 @pytest.mark.parametrize("kind", ["qkvae", "advae"])
 def test_sentence_vaes_train_under_bf16_autocast(kind):
     model, d = vae_build(kind, word_dropout=0.0)
-    src, lengths, prev, target = vae_batch(d)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    model.train()
-    losses = []
-    for _ in range(8):
-        with torch.autocast(**AUTOCAST):
-            logits, extra = model(src, lengths, prev)
-            kl = sum(q.kl_standard_normal().sum(-1).mean() for q in extra["posteriors"].values())
-            loss = nll(logits.float(), target, d.pad()) + 0.1 * kl
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss))
-    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
-
-
-def test_optimus_trains_under_bf16_autocast():
-    from test_optimus import build as optimus_build
-    from test_optimus import make_batch
-
-    model = optimus_build()
-    src, lengths, prev, target = make_batch(model.decoder.dictionary)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    model.train()
-    losses = []
-    for _ in range(8):
-        with torch.autocast(**AUTOCAST):
-            logits, extra = model(src, lengths, prev)
-            kl = sum(q.kl_standard_normal().sum(-1).mean() for q in extra["posteriors"].values())
-            loss = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), target,
-                                                     ignore_index=model.decoder.padding_idx) + 0.1 * kl
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss))
-    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+    train_under_autocast(model, vae_loss(model, *vae_batch(d), d.pad()), steps=8)
 
 
 @pytest.mark.parametrize("fusion", ["embed", "attention"])
 def test_bert_fused_transformer_trains_under_bf16_autocast(tmp_path, bert_dir, fusion):  # noqa: F811
-    from test_bert_fused import batch as bert_batch
-    from test_bert_fused import build as bert_build
-
     model, task, args = bert_build(tmp_path, bert_dir, "--bert-fusion", fusion)
-    criterion = task.build_criterion(args)
-    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-3)
-    sample = criterion_sample(task, *bert_batch(task))
-    model.train()
     model.set_num_updates(2000)
-    losses = []
-    for _ in range(6):
-        with torch.autocast(**AUTOCAST):
-            loss, sample_size, _ = criterion(model, sample)
-        optimizer.zero_grad()
-        (loss / sample_size).backward()
-        optimizer.step()
-        losses.append(float(loss))
-    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+    sample = criterion_sample(task, *bert_batch(task))
+    train_under_autocast(model, criterion_loss(task.build_criterion(args), model, sample), steps=6)
+
+
+def test_optimus_trains_under_bf16_autocast():
+    model = optimus_build()
+    train_under_autocast(model, vae_loss(model, *make_batch(model.decoder.dictionary), model.decoder.padding_idx),
+                         steps=8, lr=1e-3)
