@@ -10,7 +10,8 @@ E encoder and D decoder layers, this copies
   ``layernorm_embedding``;
 * BART encoder layers 0..N-1 -> the sentence encoder (``Enc`` of eq. 3);
 * BART decoder layers D-P..D-1 -> the encoder's latent-query decoder (``Dec`` of eq. 3, full
-  cross-attention), and BART's decoder ``layernorm_embedding`` -> the query layer norm;
+  cross-attention), and BART's decoder ``layernorm_embedding`` -> the query layer norm; in
+  QKVAE's ``authors`` reading also BART's decoder ``embed_positions`` -> the queries' positions;
 * BART decoder layers D-M..D-1 -> the generating decoder; for QKVAE every parameter except
   the cross-attention's ``k_proj`` / ``v_proj`` (the QKV attention keeps BART's ``q_proj`` and
   ``out_proj``; keys and values come from the latents);
@@ -18,8 +19,10 @@ E encoder and D decoder layers, this copies
   ``layernorm_embedding`` -> ``Enc`` of y = Cat(d; z) (the authors' code took the *last* K
   encoder layers here; we follow the paper's rule for encoders).
 
-The latent queries, M_mu / M_sigma, slot identifiers, the z_syn -> keys network and the
-z_sem -> values / y projections have no BART counterpart and keep their random initialisation.
+The latent queries, M_mu / M_sigma, slot identifiers, the z_syn -> keys network, the
+z_sem -> values / y projections and (``authors`` reading) the per-latent input projections and
+the Linear before the output embedding have no BART counterpart and keep their random
+initialisation, as in the authors' code.
 
 BART's vocabulary: the fairseq dictionary must have exactly BART's ``vocab_size`` symbols
 with index i = BART token id i. Build it and the tokenised text with this module:
@@ -154,6 +157,8 @@ def bart_parameter_map(model, config: dict) -> Dict[str, str]:
                  for i in range(num_query)]
     if encoder.query_layernorm is not None:
         prefixes.append(("encoder.query_layernorm", "decoder.layernorm_embedding"))
+    if getattr(encoder, "query_positions", None) is not None:  # reading "authors": the queries' positions
+        prefixes.append(("encoder.query_positions", "decoder.embed_positions"))
     num_dec = len(decoder.layers)
     prefixes += [(f"decoder.layers.{i}", f"decoder.layers.{dec_layers - num_dec + i}") for i in range(num_dec)]
     latent_layers = getattr(decoder, "latent_layers", None)
@@ -194,7 +199,7 @@ def initialise_from_bart(model, bart_dir: str) -> Dict[str, str]:
             if bart_name not in bart_state:
                 raise BartInitError(f"{bart_dir}: the BART weights have no parameter {bart_name!r} (for {name})")
             source, target = bart_state[bart_name], ours[name]
-            if name.endswith("embed_positions.weight") and source.size(0) >= target.size(0):
+            if name.endswith("positions.weight") and source.size(0) >= target.size(0):
                 source = source[: target.size(0)]  # our tables may be shorter (fewer positions)
             if source.shape != target.shape:
                 raise BartInitError(f"{bart_dir}: {bart_name} has shape {tuple(source.shape)}, "

@@ -160,13 +160,37 @@ class LatentConditionedDecoder(TransformerDecoderBase):
     returns ``(logits [B, T, V], extra)`` with ``extra["attn"]`` (``[attn [B, T, S]]`` of the
     last layer, or ``[None]``), ``extra["inner_states"]`` and ``extra["posteriors"]``.
 
-    Word dropout (Bowman et al. 2016; the QKVAE authors use 0.4) replaces decoder-input tokens
-    by ``<unk>`` in training only (the first position is kept).
+    Word dropout (Bowman et al. 2016; the QKVAE authors use 0.4), ``reading``:
+
+    * ``paper``: decoder-input tokens are replaced by ``<unk>`` with probability p in training
+      only (the first position is kept); the logits are the tied embedding times the features;
+    * ``authors`` (ghazi-f/QKVAE ``components/latent_variables.py`` ``Categorical.rep``): the
+      token embeddings are multiplied by a Bernoulli(1 - p) mask in training, at every position
+      including the first, and by 1 - p in evaluation (decoding too); the features pass a
+      Linear(C, C) (``output_hidden``, their ``hidden_to_z_params['logits']``) before the tied
+      embedding.
     """
 
-    def __init__(self, cfg, dictionary, embed_tokens, word_dropout_p: float):
+    def __init__(self, cfg, dictionary, embed_tokens, word_dropout_p: float, reading: str = "paper"):
         super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=False)
         self.word_dropout_p = float(word_dropout_p)
+        self.reading = reading
+        dim = cfg.decoder.embed_dim
+        self.output_hidden = nn.Linear(dim, dim) if reading == "authors" else None
+
+    def token_embedding_scale(self, tokens: Tensor, like: Tensor) -> Optional[Tensor]:
+        """The authors' word dropout on embeddings: ``[B, T, 1]`` mask (training) or 1 - p."""
+        if self.reading != "authors" or self.word_dropout_p <= 0:
+            return None
+        if not self.training:
+            return like.new_full((1, 1, 1), 1.0 - self.word_dropout_p)
+        keep = torch.rand(tokens.shape, device=like.device) >= self.word_dropout_p
+        return keep.to(like.dtype).unsqueeze(-1)
+
+    def output_layer(self, features: Tensor) -> Tensor:
+        if self.output_hidden is not None:
+            features = self.output_hidden(features)
+        return super().output_layer(features)
 
     def layer_memories(self, latents: Dict[str, Tensor]) -> List[object]:
         """One memory per layer (what its cross-attention reads), from ``{name: [B, D]}``."""
@@ -179,7 +203,7 @@ class LatentConditionedDecoder(TransformerDecoderBase):
         """``prev_output_tokens`` ``[B, T]`` -> ``(logits [B, T, V], extra)``."""
         if encoder_out is None or "latents" not in encoder_out:
             raise ValueError(f"{self.__class__.__name__} needs encoder_out['latents']")
-        if self.training and incremental_state is None and self.word_dropout_p > 0:
+        if self.reading == "paper" and self.training and incremental_state is None and self.word_dropout_p > 0:
             prev_output_tokens = word_dropout(prev_output_tokens, self.word_dropout_p, self.dictionary.unk())
         x, extra = self.extract_features(prev_output_tokens, encoder_out, incremental_state,
                                          alignment_layer=alignment_layer, alignment_heads=alignment_heads)
@@ -206,6 +230,9 @@ class LatentConditionedDecoder(TransformerDecoderBase):
             if positions is not None:
                 positions = positions[:, -1:]
         x = self.embed_scale * self.embed_tokens(prev_output_tokens.contiguous())
+        keep = self.token_embedding_scale(prev_output_tokens, x)
+        if keep is not None:
+            x = x * keep
         if self.quant_noise is not None:
             x = self.quant_noise(x)
         if self.project_in_dim is not None:
@@ -259,8 +286,8 @@ class QKVDecoder(LatentConditionedDecoder):
     """
 
     def __init__(self, cfg, dictionary, embed_tokens, word_dropout_p: float, syn_dim: int, slots: int,
-                 slot_dim: int, key_mlp_layers: int):
-        super().__init__(cfg, dictionary, embed_tokens, word_dropout_p)
+                 slot_dim: int, key_mlp_layers: int, reading: str = "paper"):
+        super().__init__(cfg, dictionary, embed_tokens, word_dropout_p, reading)
         dim = cfg.decoder.embed_dim
         self.slots, self.slot_dim, self.syn_dim = slots, slot_dim, syn_dim
         layers: List[nn.Module] = []

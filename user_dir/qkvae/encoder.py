@@ -14,10 +14,21 @@ q(z | w) = prod_l q(z_l | w):
   with L queries) has its own ``M_mu`` / ``M_sigma`` (QKVAE Section 4.1: "matrices M_mu^s and
   M_sigma^s" for z_syn), shared by the queries of the group.
 
-All queries of all groups run through ``Dec`` together (the paper: z_syn is obtained "by
-adding an additional identifier embedding e_s"), so they may attend to each other; the
-posteriors remain conditionally independent given w. (The authors' code runs the z_syn query
-and the z_sem queries in two separate passes of one shared network.)
+Two readings (``reading``; ``--qkvae-reading``):
+
+* ``paper``: all queries of all groups run through ``Dec`` together, without a self-attention
+  mask (the paper: z_syn is obtained "by adding an additional identifier embedding e_s"), so
+  they may attend to each other; ``Enc`` reads the token embeddings as they are.
+* ``authors`` (ghazi-f/QKVAE, ``components/links.py`` ``CoattentiveBARTTransformerLink``,
+  ``disentanglement_qkv/graphs.py`` ``get_qkv_graphBART``): every group has its own pass through
+  the shared ``Enc`` + ``Dec``: its own Linear(C, C) on the token embeddings before ``Enc``
+  (``input_to_hidden``), its queries plus BART's learned decoder positions 0..slots-1 (the
+  queries are BART's ``decoder_inputs_embeds``), and BART's causal decoder mask among the
+  group's own queries (z_sem_l sees z_sem_1..l; z_syn's single query sees itself). The query
+  embeddings start N(0, 1) (``nn.Embedding``), as theirs.
+
+In both readings padding is masked in ``Enc`` and in the queries' cross-attention (the authors
+call BART without an attention mask on padded batches, a defect not reproduced).
 
 The interface (:mod:`user_dir.sentence_vae.base`) wants log-variances: the paper's softplus
 parametrisation of sigma is kept and converted, ``logvar = 2 log(softplus(M_sigma h) +
@@ -26,12 +37,12 @@ dimensions are grouped by slot: ``z[:, l * d:(l + 1) * d]`` is z_l.
 """
 
 from dataclasses import dataclass
-from typing import Dict, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from fairseq.models.transformer import TransformerEncoderBase
-from fairseq.modules import FairseqDropout, LayerNorm
+from fairseq.modules import FairseqDropout, LayerNorm, PositionalEmbedding
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from torch import Tensor, nn
 
@@ -40,6 +51,8 @@ from user_dir.sentence_vae.base import SentenceVAEEncoder
 # sigma = softplus(.) + SIGMA_FLOOR (the authors' code adds the same 1e-8): keeps log sigma
 # finite (>= -18.4) when the softplus underflows.
 SIGMA_FLOOR = 1e-8
+
+READINGS = ("authors", "paper")
 
 
 @dataclass(frozen=True)
@@ -65,11 +78,16 @@ class LatentQueryEncoder(SentenceVAEEncoder):
         embed_tokens: token embedding (shared with the decoder).
         groups: the latent groups, in order.
         posterior_layers: number of query (``Dec``) layers.
+        reading: ``"paper"`` (one unmasked pass) or ``"authors"`` (one masked pass per group with
+            its own input projection and query positions); see the module doc.
     """
 
     def __init__(self, cfg, dictionary, embed_tokens: nn.Embedding, groups: Sequence[LatentGroup],
-                 posterior_layers: int):
+                 posterior_layers: int, reading: str = "paper"):
         super().__init__(dictionary)
+        if reading not in READINGS:
+            raise ValueError(f"reading must be one of {READINGS}, got {reading!r}")
+        self.reading = reading
         self.groups: Tuple[LatentGroup, ...] = tuple(groups)
         self.sentence_encoder = TransformerEncoderBase(cfg, dictionary, embed_tokens)
         self.max_source_positions = cfg.max_source_positions
@@ -77,7 +95,13 @@ class LatentQueryEncoder(SentenceVAEEncoder):
         num_queries = sum(group.slots for group in self.groups)
         # e (and e_s for QKVAE), one row per latent vector
         self.latent_queries = nn.Parameter(torch.empty(num_queries, dim))
-        nn.init.normal_(self.latent_queries, mean=0.0, std=dim ** -0.5)
+        nn.init.normal_(self.latent_queries, mean=0.0, std=1.0 if reading == "authors" else dim ** -0.5)
+        if reading == "authors":
+            # input_to_hidden of each group's pass, and BART's decoder positions of the queries
+            # (fairseq's learned table, offset padding_idx + 1 = BART's 2)
+            self.input_projections = nn.ModuleDict({g.name: nn.Linear(dim, dim) for g in self.groups})
+            self.query_positions = PositionalEmbedding(max(g.slots for g in self.groups), dim,
+                                                       dictionary.pad(), learned=True)
         self.query_layernorm = LayerNorm(dim) if cfg.layernorm_embedding else None
         self.dropout_module = FairseqDropout(cfg.dropout, module_name=self.__class__.__name__)
         self.query_layers = nn.ModuleList(
@@ -89,19 +113,41 @@ class LatentQueryEncoder(SentenceVAEEncoder):
         self.sigma_heads = nn.ModuleDict({g.name: nn.Linear(dim, g.slot_dim) for g in self.groups})
 
     def query_states(self, src_tokens: Tensor, src_lengths: Tensor) -> Tensor:
-        """z~ = Dec(e; Enc(w)): ``[B, S]`` tokens -> ``[B, num_queries, C]``."""
-        enc = self.sentence_encoder(src_tokens, src_lengths=src_lengths)
+        """z~ = Dec(e; Enc(w)): ``[B, S]`` tokens -> ``[B, num_queries, C]`` (groups in order)."""
+        if self.reading == "paper":
+            return self.decode_queries(self.latent_queries, src_tokens, src_lengths, None, causal=False)
+        states: List[Tensor] = []
+        start = 0
+        token_embeddings = self.sentence_encoder.embed_tokens(src_tokens)
+        for group in self.groups:
+            queries = self.latent_queries[start:start + group.slots]
+            start += group.slots
+            positions = torch.arange(group.slots, device=queries.device) + self.query_positions.padding_idx + 1
+            queries = queries + self.query_positions.weight[positions]
+            projected = self.input_projections[group.name](token_embeddings)  # input_to_hidden
+            states.append(self.decode_queries(queries, src_tokens, src_lengths, projected, causal=True))
+        return torch.cat(states, dim=1)
+
+    def decode_queries(self, queries: Tensor, src_tokens: Tensor, src_lengths: Tensor,
+                       token_embeddings, causal: bool) -> Tensor:
+        """One pass: ``Enc`` over the sentence (optionally from given ``token_embeddings``
+        ``[B, S, C]``), then ``queries`` ``[Q, C]`` through ``Dec`` -> ``[B, Q, C]``."""
+        enc = self.sentence_encoder(src_tokens, src_lengths=src_lengths, token_embeddings=token_embeddings)
         memory = enc["encoder_out"][0]  # [S, B, C]
         padding = enc["encoder_padding_mask"][0] if len(enc["encoder_padding_mask"]) > 0 else None
         if padding is not None and not padding.any():
             padding = None
         batch = src_tokens.size(0)
-        h = self.latent_queries.to(memory.dtype).unsqueeze(1).expand(-1, batch, -1)  # [Q, B, C]
+        h = queries.to(memory.dtype).unsqueeze(1).expand(-1, batch, -1)  # [Q, B, C]
         if self.query_layernorm is not None:
             h = self.query_layernorm(h)
         h = self.dropout_module(h)
-        for layer in self.query_layers:  # no self-attention mask: the queries see each other
-            h, _, _ = layer(h, memory, padding)
+        self_attn_mask = None
+        if causal and queries.size(0) > 1:  # BART's decoder mask among the group's queries
+            self_attn_mask = torch.triu(torch.full((queries.size(0), queries.size(0)), float("-inf"),
+                                                   device=h.device, dtype=h.dtype), 1)
+        for layer in self.query_layers:
+            h, _, _ = layer(h, memory, padding, self_attn_mask=self_attn_mask)
         if self.query_layer_norm is not None:
             h = self.query_layer_norm(h)
         return h.transpose(0, 1)

@@ -45,7 +45,7 @@ from latent_core.vae import VAEConfigError
 
 from .bart_init import initialise_from_bart
 from .decoder import ADVAEDecoder, QKVDecoder
-from .encoder import LatentGroup, LatentQueryEncoder
+from .encoder import READINGS, LatentGroup, LatentQueryEncoder
 
 
 def _option(name: str) -> str:
@@ -63,6 +63,12 @@ class LatentAttentionVAE(FairseqEncoderDecoderModel):
             (g.name, (g.slots, g.slot_dim)) for g in encoder.groups
         )
         self.latent_sizes: "OrderedDict[str, int]" = OrderedDict((g.name, g.size) for g in encoder.groups)
+        # the authors' training (QKVAE reading "authors"): loss averaged over sentences (their
+        # criteria.py sums tokens, means sentences) and the optimizer re-created when the
+        # auto-encoding phase ends (qkv_train.py); read by the sentence_vae criterion and task
+        authors = encoder.reading == "authors"
+        self.sentence_average_loss = authors
+        self.reset_optimizer_after_ae = authors
 
     @classmethod
     def hub_models(cls):
@@ -100,6 +106,11 @@ class LatentAttentionVAE(FairseqEncoderDecoderModel):
         pass
 
     @classmethod
+    def reading(cls, args) -> str:
+        """``authors`` or ``paper`` (QKVAE's ``--qkvae-reading``; ADVAE is built as the paper reads)."""
+        return "paper"
+
+    @classmethod
     def build_latent_decoder(cls, cfg, args, dictionary, embed_tokens):
         raise NotImplementedError  # abstract
 
@@ -113,7 +124,8 @@ class LatentAttentionVAE(FairseqEncoderDecoderModel):
         cfg = TransformerConfig.from_namespace(args)
         # one embedding for the encoder, the decoder input and the output projection (BART)
         embed_tokens = Embedding(len(src_dict), args.encoder_embed_dim, src_dict.pad())
-        encoder = LatentQueryEncoder(cfg, src_dict, embed_tokens, cls.latent_groups(args), args.posterior_layers)
+        encoder = LatentQueryEncoder(cfg, src_dict, embed_tokens, cls.latent_groups(args), args.posterior_layers,
+                                     reading=cls.reading(args))
         decoder = cls.build_latent_decoder(cfg, args, tgt_dict, embed_tokens)
         model = cls(args, encoder, decoder)
         if getattr(args, "bart_dir", None):
@@ -208,6 +220,13 @@ class QKVAEModel(LatentAttentionVAE):
         group.add_argument("--key-mlp-layers", type=int, metavar="N",
                            help="layers of the z_syn -> keys network: 1 = the paper's linear M^s, "
                                 "2 = the authors' Linear-GELU-Linear (default: 2)")
+        group.add_argument("--qkvae-reading", choices=READINGS, metavar="READING",
+                           help="authors (default): the model and training of the authors' code that made "
+                                "the paper's tables (one encoder pass per latent with its own input "
+                                "projection and causal queries, embedding word dropout scaled by 1-p in "
+                                "evaluation, a Linear before the tied output embedding, BART's dropout 0.1 "
+                                "everywhere, loss averaged over sentences, optimizer state reset when "
+                                "--ae-steps ends); paper: the model as the paper describes it")
 
     @classmethod
     def architecture_defaults(cls, args):
@@ -224,12 +243,18 @@ class QKVAEModel(LatentAttentionVAE):
             value = getattr(args, name)
             if value is None or value < 1:
                 raise VAEConfigError(f"{_option(name)}={value} must be >= 1")
+        if args.qkvae_reading not in READINGS:
+            raise VAEConfigError(f"--qkvae-reading={args.qkvae_reading!r} must be one of {', '.join(READINGS)}")
+
+    @classmethod
+    def reading(cls, args) -> str:
+        return args.qkvae_reading
 
     @classmethod
     def build_latent_decoder(cls, cfg, args, dictionary, embed_tokens):
         return QKVDecoder(cfg, dictionary, embed_tokens, args.word_dropout, syn_dim=args.syn_latent_dim,
                           slots=args.num_latent_slots, slot_dim=args.slot_latent_dim,
-                          key_mlp_layers=args.key_mlp_layers)
+                          key_mlp_layers=args.key_mlp_layers, reading=args.qkvae_reading)
 
 
 @register_model("advae")
@@ -264,7 +289,12 @@ class ADVAEModel(LatentAttentionVAE):
 
 # ---------------------------------------------------------------------------------------------
 def qkvae_base_architecture(args):
-    """The paper's QKVAE (Section 5.1, Appendix B): z_syn 768, z_sem 4 x 192."""
+    """The paper's QKVAE (Section 5.1, Appendix B): z_syn 768, z_sem 4 x 192; the authors'
+    reading keeps BART's dropout 0.1 on attention weights and FFN activations too."""
+    _set_default(args, "qkvae_reading", "authors")
+    if args.qkvae_reading == "authors":
+        _set_default(args, "attention_dropout", 0.1)
+        _set_default(args, "activation_dropout", 0.1)
     _set_default(args, "syn_latent_dim", 768)
     _set_default(args, "slot_latent_dim", 192)
     _set_default(args, "key_mlp_layers", 2)

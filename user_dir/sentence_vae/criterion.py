@@ -12,7 +12,8 @@ beta|free_bits|hinge with threshold lambda ``--kl-threshold``, ``--kl-scope``,
 
 **Sample size.** fairseq's token convention: the gradient is divided by the number of target
 tokens ``ntokens`` (sentence + EOS, no padding), so the optimised quantity is the negative
-(beta-)ELBO per token; ``--sentence-avg`` divides by the number of sentences instead.
+(beta-)ELBO per token; ``--sentence-avg`` divides by the number of sentences instead, and so
+does a model whose ``sentence_average_loss`` is true (QKVAE's ``--qkvae-reading authors``).
 
 **Where t comes from.** fairseq passes the update count to models only, never to criterions:
 ``task.train_step`` calls ``model.set_num_updates(update_num)``, and so do checkpoint resume
@@ -202,7 +203,8 @@ class SentenceVAECriterion(FairseqCriterion):
         kl_loss, terms = self.kl_terms(posteriors, betas, num_updates)
         loss = rec_loss + kl_loss
         nsentences = sample["target"].size(0)
-        sample_size = nsentences if self.sentence_avg else sample["ntokens"]
+        sentence_avg = self.sentence_avg or getattr(inner, "sentence_average_loss", False)
+        sample_size = nsentences if sentence_avg else sample["ntokens"]
         kl_total = sum(term.kl.sum() for term in terms.values())
         logging_output = {
             "loss": loss.data,

@@ -67,6 +67,18 @@ def model_num_updates(model) -> Optional[int]:
     return None if counter is None else counter.num_updates
 
 
+def reset_optimizer_state(optimizer, update_num: int) -> None:
+    """Forget the optimizer's moments and step counts, as the QKVAE authors' ``qkv_train.py``
+    does by re-creating Adafactor when the auto-encoding phase ends. The learning-rate schedule
+    is fairseq's and goes on. Idempotent within an update (state fills only at ``step()``), so
+    ``--update-freq`` > 1 is safe."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # FairseqOptimizer / FP16 wrappers -> torch's
+    if inner.state:
+        logger.info("update %d: optimizer state reset at the end of the auto-encoding phase "
+                    "(the QKVAE authors' re-created optimizer)", update_num)
+    inner.state.clear()
+
+
 @dataclass
 class SentenceVAEConfig(FairseqDataclass):
     data: str = field(
@@ -178,6 +190,10 @@ class SentenceVAETask(FairseqTask):
         the counter is advanced to ``update_num + 1``, the trainer's count once this update is
         applied, so validation inside ``fairseq-train`` uses the same beta as ``fairseq-validate``
         on the checkpoint saved at that update. The next train step sets it again."""
+        if getattr(unwrap_model(model), "reset_optimizer_after_ae", False):
+            ae_steps = getattr(getattr(criterion, "cfg", None), "ae_steps", 0)
+            if ae_steps and update_num == ae_steps:
+                reset_optimizer_state(optimizer, update_num)
         result = super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad)
         counter = getattr(unwrap_model(model), COUNTER_ATTRIBUTE, None)
         if counter is not None:

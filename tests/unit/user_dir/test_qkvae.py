@@ -289,7 +289,8 @@ def test_beam_search_scores_equal_full_scoring(kind):
 # -- word dropout -------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["qkvae", "advae"])
 def test_word_dropout_only_in_training(kind):
-    model, d = build(kind, word_dropout=1.0)
+    """The paper's reading (and ADVAE): input tokens become <unk> in training, the first kept."""
+    model, d = build(kind, word_dropout=1.0, **({"qkvae_reading": "paper"} if kind == "qkvae" else {}))
     src, lengths, prev, _ = batch(d)
     z = _latents(model, d)
     dropped = prev.clone()
@@ -306,6 +307,94 @@ def test_word_dropout_only_in_training(kind):
 
     model_default, _ = build(kind, dictionary=d)
     assert model_default.decoder.word_dropout_p == 0.4
+
+
+def test_authors_reading_word_dropout_zeroes_embeddings_and_scales_them_in_evaluation():
+    """``--qkvae-reading authors``: Bernoulli(1-p) on the token embeddings at every position,
+    the first included, no rescaling in training; every embedding times 1-p in evaluation."""
+    model, d = build("qkvae", word_dropout=0.4)
+    assert model.decoder.reading == "authors"
+    src, lengths, prev, _ = batch(d)
+    embed = model.decoder.embed_tokens(prev)
+    torch.manual_seed(3)
+    model.train()
+    keep = model.decoder.token_embedding_scale(prev, embed)
+    assert keep.shape == (*prev.shape, 1) and set(keep.unique().tolist()) == {0.0, 1.0}
+    assert 0.45 < float(keep.mean()) < 0.75 and float(keep[:, 0].sum()) < prev.size(0)  # first dropped too
+    model.eval()
+    assert model.decoder.token_embedding_scale(prev, embed).item() == pytest.approx(0.6)
+
+    z = _latents(model, d)
+    with torch.no_grad():
+        enc = model.encoder(src, lengths, latents=z)
+        scaled = model.decoder(prev, enc)[0]
+        model.decoder.word_dropout_p = 0.0
+        unscaled = model.decoder(prev, enc)[0]
+        # the same as scaling the input embeddings only (the tied output projection is not scaled)
+        hook = model.decoder.embed_tokens.register_forward_hook(lambda module, args, out: out * 0.6)
+        assert torch.allclose(model.decoder(prev, enc)[0], scaled, atol=1e-5)
+        hook.remove()
+    assert not torch.allclose(scaled, unscaled, atol=1e-3)
+
+
+def test_authors_reading_encoder_runs_one_causal_pass_per_latent():
+    """z_syn's query is computed without the z_sem queries; z_sem_l sees z_sem_1..l only."""
+    model, d = build("qkvae")
+    enc = model.encoder
+    src, lengths, _, _ = batch(d)
+    model.eval()
+    with torch.no_grad():
+        base = enc.query_states(src, lengths)
+        enc.latent_queries[3] += torch.randn(enc.latent_queries.size(1))  # z_sem_3 (row 0 is z_syn)
+        moved = enc.query_states(src, lengths)
+        diff = (moved - base).abs().amax(dim=(0, 2))
+    assert diff[0] == 0 and diff[1] == 0 and diff[2] == 0  # z_syn, z_sem_1, z_sem_2 unchanged
+    assert diff[3] > 1e-3 and diff[4] > 1e-3  # z_sem_3 itself and z_sem_4 after it
+
+    paper, _ = build("qkvae", dictionary=d, qkvae_reading="paper")
+    with torch.no_grad():
+        paper.eval()
+        before = paper.encoder.query_states(src, lengths)
+        paper.encoder.latent_queries[3] += torch.randn(paper.encoder.latent_queries.size(1))
+        after = paper.encoder.query_states(src, lengths)
+    assert (after - before).abs().amax(dim=(0, 2)).min() > 1e-4  # one unmasked pass: every query moves
+
+
+def test_readings_defaults_and_parameters():
+    d = make_dictionary()
+    authors = make_args("qkvae_small")
+    paper = make_args("qkvae_small", qkvae_reading="paper")
+    assert authors.qkvae_reading == "authors" and make_args("qkvae_bart_base").qkvae_reading == "authors"
+    assert (authors.attention_dropout, authors.activation_dropout) == (0.1, 0.1)  # BART's
+    assert (paper.attention_dropout, paper.activation_dropout) == (0.0, 0.0)
+    model, _ = build("qkvae", dictionary=d)
+    assert model.sentence_average_loss and model.reset_optimizer_after_ae
+    assert model.encoder.latent_queries.std().item() > 0.5  # nn.Embedding's N(0, 1)
+    names = {n.split(".")[1] for n, _ in model.named_parameters()}
+    assert {"input_projections", "query_positions", "output_hidden"} <= names
+    model, _ = build("qkvae", dictionary=d, qkvae_reading="paper")
+    assert not model.sentence_average_loss and model.decoder.output_hidden is None
+    advae, _ = build("advae", dictionary=d)
+    assert advae.encoder.reading == "paper" and not advae.sentence_average_loss
+    with pytest.raises(VAEConfigError, match="--qkvae-reading"):
+        build("qkvae", dictionary=d, qkvae_reading="printed")
+
+
+def test_authors_reading_resets_optimizer_state_when_the_ae_phase_ends():
+    from types import SimpleNamespace
+
+    from user_dir.sentence_vae.task import reset_optimizer_state
+
+    param = torch.nn.Parameter(torch.ones(3))
+    adam = torch.optim.Adam([param], lr=0.1)
+    param.grad = torch.ones(3)
+    adam.step()
+    assert adam.state
+    reset_optimizer_state(SimpleNamespace(optimizer=adam), 3000)  # fairseq's wrapper exposes .optimizer
+    assert not adam.state
+    param.grad = torch.ones(3)
+    adam.step()  # starts again from step 1
+    assert int(adam.state[param]["step"]) == 1
 
 
 # -- training -----------------------------------------------------------------------------------
@@ -360,11 +449,12 @@ def _assert_same(module, bart_module, skip=()):
     return compared
 
 
-@pytest.mark.parametrize("kind", ["qkvae", "advae"])
-def test_bart_initialisation_copies_first_encoder_and_last_decoder_layers(tmp_path, kind):
+@pytest.mark.parametrize("kind,reading", [("qkvae", "paper"), ("qkvae", "authors"), ("advae", None)])
+def test_bart_initialisation_copies_first_encoder_and_last_decoder_layers(tmp_path, kind, reading):
     d = make_dictionary()
     bart = _tiny_bart(tmp_path, d)
-    model, _ = build(kind, dictionary=d, bart_dir=str(tmp_path), latent_encoder_layers=2, **BART_SIZE)
+    model, _ = build(kind, dictionary=d, bart_dir=str(tmp_path), latent_encoder_layers=2, **BART_SIZE,
+                     **({"qkvae_reading": reading} if reading else {}))
     enc, dec = model.encoder, model.decoder
     for i in range(4):  # the first 4 encoder layers, the last 4 decoder layers (of 6)
         assert _assert_same(enc.sentence_encoder.layers[i], bart.encoder.layers[i]) == 16
@@ -393,6 +483,10 @@ def test_bart_initialisation_copies_first_encoder_and_last_decoder_layers(tmp_pa
     unmapped = {n.split(".")[1] for n, _ in model.named_parameters() if n not in mapped}
     expected = {"latent_queries", "mean_heads", "sigma_heads"} | (
         {"key_mlp", "slot_ids", "value_proj"} if kind == "qkvae" else {"slot_ids", "latent_in"})
+    if reading == "authors":  # their random input_to_hidden per latent and Linear before the output
+        expected |= {"input_projections", "output_hidden"}
+        positions = bart.decoder.embed_positions.weight[:enc.query_positions.weight.size(0)]
+        assert torch.equal(enc.query_positions.weight, positions)
     assert unmapped == expected
 
     # the copied sentence encoder computes what BART's first 4 encoder layers compute
@@ -403,6 +497,16 @@ def test_bart_initialisation_copies_first_encoder_and_last_decoder_layers(tmp_pa
         ours = model.encoder.sentence_encoder(src, src_lengths=lengths)["encoder_out"][0].transpose(0, 1)
         theirs = bart.encoder(input_ids=src).last_hidden_state
     assert torch.allclose(ours, theirs, atol=1e-5)
+    if reading == "authors":
+        # z_sem's pass is BART (its last 4 decoder layers) run on input_to_hidden(embeddings) with
+        # the 4 queries as decoder_inputs_embeds: BART's positions and causal mask included
+        bart.decoder.layers = bart.decoder.layers[2:]
+        queries = enc.latent_queries[1:].unsqueeze(0)
+        with torch.no_grad():
+            projected = enc.input_projections["z_sem"](bart.shared(src))
+            theirs = bart(inputs_embeds=projected, decoder_inputs_embeds=queries).last_hidden_state
+            ours = enc.query_states(src, lengths)[:, 1:]
+        assert torch.allclose(ours, theirs, atol=1e-5)
 
 
 def test_bart_dir_errors(tmp_path):
