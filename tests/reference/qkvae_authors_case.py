@@ -1,0 +1,143 @@
+"""One tiny QKVAE on fixed weights, tokens and noise: the case that ``tests/reference/qkvae_authors.py``
+runs through the authors' code (ghazi-f/QKVAE: ``CoattentiveBARTTransformerLink`` for the two
+posteriors, ``QKVBartTransformerLink`` for the decoder, ``Categorical.rep`` for the decoder inputs)
+and ``tests/unit/user_dir/test_qkvae_authors_reading.py`` through ours (``--qkvae-reading authors``).
+
+Float64, evaluation mode (dropout off; the authors' word dropout then scales every decoder-input
+embedding by 1 - p = 0.6). Three sentences of equal length: the authors call BART without an
+attention mask, so only unpadded batches compare (padding is masked here, a deliberate fix).
+"""
+
+import argparse
+from typing import Dict, List
+
+import torch
+from fairseq.data import Dictionary, data_utils
+from fairseq.models import ARCH_CONFIG_REGISTRY
+
+import user_dir  # noqa: F401  (registers the architectures)
+from latent_core.vae import DiagonalGaussian, KLRegularizer
+from user_dir.qkvae import QKVAEModel
+
+WORDS = "the a cat dog sat ran on under mat rug big small quickly slowly".split()
+SENTENCES = ["the cat sat on the mat", "a dog ran under a rug", "the big dog sat on rug"]
+EMBED, HEADS, FFN, LAYERS, SLOTS, SLOT_DIM = 16, 2, 32, 2, 4, 4
+SYN_DIM = SLOTS * SLOT_DIM  # the authors' key network reads a z_syn of z_sem's total size
+WORD_DROPOUT = 0.4
+BETAS = {"z_syn": 0.3, "z_sem": 0.6}
+FREE_BITS = 0.05  # lambda, nats per dimension and sentence
+# parameters whose gradients are compared (dot product with a fixed random tensor, our layout)
+GRADIENT_PARAMETERS = (
+    "encoder.sentence_encoder.embed_tokens.weight",
+    "encoder.input_projections.z_syn.weight",
+    "encoder.input_projections.z_sem.weight",
+    "encoder.latent_queries",
+    "encoder.query_positions.weight",
+    "encoder.query_layers.0.self_attn.q_proj.weight",
+    "encoder.mean_heads.z_sem.weight",
+    "encoder.sigma_heads.z_syn.weight",
+    "decoder.key_mlp.0.weight",
+    "decoder.key_mlp.2.weight",
+    "decoder.value_proj.weight",
+    "decoder.slot_ids",
+    "decoder.layers.1.encoder_attn.q_proj.weight",
+    "decoder.output_hidden.weight",
+)
+
+
+def dictionary() -> Dictionary:
+    d = Dictionary()
+    for word in WORDS:
+        d.add_symbol(word)
+    return d
+
+
+def build_model(d: Dictionary, reading: str = "authors") -> QKVAEModel:
+    """Our model in the case's size with every parameter drawn from a fixed generator."""
+    args = argparse.Namespace(
+        arch="qkvae_small", qkvae_reading=reading, encoder_embed_dim=EMBED, decoder_embed_dim=EMBED,
+        encoder_ffn_embed_dim=FFN, decoder_ffn_embed_dim=FFN, encoder_attention_heads=HEADS,
+        decoder_attention_heads=HEADS, encoder_layers=LAYERS, decoder_layers=LAYERS, posterior_layers=LAYERS,
+        syn_latent_dim=SYN_DIM, num_latent_slots=SLOTS, slot_latent_dim=SLOT_DIM, key_mlp_layers=2,
+        word_dropout=WORD_DROPOUT, max_source_positions=32, max_target_positions=32,
+    )
+    ARCH_CONFIG_REGISTRY["qkvae_small"](args)
+    task = argparse.Namespace(source_dictionary=d, target_dictionary=d)
+    model = QKVAEModel.build_model(args, task).double().eval()
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=g, dtype=torch.float64)
+            if "layer_norm" in name or "layernorm" in name:
+                param.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * noise)
+            else:
+                param.copy_(0.3 * noise)
+    return model
+
+
+def inputs(d: Dictionary) -> Dict[str, torch.Tensor]:
+    """src = sentence + EOS, prev = EOS + sentence, target = sentence + EOS, and the noise."""
+    lines = [d.encode_line(s, add_if_not_exist=False).long() for s in SENTENCES]
+    src = data_utils.collate_tokens(lines, d.pad(), d.eos())
+    prev = data_utils.collate_tokens(lines, d.pad(), d.eos(), move_eos_to_beginning=True)
+    g = torch.Generator().manual_seed(5)
+    eps = {name: torch.randn(len(lines), size, generator=g, dtype=torch.float64)
+           for name, size in (("z_syn", SYN_DIM), ("z_sem", SLOTS * SLOT_DIM))}
+    return {"src": src, "lengths": torch.tensor([t.numel() for t in lines]), "prev": prev, "target": src,
+            "eps": eps}
+
+
+def probes(model) -> Dict[str, torch.Tensor]:
+    """The fixed random tensors the gradients are dotted with."""
+    g = torch.Generator().manual_seed(13)
+    params = dict(model.named_parameters())
+    return {name: torch.randn(params[name].shape, generator=g, dtype=torch.float64)
+            for name in GRADIENT_PARAMETERS if name in params}  # the paper's reading lacks some
+
+
+def authors_objective(log_px_given_z: torch.Tensor, means: Dict, sigmas: Dict) -> Dict[str, torch.Tensor]:
+    """The authors' loss (``components/criteria.py``: tokens summed, sentences averaged, free
+    bits max(KL_d, lambda) per dimension and sentence, one beta per latent), written with
+    latent_core's KL so that the same code scores both sides."""
+    kl = {}
+    penalty = 0.0
+    for name in ("z_syn", "z_sem"):
+        q = DiagonalGaussian(means[name], 2.0 * torch.log(sigmas[name]))
+        kl_units = q.kl_standard_normal()
+        kl[name] = kl_units.sum(-1)
+        term = KLRegularizer("free_bits", FREE_BITS, "example", "dimension")(kl_units, BETAS[name], name)
+        penalty = penalty + term.loss
+    batch = log_px_given_z.size(0)
+    return {"loss": (-log_px_given_z.sum() + penalty) / batch, "kl": kl}
+
+
+def run_ours(model, d: Dictionary) -> Dict:
+    """The case through our model: posteriors, log p(x|z) per sentence, the loss and gradients."""
+    data = inputs(d)
+    model.zero_grad()
+    means, logvars = model.encoder.posterior_parameters(data["src"], data["lengths"])
+    sigmas = {name: torch.exp(0.5 * logvars[name]) for name in means}
+    z = {name: means[name] + sigmas[name] * data["eps"][name] for name in means}
+    encoder_out = model.encoder(data["src"], data["lengths"], latents=z)
+    logits = model.decoder(data["prev"], encoder_out)[0]
+    lprobs = torch.log_softmax(logits, dim=-1)
+    log_px = lprobs.gather(-1, data["target"].unsqueeze(-1)).squeeze(-1).sum(-1)
+    objective = authors_objective(log_px, means, sigmas)
+    objective["loss"].backward()
+    params = dict(model.named_parameters())
+    probe = probes(model)
+    return summary(means, sigmas, log_px, objective, {name: params[name].grad for name in probe}, probe)
+
+
+def summary(means, sigmas, log_px, objective, gradients, probe) -> Dict:
+    def values(t) -> List[float]:
+        return [float(v) for v in t.detach().reshape(-1)]
+
+    return {
+        "mu_z_syn": values(means["z_syn"]), "mu_z_sem": values(means["z_sem"]),
+        "sigma_z_syn": values(sigmas["z_syn"]), "sigma_z_sem": values(sigmas["z_sem"]),
+        "log_px_given_z": values(log_px),
+        "kl_z_syn": values(objective["kl"]["z_syn"]), "kl_z_sem": values(objective["kl"]["z_sem"]),
+        "loss": float(objective["loss"].detach()),
+        "gradients": {name: float((gradients[name] * probe[name]).sum()) for name in probe},
+    }
