@@ -223,6 +223,38 @@ def test_sentence_avg_cyclical_default_length_and_hinge(corpus):
     assert float(loss) == pytest.approx(float(log["nll_loss"]) + 0.4 * kl_per_dim(1.0, 0.0), rel=1e-5)
 
 
+def test_a_model_asking_for_sentence_averages_gets_them(corpus):
+    """QKVAE's authors reading sets ``sentence_average_loss``: sentences, not tokens, without --sentence-avg."""
+    task, model, criterion, _ = build(corpus / "bin", arch_args=("--toy-latents", "z:2"))
+    sample = first_batch(task, size=3)
+    model.eval()
+    assert criterion(model, sample)[1] == sample["ntokens"]
+    model.sentence_average_loss = True
+    assert criterion(model, sample)[1] == 3
+
+
+def test_optimizer_state_is_reset_when_the_ae_phase_ends(corpus):
+    """A model with ``reset_optimizer_after_ae`` (QKVAE's authors reading) starts the KL phase
+    with a fresh optimizer state, as their re-created Adafactor; other updates keep it."""
+    from fairseq.optim import build_optimizer
+
+    task, model, criterion, cfg = build(corpus / "bin", "--ae-steps", "2", arch_args=("--toy-latents", "z:2"))
+    model.reset_optimizer_after_ae = True
+    optimizer = build_optimizer(cfg.optimizer, [p for p in model.parameters() if p.requires_grad])
+    sample = first_batch(task, "train", size=4)
+    model.train()
+    steps = []
+    for update in range(4):
+        optimizer.zero_grad()
+        task.train_step(sample, model, criterion, optimizer, update)
+        optimizer.step()
+        steps.append(max(int(state["step"]) for state in optimizer.optimizer.state.values()))
+    assert steps == [1, 2, 1, 2]
+    model.reset_optimizer_after_ae = False
+    task.train_step(sample, model, criterion, optimizer, 2)
+    assert optimizer.optimizer.state  # kept
+
+
 def reduced(logging_outputs):
     with metrics.aggregate(new_root=True) as agg:
         SentenceVAECriterion.reduce_metrics(logging_outputs)
