@@ -170,12 +170,19 @@ def mutual_information(means: Tensor, logvars: Tensor, num_samples: int = 1,
     aggregate posterior 1/N sum_j q(z|x_j) over the evaluation set; ``num_samples`` samples
     z ~ q(z|x_i) per example. Both terms are evaluated on the SAME sample: log q(z|x_i) is
     the i-th entry of the N densities that make up q(z), so the estimate is exactly 0 when
-    all posteriors are equal and its sampling noise largely cancels. Optimus' and He et al.'s
-    ``calc_mi`` take the first term as the analytic negative entropy instead, which in 128
-    dimensions leaves the noise of a single sample of log q(z) uncancelled (measured: -0.27
-    for identical posteriors, 1.24 where the true value is at most 0.34); their per-batch
-    q(z) is also replaced here by the whole set's. The N x N densities are computed
-    ``chunk_size`` samples at a time (memory chunk x N).
+    all posteriors are equal and its sampling noise largely cancels.
+
+    The papers' own estimators: Optimus' ``calc_mi`` (``calc_mi_v3``, ``code/examples/big_ae/
+    utils.py``) also builds q(z) from the whole evaluation set, but takes the first term as
+    the analytic negative entropy, which in 128 dimensions leaves the noise of a single sample
+    of log q(z) uncancelled (measured: -0.27 for identical posteriors, 1.24 where the true
+    value is at most 0.34); He et al.'s original uses one batch's q(z). QKVAE's code
+    (``BaseLatentVariable.get_mi``) is not an MI estimate: it averages the batch posteriors'
+    log-densities where their densities must be averaged (mean of logs, not log of the mean),
+    so its "log q(z)" is biased low and the value is unbounded (77.5 nats on 512 synthetic
+    posteriors, where log N = 6.24): QKVAE's Table 1 MI does not compare with this or any
+    correct estimator. The N x N densities are computed ``chunk_size`` samples at a time
+    (memory chunk x N).
     """
     _check_count("num_samples", num_samples)
     _check_count("chunk_size", chunk_size)

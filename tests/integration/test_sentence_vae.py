@@ -412,6 +412,11 @@ def test_vae_eval_command(trained, corpus, tmp_path):
         assert result[f"mi_{name}"] <= result[f"kl_{name}"] + 3 * result[f"mi_se_{name}"] + 1e-9
         assert result[f"mi_{name}"] <= math.log(40) + 1e-9
     assert "k=24" in result["estimators"]["iw_ppl"] and "N=40" in result["estimators"]["mi"]
+    # the papers' unit: the start token counted too (QKVAE's get_perplexity, Optimus' calc_iwnll)
+    for key in ("ppl_qkvae_units", "ppl_optimus_units"):
+        assert math.log(result[key]) * (result["num_tokens"] + 40) == pytest.approx(
+            math.log(result["iw_ppl"]) * result["num_tokens"], rel=1e-9)
+        assert "k=24" in result["estimators"][key]
 
     again = evaluate.main(["--path", str(checkpoint), str(corpus / "bin"), "--subset", "test", "--k", "24",
                            "--chunk-size", "24", "--batch-size", "16", "--cpu"])

@@ -20,8 +20,10 @@ pre-trained checkpoint (safe loader), so the fine-tuned model is the pre-trained
 
 Each lambda is then evaluated with ``vae-eval`` on ``--eval-subset`` (IW bound with ``--k``
 samples, ELBO, KL, MI, AU, reconstruction BLEU). ``OUT/lambda_sweep.json`` has one entry per
-lambda (key: lambda as written, e.g. ``"0.05"``) with ``iw_ppl`` and ``elbo_ppl`` per word
-(the paper's unit; ``*_token``: per GPT-2 token), ``kl``, ``mi``, ``au``, ``rec_bleu``,
+lambda (key: lambda as written, e.g. ``"0.05"``) with ``iw_ppl`` in the paper's unit (vae-eval's
+``ppl_optimus_units``: per GPT-2 token of ``<BOS> x <EOS>``, what Optimus' tables call per word),
+``iw_ppl_word`` / ``elbo_ppl_word`` (whitespace words + 1), ``*_token`` (per GPT-2 token incl. the
+end token, fairseq's), ``kl``, ``mi``, ``au``, ``rec_bleu``,
 ``updates``, ``train_wps`` and the estimators. Finished lambdas are reused when the command is
 run again with the same settings; progress is printed as ``[optimus]`` lines.
 """
@@ -120,12 +122,11 @@ def evaluate(args, checkpoint: Path, out: Path) -> Dict:
 
 
 def sweep_entry(results: Dict, log: str, updates: int, lam: float, settings: Dict) -> Dict:
-    per_word = "iw_ppl_word" in results
     return {
         **settings,
         "lambda": lam,
-        "iw_ppl": results["iw_ppl_word"] if per_word else results["iw_ppl"],
-        "elbo_ppl": results["elbo_ppl_word"] if per_word else results["elbo_ppl"],
+        "iw_ppl": results["ppl_optimus_units"],
+        "iw_ppl_word": results.get("iw_ppl_word"), "elbo_ppl_word": results.get("elbo_ppl_word"),
         "iw_ppl_token": results["iw_ppl"], "elbo_ppl_token": results["elbo_ppl"],
         "kl": results["kl"], "mi": results["mi"], "mi_se": results["mi_se"], "au": results["au"],
         "pc1_share": results.get("pc1_share"),
@@ -134,7 +135,8 @@ def sweep_entry(results: Dict, log: str, updates: int, lam: float, settings: Dic
         "updates": updates,
         "train_wps": segment_words_per_second(log, start_update=resumed_update(log))["words_per_second"],
         "estimators": {**results["estimators"],
-                       "ppl_unit_here": "iw_ppl/elbo_ppl: per word" if per_word else "iw_ppl/elbo_ppl: per token",
+                       "ppl_unit_here": "iw_ppl: ppl_optimus_units (Optimus' tables); *_word: whitespace words + 1; "
+                                        "*_token: GPT-2 tokens incl. the end token",
                        "train_wps": "GPT-2 target tokens per second of fairseq's logged intervals (first skipped)"},
     }
 
@@ -187,7 +189,7 @@ def main(argv=None) -> int:
         settings = {"pretrained": str(args.pretrained), "data": str(args.data), "epochs": args.epochs,
                     "batch_size": args.batch_size, "lr": args.lr, "kl_variant": args.kl_variant,
                     "beta_max": args.beta_max, "k": args.k, "eval_subset": args.eval_subset, "seed": args.seed,
-                    "max_eval_sentences": args.max_eval_sentences}
+                    "max_eval_sentences": args.max_eval_sentences, "ppl_unit": "optimus"}
         previous = table.get(key)
         if previous and all(previous.get(k) == v for k, v in settings.items()):
             stage(f"lambda {key}: reusing the finished run in {save_dir}")
@@ -204,7 +206,8 @@ def main(argv=None) -> int:
         results = evaluate(args, save_dir / "checkpoint_last.pt", save_dir / "eval.json")
         table[key] = sweep_entry(results, log, updates, lam, settings)
         write_json(results_path, table)
-    rows = [{"lambda": key, "IW-PPL/word": r["iw_ppl"], "ELBO-PPL/word": r["elbo_ppl"], "IW-PPL/token": r["iw_ppl_token"],
+    rows = [{"lambda": key, "IW-PPL (Optimus unit)": r["iw_ppl"], "IW-PPL/word": r["iw_ppl_word"],
+             "IW-PPL/token": r["iw_ppl_token"],
              "KL": r["kl"], "MI": r["mi"], "AU": r["au"], "rec BLEU": r["rec_bleu"], "updates": r["updates"]}
             for key, r in sorted(table.items(), key=lambda item: float(item[0]))]
     print_table(rows, list(rows[0]), f"Optimus lambda sweep ({results_path})")

@@ -301,6 +301,11 @@ class OptimusModel(FairseqEncoderDecoderModel):
         super().__init__(encoder, decoder)
         self.args = args
         self.latent_sizes = OrderedDict([(LATENT, encoder.latent_dim)])
+        # what the authors' run computes (read by the sentence_vae criterion): the KL hinge mask
+        # of their code (``--kl-variant free_bits`` gives the paper's eq. 9) and the loss
+        # averaged over sentences (their loss_rec + beta * loss_kl, .mean() over the batch)
+        self.default_kl_variant = "hinge"
+        self.sentence_average_loss = True
 
     @classmethod
     def hub_models(cls):

@@ -66,6 +66,8 @@ from latent_core.vae import (
 from latent_core.vae.kl import DEFAULT_KL_THRESHOLD, THRESHOLD_OPTION, parse_kl_thresholds
 
 from .base import posteriors_of
+
+DEFAULT_KL_VARIANT = "free_bits"  # QKVAE's (and Optimus' eq. 9); a model may name another
 from .task import model_num_updates, unwrap_model
 
 
@@ -82,10 +84,11 @@ class SentenceVAECriterionConfig(FairseqDataclass):
     ae_steps: int = field(
         default=0, metadata={"help": "auto-encoder phase: beta = 0 for every latent before this update"}
     )
-    kl_variant: ChoiceEnum(KL_VARIANTS) = field(
-        default="free_bits",
+    kl_variant: Optional[ChoiceEnum(KL_VARIANTS)] = field(
+        default=None,
         metadata={"help": "beta: beta*KL; free_bits: beta*sum max(lambda, KL_u) (QKVAE, Optimus eq. 9); "
-                          "hinge: beta*sum KL_u [KL_u > lambda] (Optimus' code)"},
+                          "hinge: beta*sum KL_u [KL_u > lambda] (Optimus' code). Default: the model's "
+                          "(hinge for optimus, free_bits otherwise)"},
     )
     kl_threshold: str = field(
         default=str(DEFAULT_KL_THRESHOLD),
@@ -129,8 +132,10 @@ class SentenceVAECriterion(FairseqCriterion):
         for entry in cfg.beta_schedule.split(","):
             parse_schedule(entry.rpartition("=")[2], self.total_updates)
         self.thresholds = parse_kl_thresholds(cfg.kl_threshold)
+        # --kl-variant, else the model's default_kl_variant (known here when the model was built first)
+        self.kl_variant = cfg.kl_variant or getattr(task, "default_kl_variant", None) or DEFAULT_KL_VARIANT
         for latent, value in self.thresholds.items():
-            KLRegularizer(cfg.kl_variant, value, cfg.kl_scope, cfg.kl_granularity)
+            KLRegularizer(self.kl_variant, value, cfg.kl_scope, cfg.kl_granularity)
         self.num_updates = 0
         self._latents: Optional[tuple] = None
         self.schedules: Dict[str, object] = {}
@@ -140,11 +145,14 @@ class SentenceVAECriterion(FairseqCriterion):
             self.configure_latents(tuple(latent_sizes))
 
     # ------------------------------------------------------------ configuration
-    def configure_latents(self, latents: Sequence[str]) -> None:
-        """Build the per-latent schedules and regularisers (checks latent names in the specs)."""
+    def configure_latents(self, latents: Sequence[str], kl_variant: Optional[str] = None) -> None:
+        """Build the per-latent schedules and regularisers (checks latent names in the specs);
+        ``kl_variant``: the model's default, used unless ``--kl-variant`` was given."""
         latents = tuple(latents)
-        if latents == self._latents:
+        variant = self.cfg.kl_variant or kl_variant or self.kl_variant
+        if latents == self._latents and variant == self.kl_variant:
             return
+        self.kl_variant = variant
         self.schedules = parse_beta_schedules(self.cfg.beta_schedule, latents, self.cfg.ae_steps,
                                               self.total_updates)
         unknown = [name for name in self.thresholds if name is not None and name not in latents]
@@ -156,7 +164,7 @@ class SentenceVAECriterion(FairseqCriterion):
         if missing:
             raise VAEConfigError(f"{THRESHOLD_OPTION}: no threshold for latent(s) {', '.join(missing)}")
         self.regularizers = {
-            name: KLRegularizer(self.cfg.kl_variant, self.thresholds.get(name, self.thresholds.get(None)),
+            name: KLRegularizer(self.kl_variant, self.thresholds.get(name, self.thresholds.get(None)),
                                 self.cfg.kl_scope, self.cfg.kl_granularity)
             for name in latents
         }
@@ -189,7 +197,7 @@ class SentenceVAECriterion(FairseqCriterion):
     def forward(self, model, sample, reduce=True):
         """-> (loss, sample_size, logging_output); loss is summed over the batch."""
         inner = unwrap_model(model)
-        self.configure_latents(tuple(inner.latent_sizes))
+        self.configure_latents(tuple(inner.latent_sizes), getattr(inner, "default_kl_variant", None))
         net_output = self.net_output(model, sample)
         lprobs = model.get_normalized_probs(net_output, log_probs=True)
         target = model.get_targets(sample, net_output)

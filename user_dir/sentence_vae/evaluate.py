@@ -18,7 +18,14 @@ Reported (nats; "per sentence" = averaged over sentences):
 * ``elbo_ppl`` = exp(-sum_x ELBO(x) / N_tok) (>= iw_ppl in expectation);
 * ``iw_ppl_word`` / ``elbo_ppl_word``: the same per word, N_word = whitespace words of the
   detokenised target + 1 (end of sentence), for tasks whose tokens are not words
-  (``optimus_lm``: GPT-2 BPE; the perplexities of Optimus' Tables 1 and 8-11 are per word);
+  (``optimus_lm``: GPT-2 BPE); the LSTM-VAE literature's unit, not Optimus' (see below);
+* ``ppl_qkvae_units`` and ``ppl_optimus_units``: the IW perplexity in the unit of each paper's
+  tables, exp(-sum_x L_k(x) / (N_tok + N_sent)): every token of the model's sequence counted
+  with the start token as well as the end token (QKVAE's ``get_perplexity`` counts all
+  non-pad tokens of ``<s> x </s>``; Optimus' ``calc_iwnll`` divides by the GPT-2 length of
+  ``<BOS> x <EOS>``, which its tables call "words"). The two papers count alike; the value
+  is given under both names so a table can cite the paper it compares with. They compare
+  with a paper's number only on that paper's tokenisation (BART BPE, GPT-2 BPE);
 * ``nll`` = -mean L_k(x); ``elbo`` = mean ELBO(x); ``rec`` = mean -log p(x|z), z ~ q(z|x);
 * ``kl`` / ``kl_<latent>`` = mean KL(q(z|x) || N(0, I)), all latents / one latent;
 * ``mi`` / ``mi_<latent>``: I_q(x, z) of the joint / of one latent;
@@ -206,6 +213,9 @@ def evaluate_split(model, task, subset: str = "test", k: int = 100, chunk_size: 
     if num_words:
         results["iw_ppl_word"] = perplexity(iw_sum, num_words)
         results["elbo_ppl_word"] = perplexity(elbo_sum, num_words)
+    with_start = num_tokens + num_sentences  # + the start token of every sentence
+    results["ppl_qkvae_units"] = perplexity(iw_sum, with_start)
+    results["ppl_optimus_units"] = perplexity(iw_sum, with_start)
     results["nll"] = -iw_sum / num_sentences
     results["elbo"] = elbo_sum / num_sentences
     results["rec"] = rec_sum / num_sentences
@@ -283,9 +293,16 @@ def estimators(k: int, mi_samples: int, num_sentences: int, per_word: bool = Fal
         "standard_errors": "*_se: std over sentences / sqrt(N)",
         "ppl_unit": "iw_ppl/elbo_ppl: per target token incl. the end token (fairseq's ntokens)"
                     + ("; *_ppl_word: per word = whitespace words of the detokenised target + 1 for the end "
-                       "of the sentence (the LSTM-VAE literature's unit, Optimus Tables 1, 8-11)" if per_word else ""),
+                       "of the sentence (the LSTM-VAE literature's unit, He et al. 2019; not Optimus' tables', "
+                       "see ppl_optimus_units)" if per_word else ""),
         "rec_bleu": f"sacreBLEU corpus BLEU, tokenize={bleu_tokenize!r}, greedy reconstructions from the "
                     "posterior means",
+        "ppl_qkvae_units": f"iw_ppl's bound (k={k}) per token of <s> x </s>: target tokens incl. the end "
+                           "token + 1 start token per sentence, as QKVAE's get_perplexity counts (models.py); "
+                           "compares with QKVAE's tables only on BART's BPE",
+        "ppl_optimus_units": f"iw_ppl's bound (k={k}) per token of <BOS> x <EOS> (Optimus' calc_iwnll "
+                             "report_num_words = GPT-2 length incl. both; its tables' 'per word' unit); "
+                             "compares with Optimus' tables only on GPT-2's BPE (task optimus_lm)",
     }
     return described
 
@@ -296,6 +313,8 @@ DESCRIPTIONS = OrderedDict([
     ("elbo_ppl", "perplexity of the ELBO, exp(-sum ELBO / tokens)"),
     ("iw_ppl_word", "perplexity of the IW bound per word, exp(-sum L_k / words)"),
     ("elbo_ppl_word", "perplexity of the ELBO per word, exp(-sum ELBO / words)"),
+    ("ppl_qkvae_units", "IW perplexity per token incl. start and end (QKVAE's tables' unit)"),
+    ("ppl_optimus_units", "IW perplexity per token incl. BOS and EOS (Optimus' tables' unit)"),
     ("num_words", "words of the evaluated targets (whitespace words + 1 end token each)"),
     ("nll", "-L_k per sentence (nats)"),
     ("elbo", "ELBO per sentence (nats)"),

@@ -182,6 +182,7 @@ class SentenceVAETask(FairseqTask):
                 f"(see user_dir/sentence_vae/base.py); {type(model).__name__} has none"
             )
         self.latent_sizes = OrderedDict(sizes)
+        self.default_kl_variant = getattr(model, "default_kl_variant", None)  # for the criterion
         model.add_module(COUNTER_ATTRIBUTE, UpdateCounter())
         return model
 

@@ -263,9 +263,32 @@ def test_evaluation_reports_per_token_and_per_word_perplexity_of_one_bound(corpu
     assert math.log(results["iw_ppl_word"]) * results["num_words"] == pytest.approx(
         math.log(results["iw_ppl"]) * results["num_tokens"], rel=1e-9)
     assert results["iw_ppl_word_ci95_low"] <= results["iw_ppl_word"] <= results["iw_ppl_word_ci95_high"]
+    # Optimus' tables: GPT-2 tokens of <BOS> x <EOS>, i.e. fairseq's tokens (x </s>) + 1 per sentence
+    assert math.log(results["ppl_optimus_units"]) * (results["num_tokens"] + 20) == pytest.approx(
+        math.log(results["iw_ppl"]) * results["num_tokens"], rel=1e-9)
+    assert "<BOS> x <EOS>" in results["estimators"]["ppl_optimus_units"]
     assert "13a" in results["estimators"]["rec_bleu"] and "per word" in results["estimators"]["ppl_unit"]
     assert 0.0 <= results["rec_bleu"] <= 100.0
     assert 0.0 < results["pc1_share"] == results["pc1_share_z"] <= 1.0 and "principal" in results["estimators"]["pc1_share"]
+
+
+@pytest.mark.parametrize("extra, variant", [((), "hinge"), (("--kl-variant", "free_bits"), "free_bits")])
+def test_defaults_are_the_authors_hinge_and_sentence_average(corpus, extra, variant):
+    """Optimus' code: KL dimensions below lambda masked out (hinge) and the loss averaged over
+    sentences; the paper's eq. 9 (free bits) is one option away."""
+    argv = [str(corpus["data"]), "--user-dir", str(REPO / "user_dir"), "--task", "optimus_lm", "--criterion",
+            "sentence_vae", "--arch", "optimus_small", "--latent-dim", "4", "--kl-threshold", "0.5", *extra]
+    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), argv))
+    task = tasks.setup_task(cfg.task)
+    torch.manual_seed(0)
+    model = task.build_model(cfg.model)
+    criterion = task.build_criterion(cfg.criterion)
+    sample = first_batch(task, size=3)
+    model.eval()
+    with torch.no_grad():
+        _, sample_size, log = criterion(model, sample)
+    assert criterion.kl_variant == variant and criterion.regularizers["z"].variant == variant
+    assert sample_size == 3  # sentences, without --sentence-avg
 
 
 # ------------------------------------------------------------------------ low-resource helpers
