@@ -26,6 +26,14 @@ advae_small       256     4 / 1024     2      2      --            4 x 32
 (``qkvae`` / ``advae`` are the ``*_bart_base`` sizes.) The query decoder of the encoder has
 ``--posterior-layers`` layers (default: ``--decoder-layers``).
 
+``--qkvae-reading authors`` (default of every ``qkvae*`` architecture) builds and trains the model
+of the authors' code (ghazi-f/QKVAE) that produced the paper's tables; ``paper`` the model as the
+paper describes it. What differs is listed in :mod:`.encoder` (the posterior passes) and
+:mod:`.decoder` (word dropout, output Linear); the authors' reading also sets BART's attention
+and activation dropout (0.1), a loss averaged over sentences (``sentence_average_loss``, read by
+the ``sentence_vae`` criterion) and an optimizer state reset when ``--ae-steps`` ends
+(``reset_optimizer_after_ae``, read by the ``sentence_vae`` task). ADVAE is built as the paper reads.
+
 ``--bart-dir DIR`` initialises from a local Hugging Face BART directory (``config.json`` +
 weights, as written by ``save_pretrained``): see :mod:`user_dir.qkvae.bart_init`, which also
 explains how to binarise data with BART's vocabulary. When a checkpoint trained with
