@@ -1,3 +1,4 @@
+import math
 import os
 import random
 import subprocess
@@ -5,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("OMP_NUM_THREADS", "2")
@@ -70,6 +72,28 @@ def pytest_make_collect_report(collector):
     report = outcome.get_result()
     if STRICT_SKIPS and report.skipped:  # a module-level skip or importorskip
         _fail_skip(report, collector.nodeid)
+
+
+BF16_AUTOCAST = dict(device_type="cpu", dtype=torch.bfloat16)
+
+
+def train_under_bf16_autocast(model, loss_fn, steps, lr=3e-3, check_falls=True):
+    """``steps`` Adam updates with ``loss_fn()`` computed under bf16 autocast on the CPU (what
+    ``--amp`` / ``--use_amp`` do on a GPU with fp16); asserts finite losses that fall (unless
+    ``check_falls`` is off: for noisy training losses, check a deterministic one instead), returns them."""
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
+    model.train()
+    losses = []
+    for _ in range(steps):
+        with torch.autocast(**BF16_AUTOCAST):
+            loss = loss_fn()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    assert all(math.isfinite(v) for v in losses), losses
+    assert losses[-1] < losses[0] or not check_falls, losses
+    return losses
 
 
 def venv_bin(name: str) -> str:

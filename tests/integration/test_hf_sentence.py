@@ -23,7 +23,7 @@ from fairseq.logging import metrics as fairseq_metrics
 from scipy.stats import pearsonr, spearmanr
 from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
 
-from conftest import REPO, run_checked, save_tiny_bert, venv_bin
+from conftest import BF16_AUTOCAST, REPO, run_checked, save_tiny_bert, train_under_bf16_autocast, venv_bin
 from user_dir.hf_sentence import metrics as hf_metrics
 from user_dir.hf_sentence.criterion import HFSentencePredictionCriterion, HFSentencePredictionCriterionConfig
 from user_dir.hf_sentence.data import GLUE_TASKS, read_tsv
@@ -432,6 +432,37 @@ def test_mean_pooling_ignores_padding(mrpc, tiny):
         hidden, mask = mean.encode(net)
     expected = torch.stack([hidden[b, ~mask[b]].mean(0) for b in range(4)])
     assert torch.allclose(mean.pool(hidden, net), expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_every_trained_parameter_gets_a_gradient_for_ddp(mrpc, tiny, pooling):
+    """fairseq's GPU DDP runs with find_unused_parameters off: every parameter that trains must
+    receive a gradient from the criterion's loss (a parameter left out would hang or fail DDP)."""
+    model = make_model(mrpc, "--pooling", pooling, tiny_dir=tiny).train()
+    dataset = mrpc.datasets["valid"]
+    sample = dataset.collater([dataset[i] for i in range(8)])
+    loss, _, _ = make_criterion(mrpc)(model, sample)
+    loss.backward()
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert not missing, missing
+
+
+def test_trains_and_predicts_under_bf16_autocast(mrpc, tiny):
+    """Mixed precision (bf16 autocast on the CPU) through the criterion: finite, falling losses."""
+    model = make_model(mrpc, tiny_dir=tiny)
+    criterion = make_criterion(mrpc)
+    dataset = mrpc.datasets["valid"]
+    sample = dataset.collater([dataset[i] for i in range(8)])
+
+    def loss_fn():
+        loss, sample_size, _ = criterion(model, sample)
+        return loss / sample_size
+
+    train_under_bf16_autocast(model, loss_fn, steps=6)
+    model.eval()
+    with torch.autocast(**BF16_AUTOCAST), torch.no_grad():
+        logits, _ = model(**sample["net_input"])
+    assert torch.isfinite(logits.float()).all()
 
 
 def test_criterion_extra_losses_nan_check_and_metric_choice(mrpc, tiny):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from fairseq import checkpoint_utils
 
-from conftest import REPO, run_checked, save_tiny_bert, venv_bin
+from conftest import BF16_AUTOCAST, REPO, run_checked, save_tiny_bert, train_under_bf16_autocast, venv_bin
 from user_dir.hf_sentence.task import HFSentencePredictionConfig, HFSentencePredictionTask
 from user_dir.tpr.head import AGGREGATIONS, Aggregation, TPRLayer, bind, check_orthogonality, role_orthogonality
 from user_dir.tpr.head import warn_unreachable_orthogonality
@@ -192,6 +192,26 @@ def test_forward_backward_every_trainable_parameter_gets_a_gradient(task, tiny, 
     loss.backward()
     missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
     assert not missing, missing
+
+
+@pytest.mark.parametrize("arch", ["tpr_classifier", "bert_lstm_classifier"])
+def test_trains_and_predicts_under_bf16_autocast(task, tiny, arch):
+    """Mixed precision (bf16 autocast on the CPU): cross-entropy + the role-orthogonality
+    regulariser stay finite and fall; prediction gives finite logits."""
+    cls = BertLSTMClassifier if arch == "bert_lstm_classifier" else TPRClassifier
+    model = make_model(task, tiny, cls=cls, arch=arch)
+    sample = batch(task, range(8), "train")
+
+    def loss_fn():
+        logits, extra = model(**sample["net_input"])
+        loss = torch.nn.functional.cross_entropy(logits.float(), sample["target"])
+        return loss + sum(v.float() for v in extra.get("losses", {}).values())
+
+    train_under_bf16_autocast(model, loss_fn, steps=6)
+    model.eval()
+    with torch.autocast(**BF16_AUTOCAST), torch.no_grad():
+        logits, _ = model(**batch(task, range(4))["net_input"])
+    assert torch.isfinite(logits.float()).all()
 
 
 def test_footnote_5_extra_layer_is_on_for_the_papers_architecture_only(task, tiny):

@@ -8,6 +8,7 @@ import pytest
 import torch
 from fairseq.sequence_generator import SequenceGenerator
 
+from conftest import BF16_AUTOCAST, train_under_bf16_autocast
 from test_bert_fused import bert_dir  # noqa: F401 (fixture)
 from test_bert_fused import batch as bert_batch
 from test_bert_fused import build as bert_build
@@ -16,23 +17,6 @@ from test_optimus import make_batch
 from test_qkvae import batch as vae_batch
 from test_qkvae import build as vae_build
 from test_sdma_fairseq import batch, build, criterion_sample
-
-AUTOCAST = dict(device_type="cpu", dtype=torch.bfloat16)
-def train_under_autocast(model, loss_fn, steps, lr=3e-3):
-    """``steps`` Adam updates with ``loss_fn()`` computed under bf16 autocast; the losses."""
-    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
-    model.train()
-    losses = []
-    for _ in range(steps):
-        with torch.autocast(**AUTOCAST):
-            loss = loss_fn()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss))
-    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
-    return losses
-
 
 def criterion_loss(criterion, model, sample):
     def loss_fn():
@@ -68,13 +52,13 @@ def test_sdma_transformer_trains_and_decodes_under_bf16_autocast(tmp_path, mode)
         core = model.encoder.layers[0].self_attn.sdma
         original = core.record
         core.record = lambda *a, **k: (recorded.append(a[0].dtype), original(*a, **k))[1]
-    train_under_autocast(model, criterion_loss(criterion, model, sample), steps=6)
+    train_under_bf16_autocast(model, criterion_loss(criterion, model, sample), steps=6)
     assert len(recorded) == 6 * mode.startswith("sdma")
     assert all(dtype == torch.float32 for dtype in recorded)  # log p(c, z) in fp32 under autocast
     model.eval()
     src, lengths, _ = batch(task)
     generator = SequenceGenerator([model], task.target_dictionary, beam_size=2, max_len_b=5)
-    with torch.autocast(**AUTOCAST), torch.no_grad():
+    with torch.autocast(**BF16_AUTOCAST), torch.no_grad():
         hypos = generator.forward({"net_input": {"src_tokens": src, "src_lengths": lengths}})
     assert all(math.isfinite(float(h[0]["score"])) for h in hypos)
 
@@ -82,7 +66,7 @@ def test_sdma_transformer_trains_and_decodes_under_bf16_autocast(tmp_path, mode)
 @pytest.mark.parametrize("kind", ["qkvae", "advae"])
 def test_sentence_vaes_train_under_bf16_autocast(kind):
     model, d = vae_build(kind, word_dropout=0.0)
-    train_under_autocast(model, vae_loss(model, *vae_batch(d), d.pad()), steps=8)
+    train_under_bf16_autocast(model, vae_loss(model, *vae_batch(d), d.pad()), steps=8)
 
 
 @pytest.mark.parametrize("fusion", ["embed", "attention"])
@@ -90,10 +74,10 @@ def test_bert_fused_transformer_trains_under_bf16_autocast(tmp_path, bert_dir, f
     model, task, args = bert_build(tmp_path, bert_dir, "--bert-fusion", fusion)
     model.set_num_updates(2000)
     sample = criterion_sample(task, *bert_batch(task))
-    train_under_autocast(model, criterion_loss(task.build_criterion(args), model, sample), steps=6)
+    train_under_bf16_autocast(model, criterion_loss(task.build_criterion(args), model, sample), steps=6)
 
 
 def test_optimus_trains_under_bf16_autocast():
     model = optimus_build()
-    train_under_autocast(model, vae_loss(model, *make_batch(model.decoder.dictionary), model.decoder.padding_idx),
+    train_under_bf16_autocast(model, vae_loss(model, *make_batch(model.decoder.dictionary), model.decoder.padding_idx),
                          steps=8, lr=1e-3)
