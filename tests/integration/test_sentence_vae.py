@@ -255,6 +255,37 @@ def test_optimizer_state_is_reset_when_the_ae_phase_ends(corpus):
     assert optimizer.optimizer.state  # kept
 
 
+TINY_TRANSFORMER = ("--encoder-embed-dim", "32", "--decoder-embed-dim", "32", "--encoder-ffn-embed-dim", "64",
+                    "--decoder-ffn-embed-dim", "64", "--encoder-attention-heads", "2", "--decoder-attention-heads", "2")
+DDP_MODELS = {
+    "qkvae-authors": ("--arch", "qkvae_small", "--qkvae-reading", "authors", "--syn-latent-dim", "8",
+                      "--slot-latent-dim", "4", *TINY_TRANSFORMER),
+    "qkvae-paper": ("--arch", "qkvae_small", "--qkvae-reading", "paper", "--syn-latent-dim", "8",
+                    "--slot-latent-dim", "4", *TINY_TRANSFORMER),
+    "advae": ("--arch", "advae_small", "--slot-latent-dim", "4", *TINY_TRANSFORMER),
+    "optimus": ("--arch", "optimus_small", "--latent-dim", "8", "--encoder-embed-dim", "32", "--decoder-embed-dim",
+                "32", "--encoder-attention-heads", "2", "--decoder-attention-heads", "2", "--encoder-ffn-embed-dim",
+                "64", "--decoder-ffn-embed-dim", "64"),
+}
+
+
+@pytest.mark.parametrize("num_updates", [10, 75, 400])  # auto-encoding (beta 0), annealing, constant
+@pytest.mark.parametrize("name", sorted(DDP_MODELS))
+def test_every_trained_parameter_gets_a_gradient_for_ddp(corpus, name, num_updates):
+    """fairseq's GPU DDP runs with find_unused_parameters off: in every phase of the beta schedule
+    (KL switched off, annealed, constant) every trained parameter gets a gradient from the loss."""
+    task, model, criterion, _ = build(corpus / "bin", "--beta-schedule", "linear:50:100:0.6", "--ae-steps", "50",
+                                      arch_args=DDP_MODELS[name])
+    model.set_num_updates(num_updates)
+    model.train()
+    loss, _, log = criterion(model, first_batch(task, "train", size=6))
+    betas = [float(log[k]) for k in log if k.startswith("beta_")]
+    assert betas and all((beta == 0.0) == (num_updates < 50) for beta in betas)
+    loss.backward()
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert not missing, missing
+
+
 def reduced(logging_outputs):
     with metrics.aggregate(new_root=True) as agg:
         SentenceVAECriterion.reduce_metrics(logging_outputs)
