@@ -421,3 +421,17 @@ def test_model_forward_backward_under_bf16_autocast():
     loss.sum().backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("num_updates", [0, 5000])
+@pytest.mark.parametrize("reading", ["authors", "paper"])
+def test_every_trained_parameter_gets_a_gradient_for_ddp(reading, num_updates):
+    """ESPnet's DDP runs with find_unused_parameters off (``--unused_parameters false``): every
+    parameter of the model gets a gradient, before and after the mixing weight has grown."""
+    torch.manual_seed(0)
+    model = SDMAASRTask.build_model(tiny_args_read(reading))
+    model.set_num_updates(num_updates)
+    loss, _, _ = model(*tiny_batch())
+    loss.sum().backward()
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert not missing, missing
