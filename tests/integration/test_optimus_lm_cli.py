@@ -91,7 +91,7 @@ def test_lambda_sweep_fine_tunes_from_the_checkpoint_evaluates_and_resumes(train
     table = json.loads((out / "lambda_sweep.json").read_text())
     assert set(table) == {"0", "0.5"}
     for key, entry in table.items():
-        assert {"iw_ppl", "elbo_ppl", "kl", "mi", "au"} <= set(entry)
+        assert {"iw_ppl", "iw_ppl_word", "elbo_ppl_word", "iw_ppl_token", "kl", "mi", "au"} <= set(entry)
         assert entry["updates"] == 2  # ceil(0.1 x 300 train sentences / 16)
         # iw_ppl in Optimus' unit counts <BOS> too: one unit more per sentence than fairseq's tokens
         assert entry["iw_ppl_token"] > entry["iw_ppl"] > 1 and entry["iw_ppl_word"] > entry["iw_ppl_token"]
