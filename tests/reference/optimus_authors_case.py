@@ -13,14 +13,17 @@ handles by swapping two rows of the embedding table, see there).
 """
 
 import argparse
-from typing import Dict, List
+from typing import Dict
 
 import torch
-from fairseq.data import Dictionary, data_utils
+from fairseq.data import Dictionary
 from fairseq.models import ARCH_CONFIG_REGISTRY
 
 import user_dir  # noqa: F401  (registers the architectures)
 from latent_core.vae import DiagonalGaussian, KLRegularizer
+from tests.reference.sentence_vae_case import (
+    as_floats, fill_parameters, gradient_probes, sentence_log_likelihood, token_batch, word_dictionary,
+)
 from user_dir.optimus import OptimusModel
 
 WORDS = "the a cat dog sat ran on under mat rug big small".split()
@@ -51,10 +54,7 @@ GRADIENT_PARAMETERS = (
 
 
 def dictionary() -> Dictionary:
-    d = Dictionary()
-    for word in WORDS:
-        d.add_symbol(word)
-    return d
+    return word_dictionary(WORDS)
 
 
 def build_model(d: Dictionary) -> OptimusModel:
@@ -69,36 +69,22 @@ def build_model(d: Dictionary) -> OptimusModel:
     ARCH_CONFIG_REGISTRY["optimus"](args)
     task = argparse.Namespace(source_dictionary=d, target_dictionary=d)
     model = OptimusModel.build_model(args, task).double().eval()
-    g = torch.Generator().manual_seed(17)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            noise = torch.randn(param.shape, generator=g, dtype=torch.float64)
-            if "LayerNorm" in name or ".ln_" in name:
-                param.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * noise)
-            elif name == "encoder.posterior.weight":
-                param.copy_(POSTERIOR_SCALE * noise)
-            else:
-                param.copy_(0.3 * noise)
+    fill_parameters(model, 17, lambda name: "LayerNorm" in name or ".ln_" in name,
+                    lambda name: POSTERIOR_SCALE if name == "encoder.posterior.weight" else 0.3)
     return model
 
 
 def inputs(d: Dictionary) -> Dict[str, torch.Tensor]:
-    """src = sentence + EOS, prev = EOS + sentence, target = sentence + EOS, and the noise eps."""
-    lines = [d.encode_line(s, add_if_not_exist=False).long() for s in SENTENCES]
-    src = data_utils.collate_tokens(lines, d.pad(), d.eos())
-    prev = data_utils.collate_tokens(lines, d.pad(), d.eos(), move_eos_to_beginning=True)
+    """The token batch (:func:`token_batch`) and the noise eps."""
+    data = token_batch(d, SENTENCES)
     g = torch.Generator().manual_seed(5)
-    eps = torch.randn(len(lines), LATENT, generator=g, dtype=torch.float64)
-    return {"src": src, "lengths": torch.tensor([t.numel() for t in lines]), "prev": prev, "target": src,
-            "eps": eps}
+    data["eps"] = torch.randn(len(SENTENCES), LATENT, generator=g, dtype=torch.float64)
+    return data
 
 
 def probes(model) -> Dict[str, torch.Tensor]:
     """The fixed random tensors the gradients are dotted with."""
-    g = torch.Generator().manual_seed(13)
-    params = dict(model.named_parameters())
-    return {name: torch.randn(params[name].shape, generator=g, dtype=torch.float64)
-            for name in GRADIENT_PARAMETERS}
+    return gradient_probes(model, GRADIENT_PARAMETERS)
 
 
 def authors_objective(log_px_given_z: torch.Tensor, mean: torch.Tensor, logvar: torch.Tensor,
@@ -120,8 +106,7 @@ def posterior_and_likelihood(model, data):
     mean, logvar = means["z"], logvars["z"]
     z = mean + torch.exp(0.5 * logvar) * data["eps"]
     logits = model(data["src"], data["lengths"], data["prev"], latents={"z": z})[0]
-    lprobs = torch.log_softmax(logits, dim=-1)
-    log_px = lprobs.gather(-1, data["target"].unsqueeze(-1)).squeeze(-1).sum(-1)
+    log_px = sentence_log_likelihood(logits, data["target"])
     return mean, logvar, z, log_px
 
 
@@ -139,9 +124,7 @@ def run_ours(model, d: Dictionary, variant: str = "hinge") -> Dict:
 
 
 def summary(mean, logvar, log_px, kl, loss, gradients, probe) -> Dict:
-    def values(t) -> List[float]:
-        return [float(v) for v in t.detach().reshape(-1)]
-
+    values = as_floats
     return {
         "mu": values(mean), "logvar": values(logvar), "log_px_given_z": values(log_px),
         "kl_hinge": values(kl), "loss": float(loss.detach()),

@@ -9,14 +9,17 @@ attention mask, so only unpadded batches compare (padding is masked here, a deli
 """
 
 import argparse
-from typing import Dict, List
+from typing import Dict
 
 import torch
-from fairseq.data import Dictionary, data_utils
+from fairseq.data import Dictionary
 from fairseq.models import ARCH_CONFIG_REGISTRY
 
 import user_dir  # noqa: F401  (registers the architectures)
 from latent_core.vae import DiagonalGaussian, KLRegularizer
+from tests.reference.sentence_vae_case import (
+    as_floats, fill_parameters, gradient_probes, sentence_log_likelihood, token_batch, word_dictionary,
+)
 from user_dir.qkvae import QKVAEModel
 
 WORDS = "the a cat dog sat ran on under mat rug big small quickly slowly".split()
@@ -46,10 +49,7 @@ GRADIENT_PARAMETERS = (
 
 
 def dictionary() -> Dictionary:
-    d = Dictionary()
-    for word in WORDS:
-        d.add_symbol(word)
-    return d
+    return word_dictionary(WORDS)
 
 
 def build_model(d: Dictionary, reading: str = "authors") -> QKVAEModel:
@@ -64,35 +64,22 @@ def build_model(d: Dictionary, reading: str = "authors") -> QKVAEModel:
     ARCH_CONFIG_REGISTRY["qkvae_small"](args)
     task = argparse.Namespace(source_dictionary=d, target_dictionary=d)
     model = QKVAEModel.build_model(args, task).double().eval()
-    g = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            noise = torch.randn(param.shape, generator=g, dtype=torch.float64)
-            if "layer_norm" in name or "layernorm" in name:
-                param.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * noise)
-            else:
-                param.copy_(0.3 * noise)
+    fill_parameters(model, 11, lambda name: "layer_norm" in name or "layernorm" in name)
     return model
 
 
 def inputs(d: Dictionary) -> Dict[str, torch.Tensor]:
-    """src = sentence + EOS, prev = EOS + sentence, target = sentence + EOS, and the noise."""
-    lines = [d.encode_line(s, add_if_not_exist=False).long() for s in SENTENCES]
-    src = data_utils.collate_tokens(lines, d.pad(), d.eos())
-    prev = data_utils.collate_tokens(lines, d.pad(), d.eos(), move_eos_to_beginning=True)
+    """The token batch (:func:`token_batch`) and the noise of each latent."""
+    data = token_batch(d, SENTENCES)
     g = torch.Generator().manual_seed(5)
-    eps = {name: torch.randn(len(lines), size, generator=g, dtype=torch.float64)
-           for name, size in (("z_syn", SYN_DIM), ("z_sem", SLOTS * SLOT_DIM))}
-    return {"src": src, "lengths": torch.tensor([t.numel() for t in lines]), "prev": prev, "target": src,
-            "eps": eps}
+    data["eps"] = {name: torch.randn(len(SENTENCES), size, generator=g, dtype=torch.float64)
+                   for name, size in (("z_syn", SYN_DIM), ("z_sem", SLOTS * SLOT_DIM))}
+    return data
 
 
 def probes(model) -> Dict[str, torch.Tensor]:
-    """The fixed random tensors the gradients are dotted with."""
-    g = torch.Generator().manual_seed(13)
-    params = dict(model.named_parameters())
-    return {name: torch.randn(params[name].shape, generator=g, dtype=torch.float64)
-            for name in GRADIENT_PARAMETERS if name in params}  # the paper's reading lacks some
+    """The fixed random tensors the gradients are dotted with (the paper's reading lacks some)."""
+    return gradient_probes(model, GRADIENT_PARAMETERS)
 
 
 def authors_objective(log_px_given_z: torch.Tensor, means: Dict, sigmas: Dict) -> Dict[str, torch.Tensor]:
@@ -119,9 +106,7 @@ def run_ours(model, d: Dictionary) -> Dict:
     sigmas = {name: torch.exp(0.5 * logvars[name]) for name in means}
     z = {name: means[name] + sigmas[name] * data["eps"][name] for name in means}
     encoder_out = model.encoder(data["src"], data["lengths"], latents=z)
-    logits = model.decoder(data["prev"], encoder_out)[0]
-    lprobs = torch.log_softmax(logits, dim=-1)
-    log_px = lprobs.gather(-1, data["target"].unsqueeze(-1)).squeeze(-1).sum(-1)
+    log_px = sentence_log_likelihood(model.decoder(data["prev"], encoder_out)[0], data["target"])
     objective = authors_objective(log_px, means, sigmas)
     objective["loss"].backward()
     params = dict(model.named_parameters())
@@ -130,9 +115,7 @@ def run_ours(model, d: Dictionary) -> Dict:
 
 
 def summary(means, sigmas, log_px, objective, gradients, probe) -> Dict:
-    def values(t) -> List[float]:
-        return [float(v) for v in t.detach().reshape(-1)]
-
+    values = as_floats
     return {
         "mu_z_syn": values(means["z_syn"]), "mu_z_sem": values(means["z_sem"]),
         "sigma_z_syn": values(sigmas["z_syn"]), "sigma_z_sem": values(sigmas["z_sem"]),

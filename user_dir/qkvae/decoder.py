@@ -194,7 +194,7 @@ class LatentConditionedDecoder(TransformerDecoderBase):
 
     def layer_memories(self, latents: Dict[str, Tensor]) -> List[object]:
         """One memory per layer (what its cross-attention reads), from ``{name: [B, D]}``."""
-        raise NotImplementedError
+        raise NotImplementedError  # abstract
 
     def forward(self, prev_output_tokens: Tensor, encoder_out=None,
                 incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,

@@ -213,9 +213,8 @@ def evaluate_split(model, task, subset: str = "test", k: int = 100, chunk_size: 
     if num_words:
         results["iw_ppl_word"] = perplexity(iw_sum, num_words)
         results["elbo_ppl_word"] = perplexity(elbo_sum, num_words)
-    with_start = num_tokens + num_sentences  # + the start token of every sentence
-    results["ppl_qkvae_units"] = perplexity(iw_sum, with_start)
-    results["ppl_optimus_units"] = perplexity(iw_sum, with_start)
+    # both papers count the start token of every sentence too: one value, each paper's name
+    results["ppl_qkvae_units"] = results["ppl_optimus_units"] = perplexity(iw_sum, num_tokens + num_sentences)
     results["nll"] = -iw_sum / num_sentences
     results["elbo"] = elbo_sum / num_sentences
     results["rec"] = rec_sum / num_sentences

@@ -16,19 +16,12 @@ import pytest
 import torch
 
 from latent_core.vae import DiagonalGaussian
+from tests.reference.sentence_vae_case import ATOL, RTOL, close
 from tests.reference.optimus_authors_case import (
     BETA, LATENT, THRESHOLD, build_model, dictionary, inputs, posterior_and_likelihood, run_ours,
 )
 from tests.reference.optimus_authors_reference import AUTHORS_REFERENCE
 from user_dir.sentence_vae.criterion import SentenceVAECriterion, SentenceVAECriterionConfig
-
-RTOL, ATOL = 1e-5, 1e-5
-
-
-def _close(ours, theirs):
-    return torch.allclose(torch.tensor(ours, dtype=torch.float64), torch.tensor(theirs, dtype=torch.float64),
-                          rtol=RTOL, atol=ATOL)
-
 
 @pytest.fixture(scope="module")
 def d():
@@ -42,7 +35,7 @@ def ours(d):
 
 @pytest.mark.parametrize("key", ["mu", "logvar", "log_px_given_z", "kl_hinge", "loss"])
 def test_reproduces_their_posterior_likelihood_hinge_and_loss(ours, key):
-    assert _close(ours[key], AUTHORS_REFERENCE[key]), key
+    assert close(ours[key], AUTHORS_REFERENCE[key]), key
 
 
 def test_reproduces_their_gradients(ours):
@@ -60,7 +53,7 @@ def test_the_case_exercises_both_sides_of_the_hinge():
     above = kl > THRESHOLD
     assert 0 < int(above.sum()) < kl.numel()
     assert float((kl - THRESHOLD).abs().min()) > 1e-2
-    assert _close((kl * above).sum(-1).tolist(), AUTHORS_REFERENCE["kl_hinge"])
+    assert close((kl * above).sum(-1).tolist(), AUTHORS_REFERENCE["kl_hinge"])
     assert bool((kl.sum(-1) > torch.tensor(AUTHORS_REFERENCE["kl_hinge"]) + 0.1).all())
 
 
@@ -68,7 +61,7 @@ def test_free_bits_is_not_what_they_compute(d):
     """The paper's eq. 9 (max(lambda, KL_d)) on the same posteriors: the masked dimensions count
     lambda each instead of 0, and the comparison catches it."""
     free_bits = run_ours(build_model(d), d, variant="free_bits")
-    assert _close(free_bits["mu"], AUTHORS_REFERENCE["mu"])
+    assert close(free_bits["mu"], AUTHORS_REFERENCE["mu"])
     assert abs(free_bits["loss"] - AUTHORS_REFERENCE["loss"]) > 1e-3
 
 

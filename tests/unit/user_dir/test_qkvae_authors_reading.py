@@ -10,16 +10,9 @@ features before the output embedding (relative effect <= 1e-6).
 import pytest
 import torch
 
+from tests.reference.sentence_vae_case import ATOL, RTOL, close
 from tests.reference.qkvae_authors_case import build_model, dictionary, run_ours
 from tests.reference.qkvae_authors_reference import AUTHORS_REFERENCE
-
-RTOL, ATOL = 1e-5, 1e-5
-
-
-def _close(ours, theirs):
-    return torch.allclose(torch.tensor(ours, dtype=torch.float64), torch.tensor(theirs, dtype=torch.float64),
-                          rtol=RTOL, atol=ATOL)
-
 
 @pytest.fixture(scope="module")
 def results():
@@ -30,7 +23,7 @@ def results():
 @pytest.mark.parametrize("key", ["mu_z_syn", "mu_z_sem", "sigma_z_syn", "sigma_z_sem", "log_px_given_z",
                                  "kl_z_syn", "kl_z_sem", "loss"])
 def test_authors_reading_reproduces_their_posteriors_likelihood_and_loss(results, key):
-    assert _close(results["authors"][key], AUTHORS_REFERENCE[key]), key
+    assert close(results["authors"][key], AUTHORS_REFERENCE[key]), key
 
 
 def test_authors_reading_reproduces_their_gradients(results):
