@@ -22,7 +22,7 @@ DIR=.gpu-offline
 PURE="Unidecode antlr4-python3-runtime ci-sdr defusedxml espnet espnet-g2p-en espnet_tts_frontend fast-bss-eval
 humanfriendly hydra-core inflect jaconv jamo jaraco.functools kaldiio librosa more-itertools nltk omegaconf
 soundfile tensorboardX torch-complex typeguard audioread pooch decorator platformdirs pycparser ConfigArgParse"
-BINARY="fairseq-fixed bitarray soxr cffi"
+BINARY="fairseq-fixed bitarray soxr cffi editdistance"
 
 pinned() {  # NAME==VERSION from constraints.txt, or NAME
   local pattern
