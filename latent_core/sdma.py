@@ -297,6 +297,16 @@ class GaussianMixture(nn.Module):
         out = out.view(-1, self.num_clusters, self.groups).transpose(0, 1).contiguous()
         return out.view(self.num_clusters, *lead, self.groups).movedim(0, -1)
 
+    def log_joint_direct(self, z: Tensor) -> Tensor:
+        """:meth:`log_joint` written as eq. (9) reads, ``[..., G, d] -> [..., G, C]``: a
+        ``[..., G, C, d]`` difference per cluster instead of two matrix products. Slow and
+        memory-hungry; the reference the fast path is tested against."""
+        log_vars = self.log_vars.float().clamp(*_LOGVAR_RANGE)
+        z = z.to(torch.promote_types(z.dtype, torch.float32))
+        squared = ((z.unsqueeze(-2) - self.means) ** 2 / log_vars.exp()).sum(-1)  # (z - mu_c)^T Sigma_c^-1 (z - mu_c)
+        log_normal = -0.5 * (squared + log_vars.sum(-1) + self.dim * _LOG_2PI)  # log N(z | mu_c, Sigma_c)
+        return log_normal + self.log_prior()  # + log pi_c
+
     def inference_terms(self, dtype: torch.dtype = torch.float32) -> Tuple[Tensor, Tensor, Tensor]:
         """The expanded log-density of the CURRENT parameters, ``([G*d, C*G], [G*d, C*G], [C*G])``."""
         with torch.no_grad():
@@ -575,12 +585,6 @@ def authors_semantic_mask(resp_query: Tensor, resp_key: Tensor, allowed: Optiona
     return product / product.sum(-1, keepdim=True).clamp_min(AUTHORS_EPS)
 
 
-def semantic_log_mask(resp_query: Tensor, resp_key: Tensor, heads: Optional[int] = None) -> Tensor:
-    """log M of eq. (10) up to its row normaliser (the additive form of the mask, for fused
-    attention kernels): ``log`` of :func:`semantic_mask_product`."""
-    return torch.log(semantic_mask_product(resp_query, resp_key, heads))
-
-
 def semantic_mask(resp_query: Tensor, resp_key: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tensor:
     """M of eq. (10), normalised over (non-padding) keys; for analysis and figures."""
     m = torch.bmm(resp_query, resp_key.transpose(1, 2))
@@ -605,6 +609,17 @@ def mix_attention(scores: Tensor, mask: Optional[Tensor], mix: Tensor, norm_floo
     # g is a schedule (the SDMACore buffer), never trained: no gradient flows to it; a copy, so that
     # advancing the schedule before backward (the authors' ESPnet counter) leaves the graph intact
     return _MixedAttention.apply(scores, mask.to(scores.dtype), mix.detach().to(scores.dtype, copy=True), norm_floor)
+
+
+def mix_attention_direct(scores: Tensor, mask: Optional[Tensor], mix: Tensor, norm_floor: float = 0.0) -> Tensor:
+    """:func:`mix_attention` written as eq. (1), (2), (11) read, for autograd to differentiate
+    (it keeps A, M o A and A_bar for backward); the reference the fast path is tested against."""
+    attn = torch.softmax(scores, dim=-1)  # A (eq. 1)
+    if mask is None:
+        return attn
+    masked = attn * mask  # M o A
+    attn_bar = masked / masked.sum(-1, keepdim=True).clamp_min(norm_floor)  # A_bar (eq. 2)
+    return (1 - mix) * attn + mix * attn_bar  # A_hat (eq. 11)
 
 
 class _MixedAttention(torch.autograd.Function):

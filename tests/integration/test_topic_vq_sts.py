@@ -116,6 +116,15 @@ def test_stages_train_exactly_their_parts_and_the_codebook_is_phi(task, tiny):
         assert all(g is not None and g.abs().sum() > 0 for g in grads) if ntm_grad else all(g is None for g in grads)
         assert all(p.grad is not None for p in model.vqvae.parameters() if p.requires_grad)
 
+    # eq. (6): the joint stage's objective is L_VQ + gamma L_NTM, the NTM loss of both sentences
+    half = make_model(task, tiny, "--topic-vq-stage", "vqvae", "--ntm-gamma", "0.5").eval()
+    with torch.no_grad():
+        _, extra = half(**sample["net_input"])
+        ntm_loss = sum(half.ntm(sample["net_input"][f"bow_{s}"]).loss for s in (1, 2))
+        vq_loss = sum(half.quantised(sample["net_input"][f"words_{s}"], sample["net_input"][f"bow_{s}"])[0].loss
+                      for s in (1, 2))
+    assert torch.allclose(extra["losses"]["ntm"], 0.5 * ntm_loss) and torch.allclose(extra["losses"]["vq"], vq_loss)
+
     # stage sts: every trainable parameter gets a gradient (DDP needs no unused parameters)
     sts.train()
     logits, _ = sts(**sample["net_input"])

@@ -255,10 +255,7 @@ class TopicVQSTSModel(HFSentenceClassifier):
             hidden, padding_mask = self.encode(net_input)
         pooled = self.pool(hidden, net_input)
         if self.enhancement is not None:
-            in_pair = net_input["piece_sentence"].ge(0)
-            enhanced = self.enhancement.features(z).to(hidden.dtype)  # LayerNorm(Linear(Z)) [B, T, E']
-            keep = in_pair.unsqueeze(-1).to(enhanced.dtype)
-            pooled = torch.cat([pooled, (enhanced * keep).sum(1) / keep.sum(1).clamp_min(1.0)], dim=-1)
+            pooled = self.enhancement(pooled, z, net_input["piece_sentence"].ge(0))
         return self.classify(pooled), {"pooled": pooled, "hidden_states": hidden, "padding_mask": padding_mask}
 
     def _vqvae_losses(self, net_input: Dict[str, Tensor], sentences) -> Tuple[Dict[str, Tensor], Dict[str, Tensor]]:

@@ -24,9 +24,10 @@ Hugging Face ``transformers`` models (BERT, RoBERTa, ELECTRA, XLM-R: any model w
   (``with context.use(bias): model(...)``). Padding keys stay masked whatever the bias.
   Works with ``attn_implementation`` 'eager' and 'sdpa' (same results); others (flash
   attention, flex attention) cannot take a dense score bias and are refused;
-* :class:`OutputEnhancement`: [h^l ; LayerNorm(Linear(Z_i^q (+) Z_j^q))] (Section 3.3, end),
-  ``[B, T, H + E']``, before the prediction layer. Pool it over the non-pad pieces (the
-  special tokens carry a constant enhancement, so a [CLS]-only read-out would not see it).
+* :class:`OutputEnhancement`: [h^l ; LayerNorm(Linear(Z_i^q (+) Z_j^q))] (Section 3.3, end)
+  before the prediction layer, pooled: the pooled h^l ``[B, H]`` joined with the mean of the
+  enhancement over the pair's pieces (the special tokens carry no code, so a [CLS]-only
+  read-out would not see it) -> ``[B, H + E']``.
 
 Layers are chosen by ``--semantic-attention-layers`` (:func:`parse_semantic_attention_layers`):
 'last' (the paper's best, Figure 5), 'all', 'none', or comma-separated indices. With 'none'
@@ -120,9 +121,10 @@ class SemanticScores(nn.Module):
 
 
 class OutputEnhancement(nn.Module):
-    """[h^l ; LayerNorm(Linear(Z_i^q (+) Z_j^q))] (Section 3.3): ``[B, T, H]``, ``[B, T, E]``
-    -> ``[B, T, H + out_dim]`` (``out_dim`` defaults to E; the paper's (n+1)E has E' = the
-    head size, 64 like E)."""
+    """[h^l ; LayerNorm(Linear(Z_i^q (+) Z_j^q))] (Section 3.3), pooled: the pooled backbone
+    output ``[B, H]`` joined with the mean of LayerNorm(Linear(Z)) over the pair's pieces ->
+    ``[B, H + out_dim]`` (``out_dim`` defaults to E; the paper's (n+1)E has E' = the head
+    size, 64 like E). The special tokens carry no code, so they are left out of the mean."""
 
     def __init__(self, code_dim: int, out_dim: Optional[int] = None):
         super().__init__()
@@ -134,19 +136,18 @@ class OutputEnhancement(nn.Module):
         self.proj = nn.Linear(code_dim, out_dim)
         self.norm = nn.LayerNorm(out_dim)
 
-    def features(self, z: Tensor) -> Tensor:
-        """The concatenated part alone: LayerNorm(Linear(z)) ``[B, T, E] -> [B, T, out_dim]``."""
-        if z.dim() != 3 or z.size(-1) != self.code_dim:
-            raise ValueError(f"z must be [B, T, {self.code_dim}], got {tuple(z.shape)}")
-        return self.norm(self.proj(z))
-
-    def forward(self, hidden: Tensor, z: Tensor) -> Tensor:
-        if hidden.dim() != 3 or z.dim() != 3 or hidden.shape[:2] != z.shape[:2] or z.size(-1) != self.code_dim:
+    def forward(self, pooled: Tensor, z: Tensor, in_pair: Tensor) -> Tensor:
+        """``pooled`` ``[B, H]``, ``z`` ``[B, T, E]`` (:func:`align_to_pieces`), ``in_pair``
+        ``[B, T]`` (True on the pieces of the two sentences) -> ``[B, H + out_dim]``."""
+        if (pooled.dim() != 2 or z.dim() != 3 or z.size(-1) != self.code_dim or in_pair.shape != z.shape[:2]
+                or pooled.size(0) != z.size(0)):
             raise ValueError(
-                f"hidden must be [B, T, H] and z [B, T, {self.code_dim}] with the same B, T; got "
-                f"{tuple(hidden.shape)} and {tuple(z.shape)}"
+                f"pooled must be [B, H], z [B, T, {self.code_dim}] and in_pair [B, T] with the same B, T; got "
+                f"{tuple(pooled.shape)}, {tuple(z.shape)} and {tuple(in_pair.shape)}"
             )
-        return torch.cat([hidden, self.features(z).to(hidden.dtype)], dim=-1)
+        enhanced = self.norm(self.proj(z)).to(pooled.dtype)  # LayerNorm(Linear(Z)) [B, T, E']
+        keep = in_pair.unsqueeze(-1).to(enhanced.dtype)
+        return torch.cat([pooled, (enhanced * keep).sum(1) / keep.sum(1).clamp_min(1.0)], dim=-1)
 
 
 class SemanticAttentionContext:

@@ -273,10 +273,3 @@ class TopicVQVAE(nn.Module):
         loss = rec_loss + codebook_loss + self.commitment * commitment_loss  # eq. (1)
         return VQOutput(z_e, z_q_st, codes, logits, rec_loss, codebook_loss, commitment_loss, loss,
                         code_perplexity(codes.detach(), self.num_codes))
-
-
-def joint_loss(vq_loss: Tensor, ntm_loss: Tensor, gamma: float = 1.0) -> Tensor:
-    """L = L_VQ + gamma L_NTM (eq. 6; gamma = 1, Section 4.3). ``gamma`` must be finite, >= 0."""
-    if not (isinstance(gamma, (int, float)) and math.isfinite(gamma) and gamma >= 0):
-        raise ValueError(f"gamma={gamma!r} (eq. 6, the weight of L_NTM) must be a finite number >= 0")
-    return vq_loss + gamma * ntm_loss

@@ -19,17 +19,19 @@ def gmm():
     return g
 
 
-def direct_log_joint(g, z):
-    var = g.log_vars.exp()
-    log_normal = -0.5 * (((z[..., None, :] - g.means) ** 2 / var).sum(-1) + g.log_vars.sum(-1)
-                         + g.dim * math.log(2 * math.pi))
-    return log_normal + torch.log_softmax(g.prior_logits, -1)
-
-
 def test_log_joint_and_responsibilities_eq9(gmm):
-    z = torch.randn(7, 2, 3, 5)
-    expected = direct_log_joint(gmm, z)
+    z = torch.randn(7, 2, 3, 5, requires_grad=True)
+    expected = gmm.log_joint_direct(z)
+    normal = torch.distributions.Normal(gmm.means, (0.5 * gmm.log_vars).exp())
+    by_hand = normal.log_prob(z[..., None, :]).sum(-1) + torch.log_softmax(gmm.prior_logits, -1)
+    assert torch.allclose(expected, by_hand, atol=1e-5)
     assert torch.allclose(gmm.log_joint(z), expected, atol=1e-4)
+    weight = torch.randn(expected.shape)
+    inputs = [z, *gmm.parameters()]
+    fast = torch.autograd.grad((gmm.log_joint(z) * weight).sum(), inputs)
+    direct = torch.autograd.grad((expected * weight).sum(), inputs)
+    for a, b in zip(fast, direct):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     resp = torch.softmax(gmm.log_joint(z), -1)
     assert torch.allclose(resp.sum(-1), torch.ones(7, 2, 3))
 
@@ -126,8 +128,9 @@ def test_masked_attention_eq2_and_mixing_eq11():
     expected = (1 - g) * a + g * a_bar  # eq. 11
     product = core.semantic_mask_product(rq, rk)  # M up to its row normaliser
     assert torch.allclose(core.mix_attention(scores, product, g), expected, atol=1e-6)
-    # the additive form used by fused kernels: softmax(scores + log M) is A_bar
-    assert torch.allclose(torch.softmax(scores + core.semantic_log_mask(rq, rk), -1), a_bar, atol=1e-6)
+    assert torch.allclose(core.mix_attention_direct(scores, product, g), expected, atol=1e-6)
+    # the additive form the fused kernels use: softmax(scores + log M) is A_bar
+    assert torch.allclose(torch.softmax(scores + product.log(), -1), a_bar, atol=1e-6)
 
 
 def test_mixing_schedule():
@@ -250,7 +253,7 @@ def test_inference_uses_parameters_written_through_data(gmm):
         gmm.log_vars.data.mul_(0.5)
         gmm.prior_logits.data.add_(torch.randn_like(gmm.prior_logits))
         after = gmm.log_joint(z)
-    assert torch.allclose(after, direct_log_joint(gmm, z), atol=1e-4)
+    assert torch.allclose(after, gmm.log_joint_direct(z), atol=1e-4)
     assert torch.allclose(after, gmm.log_joint(z).detach(), atol=1e-5)  # grad-mode path agrees
 
 
@@ -316,8 +319,7 @@ def test_mixed_attention_gradients_equal_autograd_of_eq_2_and_11():
     s1, m1 = scores.clone().requires_grad_(), mask.clone().requires_grad_()
     out = core.mix_attention(s1, m1, mix)
     s2, m2 = scores.clone().requires_grad_(), mask.clone().requires_grad_()
-    a = torch.softmax(s2, -1)
-    expected = (1 - mix) * a + mix * (a * m2) / (a * m2).sum(-1, keepdim=True)
+    expected = core.mix_attention_direct(s2, m2, mix)
     torch.testing.assert_close(out, expected)
     weight = torch.randn(3, 4, 6, generator=g, dtype=torch.float64)
     (out * weight).sum().backward()

@@ -22,7 +22,7 @@ from user_dir.topic_vq.semantic_attention import (
     semantic_attention_mask,
     uninstall_semantic_attention,
 )
-from user_dir.topic_vq.vqvae import TopicVQVAE, joint_loss, nearest_codes
+from user_dir.topic_vq.vqvae import TopicVQVAE, nearest_codes
 
 PAD = 0  # user_dir.topic_vq.vocabulary.PAD_ID, the VQ-VAE's default padding_idx
 
@@ -222,7 +222,7 @@ def test_codebook_is_the_ntm_topic_embeddings_and_both_losses_train_it():
     # eq. (6): a step on L_VQ + gamma L_NTM moves the shared phi
     both.zero_grad()
     ntm_out = ntm(bow)
-    loss = joint_loss(vq(tokens, ntm_out.theta, ntm.beta()).loss.sum(), ntm_out.loss.sum(), gamma=1.0)
+    loss = vq(tokens, ntm_out.theta, ntm.beta()).loss.sum() + 1.0 * ntm_out.loss.sum()  # gamma = 1
     loss.backward()
     before = ntm.topic_embeddings.detach().clone()
     torch.optim.SGD(both.parameters(), lr=0.1).step()
@@ -324,9 +324,6 @@ def test_ablations_and_bad_configurations():
     ntm, vq = _models()
     with pytest.raises(ValueError, match="theta"):
         vq(tokens)
-    with pytest.raises(ValueError, match="gamma"):
-        joint_loss(torch.ones(()), torch.ones(()), gamma=-1.0)
-    assert joint_loss(torch.tensor(2.0), torch.tensor(3.0), gamma=0.5).item() == 3.5
 
 
 # ---------------------------------------------------------------------------------------------
@@ -437,10 +434,9 @@ def test_parameters_exist_once_and_all_receive_gradients():
     input_ids, attention_mask, z = _pair_inputs()
     with context.use(model["scores"](z)):
         hidden = bert(input_ids, attention_mask=attention_mask).last_hidden_state
-    enhanced = model["enhance"](hidden, z)
-    assert enhanced.shape == (2, 8, 32 + 4)
     keep = attention_mask.unsqueeze(-1).float()
-    pooled = (enhanced * keep).sum(1) / keep.sum(1)  # mean over the non-pad pieces
+    pooled = model["enhance"]((hidden * keep).sum(1) / keep.sum(1), z, attention_mask.bool())
+    assert pooled.shape == (2, 32 + 4)
     pooled.pow(2).sum().backward()
     names = [name for name, p in model.named_parameters() if p.grad is None or p.grad.abs().sum() == 0]
     assert names == []  # no unused parameter: DDP-safe
