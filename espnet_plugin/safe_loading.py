@@ -106,13 +106,3 @@ def weights_only_loading() -> Iterator[None]:
             _depth -= 1
             if _depth == 0:
                 torch.load = _ORIGINAL_TORCH_LOAD
-
-
-def build_asr_model_from_file(asr_train_config: str, asr_model_file: str, device: str = "cpu"):
-    """``ASRTask.build_model_from_file`` reading ``asr_model_file`` with the safe loader:
-    ``(model, train_args)``."""
-    import espnet_plugin  # noqa: F401  (registers the SDMA classes)
-    from espnet2.tasks.asr import ASRTask
-
-    with weights_only_loading():
-        return ASRTask.build_model_from_file(asr_train_config, asr_model_file, device)

@@ -53,7 +53,7 @@ How the formulas are read here
   sentence's rows) and the per-sentence LR / HR are averaged over sentences
   with equal weight.
 
-``--hr-matrix`` (:func:`add_output_arguments`) adds each type's head-pair HR matrix
+``--hr-matrix`` (:func:`latent_core.redundancy_plot.add_output_arguments`) adds each type's head-pair HR matrix
 (``HR_matrix``, ``[N n_h, N n_h]``) to the JSON; ``--heatmap`` also draws it (Figs. 10-11;
 implies ``--hr-matrix``) with :mod:`latent_core.redundancy_plot`, whose command
 ``sdma-plot-heads`` draws the matrices of several JSON files side by side (V-T vs SDMA-T,
@@ -68,7 +68,6 @@ Python::
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
@@ -404,26 +403,3 @@ def report(result: dict, json_path: Optional[str] = None) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {out}")
-
-
-def add_output_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--json``, ``--hr-matrix``, ``--heatmap``, ``--heatmap-kind`` (shared by the fairseq and ESPnet commands)."""
-    parser.add_argument("--json", default=None, metavar="OUT.json", help="write the results as JSON")
-    parser.add_argument("--hr-matrix", action="store_true",
-                        help="add each type's head-pair HR matrix (HR_matrix, [layers*heads]^2) to the JSON")
-    parser.add_argument("--heatmap", default=None, metavar="OUT.png",
-                        help="draw the head-pair HR matrix as a heat map, as in Figs. 10-11 (implies --hr-matrix)")
-    parser.add_argument("--heatmap-kind", default="encoder_self", choices=[*ATTENTION_TYPES, "all"],
-                        help="attention type(s) of the heat map (default: encoder_self, the paper's figures)")
-
-
-def write_outputs(result: dict, args: argparse.Namespace, name: str) -> None:
-    """Print the table, write ``--json`` and draw ``--heatmap`` (``name`` titles the panels)."""
-    report(result, args.json)
-    if args.heatmap:
-        from latent_core import redundancy_plot
-
-        kinds = [k for k in ATTENTION_TYPES if result[k] is not None] if args.heatmap_kind == "all" \
-            else [args.heatmap_kind]
-        redundancy_plot.plot_results([(name, result)], kinds, args.heatmap)
-        print(f"wrote {args.heatmap}")

@@ -38,7 +38,7 @@ logging.getLogger("matplotlib").setLevel(logging.WARNING)  # fairseq sets the ro
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from latent_core.redundancy import ATTENTION_TYPES, RedundancyError, head_labels  # noqa: E402
+from latent_core.redundancy import ATTENTION_TYPES, RedundancyError, head_labels, report  # noqa: E402
 
 Panel = Tuple[str, np.ndarray, List[str]]  # (title, matrix [K, K], K axis labels)
 
@@ -145,6 +145,27 @@ def main(argv=None) -> int:
         return 2
     print(f"wrote {args.out}")
     return 0
+
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--json``, ``--hr-matrix``, ``--heatmap``, ``--heatmap-kind`` (shared by the fairseq and ESPnet commands)."""
+    parser.add_argument("--json", default=None, metavar="OUT.json", help="write the results as JSON")
+    parser.add_argument("--hr-matrix", action="store_true",
+                        help="add each type's head-pair HR matrix (HR_matrix, [layers*heads]^2) to the JSON")
+    parser.add_argument("--heatmap", default=None, metavar="OUT.png",
+                        help="draw the head-pair HR matrix as a heat map, as in Figs. 10-11 (implies --hr-matrix)")
+    parser.add_argument("--heatmap-kind", default="encoder_self", choices=[*ATTENTION_TYPES, "all"],
+                        help="attention type(s) of the heat map (default: encoder_self, the paper's figures)")
+
+
+def write_outputs(result: dict, args: argparse.Namespace, name: str) -> None:
+    """Print the table, write ``--json`` and draw ``--heatmap`` (``name`` titles the panels)."""
+    report(result, args.json)
+    if args.heatmap:
+        kinds = [k for k in ATTENTION_TYPES if result[k] is not None] if args.heatmap_kind == "all" \
+            else [args.heatmap_kind]
+        plot_results([(name, result)], kinds, args.heatmap)
+        print(f"wrote {args.heatmap}")
 
 
 if __name__ == "__main__":

@@ -81,9 +81,8 @@ from latent_core.redundancy import (
     ATTENTION_TYPES,
     RedundancyAccumulator,
     RedundancyError,
-    add_output_arguments,
-    write_outputs,
 )
+from latent_core.redundancy_plot import add_output_arguments, write_outputs
 
 # attribute of each decoder layer that holds the attention of each decoder type
 _DECODER_ATTRIBUTES = {"decoder_self": "self_attn", "decoder_cross": "src_attn"}
@@ -164,7 +163,7 @@ def load_asr_model(asr_train_config: str, asr_model_file: str, device: str):
     for path in (asr_train_config, asr_model_file):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"file not found: {path}")
-    from espnet_plugin.safe_loading import build_asr_model_from_file  # registers the SDMA classes
+    from espnet_plugin.tasks.sdma_asr import build_asr_model_from_file  # registers the SDMA classes
 
     model, train_args = build_asr_model_from_file(asr_train_config, asr_model_file, device)
     model.eval()

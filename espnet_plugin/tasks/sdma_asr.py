@@ -76,3 +76,10 @@ class SDMAASRTask(espnet_asr.ASRTask):
             optimizers[0].register_step_post_hook(lambda optimizer, a, kw: model.increment_num_updates())
             logging.info("SDMA: mixing weight follows the optimizer steps of %s", type(optimizers[0]).__name__)
         return optimizers
+
+
+def build_asr_model_from_file(asr_train_config: str, asr_model_file: str, device: str = "cpu"):
+    """``ASRTask.build_model_from_file`` reading ``asr_model_file`` with the safe loader:
+    ``(model, train_args)`` (the SDMA classes are registered when this module is imported)."""
+    with weights_only_loading():
+        return espnet_asr.ASRTask.build_model_from_file(asr_train_config, asr_model_file, device)

@@ -187,7 +187,7 @@ def _not_utf8(path: str) -> GlueDataError:
     return GlueDataError(f"{path}: not UTF-8")  # not reached: the text reader failed on these bytes
 
 
-def _rows(path: str):
+def tsv_rows(path: str):
     """(line number, fields) of the non-blank lines of a TSV file."""
     blank, first_blank = 0, None
     with open(path, encoding="utf-8-sig", newline="") as f:
@@ -214,7 +214,7 @@ def read_tsv(path: str, layout: Layout, unlabelled: Optional[Layout] = None) -> 
     Raises :class:`GlueDataError` naming ``file:line`` for a row with the wrong number of
     columns, for bytes that are not UTF-8, and for a file without examples.
     """
-    rows = _rows(path)
+    rows = tsv_rows(path)
     try:
         first = next(rows)
     except StopIteration:

@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from user_dir.hf_sentence.data import Examples, HFSentenceDataset, _rows
+from user_dir.hf_sentence.data import Examples, HFSentenceDataset, tsv_rows
 from user_dir.hf_sentence.predict import load, predict_dataset  # (also registers the task and models)
 
 ENTAILMENT, NON_ENTAILMENT = "entailment", "non-entailment"
@@ -83,7 +83,7 @@ def read_hans(path: str) -> List[HansRecord]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"HANS file {path} not found (heuristics_evaluation_set.txt of "
                                 f"https://github.com/tommccoy1/hans)")
-    rows = _rows(path)
+    rows = tsv_rows(path)
     try:
         line, header = next(rows)
     except StopIteration:

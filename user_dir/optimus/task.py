@@ -37,7 +37,7 @@ from fairseq.tasks import register_task
 
 from latent_core.data.optimus_text import SOURCE_LANG, TARGET_LANG
 from latent_core.errors import PluginConfigError
-from user_dir.sentence_vae.task import SentenceVAEConfig, SentenceVAETask, _require_data
+from user_dir.sentence_vae.task import SentenceVAEConfig, SentenceVAETask, require_data
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class OptimusLMTask(SentenceVAETask):
 
     @classmethod
     def setup_task(cls, cfg: OptimusLMConfig, **kwargs):
-        directory = utils.split_paths(_require_data(cfg.data))[0]
+        directory = utils.split_paths(require_data(cfg.data))[0]
         src_dict = _load_dictionary(directory, SOURCE_LANG)
         tgt_dict = _load_dictionary(directory, TARGET_LANG)
         logger.info("dictionaries: %d BERT pieces, %d GPT-2 tokens", len(src_dict), len(tgt_dict))
@@ -117,7 +117,7 @@ class OptimusLMTask(SentenceVAETask):
 
     # ------------------------------------------------------------------ data
     def load_dataset(self, split: str, epoch: int = 1, combine: bool = False, **kwargs):
-        paths = utils.split_paths(_require_data(self.cfg.data))
+        paths = utils.split_paths(require_data(self.cfg.data))
         training = split == getattr(self.cfg, "train_subset", "train")
         directory = paths[(epoch - 1) % len(paths)] if training else paths[0]
         sides = {}
@@ -177,7 +177,7 @@ class OptimusLMTask(SentenceVAETask):
 
     # ------------------------------------------------------- text <-> tokens
     def _tokenizer(self, name: str):
-        directory = os.path.join(utils.split_paths(_require_data(self.cfg.data))[0], name)
+        directory = os.path.join(utils.split_paths(require_data(self.cfg.data))[0], name)
         if name == "gpt2_tokenizer":
             from latent_core.data.optimus_text import load_gpt2_tokenizer
 

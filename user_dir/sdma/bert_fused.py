@@ -70,10 +70,10 @@ from .model import (
     SDMATransformerDecoder,
     SDMATransformerEncoder,
     SDMATransformerModel,
-    _attention_kwargs,
-    _set_default,
-    _table_one,
-    _wrap_layer,
+    attention_kwargs,
+    set_default,
+    table_one,
+    wrap_layer,
     sdma_options,
 )
 
@@ -322,7 +322,7 @@ def fuse_with_bert(layer, attention: nn.Module, cfg, embed_dim: int, side: str) 
     if cfg.bert_fusion != "attention":
         return attention
     heads = getattr(cfg, side).attention_heads
-    common = dict(kdim=embed_dim, vdim=embed_dim, encoder_decoder_attention=True, **_attention_kwargs(layer, cfg))
+    common = dict(kdim=embed_dim, vdim=embed_dim, encoder_decoder_attention=True, **attention_kwargs(layer, cfg))
     if cfg.sdma_mode == "none":
         bert = MultiheadAttention(embed_dim, heads, **common)
     else:
@@ -375,7 +375,7 @@ class BertFusedEncoder(SDMATransformerEncoder):
         self.fused = fused_attentions(self.layers)  # found once, not in every forward
 
     def build_encoder_layer(self, cfg):
-        return _wrap_layer(BertFusedEncoderLayer(cfg, return_fc=self.return_fc), cfg)
+        return wrap_layer(BertFusedEncoderLayer(cfg, return_fc=self.return_fc), cfg)
 
     def bert_states(self, src_tokens: Tensor) -> Tensor:
         """BERT's vectors of the source tokens at the model's width, ``[B, S, E]``."""
@@ -420,7 +420,7 @@ class BertFusedDecoder(SDMATransformerDecoder):
     """fairseq's (SDMA) transformer decoder; in attention fusion each layer also attends to BERT."""
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
-        return _wrap_layer(BertFusedDecoderLayer(cfg, no_encoder_attn), cfg)
+        return wrap_layer(BertFusedDecoderLayer(cfg, no_encoder_attn), cfg)
 
     def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn=False):
         super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn)
@@ -518,9 +518,9 @@ def validate_bert_args(args) -> None:
 
 
 def _bert_defaults(args) -> None:
-    _set_default(args, "bert_fusion", DEFAULT_FUSION)
-    _set_default(args, "bert_finetune", False)
-    _set_default(args, "bert_dropnet", DEFAULT_DROPNET)
+    set_default(args, "bert_fusion", DEFAULT_FUSION)
+    set_default(args, "bert_finetune", False)
+    set_default(args, "bert_dropnet", DEFAULT_DROPNET)
 
 
 # architecture -> (Embed, FFN, n_h, SDMA overrides): the base rows of Tables II/III (Table I) and tiny
@@ -535,7 +535,7 @@ BERT_FUSED_ARCHITECTURES = {
 def _register(name, embed, ffn, heads, overrides):
     def architecture(args):
         _bert_defaults(args)
-        _table_one(args, embed, ffn, heads, authors_script=True, **overrides)
+        table_one(args, embed, ffn, heads, authors_script=True, **overrides)
 
     architecture.__name__ = name
     architecture.__doc__ = f"Embed {embed}, FFN {ffn}, {heads} heads, 6+6 layers (Table I)"

@@ -97,7 +97,7 @@ def sdma_options(cfg, side: str, mask_at_inference: bool = True) -> SDMAOptions:
     return SDMAOptions(**values, mask_at_inference=mask_at_inference)
 
 
-def _attention_kwargs(layer, cfg):
+def attention_kwargs(layer, cfg):
     return dict(
         dropout=cfg.attention_dropout,
         q_noise=layer.quant_noise,
@@ -115,7 +115,7 @@ class SDMAEncoderLayer(TransformerEncoderLayerBase):
             self_attention=True,
             sdma=sdma_options(cfg, "encoder"),
             group="encoder_self",
-            **_attention_kwargs(self, cfg),
+            **attention_kwargs(self, cfg),
         )
 
 
@@ -131,7 +131,7 @@ class SDMADecoderLayer(TransformerDecoderLayerBase):
             add_zero_attn=add_zero_attn,
             sdma=sdma_options(cfg, "decoder", mask_at_inference=cfg.sdma_decoder_mask_at_inference),
             group="decoder_self",
-            **_attention_kwargs(self, cfg),
+            **attention_kwargs(self, cfg),
         )
 
     def build_encoder_attention(self, embed_dim, cfg):
@@ -145,7 +145,7 @@ class SDMADecoderLayer(TransformerDecoderLayerBase):
             encoder_decoder_attention=True,
             sdma=sdma_options(cfg, "decoder"),
             group="decoder_cross",
-            **_attention_kwargs(self, cfg),
+            **attention_kwargs(self, cfg),
         )
 
     def forward(self, x, encoder_out=None, encoder_padding_mask=None, incremental_state=None,
@@ -202,7 +202,7 @@ def regulariser_preserving_checkpoint(layer, offload_to_cpu=False):
     return layer
 
 
-def _wrap_layer(layer, cfg):
+def wrap_layer(layer, cfg):
     """fairseq's activation checkpointing / FSDP wrapping, as in its own build_*_layer (the vanilla
     transformer keeps fairseq's wrapper; SMA/SDMA layers :func:`regulariser_preserving_checkpoint`)."""
     if cfg.checkpoint_activations:
@@ -238,8 +238,8 @@ class SDMATransformerEncoder(TransformerEncoderBase):
 
     def build_encoder_layer(self, cfg):
         if cfg.sdma_mode == "none":  # fairseq's own layer: the vanilla transformer, scriptable
-            return _wrap_layer(TransformerEncoderLayerBase(cfg, return_fc=self.return_fc), cfg)
-        return _wrap_layer(SDMAEncoderLayer(cfg, return_fc=self.return_fc), cfg)
+            return wrap_layer(TransformerEncoderLayerBase(cfg, return_fc=self.return_fc), cfg)
+        return wrap_layer(SDMAEncoderLayer(cfg, return_fc=self.return_fc), cfg)
 
 
 class SDMATransformerDecoder(TransformerDecoderBase):
@@ -250,8 +250,8 @@ class SDMATransformerDecoder(TransformerDecoderBase):
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
         if cfg.sdma_mode == "none":
-            return _wrap_layer(TransformerDecoderLayerBase(cfg, no_encoder_attn), cfg)
-        return _wrap_layer(SDMADecoderLayer(cfg, no_encoder_attn), cfg)
+            return wrap_layer(TransformerDecoderLayerBase(cfg, no_encoder_attn), cfg)
+        return wrap_layer(SDMADecoderLayer(cfg, no_encoder_attn), cfg)
 
 
 @register_model("sdma_transformer")
@@ -338,7 +338,7 @@ def validate_sdma_args(args) -> None:
         sdma_options(args, side).validate()
 
 
-def _set_default(args, name, value):
+def set_default(args, name, value):
     if getattr(args, name, None) is None:
         setattr(args, name, value)
 
@@ -349,29 +349,29 @@ def sdma_base_architecture(args):
     options = SDMAOptions(**FAIRSEQ_PRESET)
     for f in fields(SDMAOptions):
         if f.name != "mask_at_inference":
-            _set_default(args, "sdma_" + option_name(f.name), getattr(options, f.name))
-    _set_default(args, "sdma_decoder_mask_at_inference", DECODER_MASK_AT_INFERENCE)
+            set_default(args, "sdma_" + option_name(f.name), getattr(options, f.name))
+    set_default(args, "sdma_decoder_mask_at_inference", DECODER_MASK_AT_INFERENCE)
     for name, value in SDMALossWeights().as_options().items():
-        _set_default(args, name, value)
-    _set_default(args, "dropout", 0.3)
+        set_default(args, name, value)
+    set_default(args, "dropout", 0.3)
     base_architecture(args)
 
 
-def _table_one(args, embed, ffn, heads, layers=6, authors_script=False, **sdma_overrides):
+def table_one(args, embed, ffn, heads, layers=6, authors_script=False, **sdma_overrides):
     """One row of Table I (Embed/FFN, N, n_h) and the SDMA values where it differs from the
     core defaults (n_c 4 of FAIRSEQ_PRESET; lambda_k 0.01, lambda_q 100, lambda_x 10, lambda_d 1, c_g 10).
     ``authors_script``: in the authors reading the row takes the weights their training scripts
     pass (:data:`AUTHORS_SCRIPT_WEIGHTS`) instead of Table I's."""
-    _set_default(args, "sdma_reading", SDMAOptions.reading)
+    set_default(args, "sdma_reading", SDMAOptions.reading)
     if authors_script and args.sdma_reading == "authors":
         sdma_overrides = {**sdma_overrides, **AUTHORS_SCRIPT_WEIGHTS}
     for side in SIDES:
-        _set_default(args, f"{side}_embed_dim", embed)
-        _set_default(args, f"{side}_ffn_embed_dim", ffn)
-        _set_default(args, f"{side}_attention_heads", heads)
-        _set_default(args, f"{side}_layers", layers)
+        set_default(args, f"{side}_embed_dim", embed)
+        set_default(args, f"{side}_ffn_embed_dim", ffn)
+        set_default(args, f"{side}_attention_heads", heads)
+        set_default(args, f"{side}_layers", layers)
     for name, value in sdma_overrides.items():
-        _set_default(args, name, value)
+        set_default(args, name, value)
     sdma_base_architecture(args)
 
 
@@ -397,7 +397,7 @@ def _register_table_one_row(name, embed, ffn, heads, overrides):
     authors_script = "zh_en" not in name  # no script of theirs for Zh-En: Table I's values in both readings
 
     def architecture(args):
-        _table_one(args, embed, ffn, heads, authors_script=authors_script, **overrides)
+        table_one(args, embed, ffn, heads, authors_script=authors_script, **overrides)
 
     architecture.__name__ = name
     architecture.__doc__ = f"Table I: Embed {embed}, FFN {ffn}, {heads} heads, 6+6 layers" + (

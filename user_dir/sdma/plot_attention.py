@@ -47,7 +47,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from latent_core.redundancy import RedundancyError  # noqa: E402
-from user_dir.sdma.redundancy import _force_head_weights, check_subset, load_models  # noqa: E402
+from user_dir.sdma.redundancy import force_head_weights, check_subset, load_models  # noqa: E402
 
 
 class PlotError(RedundancyError):
@@ -78,7 +78,7 @@ def _watch(module):
     record: Dict[str, torch.Tensor] = {}
 
     def pre_hook(mod, args, kwargs):
-        args, kwargs = _force_head_weights(mod, args, kwargs)
+        args, kwargs = force_head_weights(mod, args, kwargs)
         record["input"] = (args[0] if args else kwargs["query"]).detach()
         return args, kwargs
 

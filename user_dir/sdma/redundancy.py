@@ -61,7 +61,6 @@ from latent_core.redundancy import (  # re-exported (__all__): the metric, its r
     SINGLE_HEAD_NOTE,
     RedundancyAccumulator,
     RedundancyError,
-    add_output_arguments,
     entropy_bits,
     format_table,
     generalized_js_divergence,
@@ -73,8 +72,8 @@ from latent_core.redundancy import (  # re-exported (__all__): the metric, its r
     lr_divisor,
     redundancy_entry,
     report,
-    write_outputs,
 )
+from latent_core.redundancy_plot import add_output_arguments, write_outputs
 
 __all__ = [
     # the fairseq capture and the command
@@ -131,7 +130,7 @@ def attention_modules(model) -> Dict[str, List[torch.nn.Module]]:
     return modules
 
 
-def _force_head_weights(module, args, kwargs):
+def force_head_weights(module, args, kwargs):
     """forward pre-hook: call with ``need_weights=True, need_head_weights=True``."""
     signature = getattr(module, "_redundancy_signature", None)
     if signature is None:
@@ -172,7 +171,7 @@ def capture_attention(model) -> Iterator[Dict[str, List[Optional[Tensor]]]]:
             for index, module in enumerate(mods):
                 saved.append((module, module.skip_embed_dim_check))
                 module.skip_embed_dim_check = True
-                handles.append(module.register_forward_pre_hook(_force_head_weights, with_kwargs=True))
+                handles.append(module.register_forward_pre_hook(force_head_weights, with_kwargs=True))
                 handles.append(module.register_forward_hook(functools.partial(_record, store[kind], index, kind)))
         yield store
     finally:

@@ -97,7 +97,7 @@ class SentenceVAEConfig(FairseqDataclass):
     train_subset: str = II("dataset.train_subset")
 
 
-def _require_data(path: str) -> str:
+def require_data(path: str) -> str:
     if not path:
         raise PluginConfigError("--task sentence_vae needs the data directory (the positional DATA argument)")
     return path
@@ -114,7 +114,7 @@ class SentenceVAETask(FairseqTask):
 
     @classmethod
     def setup_task(cls, cfg: SentenceVAEConfig, **kwargs):
-        paths = utils.split_paths(_require_data(cfg.data))
+        paths = utils.split_paths(require_data(cfg.data))
         dict_path = os.path.join(paths[0], "dict.txt")
         if not os.path.isfile(dict_path):
             raise FileNotFoundError(
@@ -128,7 +128,7 @@ class SentenceVAETask(FairseqTask):
 
     # ------------------------------------------------------------------ data
     def load_dataset(self, split: str, epoch: int = 1, combine: bool = False, **kwargs):
-        paths = utils.split_paths(_require_data(self.cfg.data))
+        paths = utils.split_paths(require_data(self.cfg.data))
         training = split == getattr(self.cfg, "train_subset", "train")
         directory = paths[(epoch - 1) % len(paths)] if training else paths[0]  # fairseq's sharding
         prefix = os.path.join(directory, split)

@@ -1,4 +1,4 @@
-"""Arrows only point into shared layers (issue 15): the shared sentence-pair base
+"""Arrows only point into shared layers: the shared sentence-pair base
 ``user_dir/hf_sentence`` imports no paper package, and no import cycle joins two
 ``user_dir`` subpackages. Imports are read with ``ast`` (module level and inside functions)."""
 
@@ -92,3 +92,91 @@ def test_shared_modules_import_no_subpackage():
     for module in ("hf_pretrained.py",):
         targets = set(_user_dir_targets(USER_DIR / module))
         assert not targets & set(SUBPACKAGES), f"user_dir/{module} imports {sorted(targets)}"
+
+
+# ------------------------------------------------------------------ modules of the three packages
+PACKAGES = ("latent_core", "user_dir", "espnet_plugin")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_imports(path: Path, modules):
+    """(module imported, names taken from it) for every import of ``path`` that resolves to one of
+    ``modules`` (the deepest module the dotted name reaches), module level and inside functions."""
+    package = _module_name(path).split(".") if path.name == "__init__.py" else _module_name(path).split(".")[:-1]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            found = [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[:len(package) - (node.level - 1)] + ([node.module] if node.module else []))
+            names = [alias.name for alias in node.names]
+            # `from package import module` imports the module; `from module import name` the module
+            found = [(f"{base}.{name}", []) for name in names if f"{base}.{name}" in modules] + [(base, names)]
+        else:
+            continue
+        for name, taken in found:
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name:
+                yield name, taken
+
+
+def module_graph():
+    files = [p for package in PACKAGES for p in sorted((REPO / package).rglob("*.py"))]
+    modules = {_module_name(p): p for p in files}
+    return {name: {target for target, _ in _module_imports(path, modules) if target != name}
+            for name, path in modules.items()}, modules
+
+
+def test_no_import_cycle_between_modules():
+    """latent_core, user_dir and espnet_plugin module by module: an import cycle (also one hidden by an
+    import inside a function) fails, naming the modules."""
+    graph, _ = module_graph()
+    assert "latent_core.redundancy" in graph["latent_core.redundancy_plot"]  # the graph sees arrows
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(node):  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    assert cycles == [], f"import cycles: {cycles}"
+
+
+def test_latent_core_imports_neither_toolkit_package():
+    graph, _ = module_graph()
+    arrows = sorted(f"{name} -> {target}" for name, targets in graph.items() if name.startswith("latent_core")
+                    for target in targets if not target.startswith("latent_core"))
+    assert arrows == []
+
+
+def test_no_module_takes_another_modules_private_names():
+    _, modules = module_graph()
+    taken = sorted(f"{_module_name(path)}: from {target} import {name}" for path in modules.values()
+                   for target, names in _module_imports(path, modules) if target != _module_name(path)
+                   for name in names if name.startswith("_") and not name.startswith("__"))
+    assert taken == []
