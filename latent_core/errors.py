@@ -26,6 +26,15 @@ class PluginConfigError(ValueError):
     """An option, configuration key or input file the user has to fix (message says which and how)."""
 
 
+def check_positive_int(option: str, value, error: Type[Exception] = ValueError, meaning: str = "") -> int:
+    """``value`` when it is an integer >= 1 (``True`` is not); otherwise ``error`` naming ``option``
+    and, when given, what the number means: ``--sdma-clusters=0: the number of GMM clusters must be
+    an integer >= 1``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise error(f"{option}={value!r}{': ' + meaning if meaning else ''} must be an integer >= 1")
+    return value
+
+
 def parse_bool(value) -> bool:
     """An option's boolean value: true/false, yes/no, on/off, 1/0 (any case); ValueError otherwise
     (argparse, given it as ``type=``, reports that as an invalid value of the option)."""

@@ -46,7 +46,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from latent_core.errors import PluginConfigError
+from latent_core.errors import PluginConfigError, check_positive_int
 
 SDMA_MODES = ("sdma", "sma", "none")
 # What the SDMA modules compute in training (SDMAOptions.reading): the authors' code or the printed equations
@@ -174,10 +174,7 @@ class SDMAOptions:
                                   f"{', '.join(ATTENTION_KERNELS)}")
         for name in ("num_clusters", "num_query_clusters"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise SDMAConfigError(
-                    f"{opt(name)}={value!r}: the number of GMM clusters must be an integer >= 1"
-                )
+            check_positive_int(opt(name), value, SDMAConfigError, "the number of GMM clusters")
         for name in ("mix_max", "mix_rate", "centroid_grad_scale", "noise_var", "posterior_var",
                      "diversity_alpha", "diversity_beta"):
             value = getattr(self, name)

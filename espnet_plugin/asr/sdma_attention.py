@@ -17,7 +17,7 @@ import torch.nn as nn
 from espnet.nets.pytorch_backend.transformer.attention import MultiHeadedAttention
 from torch import Tensor
 
-from latent_core.errors import PluginConfigError
+from latent_core.errors import PluginConfigError, check_positive_int
 from latent_core.sdma import (
     AUTHORS_EPS,
     SDMACore,
@@ -46,14 +46,10 @@ def check_transformer_conf(conf_name: str, *, width: int, width_key: str, attent
     ``width`` is the attention dimension and ``width_key`` the key it comes from (the
     decoder's width is ``encoder_conf.output_size``).
     """
-    def positive(key, value):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ESPnetConfigError(f"{key}={value!r} must be an integer >= 1")
-
-    positive(width_key, width)
-    positive(f"{conf_name}.attention_heads", attention_heads)
-    positive(f"{conf_name}.linear_units", linear_units)
-    positive(f"{conf_name}.num_blocks", num_blocks)
+    check_positive_int(width_key, width, ESPnetConfigError)
+    check_positive_int(f"{conf_name}.attention_heads", attention_heads, ESPnetConfigError)
+    check_positive_int(f"{conf_name}.linear_units", linear_units, ESPnetConfigError)
+    check_positive_int(f"{conf_name}.num_blocks", num_blocks, ESPnetConfigError)
     if width % attention_heads != 0:
         divisors = [h for h in range(1, min(width, 16) + 1) if width % h == 0]
         raise ESPnetConfigError(

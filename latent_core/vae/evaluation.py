@@ -23,15 +23,12 @@ from typing import Callable, Dict, Mapping, NamedTuple, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from latent_core.errors import check_positive_int
+
 from .distributions import DiagonalGaussian, standard_normal_log_prob
 from .errors import VAEConfigError
 
 LogLikelihoodFn = Callable[[Dict[str, Tensor]], Tensor]
-
-
-def _check_count(option: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise VAEConfigError(f"{option}={value!r} must be an integer >= 1")
 
 
 def _batch_size(posteriors: Mapping[str, DiagonalGaussian]) -> int:
@@ -67,8 +64,8 @@ def importance_weighted_log_likelihood(
     decoder pass) is drawn before the first chunk, so the estimate does not depend on
     ``chunk_size`` for a given ``generator`` state. Call under ``torch.no_grad()``.
     """
-    _check_count("num_samples", num_samples)
-    _check_count("chunk_size", chunk_size)
+    check_positive_int("num_samples", num_samples, VAEConfigError)
+    check_positive_int("chunk_size", chunk_size, VAEConfigError)
     batch = _batch_size(posteriors)
     noise = {
         name: torch.randn((num_samples, *q.mean.shape), generator=generator,
@@ -97,7 +94,7 @@ def perplexity(log_likelihood: Union[Tensor, float], num_tokens: int) -> float:
     padding and the beginning-of-sentence token (fairseq's ``ntokens``; He et al. count
     ``sent_len - 1`` per sentence, i.e. all but the start symbol).
     """
-    _check_count("num_tokens", num_tokens)
+    check_positive_int("num_tokens", num_tokens, VAEConfigError)
     total = float(log_likelihood.sum()) if isinstance(log_likelihood, Tensor) else float(log_likelihood)
     return math.exp(-total / num_tokens)
 
@@ -184,8 +181,8 @@ def mutual_information(means: Tensor, logvars: Tensor, num_samples: int = 1,
     correct estimator. The N x N densities are computed ``chunk_size`` samples at a time
     (memory chunk x N).
     """
-    _check_count("num_samples", num_samples)
-    _check_count("chunk_size", chunk_size)
+    check_positive_int("num_samples", num_samples, VAEConfigError)
+    check_positive_int("chunk_size", chunk_size, VAEConfigError)
     posterior = DiagonalGaussian(means, logvars)
     n = means.size(0)
     z = posterior.rsample(num_samples, generator=generator).reshape(-1, posterior.latent_size)  # row r: x_{r % N}

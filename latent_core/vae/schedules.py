@@ -25,6 +25,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
+from latent_core.errors import check_positive_int
+
 from .errors import VAEConfigError
 
 SCHEDULE_OPTION = "--beta-schedule"
@@ -92,8 +94,7 @@ class CyclicalSchedule:
     def __post_init__(self):
         for name in ("n_cycles", "total_steps"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise VAEConfigError(f"{name}={value!r} must be an integer >= 1")
+            check_positive_int(name, value, VAEConfigError)
             if value > MAX_UPDATES:
                 raise VAEConfigError(f"{name}={value!r} must be at most 2**63 - 1")
         ratios = (self.zero_ratio, self.increase_ratio, self.constant_ratio)

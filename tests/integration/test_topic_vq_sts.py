@@ -270,7 +270,7 @@ def test_bad_options_raise_clear_errors(task, tiny, data):
         make_model(task, tiny, "--ablate", "spam")
     with pytest.raises(ValueError, match="--num-topics"):
         make_model(task, tiny, "--num-topics", "500")
-    with pytest.raises(HFSentenceConfigError, match="--num-topics 0"):
+    with pytest.raises(HFSentenceConfigError, match="--num-topics=0"):
         make_model(task, tiny, "--num-topics", "0")
     with pytest.raises(HFSentenceConfigError, match="--ntm-gamma -1"):
         make_model(task, tiny, "--ntm-gamma", "-1")

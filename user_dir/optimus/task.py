@@ -45,7 +45,7 @@ DECODER_STARTS = ("bos", "eos")
 PREPARE_HINT = "prepare it with `prepare-optimus-data --out-dir DIR --train TXT --bert-dir BERT --gpt2-dir GPT2`"
 
 
-class OptimusDataError(PluginConfigError):
+class OptimusBinaryDataError(PluginConfigError):
     """Binarised data that do not fit the dictionaries or each other (the message names the file)."""
 
 
@@ -133,14 +133,14 @@ class OptimusLMTask(SentenceVAETask):
                 raise ValueError(f"split {split!r}: {prefix}.bin holds no sentences")
             largest = largest_index(dataset)
             if largest >= len(dictionary):
-                raise OptimusDataError(
+                raise OptimusBinaryDataError(
                     f"{prefix}.bin has token index {largest}, but {directory}/dict.{lang}.txt has only "
                     f"{len(dictionary)} entries: the data were binarised with another dictionary; {PREPARE_HINT}"
                 )
             sides[lang] = dataset
         src, tgt = sides[SOURCE_LANG], sides[TARGET_LANG]
         if len(src) != len(tgt):
-            raise OptimusDataError(f"split {split!r}: {len(src)} BERT sentences but {len(tgt)} GPT-2 sentences in "
+            raise OptimusBinaryDataError(f"split {split!r}: {len(src)} BERT sentences but {len(tgt)} GPT-2 sentences in "
                                    f"{directory}; both sides must come from one prepare-optimus-data run")
         self.datasets[split] = self._pair(src, tgt, shuffle=(split != "test"))
         logger.info("%s: %d sentences from %s", split, len(src), directory)
@@ -194,7 +194,7 @@ class OptimusLMTask(SentenceVAETask):
         foreign = [s for s in dictionary.symbols[dictionary.nspecial:]
                    if s not in vocab and not s.startswith("madeupword")]
         if foreign:
-            raise OptimusDataError(
+            raise OptimusBinaryDataError(
                 f"{len(foreign)} symbols of the data's dictionary are not in {name}/ (e.g. {foreign[:5]}): the "
                 f"dictionary and the tokenizer come from different models; {PREPARE_HINT}"
             )

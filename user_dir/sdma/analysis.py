@@ -55,19 +55,26 @@ class AnalysisError(ValueError):
 
 
 def attention_modules(model: nn.Module) -> Dict[str, List[nn.Module]]:
-    """The attention modules of a fairseq encoder-decoder model, per attention type, in layer order."""
+    """The attention modules of a fairseq encoder-decoder model, per attention type
+    (``encoder_self``, ``decoder_self``, ``decoder_cross``), in layer order; a type the model does
+    not have (``--no-cross-attention``) is left out. In ``bert_fused_transformer``'s attention
+    fusion the layer's own attention inside the wrapper is returned (the extra attentions over
+    BERT's output are not one of the paper's three types)."""
     encoder = getattr(model, "encoder", None)
     decoder = getattr(model, "decoder", None)
     if not hasattr(encoder, "layers") or not hasattr(decoder, "layers"):
         raise AnalysisError(
             f"{type(model).__name__} is not a fairseq encoder-decoder model with attention layers "
-            "(expected model.encoder.layers[*].self_attn and model.decoder.layers[*].self_attn / .encoder_attn)"
+            "(expected model.encoder.layers[*].self_attn and model.decoder.layers[*].self_attn / .encoder_attn, "
+            "as in the transformer / sdma_transformer architectures)"
         )
     modules = {
         "encoder_self": [getattr(layer, "self_attn", None) for layer in encoder.layers],
         "decoder_self": [getattr(layer, "self_attn", None) for layer in decoder.layers],
         "decoder_cross": [getattr(layer, "encoder_attn", None) for layer in decoder.layers],
     }
+    modules = {kind: [getattr(m, "attention", m) if hasattr(m, "bert_attention") else m for m in mods]
+               for kind, mods in modules.items()}
     return {kind: mods for kind, mods in modules.items() if mods and all(m is not None for m in mods)}
 
 

@@ -45,6 +45,7 @@ from latent_core.sdma import (
     scale_regulariser,
     weighted_regulariser,
 )
+from user_dir.model_wrappers import unwrap_model
 
 FAIRSEQ_ADVICE = ("Lower the learning rate, enable --fp16-scale-tolerance / bf16, or check the input data; "
                   "the last checkpoint is intact.")
@@ -96,7 +97,7 @@ class SDMALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion)
                 check_loss_weight(name, value, "--" + name.replace("_", "-"))
 
     def loss_weights(self, model):
-        model_defaults = getattr(_unwrap(model), "sdma_loss_weights", {})
+        model_defaults = getattr(unwrap_model(model), "sdma_loss_weights", {})
         weights = {}
         for name in LOSS_WEIGHTS:
             value = self.weight_overrides[name]
@@ -154,12 +155,6 @@ class SDMALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion)
     @staticmethod
     def logging_outputs_can_be_summed() -> bool:
         return True
-
-
-def _unwrap(model):
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def log_sdma_diagnostics(logging_outputs) -> None:

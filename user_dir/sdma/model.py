@@ -35,7 +35,7 @@ from fairseq.modules import FairseqDropout
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from omegaconf import OmegaConf
 
-from latent_core.errors import parse_bool
+from latent_core.errors import check_positive_int, parse_bool
 from latent_core.sdma import (
     SDMAConfigError,
     SDMALossWeights,
@@ -44,6 +44,7 @@ from latent_core.sdma import (
     collect_sdma_losses,
     option_name,
 )
+
 from .fairseq_attention import SDMAMultiheadAttention
 
 # What the fairseq model changes in the core's defaults (latent_core.sdma.SDMAOptions): Tables II-IV
@@ -332,9 +333,9 @@ def validate_sdma_args(args) -> None:
     for side in SIDES:
         for option in map(option_name, PER_SIDE):
             value = getattr(args, f"sdma_{side}_{option}", None)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise SDMAConfigError(f"--sdma-{side}-{option.replace('_', '-')}={value!r}: the number of "
-                                      "GMM clusters must be an integer >= 1")
+            if value is not None:
+                check_positive_int(f"--sdma-{side}-{option.replace('_', '-')}", value, SDMAConfigError,
+                                   "the number of GMM clusters")
         sdma_options(args, side).validate()
 
 

@@ -74,10 +74,11 @@ from latent_core.redundancy import (  # re-exported (__all__): the metric, its r
     report,
 )
 from latent_core.redundancy_plot import add_output_arguments, write_outputs
+from user_dir.sdma import analysis
 
 __all__ = [
     # the fairseq capture and the command
-    "attention_modules", "capture_attention", "masks_for", "import_user_dir", "load_models", "check_subset",
+    "head_weight_modules", "capture_attention", "masks_for", "import_user_dir", "load_models", "check_subset",
     "attention_redundancy", "parse_args", "main",
     # re-exported from latent_core.redundancy
     "ATTENTION_TYPES", "HR_SCALE", "LR_SCALE", "PAPER_COMPARISON", "SINGLE_HEAD_NOTE", "RedundancyAccumulator",
@@ -91,31 +92,20 @@ __all__ = [
 # ----------------------------------------------------------------------------
 
 
-def attention_modules(model) -> Dict[str, List[torch.nn.Module]]:
-    """The attention modules of an encoder-decoder model, per attention type (layer order)."""
+def head_weight_modules(model) -> Dict[str, List[torch.nn.Module]]:
+    """The attention modules of :func:`user_dir.sdma.analysis.attention_modules`, checked for what
+    capturing their per-head weights needs (fairseq ``MultiheadAttention`` without add_bias_kv /
+    add_zero_attn, no --cross-self-attention, an encoder and a decoder); a type the model does not
+    have is ``[]``."""
     from fairseq.modules.multihead_attention import MultiheadAttention
 
-    encoder = getattr(model, "encoder", None)
-    decoder = getattr(model, "decoder", None)
-    if encoder is None or decoder is None or not hasattr(encoder, "layers") or not hasattr(decoder, "layers"):
-        raise RedundancyError(
-            f"{type(model).__name__} is not a fairseq encoder-decoder model with attention layers "
-            "(expected model.encoder.layers[*].self_attn and model.decoder.layers[*].self_attn / "
-            ".encoder_attn, as in the transformer / sdma_transformer architectures)"
-        )
-    if getattr(decoder, "cross_self_attention", False):
+    try:
+        found = analysis.attention_modules(model)
+    except analysis.AnalysisError as error:
+        raise RedundancyError(str(error)) from None
+    if getattr(model.decoder, "cross_self_attention", False):
         raise RedundancyError("decoders with --cross-self-attention are not supported")
-    modules = {
-        "encoder_self": [getattr(layer, "self_attn", None) for layer in encoder.layers],
-        "decoder_self": [getattr(layer, "self_attn", None) for layer in decoder.layers],
-        "decoder_cross": [getattr(layer, "encoder_attn", None) for layer in decoder.layers],
-    }
-    # bert_fused_transformer's attention fusion: the layer's own attention inside the wrapper
-    # (the extra attentions over BERT's output are not one of the paper's three types)
-    modules = {kind: [getattr(m, "attention", m) if hasattr(m, "bert_attention") else m for m in mods]
-               for kind, mods in modules.items()}
-    if all(m is None for m in modules["decoder_cross"]):
-        modules["decoder_cross"] = []  # --no-cross-attention
+    modules = {kind: found.get(kind, []) for kind in ATTENTION_TYPES}
     for kind, mods in modules.items():
         for index, module in enumerate(mods):
             if not isinstance(module, MultiheadAttention):
@@ -163,7 +153,7 @@ def capture_attention(model) -> Iterator[Dict[str, List[Optional[Tensor]]]]:
     ``MultiheadAttention`` takes its explicit path (the ``F.multi_head_attention_forward``
     fast path ignores ``need_head_weights``).
     """
-    modules = attention_modules(model)
+    modules = head_weight_modules(model)
     store: Dict[str, List[Optional[Tensor]]] = {kind: [None] * len(mods) for kind, mods in modules.items()}
     handles, saved = [], []
     try:
@@ -295,7 +285,7 @@ def attention_redundancy(
     if not models:
         raise RedundancyError("no model given")
     model = models[0]
-    attention_modules(model)  # fail early with a clear message
+    head_weight_modules(model)  # fail early with a clear message
     if batch_size < 1:
         raise RedundancyError(f"batch_size={batch_size} must be >= 1")
 

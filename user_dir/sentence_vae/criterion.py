@@ -64,11 +64,12 @@ from latent_core.vae import (
     parse_schedule,
 )
 from latent_core.vae.kl import DEFAULT_KL_THRESHOLD, THRESHOLD_OPTION, parse_kl_thresholds
+from user_dir.model_wrappers import unwrap_model
 
 from .base import posteriors_of
+from .task import model_num_updates
 
 DEFAULT_KL_VARIANT = "free_bits"  # QKVAE's (and Optimus' eq. 9); a model may name another
-from .task import model_num_updates, unwrap_model
 
 
 @dataclass

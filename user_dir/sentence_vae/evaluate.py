@@ -55,6 +55,7 @@ from fairseq import utils
 import numpy as np
 from fairseq.data import BaseWrapperDataset
 
+from latent_core.errors import check_positive_int
 from latent_core.vae import (
     VAEConfigError,
     active_units,
@@ -140,8 +141,7 @@ def evaluate_split(model, task, subset: str = "test", k: int = 100, chunk_size: 
     """
     for option, value in (("--k", k), ("--chunk-size", chunk_size), ("--batch-size", batch_size),
                           ("--mi-samples", mi_samples)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise VAEConfigError(f"{option}={value!r} must be an integer >= 1")
+        check_positive_int(option, value, VAEConfigError)
     model.eval()
     device = model_device(model)
     task.load_dataset(subset, combine=False, epoch=1)

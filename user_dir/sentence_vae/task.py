@@ -34,6 +34,7 @@ from omegaconf import II
 
 from latent_core.errors import PluginConfigError
 from user_dir.exact_resume import no_epoch_iterator_reuse
+from user_dir.model_wrappers import unwrap_model
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +53,6 @@ class UpdateCounter(torch.nn.Module):
 
 
 COUNTER_ATTRIBUTE = "sentence_vae_update_counter"
-
-
-def unwrap_model(model):
-    """The model inside fairseq's (DDP, ...) wrappers."""
-    while hasattr(model, "module") and not isinstance(model, UpdateCounter):
-        model = model.module
-    return model
 
 
 def model_num_updates(model) -> Optional[int]:

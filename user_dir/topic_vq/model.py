@@ -34,6 +34,8 @@ import torch.nn as nn
 from fairseq.models import register_model, register_model_architecture
 from torch import Tensor
 
+from latent_core.errors import check_positive_int
+
 from ..hf_sentence.model import HFSentenceClassifier, HFSentenceConfigError, hf_sentence_classifier
 from .ntm import NeuralTopicModel
 from .semantic_attention import (
@@ -287,8 +289,7 @@ def validate_topic_args(args) -> None:
     for option, value in (("--num-topics", args.num_topics), ("--topic-embed-dim", args.topic_embed_dim),
                           ("--ntm-hidden-dim", args.ntm_hidden_dim), ("--vq-heads", args.vq_heads),
                           ("--semantic-ffn-dim", args.semantic_ffn_dim)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise HFSentenceConfigError(f"{option} {value!r} must be an integer >= 1")
+        check_positive_int(option, value, HFSentenceConfigError)
     for option, value in (("--ntm-gamma", args.ntm_gamma), ("--vq-commitment", args.vq_commitment)):
         if not value >= 0:
             raise HFSentenceConfigError(f"{option} {value!r} must be >= 0")

@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from latent_core.errors import check_positive_int
 from latent_core.vae.distributions import DiagonalGaussian
 
 
@@ -48,11 +49,6 @@ class NTMOutput(NamedTuple):
     loss: Tensor
 
 
-def _check_size(option: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{option}={value!r} must be an integer >= 1")
-
-
 class NeuralTopicModel(nn.Module):
     """GSM topic model with embedded topics (Section 3.1).
 
@@ -67,10 +63,10 @@ class NeuralTopicModel(nn.Module):
     def __init__(self, vocab_size: int, num_topics: int, embed_dim: int = 64,
                  hidden_dim: int = 256, dropout: float = 0.0):
         super().__init__()
-        _check_size("--num-topics", num_topics)
-        _check_size("topic vocabulary size", vocab_size)
-        _check_size("topic embedding size (embed_dim)", embed_dim)
-        _check_size("NTM hidden size (hidden_dim)", hidden_dim)
+        check_positive_int("--num-topics", num_topics)
+        check_positive_int("topic vocabulary size", vocab_size)
+        check_positive_int("topic embedding size (embed_dim)", embed_dim)
+        check_positive_int("NTM hidden size (hidden_dim)", hidden_dim)
         if num_topics > vocab_size:
             raise ValueError(
                 f"--num-topics={num_topics} is larger than the topic vocabulary ({vocab_size} words); "
@@ -142,7 +138,7 @@ class NeuralTopicModel(nn.Module):
         NVDM/GSM). N_d is the document's word count; empty documents are left out. Call in
         eval mode (dropout off).
         """
-        _check_size("num_samples", num_samples)
+        check_positive_int("num_samples", num_samples)
         posterior = self.encode(bow)
         kl = posterior.kl_standard_normal().sum(-1)
         rec = torch.zeros_like(kl)

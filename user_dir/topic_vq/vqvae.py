@@ -54,6 +54,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from latent_core.errors import check_positive_int
+
 
 class VQOutput(NamedTuple):
     """What :meth:`TopicVQVAE.forward` returns (B sentences, W positions, E code size).
@@ -81,11 +83,6 @@ class VQOutput(NamedTuple):
     commitment_loss: Tensor
     loss: Tensor
     perplexity: Tensor
-
-
-def _check_size(option: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{option}={value!r} must be an integer >= 1")
 
 
 def nearest_codes(z_e: Tensor, codebook: Tensor) -> Tensor:
@@ -136,13 +133,13 @@ class TopicVQVAE(nn.Module):
                  vq_to_topic: Optional[Tensor] = None, freeze_codebook: bool = False,
                  padding_idx: int = 0, ffn_dim: Optional[int] = None, commitment: float = 1e-4):
         super().__init__()
-        _check_size("VQ vocabulary size", vq_vocab_size)
-        _check_size("number of codes (--num-topics when tied to the NTM)", num_codes)
-        _check_size("code size", code_dim)
-        _check_size("max_positions", max_positions)
-        _check_size("num_heads", num_heads)
+        check_positive_int("VQ vocabulary size", vq_vocab_size)
+        check_positive_int("number of codes (--num-topics when tied to the NTM)", num_codes)
+        check_positive_int("code size", code_dim)
+        check_positive_int("max_positions", max_positions)
+        check_positive_int("num_heads", num_heads)
         ffn_dim = 4 * code_dim if ffn_dim is None else ffn_dim
-        _check_size("ffn_dim", ffn_dim)
+        check_positive_int("ffn_dim", ffn_dim)
         if code_dim % num_heads != 0:
             raise ValueError(f"code size {code_dim} is not a multiple of num_heads={num_heads}")
         if not 0 <= padding_idx < vq_vocab_size:

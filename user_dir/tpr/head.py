@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from latent_core.errors import check_positive_int
+
 logger = logging.getLogger(__name__)
 
 ENCODERS = ("transformer", "lstm")
@@ -41,10 +43,6 @@ class TPROutput(NamedTuple):
 
 
 # --------------------------------------------------------------------------- checks
-def check_positive_int(option: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{option} {value!r} must be an integer >= 1")
-    return value
 
 
 def check_temperature(value, option: str = "--tpr-temperature") -> float:

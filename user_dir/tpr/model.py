@@ -32,10 +32,10 @@ from fairseq.models import register_model, register_model_architecture
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from latent_core.errors import parse_bool
+from latent_core.errors import check_positive_int, parse_bool
 
 from ..hf_sentence.model import HFSentenceClassifier, HFSentenceConfigError, hf_sentence_classifier
-from .head import (AGGREGATIONS, ENCODERS, Aggregation, TPRLayer, check_orthogonality, check_positive_int,
+from .head import (AGGREGATIONS, ENCODERS, Aggregation, TPRLayer, check_orthogonality,
                    warn_unreachable_orthogonality)
 from .transfer import ALIASES, PARTS, apply_transfer_options
 

@@ -327,11 +327,11 @@ def test_unknown_fusion_is_an_argparse_error(tmp_path, bert_dir, capsys):
 
 def test_redundancy_capture_reads_the_layers_own_attentions_under_fusion(tmp_path, bert_dir):
     """sdma-redundancy's LR/HR measure the paper's three attention types inside the fusion wrappers."""
-    from user_dir.sdma.redundancy import attention_modules, capture_attention
+    from user_dir.sdma.redundancy import capture_attention, head_weight_modules
 
     model, task, _ = build(tmp_path, bert_dir, "--bert-fusion", "attention")
     model.eval()
-    modules = attention_modules(model)
+    modules = head_weight_modules(model)
     assert not any(isinstance(m, BertFusedAttention) for mods in modules.values() for m in mods)
     src, lengths, prev = batch(task)
     with torch.no_grad(), capture_attention(model) as store:

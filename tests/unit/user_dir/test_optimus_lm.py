@@ -21,7 +21,7 @@ from latent_core.data.optimus_text import (
     train_gpt2_tokenizer,
 )
 from tests.conftest import REPO, english_phrases, save_tiny_bert
-from user_dir.optimus.task import OptimusDataError as TaskDataError
+from user_dir.optimus.task import OptimusBinaryDataError as TaskDataError
 from fairseq.ngram_repeat_block import NGramRepeatBlock
 
 from user_dir.sentence_vae.decoding import GeneratedPrefixNGramBlock, LatentDecoder, generation_args

@@ -89,7 +89,7 @@ def test_no_cycle_between_subpackages():
 
 
 def test_shared_modules_import_no_subpackage():
-    for module in ("hf_pretrained.py",):
+    for module in ("hf_pretrained.py", "model_wrappers.py"):
         targets = set(_user_dir_targets(USER_DIR / module))
         assert not targets & set(SUBPACKAGES), f"user_dir/{module} imports {sorted(targets)}"
 
