@@ -1,7 +1,7 @@
 """Layer redundancy (LR) and head redundancy (HR) of multi-head attention: the metric and its report.
 
 Chien & Huang, "Latent Semantic and Disentangled Attention", TPAMI 2024
-(``shared/papers/sdma.txt``, Section IV-A2 "Evaluation Metrics", Tables II-IV,
+(Chien & Huang, TPAMI 2024, doi:10.1109/TPAMI.2024.3432631, Section IV-A2 "Evaluation Metrics", Tables II-IV,
 Figs. 10-11).  Plain PyTorch: the toolkit adapters capture the per-head attention
 and hand it to :class:`RedundancyAccumulator`; :mod:`user_dir.sdma.redundancy`
 (command ``sdma-redundancy``) for fairseq encoder-decoder checkpoints (the vanilla

@@ -1,7 +1,7 @@
 """Figs. 10-11 of the SDMA paper: heat maps of the head-pair head redundancy (HR) matrix.
 
 Chien & Huang, "Latent Semantic and Disentangled Attention", TPAMI 2024
-(``shared/papers/sdma.txt``, Sec. IV-B3, Figs. 10-11: "head redundancy in encoder of
+(Chien & Huang, TPAMI 2024, doi:10.1109/TPAMI.2024.3432631, Sec. IV-B3, Figs. 10-11: "head redundancy in encoder of
 (a) transformer and (b) SDMA transformer" over all 6 x 4 = 24 (or 6 x 8 = 48) heads).
 Cell (k1, k2) of a panel is ``mean_i (1 - JS(A^{k1}_{i,:}, A^{k2}_{i,:}))`` of the
 heads k = layer * n_h + head of one attention type, averaged over sentences; the

@@ -1,7 +1,7 @@
 """Semantic and disentangled mask attention (SDMA): the one attention core.
 
 Chien & Huang, "Latent Semantic and Disentangled Attention", TPAMI 2024
-(``shared/papers/sdma.txt``), Section III. Plain PyTorch: the fairseq adapter
+(Chien & Huang, TPAMI 2024, doi:10.1109/TPAMI.2024.3432631), Section III. Plain PyTorch: the fairseq adapter
 (``user_dir.sdma.fairseq_attention``) and the ESPnet adapter build on this file.
 
 Symbols follow the paper:

@@ -17,7 +17,7 @@ which only reshuffles the *order* of the same batches (``data/iterators.py``,
   batches are made under seed + k, i.e. other sentences share a batch, and the saved offset
   ``iterations_in_epoch`` (``EpochBatchIterator.load_state_dict``) skips batches of that
   other partition. The first batch after the resume differs and parameters drift apart
-  (by 1e-2 to 4e-2 after 20 updates in ``tests/test_exact_resume.py``).
+  (by 1e-2 to 4e-2 after 20 updates in ``tests/integration/test_exact_resume.py``).
 
 Nothing else differs: fairseq reseeds torch before every update with ``seed + num_updates``
 (``trainer.py`` ``_set_seed``, called first in ``train_step``), so dropout and SDMA's sampling

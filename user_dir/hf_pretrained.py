@@ -7,7 +7,7 @@ messages. Each caller passes its own error class (so its users keep catching
 ``model_type`` its architecture needs through ``validate``.
 
 This module imports nothing from ``user_dir``: it is a shared layer, arrows only point
-into it (``tests/test_package_layers.py``).
+into it (``tests/unit/user_dir/test_package_layers.py``).
 """
 
 import json

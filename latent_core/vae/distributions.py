@@ -1,7 +1,7 @@
 """Diagonal Gaussian posteriors q(z|x) = N(mu, diag exp(logvar)) and the N(0, I) prior.
 
-Shared by the QKVAE/ADVAE and Optimus models (``shared/papers/qkvae.txt`` eq. 1 and 3,
-``shared/papers/optimus.txt`` eq. 6). Shapes: any leading "batch" shape, the last dimension
+Shared by the QKVAE/ADVAE and Optimus models (Felhi et al., NAACL 2022, arXiv:2205.05943, eq. 1 and 3,
+Li et al., EMNLP 2020, arXiv:2004.04092, eq. 6). Shapes: any leading "batch" shape, the last dimension
 is the latent size D.
 
 Numerical safety:

@@ -1,6 +1,6 @@
 """Evaluation of sentence VAEs: importance-weighted log-likelihood, perplexity, ELBO, MI, AU.
 
-The metrics of Optimus (``shared/papers/optimus.txt``, Section 5.1 and Appendix C.1),
+The metrics of Optimus (Li et al., EMNLP 2020, arXiv:2004.04092, Section 5.1 and Appendix C.1),
 following He et al. (2019), and of QKVAE's code:
 
 * log p(x) >= L_k = log (1/k) sum_i p(x, z_i) / q(z_i|x), z_i ~ q(z|x) (Burda et al. 2015;

@@ -12,7 +12,7 @@ files, tokenised by a Hugging Face fast tokenizer.
 (``user_dir/topic_vq/task.py`` adds the topic vocabulary and bags of words): it overrides
 :attr:`keep_words` (keep each example's words when encoding), :meth:`extra_features` (arrays
 handed to :class:`~.data.HFSentenceDataset` as ``topic``) and may register task-state
-factories. This package imports no paper package (``tests/test_package_layers.py``).
+factories. This package imports no paper package (``tests/unit/user_dir/test_package_layers.py``).
 
 For models: ``task.tokenizer``, ``task.num_classes``, ``task.is_regression``,
 ``task.padding_idx``, ``task.max_positions()``, ``task.topic_vocabulary`` (None here; set by

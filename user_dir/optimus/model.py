@@ -1,6 +1,6 @@
 """``optimus``: a BERT encoder and a GPT-2 decoder joined by a latent z (Li et al., 2020).
 
-Section and equation numbers refer to ``shared/papers/optimus.txt``; "the authors' code" to
+Section and equation numbers refer to Li et al., EMNLP 2020, arXiv:2004.04092; "the authors' code" to
 ChunyuanLI/Optimus (``code/pytorch_transformers/modeling_{bert,gpt2}.py``).
 
 * **Encoder** q(z|x) (Sec. 4.2, "Latent Vector Injection"): ``transformers.BertModel`` over

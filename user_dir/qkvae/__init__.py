@@ -1,4 +1,4 @@
-"""QKVAE and ADVAE (Felhi et al. 2022, ``shared/papers/qkvae.txt``) as fairseq models.
+"""QKVAE and ADVAE (Felhi et al., NAACL 2022, arXiv:2205.05943) as fairseq models.
 
 * :mod:`.encoder` -- ADVAE's latent-query encoder (eq. 3), shared by both models;
 * :mod:`.decoder` -- QKVAE's QKV decoder (Section 4.1) and ADVAE's decoder (Section 3.3);

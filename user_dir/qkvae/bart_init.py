@@ -1,6 +1,6 @@
 """Initialising QKVAE / ADVAE from a local Hugging Face BART directory (``--bart-dir``).
 
-Appendix B of ``shared/papers/qkvae.txt``: "The encoders (resp. decoders) are initialized with
+Appendix B of Felhi et al., NAACL 2022, arXiv:2205.05943: "The encoders (resp. decoders) are initialized with
 parameters from the 4 first layers (resp. 4 last layers) of BART encoders (resp. decoders)".
 With N = ``--encoder-layers``, M = ``--decoder-layers``, P = ``--posterior-layers`` and a BART of
 E encoder and D decoder layers, this copies

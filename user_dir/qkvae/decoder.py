@@ -1,4 +1,4 @@
-"""The two latent-conditioned decoders (``shared/papers/qkvae.txt``).
+"""The two latent-conditioned decoders (Felhi et al., NAACL 2022, arXiv:2205.05943).
 
 Both are fairseq ``TransformerDecoderBase`` subclasses (token/position embeddings, BART-style
 ``layernorm_embedding``, causal self-attention with fairseq's incremental state, tied output

@@ -1,4 +1,4 @@
-"""ADVAE's encoder (``shared/papers/qkvae.txt`` eq. 3), shared by QKVAE and ADVAE.
+"""ADVAE's encoder (Felhi et al., NAACL 2022, arXiv:2205.05943, eq. 3), shared by QKVAE and ADVAE.
 
 q(z | w) = prod_l q(z_l | w):
 

@@ -1,4 +1,4 @@
-"""``qkvae`` and ``advae``: the sentence VAEs of Felhi et al. (NAACL 2022), ``shared/papers/qkvae.txt``.
+"""``qkvae`` and ``advae``: the sentence VAEs of Felhi et al. (NAACL 2022, arXiv:2205.05943).
 
 Both models share one encoder (:class:`~user_dir.qkvae.encoder.LatentQueryEncoder`, ADVAE's
 eq. 3) and differ in the decoder:

@@ -1,4 +1,4 @@
-"""The embedding-space test of QKVAE's Table 2 (``shared/papers/qkvae.txt``, Section 5.2).
+"""The embedding-space test of QKVAE's Table 2 (Felhi et al., NAACL 2022, arXiv:2205.05943, Section 5.2).
 
 For (target, sem_src, syn_src) triplets -- sem_src a paraphrase of target, syn_src a
 syntactically similar but semantically different sentence -- and each latent representation,

@@ -1,7 +1,7 @@
 """Analyses of trained fairseq encoder-decoder checkpoints (SDMA paper, Section IV-B).
 
 Chien & Huang, "Latent Semantic and Disentangled Attention", TPAMI 2024
-(``shared/papers/sdma.txt``):
+(Chien & Huang, TPAMI 2024, doi:10.1109/TPAMI.2024.3432631):
 
 * IV-B2, Figs. 8/9: the queries q_i^h = (W_q^h x_i + b_q^h) * scaling of every head of one
   attention (the paper: the last decoder layer's self-attention), reduced to 2-D with

@@ -1,7 +1,7 @@
 """What the semantic clusters of an SDMA checkpoint capture (SDMA paper, Section IV-B1).
 
 Chien & Huang, "Latent Semantic and Disentangled Attention", TPAMI 2024
-(``shared/papers/sdma.txt``). Teacher-forces the first sentences of a binarized split
+(Chien & Huang, TPAMI 2024, doi:10.1109/TPAMI.2024.3432631). Teacher-forces the first sentences of a binarized split
 through an ``sdma_transformer`` checkpoint and, for one attention type / layer (and one
 or all heads), assigns every real (non-padding) query token to its argmax cluster of
 p(c | z_i^h) (eq. 9, as at inference: no sampling noise, z = the attention module's

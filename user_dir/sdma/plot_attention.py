@@ -1,7 +1,7 @@
 """Fig. 6 of the SDMA paper for one sentence: clustering probabilities, semantic mask, attention.
 
 Chien & Huang, "Latent Semantic and Disentangled Attention", TPAMI 2024
-(``shared/papers/sdma.txt``, Fig. 6/7).  For one source sentence of a binarized
+(Chien & Huang, TPAMI 2024, doi:10.1109/TPAMI.2024.3432631, Fig. 6/7).  For one source sentence of a binarized
 split and one encoder layer/head of an ``sdma_transformer`` checkpoint, draws
 
 (a) the clustering probabilities p(c | z_i) of eq. (9) of every source token

@@ -1,7 +1,7 @@
 """Figs. 8/9 of the SDMA paper: t-SNE of the queries q_i^h of each head, coloured by head.
 
 Chien & Huang, "Latent Semantic and Disentangled Attention", TPAMI 2024
-(``shared/papers/sdma.txt``, Section IV-B2). For one or more fairseq translation
+(Chien & Huang, TPAMI 2024, doi:10.1109/TPAMI.2024.3432631, Section IV-B2). For one or more fairseq translation
 checkpoints (e.g. V-T and SDMA-T) and a binarized split, teacher-forces the first
 sentences, captures the queries q = q_proj(x) * scaling of one attention (default:
 the last decoder layer's self-attention) at every real (non-padding) position, split

@@ -1,7 +1,7 @@
 """Layer redundancy (LR) and head redundancy (HR) of a fairseq encoder-decoder model.
 
 Chien & Huang, "Latent Semantic and Disentangled Attention", TPAMI 2024
-(``shared/papers/sdma.txt``, Section IV-A2 "Evaluation Metrics", Tables II-IV,
+(Chien & Huang, TPAMI 2024, doi:10.1109/TPAMI.2024.3432631, Section IV-A2 "Evaluation Metrics", Tables II-IV,
 Figs. 10-11).  Works for any fairseq encoder-decoder checkpoint whose attentions
 are fairseq ``MultiheadAttention`` modules: the vanilla ``transformer`` and
 ``sdma_transformer`` (whose ``SDMAMultiheadAttention`` returns the mixed

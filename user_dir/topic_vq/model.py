@@ -1,7 +1,7 @@
 """``topic_vq_sts``: a Hugging Face encoder with topic-informed discrete latents (DisBert).
 
 Yu et al., "Learning Semantic Textual Similarity via Topic-informed Discrete Latent
-Variables" (``shared/papers/topic_vq_sts.txt``). One fairseq model, trained in the paper's
+Variables" (Yu et al. 2022, arXiv:2211.03616). One fairseq model, trained in the paper's
 three stages with the same ``fairseq-train`` command and ``--topic-vq-stage``:
 
 1. ``ntm``: the neural topic model alone (Section 3.1) on the bag-of-words of both

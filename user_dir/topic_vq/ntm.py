@@ -1,7 +1,7 @@
 """Gaussian-softmax neural topic model (GSM) with embedded topics, and NPMI topic coherence.
 
 Yu et al., "Learning Semantic Textual Similarity via Topic-informed Discrete Latent
-Variables" (``shared/papers/topic_vq_sts.txt``), Section 3.1: the NTM of Miao et al. (2017,
+Variables" (Yu et al. 2022, arXiv:2211.03616), Section 3.1: the NTM of Miao et al. (2017,
 "Discovering discrete latent topics with neural variational inference"), the Gaussian
 softmax construction (GSM), with the topic-word distributions of Wang & Yang (2020):
 

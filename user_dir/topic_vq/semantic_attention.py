@@ -1,7 +1,7 @@
 """Semantics-driven multi-head attention and output enhancement for BERT-family encoders.
 
 Yu et al., "Learning Semantic Textual Similarity via Topic-informed Discrete Latent
-Variables" (``shared/papers/topic_vq_sts.txt``), Section 3.3, eq. (4)-(5). Plain PyTorch on
+Variables" (Yu et al. 2022, arXiv:2211.03616), Section 3.3, eq. (4)-(5). Plain PyTorch on
 Hugging Face ``transformers`` models (BERT, RoBERTa, ELECTRA, XLM-R: any model whose
 ``base_model.encoder.layer[i].attention.self`` is the self-attention, as in transformers 5).
 

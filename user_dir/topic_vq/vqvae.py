@@ -1,7 +1,7 @@
 """Topic-enhanced VQ-VAE: topic-sensitive encoder and topical latent embedding (codebook).
 
 Yu et al., "Learning Semantic Textual Similarity via Topic-informed Discrete Latent
-Variables" (``shared/papers/topic_vq_sts.txt``), Section 3.2, eq. (1), and the joint
+Variables" (Yu et al. 2022, arXiv:2211.03616), Section 3.2, eq. (1), and the joint
 objective eq. (6) of Section 3.4. Plain PyTorch.
 
 One sentence of W words (VQ vocabulary ids, padded with ``padding_idx``) at a time:

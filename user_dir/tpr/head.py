@@ -1,4 +1,4 @@
-"""The TPR layer of HUBERT (Moradshahi et al., ``shared/papers/hubert_tpr.txt``, Section 3).
+"""The TPR layer of HUBERT (Moradshahi et al. 2019, arXiv:1910.12647, Section 3).
 
 Plain PyTorch. Symbols follow the paper: ``n_S`` symbols (fillers) of size ``d_S`` in the
 columns of the global symbol matrix ``S [d_S, n_S]``, ``n_R`` roles of size ``d_R`` in the

@@ -1,6 +1,6 @@
 """``tpr_classifier`` (HUBERT) and the ``bert_lstm_classifier`` baseline.
 
-HUBERT (Moradshahi et al., ``shared/papers/hubert_tpr.txt``): a Hugging Face encoder, the TPR
+HUBERT (Moradshahi et al. 2019, arXiv:1910.12647): a Hugging Face encoder, the TPR
 layer of :mod:`.head` over its final hidden states, an aggregation (eq. 5) and the
 classification head of ``hf_sentence_classifier``. Architectures:
 

@@ -1,5 +1,5 @@
 """Role types vs part of speech for a ``tpr_classifier`` (HUBERT) checkpoint: Section 4.5 and
-Figure 4 of Moradshahi et al. (``shared/papers/hubert_tpr.txt``).
+Figure 4 of Moradshahi et al. (2019, arXiv:1910.12647).
 
     tpr-roles-pos CHECKPOINT --out-dir DIR [--oanc-file FILE]
         [--max-sentences 2000] [--top-k 2] [--top-types 10] [--batch-size 32]
