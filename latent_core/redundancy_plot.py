@@ -17,7 +17,7 @@ e.g. V-T next to SDMA-T as in the paper::
     sdma-plot-heads vt.json sdma.json --names V-T SDMA-T --out fig10.png
 
 (``sdma-redundancy --heatmap OUT.png`` draws one model's matrix directly;
-``python scripts/plot_head_redundancy.py`` is the same command as ``sdma-plot-heads``.)
+``python -m latent_core.redundancy_plot`` is the same command as ``sdma-plot-heads``.)
 Needs only matplotlib and numpy.
 """
 
@@ -129,7 +129,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    prog = os.path.basename(sys.argv[0]) or "plot_head_redundancy.py"
+    prog = os.path.basename(sys.argv[0]) or "sdma-plot-heads"
     try:
         names = args.names or [Path(path).stem for path in args.results]
         if len(names) != len(args.results):

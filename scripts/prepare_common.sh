@@ -9,7 +9,7 @@ fi
 WORKERS=${WORKERS:-$(nproc 2>/dev/null || echo 1)}
 die() { echo "error: $*" >&2; exit 2; }
 
-# Options of prepare_translation.py from the environment (exit 2 on a bad value, like its own errors):
+# Options of prepare-translation from the environment (exit 2 on a bad value, like its own errors):
 #   OVERWRITE=1            --overwrite (replace OUT_DIR/bin of a previous run)
 #   MAX_POSITIONS=N        --max-positions N (the model's limit; default 1024, fairseq's)
 #   TOO_LONG=truncate|skip what to do with sentences over it (default: refuse, naming them)
@@ -46,8 +46,8 @@ plain_or_sgm() {
     local src_sgm="$raw/$name-$pair-src.$src.sgm" tgt_sgm="$raw/$name-$pair-ref.$tgt.sgm"
     [[ -f "$src_sgm" && -f "$tgt_sgm" ]] || die "neither $raw/$name.{$src,$tgt} nor $src_sgm + $tgt_sgm found"
     mkdir -p "$(dirname "$out")"
-    "$PYTHON" "$ROOT/scripts/extract_iwslt14.py" sgm "$src_sgm" "$out.$src" >&2
-    "$PYTHON" "$ROOT/scripts/extract_iwslt14.py" sgm "$tgt_sgm" "$out.$tgt" >&2
+    "$PYTHON" -m latent_core.data.iwslt14 sgm "$src_sgm" "$out.$src" >&2
+    "$PYTHON" -m latent_core.data.iwslt14 sgm "$tgt_sgm" "$out.$tgt" >&2
     echo "$out"
 }
 

@@ -22,10 +22,10 @@ if [[ ! -f "$RAW/train.tags.de-en.de" && ! -f "$RAW/de-en/train.tags.de-en.de" ]
     usage_from_header "${BASH_SOURCE[0]}"
 fi
 
-"$PYTHON" "$ROOT/scripts/extract_iwslt14.py" iwslt14 "$RAW" "$OUT/raw"
+"$PYTHON" -m latent_core.data.iwslt14 iwslt14 "$RAW" "$OUT/raw"
 lower=()
 if [[ "${LOWERCASE:-1}" == 1 ]]; then lower=(--lowercase); fi
-"$PYTHON" "$ROOT/scripts/prepare_translation.py" \
+"$PYTHON" -m latent_core.data.translation \
     --train-prefix "$OUT/raw/train" --valid-prefix "$OUT/raw/valid" --test-prefix "$OUT/raw/test" \
     --src de --tgt en --out-dir "$OUT" \
     --src-vocab-size "${SRC_VOCAB:-6000}" --tgt-vocab-size "${TGT_VOCAB:-8000}" \

@@ -54,7 +54,7 @@ Usage::
 ``LR`` is on the paper's [0, 1] scale (``LR_bits``: the printed formula, in bits);
 the paper's Table VII values are encoder self-attention numbers (see
 ``latent_core.redundancy``'s docstring and the JSON's ``notes``).
-``python scripts/espnet_attention_redundancy.py`` is the same command.
+``python -m espnet_plugin.asr.redundancy`` is the same command.
 
 Python::
 
@@ -416,7 +416,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     """Command line (``sdma-espnet-redundancy``): 0, or 2 after one ``PROG: error: ...`` line."""
     args = parse_args(argv)
-    prog = os.path.basename(sys.argv[0]) or "espnet_attention_redundancy.py"
+    prog = os.path.basename(sys.argv[0]) or "sdma-espnet-redundancy"
     try:
         result = espnet_attention_redundancy(
             args.asr_train_config, args.asr_model_file, args.data_dir, max_utterances=args.max_utterances,
@@ -427,3 +427,7 @@ def main(argv=None) -> int:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 2
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -6,7 +6,7 @@
 #   tokenized BLEU (fairseq-style, as the paper's Tables II-IV): Moses-tokenised hypotheses
 #     vs Moses-tokenised references, BLEU-4 as fairseq-generate / multi-bleu.perl, with the
 #     ##AT##-##AT## compound splitting of WMT'14 En-De for a German target
-#     (scripts/translation_bleu.py).
+#     (sdma-bleu, user_dir/sdma/bleu.py).
 #
 # usage: examples/sdma_translation/evaluate.sh SAVE_DIR DATA_BIN [OUT_DIR]
 #   SAVE_DIR  the run's checkpoints (checkpoint{epoch}.pt)
@@ -14,7 +14,7 @@
 #   OUT_DIR   default SAVE_DIR/eval_${SUBSET}: gen.out, hyp.txt, bleu.txt (sacreBLEU),
 #             bleu_tokenized.txt, bleu.json (both scores), hyp.tok.txt, ref.tok.txt
 # env: N_AVG=5 BEAM=5 LENPEN=1.0 BATCH_SIZE=128 SUBSET=test
-#      REF=DATA_BIN/../spm/${SUBSET}.${TGT}.raw (written by scripts/prepare_translation.py)
+#      REF=DATA_BIN/../spm/${SUBSET}.${TGT}.raw (written by prepare-translation)
 #      SACREBLEU_TOK (default: zh for a Chinese target, else 13a)  PYTHON  SKIP_REDUNDANCY=0
 #      COMPOUND_SPLIT=auto|1|0 (auto: on for a German target, i.e. WMT'14 En-De)
 #      BLEU_TOKENIZER=auto|moses|zh|none (tokenized BLEU; auto: zh for a Chinese target, else moses)
@@ -60,7 +60,7 @@ read -r -a gen_args <<< "${GEN_ARGS:-}"
 
 AVG=$SAVE_DIR/checkpoint_avg$N_AVG.pt
 echo "[evaluate] average the last $N_AVG epoch checkpoints -> $AVG"
-"$PYTHON" "$ROOT/scripts/average_checkpoints.py" --inputs "$SAVE_DIR" \
+"$PYTHON" -m user_dir.average_checkpoints --inputs "$SAVE_DIR" \
     --num-epoch-checkpoints "$N_AVG" --output "$AVG"
 
 # --required-batch-size-multiple 1: with fairseq's default of 8, batch_by_size drops the last
@@ -83,15 +83,11 @@ echo "[evaluate] sacreBLEU (tokenize $TOK) against $REF -> $OUT_DIR/bleu.txt"
 "$(tool sacrebleu)" "$REF" -i "$OUT_DIR/hyp.txt" -tok "$TOK" | tee "$OUT_DIR/bleu.txt"
 
 echo "[evaluate] BLEU scores ($TGT, $n_hyp sentences) -> $OUT_DIR/bleu.json, $OUT_DIR/bleu_tokenized.txt"
-"$PYTHON" "$ROOT/scripts/translation_bleu.py" --hyp "$OUT_DIR/hyp.txt" --ref "$REF" --lang "$TGT" \
+"$PYTHON" -m user_dir.sdma.bleu --hyp "$OUT_DIR/hyp.txt" --ref "$REF" --lang "$TGT" \
     --sacrebleu-tokenize "$TOK" --tokenizer "${BLEU_TOKENIZER:-auto}" "${split[@]}" --out-dir "$OUT_DIR"
 
 if [[ "${SKIP_REDUNDANCY:-0}" == 1 ]]; then
     exit 0
 fi
-if [[ ! -f "$ROOT/scripts/attention_redundancy.py" ]]; then
-    echo "[evaluate] scripts/attention_redundancy.py not found; skipping the redundancy analysis" >&2
-    exit 0
-fi
 echo "[evaluate] attention redundancy ($SUBSET)"
-"$PYTHON" "$ROOT/scripts/attention_redundancy.py" --path "$AVG" "$DATA_BIN" --subset "$SUBSET"
+"$PYTHON" -m user_dir.sdma.redundancy --path "$AVG" "$DATA_BIN" --subset "$SUBSET"

@@ -30,14 +30,13 @@ Exact duplicate pairs are removed (first occurrence kept).  Nothing is dropped
 silently: lines without exactly one `` :: `` (``malformed``) or with a different number of
 sub-entries on the two sides (``misaligned``) are counted with the filter rejections and
 printed.  A line that is not UTF-8 stops the run naming ``file:line``; errors end the
-command line with one ``prepare_ding_de_en.py: error: ...`` line and exit status 2.  The pairs are
+command line with one ``prepare-ding: error: ...`` line and exit status 2.  The pairs are
 shuffled with ``--seed`` and split deterministically into test, valid and train
 (in that order), written as ``OUT/{train,valid,test}.{de,en}``.
 
 Usage::
 
     prepare-ding --out-dir data/ding_de_en [--max-words 15]
-    python scripts/prepare_ding_de_en.py --out-dir data/ding_de_en [--max-words 15]   # the same
 
 Python API::
 
@@ -55,7 +54,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
-PROG = "prepare_ding_de_en.py"
+PROG = "prepare-ding"
 DEFAULT_SOURCE = Path("/usr/share/trans/de-en")
 SPLITS = ("train", "valid", "test")
 LANGS = ("de", "en")
@@ -340,7 +339,7 @@ def rejection_summary(stats: Counter) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Command line (``prepare-ding``); every error ends it with one ``prepare_ding_de_en.py: error: ...`` line
+    """Command line (``prepare-ding``); every error ends it with one ``prepare-ding: error: ...`` line
     on stderr and exit status 2 (argparse's convention). Returns 0 (the split sizes are printed; the Python API
     :func:`build_corpus` returns them)."""
     parser = build_parser()
@@ -363,3 +362,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"test {counts['test']}) -> {args.out_dir}")
     print(f"[prepare_ding] rejected: {rejection_summary(stats)}")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

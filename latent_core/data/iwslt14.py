@@ -24,7 +24,7 @@ sentencepiece and, with ``--lowercase``, lowercasing).  Writes
 ``sgm IN OUT`` writes the ``<seg>`` contents of one SGML/XML file (e.g. WMT's
 ``newstest2017-zhen-ref.en.sgm``), one per line.
 
-Command ``extract-iwslt14`` (``python scripts/extract_iwslt14.py`` is the same).
+Command ``extract-iwslt14`` (``python -m latent_core.data.iwslt14`` is the same).
 """
 
 from __future__ import annotations
@@ -189,3 +189,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except (ExtractError, UnicodeDecodeError) as error:
         print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

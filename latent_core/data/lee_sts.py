@@ -18,14 +18,13 @@ only 50 documents), seeded: fold k's test set is the k-th fifth of a random perm
 ``--dev-fraction`` of the remaining pairs is the dev set used for model selection.
 
     prepare-lee-sts --out-dir outputs/lee_sts [--folds 5] [--seed 1]
-    python scripts/prepare_lee_sts.py --out-dir outputs/lee_sts [--folds 5] [--seed 1]   # the same
 
 Bad data is named: a blank line between documents (it would shift the document numbering of
 the ratings matrix; ``file:line``), a ratings file that is not a square matrix of numbers in
 [0, 1] of the documents' size, a fold with an empty split. A line of ``lee.cor`` that is not
 UTF-8 is decoded with U+FFFD for the bad bytes and named in a warning (``file:line``): gensim's
 copy has one Latin-1 ``£`` on line 41, which earlier runs read the same way. Errors end the
-command with one ``prepare_lee_sts.py: error: ...`` line and exit status 2.
+command with one ``prepare-lee-sts: error: ...`` line and exit status 2.
 """
 
 import argparse
@@ -39,7 +38,7 @@ import numpy as np
 
 from latent_core.data.registry import DataError, fetch_members
 
-PROG = "prepare_lee_sts.py"
+PROG = "prepare-lee-sts"
 GENSIM = "gensim==4.4.0"
 DOCUMENTS = "gensim/test/test_data/lee.cor"
 RATINGS = "gensim/test/test_data/similarities0-1.txt"
@@ -53,7 +52,7 @@ def read_documents(path: Path, warn=None) -> List[str]:
     """One whitespace-normalised document per line (split on ``\\n``), in file order.
 
     A line that is not UTF-8 is decoded with U+FFFD for its bad bytes and reported through
-    ``warn(message)`` (default: a ``prepare_lee_sts.py: warning: file:line: ...`` line on
+    ``warn(message)`` (default: a ``prepare-lee-sts: warning: file:line: ...`` line on
     stderr). Trailing blank lines are ignored; a blank line before the last document raises
     DataError (``file:line``): document ``i`` is row ``i`` of the ratings matrix.
     """
@@ -159,7 +158,7 @@ def prepare(out_dir: Path, num_folds: int = 5, dev_fraction: float = 0.1, seed: 
 
 
 def main(argv=None) -> int:
-    """Command line (``prepare-lee-sts``): 0, or 2 after one ``prepare_lee_sts.py: error: ...`` line."""
+    """Command line (``prepare-lee-sts``): 0, or 2 after one ``prepare-lee-sts: error: ...`` line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--folds", type=int, default=5)
@@ -172,9 +171,13 @@ def main(argv=None) -> int:
         summary = prepare(args.out_dir, args.folds, args.dev_fraction, args.seed,
                           documents=args.documents, ratings=args.ratings)
     except DataError as err:
-        print(f"prepare_lee_sts.py: error: {err}", file=sys.stderr)
+        print(f"prepare-lee-sts: error: {err}", file=sys.stderr)
         return 2
     print(f"{summary['documents']} documents, {summary['pairs']} rated pairs -> {len(summary['folds'])} folds "
           f"(train/dev/test {summary['folds'][0]['train']}/{summary['folds'][0]['dev']}/{summary['folds'][0]['test']}) "
           f"in {args.out_dir}")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -30,7 +30,6 @@ Re-running with the same options skips wav files that already exist.
 Example::
 
     synth-mandarin-corpus --out data/mandarin_synth --num-sentences 300
-    python scripts/synth_mandarin_corpus.py --out data/mandarin_synth --num-sentences 300   # the same
 """
 
 import argparse
@@ -458,3 +457,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"{c['seconds'] / 60:.1f} min")
     print(f"wrote {Path(args.out) / 'data'} and {Path(args.out) / 'corpus.json'}")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -47,7 +47,7 @@ from latent_core.data.bert_source import (
 )
 from latent_core.data.registry import DataError
 
-PROG = "prepare_optimus_data.py"
+PROG = "prepare-optimus-data"
 SOURCE_LANG, TARGET_LANG = "bert", "gpt2"
 SPLITS = ("train", "valid", "test")
 DEFAULT_GPT2_POSITIONS = 1024  # GPT-2's n_positions (and the optimus model's default)
@@ -291,7 +291,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    """Command line (``prepare-optimus-data``): 0, or 2 after one ``prepare_optimus_data.py: error:`` line."""
+    """Command line (``prepare-optimus-data``): 0, or 2 after one ``prepare-optimus-data: error:`` line."""
     args = parse_args(argv)
     try:
         gpt2_dir = args.gpt2_dir

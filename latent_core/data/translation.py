@@ -29,7 +29,7 @@ pieces) or --skip (drop the pair from both sides and from the .raw references); 
 were cut or dropped is printed.  Nothing is dropped silently.
 
 Every problem with the inputs ends the run before fairseq-preprocess with one line
-``prepare_translation.py: error: ...`` (what, where, what to do) and exit status 2.
+``prepare-translation: error: ...`` (what, where, what to do) and exit status 2.
 
 ``OUT/spm/test.{lang}.raw`` is the detokenised reference for sacreBLEU: the raw
 text with only whitespace normalisation and (with --lowercase) lowercasing, no
@@ -48,7 +48,7 @@ Paper settings (SDMA, Table I):  IWSLT'14 De-En ``--src-vocab-size 6000
 ``--share-all-embeddings``); WMT'17 Zh-En ``--jieba --src-vocab-size 25000
 --tgt-vocab-size 20000``.
 
-Command ``prepare-translation`` (``python scripts/prepare_translation.py`` is the same).
+Command ``prepare-translation`` (``python -m latent_core.data.translation`` is the same).
 
 Python API::
 
@@ -70,7 +70,7 @@ from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence,
 
 from latent_core.data import bert_source
 
-PROG = "prepare_translation.py"
+PROG = "prepare-translation"
 SPLITS = ("train", "valid", "test")
 REFERENCE_SPLITS = ("valid", "test")
 # fairseq's DEFAULT_MAX_SOURCE_POSITIONS / DEFAULT_MAX_TARGET_POSITIONS; no architecture of
@@ -658,7 +658,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    """Command line (``prepare-translation``); a :class:`PrepareError` ends it with one ``prepare_translation.py: error: ...`` line on
+    """Command line (``prepare-translation``); a :class:`PrepareError` ends it with one ``prepare-translation: error: ...`` line on
     stderr and exit status 2 (as argparse does for usage errors)."""
     args = parse_args(argv)
     try:
@@ -667,3 +667,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     stage(f"done: {bin_dir}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

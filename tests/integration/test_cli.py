@@ -143,18 +143,17 @@ def test_every_fairseq_entry_point_refuses_a_code_running_checkpoint(data_bin, t
 
     evil = tmp_path / "evil.pt"
     torch.save({"model": {}, "payload": WritesMarker()}, evil)
-    scripts = REPO / "scripts"
     commands = {
         "fairseq-generate": [venv_bin("fairseq-generate"), data_bin, "--user-dir", REPO / "user_dir", "--path", evil,
                              "--cpu", "--gen-subset", "valid", "--max-tokens", "500"],
         "fairseq-train --restore-file": train_cmd(data_bin, tmp_path / "ck", "--restore-file", evil,
                                                   "--max-update", "1"),
-        "vae_eval.py": [sys.executable, scripts / "vae_eval.py", data_bin, "--path", evil, "--cpu"],
-        "attention_redundancy.py": [sys.executable, scripts / "attention_redundancy.py", data_bin, "--path", evil],
-        "glue_predict.py": [sys.executable, scripts / "glue_predict.py", "--path", evil, "--data", tmp_path,
-                            "--out", tmp_path / "out.tsv", "--cpu"],
-        "average_checkpoints.py": [sys.executable, scripts / "average_checkpoints.py", "--inputs", evil, evil,
-                                   "--output", tmp_path / "avg.pt"],
+        "vae-eval": [venv_bin("vae-eval"), data_bin, "--path", evil, "--cpu"],
+        "sdma-redundancy": [venv_bin("sdma-redundancy"), data_bin, "--path", evil],
+        "glue-predict": [venv_bin("glue-predict"), "--path", evil, "--data", tmp_path, "--out", tmp_path / "out.tsv",
+                         "--cpu"],
+        "latent-average-checkpoints": [venv_bin("latent-average-checkpoints"), "--inputs", evil, evil,
+                                       "--output", tmp_path / "avg.pt"],
     }
     for name, command in commands.items():
         proc = run(command, check=False)

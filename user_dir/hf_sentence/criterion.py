@@ -143,7 +143,7 @@ class HFSentencePredictionCriterion(FairseqCriterion):
         or float scores)."""
         if "target" not in sample:
             raise ValueError("hf_sentence_prediction: this split has no labels (an unlabelled test file); "
-                             "predict it with scripts/glue_predict.py")
+                             "predict it with glue-predict")
         target = model.get_targets(sample, [logits]).view(-1)
         n = target.numel()
         if logits.dim() != 2 or logits.shape != (n, self.num_classes):

@@ -261,7 +261,7 @@ def main(argv=None) -> int:
     try:
         run(args)
     except (ValueError, OSError) as error:  # bad option, file or checkpoint
-        print(f"hans_eval.py: error: {error}", file=sys.stderr)
+        print(f"hans-eval: error: {error}", file=sys.stderr)
         return 2
     return 0
 

@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     try:
         run(args)
     except (ValueError, OSError) as error:  # bad option, data or checkpoint
-        print(f"glue_predict.py: error: {error}", file=sys.stderr)
+        print(f"glue-predict: error: {error}", file=sys.stderr)
         return 2
     return 0
 

@@ -197,3 +197,7 @@ def main(argv=None) -> int:
             for name, r in ((s, results[s]) for s in SYSTEMS if s in results)]
     print_table(rows, list(rows[0]), f"Ding {SRC}->{TGT}, {args.updates} updates each ({results_path})")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

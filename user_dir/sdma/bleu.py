@@ -7,7 +7,7 @@ applying the compound splitting similar to [43]": fairseq's
 ``examples/translation/compound_split_bleu.sh`` (from tensor2tensor's ``get_ende_bleu.sh``)
 rewrites ``(\\S)-(\\S)`` as ``\\1 ##AT##-##AT## \\2`` on both sides before scoring.
 
-This project's data preparation (``scripts/prepare_translation.py``) keeps the
+This project's data preparation (``prepare-translation``) keeps the
 references as raw text (whitespace-normalised; lowercased for IWSLT'14) and the
 hypotheses come out of ``fairseq-generate --remove-bpe sentencepiece`` detokenised, so
 both sides are tokenised here:
@@ -23,7 +23,7 @@ The n-gram statistics are sacreBLEU's with ``tokenize='none'`` and no smoothing,
 is BLEU-4 as ``multi-bleu.perl`` and fairseq's own scorer (``fairseq.scoring.bleu``)
 compute it; the tests check the equality with fairseq's scorer.
 
-The command ``sdma-bleu`` (:func:`main`; ``python scripts/translation_bleu.py`` is the same
+The command ``sdma-bleu`` (:func:`main`; ``python -m user_dir.sdma.bleu`` is the same
 command) prints both scores; see :data:`CLI_DESCRIPTION`.
 """
 
@@ -185,7 +185,7 @@ def sacrebleu_score(hypotheses: Sequence[str], references: Sequence[str], tokeni
 
 
 # ----------------------------------------------------------------------------
-# The command: sdma-bleu (scripts/translation_bleu.py)
+# The command: sdma-bleu
 # ----------------------------------------------------------------------------
 
 CLI_DESCRIPTION = """Score translations two ways: sacreBLEU and the paper's tokenized BLEU.
@@ -199,7 +199,7 @@ CLI_DESCRIPTION = """Score translations two ways: sacreBLEU and the paper's toke
 
 usage: sdma-bleu --hyp hyp.txt --ref ref.txt --lang en [--compound-split]
        [--tokenizer auto|moses|zh|none] [--sacrebleu-tokenize 13a] [--out-dir DIR]
-       (python scripts/translation_bleu.py is the same command)
+       (python -m user_dir.sdma.bleu is the same command)
 
 Prints one labelled line per score. With ``--out-dir``: ``bleu_tokenized.txt`` (the
 tokenized-BLEU line), ``bleu.json`` (both scores), ``hyp.tok.txt`` / ``ref.tok.txt`` (the

@@ -19,7 +19,7 @@ Usage::
     sdma-cluster-tokens DATA_BIN --path SDMA.pt [--subset test] \
         [--attention encoder_self] [--layer -1] [--head 0] [--top 15] [--max-sentences N] [--json OUT.json]
 
-(``python scripts/sdma_cluster_tokens.py`` is the same command.)
+(``python -m user_dir.sdma.cluster_tokens`` is the same command.)
 Library: ``user_dir.sdma.analysis`` (collect_cluster_statistics, cluster_token_table,
 cluster_usage, model_cluster_usage).
 """
@@ -120,7 +120,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    prog = os.path.basename(sys.argv[0]) or "sdma_cluster_tokens.py"
+    prog = os.path.basename(sys.argv[0]) or "sdma-cluster-tokens"
     try:
         report = cluster_report(args.path, args)
     except (FileNotFoundError, analysis.AnalysisError, RedundancyError) as error:

@@ -21,7 +21,7 @@ Usage::
     sdma-plot --path CKPT DATA_BIN --subset test --index 0 \
         --layer -1 --head 0 [--vanilla-path CKPT] [--mixed] --out fig6.png
 
-(``python scripts/plot_sdma_attention.py`` is the same command.)
+(``python -m user_dir.sdma.plot_attention`` is the same command.)
 
 ``--layer`` / ``--head`` are 0-based, negative values count from the end (the
 paper's "first head of the sixth encoder layer" is ``--layer 5 --head 0`` or
@@ -240,7 +240,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    prog = os.path.basename(sys.argv[0]) or "plot_sdma_attention.py"
+    prog = os.path.basename(sys.argv[0]) or "sdma-plot"
     try:
         models, _cfg, task = load_models(args.path, args.data, args.user_dir)
         model = models[0].cpu()

@@ -16,7 +16,7 @@ Usage::
         [--subset test] [--attention decoder_self] [--layer -1] [--max-sentences 104] \
         [--max-tokens-total 13312] [--max-points 20000] --out fig8.png [--json fig8.json]
 
-(``python scripts/plot_query_tsne.py`` is the same command.)
+(``python -m user_dir.sdma.plot_query_tsne`` is the same command.)
 Library: ``user_dir.sdma.analysis`` (collect_queries, embed_queries, draw_query_tsne).
 """
 
@@ -129,7 +129,7 @@ def run(args) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.getLogger("matplotlib").setLevel(logging.WARNING)  # fairseq sets the root logger to DEBUG
-    prog = os.path.basename(sys.argv[0]) or "plot_query_tsne.py"
+    prog = os.path.basename(sys.argv[0]) or "sdma-plot-tsne"
     try:
         result = run(args)
     except (FileNotFoundError, analysis.AnalysisError, RedundancyError) as error:

@@ -23,7 +23,7 @@ Usage::
         [--max-sentences N] [--batch-size B] [--json OUT.json] [--user-dir user_dir] \
         [--hr-matrix] [--heatmap OUT.png [--heatmap-kind encoder_self|decoder_self|decoder_cross|all]]
 
-(``python scripts/attention_redundancy.py`` is the same command.)
+(``python -m user_dir.sdma.redundancy`` is the same command.)
 ``--hr-matrix`` adds each type's head-pair HR matrix (``HR_matrix``, ``[N n_h, N n_h]``)
 to the JSON; ``--heatmap`` also draws it (Figs. 10-11; implies ``--hr-matrix``).
 ``sdma-plot-heads`` (:mod:`latent_core.redundancy_plot`) draws the matrices of several
@@ -346,7 +346,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    prog = os.path.basename(sys.argv[0]) or "attention_redundancy.py"
+    prog = os.path.basename(sys.argv[0]) or "sdma-redundancy"
     try:
         result = attention_redundancy(
             args.path, None, args.subset, args.max_sentences, data=args.data, batch_size=args.batch_size,

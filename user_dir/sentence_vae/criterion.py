@@ -41,7 +41,7 @@ and DDP reduction is exact):
 * ``elbo``: the ELBO, -(NLL + sum KL), per sentence, nats (unsmoothed, unthresholded, beta = 1);
 * ``neg_elbo_tok``: -ELBO per target token, nats;
 * ``ppl``: the ELBO-based perplexity exp(-sum ELBO / sum ntokens) = exp(neg_elbo_tok), an upper
-  bound of the true perplexity (evaluate the IW bound with ``scripts/vae_eval.py``).
+  bound of the true perplexity (evaluate the IW bound with ``vae-eval``).
 """
 
 import math

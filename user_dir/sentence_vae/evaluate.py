@@ -1,4 +1,4 @@
-"""Evaluation of a trained sentence VAE on a binarized split (the ``vae-eval`` command; ``scripts/vae_eval.py``).
+"""Evaluation of a trained sentence VAE on a binarized split (the ``vae-eval`` command).
 
 For every sentence x of the split (target = sentence + EOS):
 
@@ -412,5 +412,9 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     try:
         main(argv)
     except (VAEConfigError, OSError) as err:  # bad option, missing checkpoint/data file
-        print(f"vae_eval.py: error: {err}", file=sys.stderr)
+        print(f"vae-eval: error: {err}", file=sys.stderr)
         sys.exit(2)
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli_main())

@@ -1,4 +1,4 @@
-"""Decoding from a sentence VAE's latent space (the ``vae-generate`` command; ``scripts/vae_generate.py``).
+"""Decoding from a sentence VAE's latent space (the ``vae-generate`` command).
 
 Subcommands (every latent of the model, whatever its names):
 
@@ -155,5 +155,9 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     try:
         main(argv)
     except (VAEConfigError, OSError) as err:  # bad option, missing checkpoint/data file
-        print(f"vae_generate.py: error: {err}", file=sys.stderr)
+        print(f"vae-generate: error: {err}", file=sys.stderr)
         sys.exit(2)
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli_main())

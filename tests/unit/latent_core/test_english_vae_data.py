@@ -83,7 +83,7 @@ def test_non_utf8_line_is_named_with_file_and_line(tmp_path, capsys):
     code = prep.main(["--out-dir", str(tmp_path / "out"), "--sources", "oanc", "--oanc-file", str(oanc)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
-    assert err[0].startswith(f"prepare_english_vae_data.py: error: {oanc}:12: not valid UTF-8")
+    assert err[0].startswith(f"prepare-english-vae-data: error: {oanc}:12: not valid UTF-8")
     assert not (tmp_path / "out" / "bin").exists()
 
 
