@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 install: $(STAMP)
 
-$(STAMP): constraints.txt setup.py scripts/install.sh
+$(STAMP): constraints.txt pyproject.toml scripts/install.sh
 	bash scripts/install.sh
 	touch $(STAMP)
 

@@ -12,7 +12,7 @@
 #   and a 12-sentence synthetic Mandarin corpus (needs espeak-ng and sox here) for the ESPnet GPU test.
 # run: installs the wheels into the running python3 (no index, no dependencies), makes this checkout
 #   importable and writes the project's console scripts next to python3 (what `pip install -e .` does;
-#   setup.py asks for Python 3.11, the stack's, which images seldom have), unpacks the dictionary to
+#   pyproject.toml asks for Python 3.11, the stack's, which images seldom have), unpacks the dictionary to
 #   /usr/share/trans/de-en (root) and runs scripts/gpu_check.py with the given options.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -54,20 +54,17 @@ case "${1:-}" in
     shift
     python3 -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check "$DIR"/wheels/*.whl
     python3 - <<'EOF'
-import ast, site, sys
+import site, sys, tomllib
 from pathlib import Path
 repo = Path.cwd()
 Path(site.getsitepackages()[0], "latent_structure_toolkit_repo.pth").write_text(f"{repo}\n")
-tree = ast.parse((repo / "setup.py").read_text())
-entries = next(ast.literal_eval(n.value)["console_scripts"] for n in ast.walk(tree)
-               if isinstance(n, ast.keyword) and n.arg == "entry_points")
-for entry in entries:
-    name, target = (part.strip() for part in entry.split("=", 1))
+scripts = tomllib.loads((repo / "pyproject.toml").read_text())["project"]["scripts"]
+for name, target in scripts.items():
     module, func = target.split(":")
     script = Path(sys.executable).with_name(name)
     script.write_text(f"#!{sys.executable}\nimport sys\nfrom {module} import {func}\nsys.exit({func}())\n")
     script.chmod(0o755)
-print(f"{len(entries)} console scripts written next to {sys.executable}")
+print(f"{len(scripts)} console scripts written next to {sys.executable}")
 EOF
     mkdir -p /usr/share/trans && xz -dc "$DIR/de-en.xz" > /usr/share/trans/de-en
     export GPU_TESTS_ESPNET_CORPUS="$PWD/$DIR/asr_corpus"

@@ -6,7 +6,7 @@ What is read: every fenced code block tagged ``bash``, ``sh``, ``shell``, ``cons
 with backslash continuations joined and comments dropped; each line is split into simple
 commands at ``;``, ``&&``, ``||``, ``|`` and ``&``. A command is checked when its program is
 
-* a console script of ``setup.py`` (``sdma-redundancy``, ``.venv/bin/vae-eval``, ...): it must
+* a console script of ``pyproject.toml`` (``sdma-redundancy``, ``.venv/bin/vae-eval``, ...): it must
   be declared and installed in the venv, and every ``--long-option`` of the line must appear in
   its ``--help`` (of the subcommand, for ``vae-generate interpolate`` and the like);
 * ``fairseq-train``, ``-generate``, ``-interactive``, ``-preprocess``, ``-hydra-train``: fairseq's
@@ -26,18 +26,18 @@ Besides: every repository path the pages mention (``examples/...``, ``scripts/..
 ``user_dir/...``, ``latent_core/...``, ``espnet_plugin/...``, ``tests/...``) exists, every
 relative Markdown link resolves (anchors included), every dotted reference to the project's
 modules (``latent_core.sdma.SDMAOptions``) names a module and a name defined in it, and the
-README's Commands table lists exactly the console scripts of ``setup.py``.
+README's Commands table lists exactly the console scripts of ``pyproject.toml``.
 
 All ``--help`` texts come from one helper process (imports shared, about half a minute).
 """
 
-import ast
 import json
 import os
 import re
 import shlex
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
@@ -58,13 +58,10 @@ MIN_COMMANDS = 30
 
 
 def console_scripts() -> Dict[str, str]:
-    """name -> "module:function" of setup.py's console_scripts, read without running setup.py."""
-    tree = ast.parse((REPO / "setup.py").read_text(encoding="utf-8"))
-    for node in ast.walk(tree):
-        if isinstance(node, ast.keyword) and node.arg == "entry_points":
-            entries = ast.literal_eval(node.value)["console_scripts"]
-            return {name.strip(): target.strip() for name, target in (e.split("=", 1) for e in entries)}
-    raise AssertionError("setup.py declares no entry_points")
+    """name -> "module:function" of pyproject.toml's ``[project.scripts]``."""
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"].get("scripts")
+    assert scripts, "pyproject.toml declares no [project.scripts]"
+    return dict(scripts)
 
 
 SCRIPTS = console_scripts()
@@ -395,9 +392,9 @@ def makefile_targets() -> Tuple[set, str]:
 def program_exists(command: Command) -> Tuple[bool, str]:
     if command.kind == "entry":
         if command.program not in SCRIPTS:
-            return False, f"{command.program} is not a console script of setup.py"
+            return False, f"{command.program} is not a console script of pyproject.toml"
         if not Path(venv_bin(command.program)).exists():
-            return False, f"console script {command.program} is declared in setup.py but not installed " \
+            return False, f"console script {command.program} is declared in pyproject.toml but not installed " \
                           f"(pip install -e . again)"
         return True, ""
     if command.kind == "fairseq":
@@ -552,6 +549,6 @@ def test_the_readme_lists_every_console_script():
     section = text.split("\n## Commands", 1)[1].split("\n## ", 1)[0]
     rows = dict(re.findall(r"^\|\s*`([\w-]+)`\s*\|\s*`([\w.]+)`\s*\|", section, flags=re.M))
     declared = {name: target.split(":")[0] for name, target in SCRIPTS.items()}
-    assert rows == declared, (f"README's Commands table differs from setup.py: missing "
+    assert rows == declared, (f"README's Commands table differs from pyproject.toml: missing "
                               f"{sorted(set(declared) - set(rows))}, extra {sorted(set(rows) - set(declared))}, "
                               f"other module {sorted(k for k in rows if k in declared and rows[k] != declared[k])}")

@@ -285,7 +285,7 @@ def test_two_process_cpu_training_with_espnets_distributed_launcher(pipeline, tm
 
 
 def test_use_tensorboard_writes_the_sdma_stats(pipeline, tmp_path):
-    """``--use_tensorboard true`` (needs the ``tensorboard`` package, in setup.py): ESPnet's
+    """``--use_tensorboard true`` (needs the ``tensorboard`` package, in pyproject.toml): ESPnet's
     event files under OUT/tensorboard/{train,valid} hold the SDMA regularisers of the reporter."""
     import math
 

@@ -9,7 +9,7 @@
 
 fairseq writes through ``torch.utils.tensorboard`` (the ``tensorboard`` package; without it it
 only warns "tensorboard not found") and imports ``tensorboardX`` for its TTS task (without it
-every command logs "Please install tensorboardX"): both are in setup.py. The ESPnet side
+every command logs "Please install tensorboardX"): both are in pyproject.toml. The ESPnet side
 (``--use_tensorboard true``) is tested in ``test_espnet_pipeline.py`` on that file's data.
 The event files are read back with TensorBoard's own ``EventAccumulator``.
 """
@@ -80,7 +80,7 @@ def assert_logged(scalars, names, tags=("train_inner", "train", "valid")):
 
 def assert_no_missing_package_message(log):
     found = [line for line in log.splitlines() if any(m in line for m in MISSING_PACKAGE_MESSAGES)]
-    assert not found, f"install the packages of setup.py (make install); the log says: {found}"
+    assert not found, f"install the packages of pyproject.toml (make install); the log says: {found}"
 
 
 def logged_values(log, tag, name):
