@@ -20,9 +20,10 @@ def loaded_after(statement: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-# the command-line tools and data preparation moved out of scripts/ (named, so that a module
+# the toolkit-free tools and data preparation (named, so that a module
 # that disappears fails here instead of being skipped by the walk below)
 CORE_TOOLS = ("latent_core.redundancy", "latent_core.redundancy_plot", "latent_core.runs", "latent_core.peak_rss",
+              "latent_core.op_counts",
               "latent_core.data.registry", "latent_core.data.ding", "latent_core.data.english_vae",
               "latent_core.data.lee_sts", "latent_core.data.pattern3", "latent_core.data.iwslt14",
               "latent_core.data.translation", "latent_core.data.mandarin_synth")

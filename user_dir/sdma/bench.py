@@ -28,7 +28,7 @@ max are kept too). Prints tables, writes ``outputs/bench/sdma.json`` with ``trai
 timing per configuration) plus every raw number.
 
 FLOPs (first, well under a minute on a CPU; ``--flops-only`` stops there): counted by PyTorch's
-``FlopCounterMode`` (``user_dir/sdma/flops.py``; matrix products only, elementwise ops
+``FlopCounterMode`` (``user_dir/sdma/flops.py`` over ``latent_core/op_counts.py``; matrix products only, elementwise ops
 not counted) for V-T, SMA-T and SDMA-T at the tiny and base IWSLT'14 configurations on a
 fixed synthetic batch: one training step (forward with the SDMA regularisers + backward)
 per target token, and one eval-mode forward per sentence (the paper's FLOPs column reads

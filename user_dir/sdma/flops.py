@@ -40,13 +40,11 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
+
+from latent_core.op_counts import count_flops
 
 # model name -> --sdma-mode (same architecture, same sizes)
 MODELS = {"V-T": "none", "SMA-T": "sma", "SDMA-T": "sdma"}
@@ -208,79 +206,6 @@ def build_with_batch(arch: str, mode: str, setting: FlopsSetting, extra_args: Se
     with tempfile.TemporaryDirectory(prefix="sdma_flops_") as tmp:
         model, criterion, task = build_translation_model(arch, mode, setting, Path(tmp), extra_args)
     return model.to(device), criterion, synthetic_batch(task, setting, device)
-
-
-@contextmanager
-def _counting():
-    """FlopCounterMode with the math SDPA backend (whose matmuls the counter sees)."""
-    counter = FlopCounterMode(display=False)
-    with sdpa_kernel(SDPBackend.MATH), counter:
-        yield counter
-
-
-def _by_op(counter: FlopCounterMode) -> Dict[str, int]:
-    """FLOPs per ATen op (``mm``, ``bmm``...) of the whole counted region."""
-    counts = counter.get_flop_counts().get("Global", {})
-    return {str(op).removeprefix("aten."): int(v) for op, v in counts.items()}
-
-
-def count_flops(fn: Callable[[], object]) -> Tuple[int, Dict[str, int], object]:
-    """(total FLOPs, FLOPs per op, ``fn()``'s result) of running ``fn`` under the counter."""
-    with _counting() as counter:
-        result = fn()
-    return int(counter.get_total_flops()), _by_op(counter), result
-
-
-# ATen ops FlopCounterMode counts (matrix products); everything else that is not a view is
-# "elementwise work" for :class:`TrafficCounter`
-_MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "convolution", "_convolution",
-               "convolution_backward", "_scaled_dot_product_flash_attention_for_cpu",
-               "_scaled_dot_product_flash_attention_for_cpu_backward")
-
-
-class TrafficCounter(TorchDispatchMode):
-    """Counts the ATen ops that are neither matrix products nor views, and the bytes they touch.
-
-    FlopCounterMode sees only matrix products; on a CPU the rest of an update (softmax, exp/log,
-    masking, the sampling noise, layer norm, the optimizer's elementwise Adam step) is memory
-    traffic and per-op overhead. Per op, the bytes are those of its distinct tensor inputs and
-    outputs (an in-place op's tensor counted once); views (``transpose``, ``view``...) move no
-    data and are skipped. ``ops`` / ``bytes`` are the elementwise (non-matmul) totals;
-    ``matmul_ops`` the number of matrix products.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.ops = 0
-        self.bytes = 0
-        self.matmul_ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = func._overloadpacket.__name__
-        if name in _MATMUL_OPS:
-            self.matmul_ops += 1
-        elif not func.is_view and name not in ("detach", "lift_fresh"):
-            seen = set()
-            # factories read only their argument's metadata (``new_ones``, ``zeros_like``...)
-            read = () if name.startswith("new_") or name.endswith("_like") else (args, kwargs)
-            for t in pytree.tree_leaves((read, out)):
-                if isinstance(t, torch.Tensor) and t.numel() > 1:
-                    key = (t.data_ptr(), t.numel(), t.dtype)
-                    if key not in seen:
-                        seen.add(key)
-                        self.bytes += t.numel() * t.element_size()
-            self.ops += 1
-        return out
-
-
-def count_traffic(fn: Callable[[], object]) -> Dict[str, int]:
-    """``{"ops", "bytes", "matmul_ops"}`` of running ``fn`` (see :class:`TrafficCounter`); with
-    the math SDPA backend, as :func:`count_flops`, so V-T's attention is split the same way."""
-    counter = TrafficCounter()
-    with sdpa_kernel(SDPBackend.MATH), counter:
-        fn()
-    return {"ops": counter.ops, "bytes": counter.bytes, "matmul_ops": counter.matmul_ops}
 
 
 def _merge(*dicts: Dict[str, int]) -> Dict[str, int]:

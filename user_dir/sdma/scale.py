@@ -22,7 +22,9 @@ from typing import Dict, List
 
 import torch
 
-from .flops import FlopsSetting, build_with_batch, count_flops
+from latent_core.op_counts import count_flops
+
+from .flops import FlopsSetting, build_with_batch
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ ratio to V-T is taken within each round (so drift between rounds cancels) and re
 min / median / max over the rounds. The FLOPs of one update on the same batch
 (``torch.utils.flop_counter``, matrix products only, see ``flops.py``) are counted alongside, so
 the time ratio can be read against the arithmetic ratio, and so is the rest of the update
-(``flops.count_traffic``: the ATen ops that are not matrix products or views, and the bytes they
+(``latent_core.op_counts.count_traffic``: the ATen ops that are not matrix products or views, and the bytes they
 read and write), the memory traffic and per-op overhead that the FLOPs bound does not see.
 
 The batch mirrors the quickstart data that ``fairseq-train`` sees in the benchmark:
@@ -26,7 +26,9 @@ from typing import Dict, Sequence
 
 import torch
 
-from .flops import FlopsSetting, build_with_batch, count_flops, count_traffic
+from latent_core.op_counts import count_flops, count_traffic
+
+from .flops import FlopsSetting, build_with_batch
 
 # configuration -> (architecture, extra fairseq options)
 STEP_CONFIGS = {

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from user_dir.sdma import flops, scale, step_timing
+from latent_core.op_counts import count_traffic
+from user_dir.sdma import scale, step_timing
 
 
 def test_saved_activation_bytes_counts_each_saved_storage_once_and_no_parameters():
@@ -45,7 +46,7 @@ def test_traffic_counter_counts_elementwise_bytes_once_and_skips_views_and_matmu
         h.mul_(2.0)  # in place: its one tensor counted once
         return torch.zeros_like(h)  # a factory: writes only
 
-    counts = flops.count_traffic(work)
+    counts = count_traffic(work)
     assert counts["matmul_ops"] == 1
     assert counts["ops"] == 3
     assert counts["bytes"] == (2 * 64 + 64 + 64) * 4
