@@ -55,14 +55,6 @@ READINGS = ("authors", "paper")
 ATTENTION_KERNELS = ("auto", "explicit", "sdpa", "lowrank")
 # Names of the regularisers every SDMA module reports (eq. 20, 21, 22, 23).
 LOSS_NAMES = ("kl_z", "kl_q", "dqq", "dxq", "dv_z", "dv_q")
-# Loss-weight option (fairseq --sdma-*-weight, ESPnet model_conf sdma_*_weight)
-# -> (paper symbol, loss terms it weights, sign in eq. 24)
-LOSS_WEIGHTS = {
-    "sdma_kl_weight": ("lambda_k", ("kl_z", "kl_q"), 1.0),
-    "sdma_dqq_weight": ("lambda_q", ("dqq",), 1.0),
-    "sdma_dxq_weight": ("lambda_x", ("dxq",), -1.0),
-    "sdma_diversity_weight": ("lambda_d", ("dv_z", "dv_q"), 1.0),
-}
 
 
 
@@ -218,14 +210,25 @@ class SDMALossWeights:
     """The weights of eq. (24) (Table I, IWSLT'14 base; the rows and presets override what differs).
     Options ``sdma_<field>`` (fairseq ``--sdma-kl-weight``, ESPnet ``model_conf.sdma_kl_weight``)."""
 
-    kl_weight: float = _option(0.01, "lambda_k of eq. (24) (Table I: 0.01)", metavar="W")
-    dqq_weight: float = _option(100.0, "lambda_q of eq. (24) (Table I: 100 base/small, 50 tiny/Zh-En)", metavar="W")
-    dxq_weight: float = _option(10.0, "lambda_x of eq. (24) (Table I: 10 base/small, 5 tiny/Zh-En)", metavar="W")
-    diversity_weight: float = _option(1.0, "lambda_d of eq. (24) (Table I: 1)", metavar="W")
+    # metadata: the paper's symbol, the loss terms (LOSS_NAMES) it weights and its sign in eq. (24)
+    kl_weight: float = _option(0.01, "lambda_k of eq. (24) (Table I: 0.01)", metavar="W",
+                               symbol="lambda_k", terms=("kl_z", "kl_q"), sign=1.0)
+    dqq_weight: float = _option(100.0, "lambda_q of eq. (24) (Table I: 100 base/small, 50 tiny/Zh-En)", metavar="W",
+                                symbol="lambda_q", terms=("dqq",), sign=1.0)
+    dxq_weight: float = _option(10.0, "lambda_x of eq. (24) (Table I: 10 base/small, 5 tiny/Zh-En)", metavar="W",
+                                symbol="lambda_x", terms=("dxq",), sign=-1.0)
+    diversity_weight: float = _option(1.0, "lambda_d of eq. (24) (Table I: 1)", metavar="W",
+                                      symbol="lambda_d", terms=("dv_z", "dv_q"), sign=1.0)
 
     def as_options(self) -> Dict[str, float]:
         """``{"sdma_kl_weight": ..., ...}``: the keys of :data:`LOSS_WEIGHTS`."""
         return {f"sdma_{f.name}": getattr(self, f.name) for f in fields(self)}
+
+
+# Loss-weight option (fairseq --sdma-*-weight, ESPnet model_conf sdma_*_weight)
+# -> (paper symbol, loss terms it weights, sign in eq. 24), read off SDMALossWeights
+LOSS_WEIGHTS = {f"sdma_{f.name}": (f.metadata["symbol"], f.metadata["terms"], f.metadata["sign"])
+                for f in fields(SDMALossWeights)}
 
 
 def mixing_weight(num_updates: float, mix_max: float = SDMAOptions.mix_max,
