@@ -170,7 +170,8 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         if not core.active(self.training):
             return super().forward(query, key, value, mask, expand_kv)
         if expand_kv:
-            raise NotImplementedError("SDMA attention does not support partially autoregressive decoding")
+            raise ESPnetConfigError("SDMA attention has no partially autoregressive decoding (expand_kv): decode with "
+                                    "the autoregressive beam search")
         if core.options.authors:
             return self._forward_authors(query, key, value, mask)
         B, T1, _ = query.shape

@@ -104,7 +104,8 @@ class QKVDecoderLayer(TransformerDecoderLayerBase):
         if encoder_padding_mask is not None:
             raise ValueError("QKVDecoderLayer: the latent keys/values have no padding")
         if prev_self_attn_state is not None or prev_attn_state is not None:
-            raise NotImplementedError("QKVDecoderLayer does not take explicit previous attention states")
+            raise ValueError("QKVDecoderLayer takes no explicit previous attention states: decode step by step "
+                             "through the decoder's incremental_state")
         keys, values = encoder_out
         if need_head_weights:
             need_attn = True

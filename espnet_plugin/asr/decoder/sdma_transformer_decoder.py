@@ -145,4 +145,5 @@ class SDMATransformerDecoder(TransformerDecoder):
                                             return_hs=return_hs)
 
     def forward_partially_AR(self, *args: Any, **kwargs: Any):
-        raise NotImplementedError("SDMATransformerDecoder does not support partially autoregressive decoding")
+        raise ESPnetConfigError("SDMATransformerDecoder has no partially autoregressive decoding: decode with the "
+                                "autoregressive beam search (no partially_ar in the decode config)")

@@ -14,48 +14,16 @@ SUBPACKAGES = sorted(p.name for p in USER_DIR.iterdir() if (p / "__init__.py").i
 assert len(SUBPACKAGES) >= 7, SUBPACKAGES  # sdma, sentence_vae, qkvae, optimus, hf_sentence, topic_vq, tpr
 
 
-def _user_dir_targets(path: Path):
-    """Top-level names under user_dir (subpackage or module) that ``path`` imports."""
-    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level == 0:
-                names = [node.module or ""]
-            else:
-                # relative: climb node.level - 1 packages from the file's package
-                parts = list(path.relative_to(USER_DIR).parts[:-1])
-                up = node.level - 1
-                if up > len(parts):
-                    continue
-                base = parts[:len(parts) - up]
-                rest = (node.module or "").split(".") if node.module else []
-                full = base + rest
-                if not full:  # from .. import x  (x names modules of user_dir)
-                    for alias in node.names:
-                        yield alias.name
-                    continue
-                yield full[0]
-                continue
-        else:
-            continue
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "user_dir" and len(parts) > 1:
-                yield parts[1]
-
-
 def package_graph():
-    graph = {}
-    for package in SUBPACKAGES:
-        targets = set()
-        files = sorted((USER_DIR / package).rglob("*.py"))
-        assert files, f"no Python files under user_dir/{package}"
-        for path in files:
-            targets.update(_user_dir_targets(path))
-        graph[package] = {t for t in targets if t in SUBPACKAGES and t != package}
-    return graph
+    """user_dir subpackage -> the other subpackages it imports, read off :func:`module_graph`."""
+    graph, _ = module_graph()
+    arrows = {package: set() for package in SUBPACKAGES}
+    for name, targets in graph.items():
+        parts = name.split(".")
+        if parts[0] == "user_dir" and len(parts) > 1 and parts[1] in arrows:
+            arrows[parts[1]] |= ({t.split(".")[1] for t in targets if t.startswith("user_dir.")}
+                                 & set(SUBPACKAGES)) - {parts[1]}
+    return arrows
 
 
 def test_the_graph_sees_known_arrows():
@@ -104,9 +72,10 @@ def test_no_cycle_between_subpackages():
 
 
 def test_shared_modules_import_no_subpackage():
-    for module in ("hf_pretrained.py", "model_wrappers.py"):
-        targets = set(_user_dir_targets(USER_DIR / module))
-        assert not targets & set(SUBPACKAGES), f"user_dir/{module} imports {sorted(targets)}"
+    graph, _ = module_graph()
+    for module in ("hf_pretrained", "model_wrappers"):
+        targets = {t.split(".")[1] for t in graph[f"user_dir.{module}"] if t.startswith("user_dir.")}
+        assert not targets & set(SUBPACKAGES), f"user_dir/{module}.py imports {sorted(targets)}"
 
 
 # ------------------------------------------------------------------ modules of the three packages
