@@ -1,0 +1,85 @@
+"""One config per model: a ``FairseqDataclass`` registered with ``register_model(name, dataclass=...)``,
+architectures as field overrides of it.
+
+fairseq reads a dataclass model's options in two ways, and both stay in step with the one dataclass:
+
+* ``fairseq-train --arch NAME`` (argparse): :func:`add_config_args` adds every field as
+  ``--field-name`` (booleans take a value: ``--flag``, ``--flag true``, ``--flag false``), without
+  defaults, so that the architecture function (:func:`register_architecture`) fills in what the
+  command line left out: the architecture's overrides first, then the field defaults.
+* ``fairseq-hydra-train`` (``model._name: NAME`` in a YAML file): fairseq merges the YAML into
+  the dataclass; an architecture's overrides are the fields to write under ``model:``
+  (:func:`architecture_overrides`).
+"""
+
+import dataclasses
+from typing import Any, Dict, Type
+
+from fairseq.dataclass import FairseqDataclass
+from fairseq.dataclass.utils import gen_parser_from_dataclass, interpret_dc_type
+from fairseq.models import MODEL_DATACLASS_REGISTRY, register_model_architecture
+
+from latent_core.errors import parse_bool
+
+# arch name -> (model name, {field: value}), for documentation and the hydra tests
+ARCHITECTURE_OVERRIDES: Dict[str, Dict[str, Any]] = {}
+
+
+def config_fields(config_cls: Type[FairseqDataclass]):
+    """The user-facing fields of a model config (not fairseq's private ``_name``)."""
+    return [f for f in dataclasses.fields(config_cls) if not f.name.startswith("_")]
+
+
+def field_default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    raise ValueError(f"model config field {f.name} has no default")
+
+
+def config_defaults(config_cls: Type[FairseqDataclass]) -> Dict[str, Any]:
+    return {f.name: field_default(f) for f in config_fields(config_cls)}
+
+
+def add_config_args(parser, config_cls: Type[FairseqDataclass]) -> None:
+    """``add_args`` of a dataclass model: fairseq's ``gen_parser_from_dataclass`` (no defaults, as
+    ``BaseFairseqModel.add_args``), except that a boolean takes an optional value (fairseq's
+    ``store_true`` cannot be switched off on the command line once an architecture sets it)."""
+    for f in config_fields(config_cls):
+        if interpret_dc_type(f.type) is bool:
+            parser.add_argument("--" + f.name.replace("_", "-"), type=parse_bool, nargs="?", const=True,
+                                metavar="BOOL", help=f"{f.metadata.get('help', '')} (true/false)")
+    # the booleans above are already there: fairseq skips an option that exists (ArgumentError)
+    gen_parser_from_dataclass(parser, config_cls(), delete_default=True)
+
+
+def register_architecture(model_name: str, arch_name: str, **overrides):
+    """``--arch arch_name``: the config of ``model_name`` with ``overrides`` as its defaults.
+
+    The registered function sets every field the command line (or a checkpoint's config) left
+    unset (absent or None, fairseq's ``safe_getattr`` convention): the override if there is one,
+    else the dataclass default. Returns the function (so that tests and callers can apply it).
+    """
+    config_cls = MODEL_DATACLASS_REGISTRY[model_name]
+    defaults = config_defaults(config_cls)
+    unknown = sorted(set(overrides) - set(defaults))
+    if unknown:
+        raise ValueError(f"architecture {arch_name}: {unknown} are not fields of {config_cls.__name__}")
+    values = {**defaults, **overrides}
+
+    def architecture(args):
+        for name, value in values.items():
+            if getattr(args, name, None) is None:
+                setattr(args, name, value)
+
+    architecture.__name__ = arch_name
+    architecture.__doc__ = f"{model_name} with {overrides}" if overrides else f"{model_name} (its defaults)"
+    register_model_architecture(model_name, arch_name)(architecture)
+    ARCHITECTURE_OVERRIDES[arch_name] = (model_name, dict(overrides))
+    return architecture
+
+
+def architecture_overrides(arch_name: str) -> Dict[str, Any]:
+    """The fields an architecture sets (what to write under ``model:`` in a hydra YAML)."""
+    return dict(ARCHITECTURE_OVERRIDES[arch_name][1])
