@@ -37,9 +37,11 @@ Two readings (``SDMAOptions.reading``), see :data:`READINGS` and the README's ta
 In both, the scaling factor ``s`` of Algorithm 1 is 1 (its final value in the paper).
 """
 
+import contextlib
+import contextvars
 import math
 from dataclasses import dataclass, field, fields
-from typing import Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -730,6 +732,91 @@ def use_fused_kernel(kernel: str, device: torch.device, need_weights: bool, drop
     return device.type == "cuda" and not dropout_active
 
 
+@dataclass
+class ClusteringRecord:
+    """One SDMA attention's clustering in one forward pass: the input of its regularisers.
+
+    ``log_joint_*`` / ``log_resp_*``: log p(z, c) and log p(c | z), ``[T, B, n_h, C]`` (``_k``: the
+    keys of a cross-attention, ``[S, B, n_h, C]``, which the authors' reading regularises too);
+    ``valid`` ``[T, B]``: 1 at real (non-padding) query positions; ``log_vars``: learned posterior
+    log-variances per position and head (``{"z": [T, B, n_h], "q": ..., "k": [S, B, n_h]}``, the
+    authors' ESPnet ``var_estimation``) replacing sigma_tilde^2.
+    """
+
+    log_joint_z: Tensor
+    log_resp_z: Tensor
+    valid: Tensor
+    log_joint_q: Optional[Tensor] = None
+    log_resp_q: Optional[Tensor] = None
+    log_joint_k: Optional[Tensor] = None
+    log_resp_k: Optional[Tensor] = None
+    log_vars: Dict[str, Tensor] = field(default_factory=dict)
+
+    def layout(self) -> Tuple:
+        """The shapes that decide which records can be stacked into one batched computation."""
+        return tuple(None if t is None else tuple(t.shape) for t in (self.log_joint_z, self.log_joint_q,
+                                                                      self.log_joint_k))
+
+
+class SDMARecording:
+    """The :class:`ClusteringRecord` of every SDMA attention called inside one :func:`recording`
+    scope (the latest call of each core wins)."""
+
+    def __init__(self):
+        self._records: Dict["SDMACore", ClusteringRecord] = {}
+
+    def add(self, core: "SDMACore", record: ClusteringRecord) -> None:
+        self._records[core] = record
+
+    def get(self, core: "SDMACore") -> Optional[ClusteringRecord]:
+        return self._records.get(core)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+
+_RECORDING: contextvars.ContextVar[Optional[SDMARecording]] = contextvars.ContextVar("sdma_recording", default=None)
+_REAL_QUERIES: contextvars.ContextVar[Optional[Tensor]] = contextvars.ContextVar("sdma_real_queries", default=None)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[SDMARecording]:
+    """Record the clustering of the SDMA attentions called inside, for the regularisers::
+
+        with recording() as records:
+            output = model(batch)
+        terms = collect_sdma_losses(model, records)
+
+    Outside such a scope (decoding, analysis) nothing is recorded.
+    """
+    records = SDMARecording()
+    token = _RECORDING.set(records)
+    try:
+        yield records
+    finally:
+        _RECORDING.reset(token)
+
+
+@contextlib.contextmanager
+def real_queries(valid: Optional[Tensor]) -> Iterator[None]:
+    """The decoder's real (non-padding) positions, ``[B, T]`` bool, for the attentions called inside.
+
+    A cross-attention receives only the padding of its keys; its regularisers average over the
+    queries, so the decoder layer (or a fused attention) states which queries are real around the
+    call. ``None``: every position is real.
+    """
+    token = _REAL_QUERIES.set(valid)
+    try:
+        yield
+    finally:
+        _REAL_QUERIES.reset(token)
+
+
+def current_real_queries() -> Optional[Tensor]:
+    """What the innermost :func:`real_queries` scope set (``[B, T]`` bool), or None."""
+    return _REAL_QUERIES.get()
+
+
 class SDMACore(nn.Module):
     """Parameters and computations of SDMA for one attention module.
 
@@ -738,8 +825,8 @@ class SDMACore(nn.Module):
     weight g of eq. (11) as a persistent buffer: it follows ``set_num_updates`` in
     training and is saved in checkpoints, so inference uses its end-of-training value.
     The adapters call :meth:`perturb`, :meth:`cluster`, :meth:`cluster_queries` and
-    :meth:`record`; :func:`collect_sdma_losses` turns the recorded clustering of all
-    modules into the regularisers (batched over the layers of each attention type).
+    :meth:`record`; :func:`collect_sdma_losses` turns the clustering recorded in a
+    :func:`recording` scope into the regularisers (batched over the layers of each attention type).
     """
 
     def __init__(self, embed_dim: int, num_heads: int, options: SDMAOptions):
@@ -762,7 +849,6 @@ class SDMACore(nn.Module):
             else None
         )
         self.register_buffer("mix_weight", torch.zeros(()), persistent=True)
-        self.pending: Optional[Dict[str, Tensor]] = None
 
     # -- schedule ---------------------------------------------------------------
     def set_num_updates(self, num_updates: int) -> None:
@@ -838,38 +924,37 @@ class SDMACore(nn.Module):
         return resp.permute(1, 2, 0, 3).contiguous().view(B * H, T, C)
 
     # -- regularisers -----------------------------------------------------------
+    @staticmethod
+    def computes_regularisers() -> bool:
+        """Whether a forward pass computes the regularisers' inputs (the query clustering, the records).
+
+        Inside a :func:`recording` scope, and whenever autograd is on: activation checkpointing
+        (fairseq's ``--checkpoint-activations``, ESPnet's ``gradient_checkpoint_layers``) recomputes
+        the forward pass in backward, outside the scope, and must save the same tensors as the
+        first pass. Not in ``no_grad`` decoding outside a scope (beam search).
+        """
+        return torch.is_grad_enabled() or _RECORDING.get() is not None
+
     def record(self, log_joint_z: Tensor, log_resp_z: Tensor, query_valid: Tensor,
                log_joint_q: Optional[Tensor] = None, log_resp_q: Optional[Tensor] = None,
                log_joint_k: Optional[Tensor] = None, log_resp_k: Optional[Tensor] = None,
                log_vars: Optional[Dict[str, Tensor]] = None) -> None:
-        """Keep this forward pass's clustering for the regularisers (``[T, B, n_h, C]``).
-
-        ``*_k`` (``[S, B, n_h, C]``): the clustering of a cross-attention's keys, whose KL and
-        diversity the authors' reading adds to the module's (over the padded length). ``log_vars``:
-        learned posterior log-variances per position and head (``{"z": [T, B, n_h], "q": ...,
-        "k": [S, B, n_h]}``, the authors' ESPnet ``var_estimation``) replacing sigma_tilde^2.
-        A call inside backward is activation checkpointing recomputing the forward pass (fairseq's
-        ``--checkpoint-activations``, ESPnet's ``gradient_checkpoint_layers``): the criterion already
-        took the first pass's terms, so nothing is recorded.
+        """Keep this forward pass's clustering in the active :func:`recording` (see
+        :class:`ClusteringRecord` for the arguments). Outside a scope nothing is kept; nor is
+        anything inside backward (activation checkpointing recomputing the forward pass: the
+        criterion already took the first pass's records).
         """
-        if torch._C._current_graph_task_id() != -1:
+        records = _RECORDING.get()
+        if records is None or torch._C._current_graph_task_id() != -1:
             return
-        self.pending = {
-            "log_joint_z": log_joint_z, "log_resp_z": log_resp_z, "valid": query_valid,
-            "log_joint_q": log_joint_q, "log_resp_q": log_resp_q,
-            "log_joint_k": log_joint_k, "log_resp_k": log_resp_k, "log_vars": log_vars or {},
-        }
-
-    def pop_pending(self) -> Optional[Dict[str, Tensor]]:
-        pending, self.pending = self.pending, None
-        return pending
+        records.add(self, ClusteringRecord(log_joint_z, log_resp_z, query_valid, log_joint_q, log_resp_q,
+                                           log_joint_k, log_resp_k, log_vars or {}))
 
     def regularisers(self, log_joint_z: Tensor, log_resp_z: Tensor, query_valid: Tensor,
                      log_joint_q: Optional[Tensor] = None,
                      log_resp_q: Optional[Tensor] = None) -> Dict[str, Tensor]:
         """All SDMA loss terms of this module alone (``[T, B, n_h, C]`` inputs)."""
-        self.record(log_joint_z, log_resp_z, query_valid, log_joint_q, log_resp_q)
-        return sdma_losses([self])
+        return sdma_losses([(self, ClusteringRecord(log_joint_z, log_resp_z, query_valid, log_joint_q, log_resp_q))])
 
     def extra_repr(self) -> str:
         o = self.options
@@ -895,43 +980,42 @@ def _accumulate(into: Dict[str, Tensor], name: str, value: Tensor) -> None:
     into[name] = into[name] + value if name in into else value
 
 
-def sdma_losses(cores, diagnostics: Optional[Dict[str, Tensor]] = None) -> Dict[str, Tensor]:
+def sdma_losses(items: List[Tuple["SDMACore", ClusteringRecord]],
+                diagnostics: Optional[Dict[str, Tensor]] = None) -> Dict[str, Tensor]:
     """The regularisers of SDMA modules of ONE attention type, per sentence (``[B]`` each).
 
-    The modules' clustering tensors are stacked along a layer axis so each term is one
-    batched computation, averaged over the layers; modules without a recorded forward
-    pass are skipped. The modules' ``reading`` decides the form of each term (see the module
-    docstring). ``diagnostics``: a dict to which the sums of :data:`DIAGNOSTIC_SUMS` are added.
+    ``items``: (module, its record) pairs. The records' clustering tensors are stacked along a
+    layer axis so each term is one batched computation, averaged over the layers. The modules'
+    ``reading`` decides the form of each term (see the module docstring). ``diagnostics``: a dict
+    to which the sums of :data:`DIAGNOSTIC_SUMS` are added.
     """
-    items = [(c, c.pop_pending()) for c in cores]
-    items = [(c, p) for c, p in items if p is not None]
     if not items:
         return {}
     first_core, first = items[0]
     o = first_core.options
     authors = o.authors
-    real = first["valid"].float()
+    real = first.valid.float()
     # the authors average over the padded length and normalise over pad tokens too
     valid = torch.ones_like(real) if authors else real
-    log_joint_z = _stack_layers([p["log_joint_z"] for _, p in items])
-    log_resp_z = _stack_layers([p["log_resp_z"] for _, p in items])
+    log_joint_z = _stack_layers([p.log_joint_z for _, p in items])
+    log_resp_z = _stack_layers([p.log_resp_z for _, p in items])
     resp_z = log_resp_z.exp()
     trace_z = torch.stack([c.feature_gmm.trace_precision() for c, _ in items])
     log_prior_z = torch.stack([c.feature_gmm.log_prior() for c, _ in items]) if authors else None
     def posterior_var(kind):  # sigma_tilde^2: the option's number, or the learned [L, T, B, H]
-        if kind not in first["log_vars"]:
+        if kind not in first.log_vars:
             return o.kl_posterior_var
-        return torch.stack([p["log_vars"][kind].float() for _, p in items]).exp()
+        return torch.stack([p.log_vars[kind].float() for _, p in items]).exp()
 
     s2 = posterior_var("z")
     losses = {
         "kl_z": vade_kl(log_joint_z, log_resp_z, trace_z, first_core.head_dim, s2, valid, resp_z, log_prior_z),
         "dv_z": cluster_diversity(resp_z, valid, o.diversity_alpha, o.diversity_beta, squared=not authors),
     }
-    if authors and first["log_joint_k"] is not None:
+    if authors and first.log_joint_k is not None:
         # cross-attention: the (noisy) encoder keys' KL and diversity, over the padded source length
-        log_joint_k = _stack_layers([p["log_joint_k"] for _, p in items])
-        log_resp_k = _stack_layers([p["log_resp_k"] for _, p in items])
+        log_joint_k = _stack_layers([p.log_joint_k for _, p in items])
+        log_resp_k = _stack_layers([p.log_resp_k for _, p in items])
         resp_k = log_resp_k.exp()
         valid_k = log_joint_k.new_ones(log_joint_k.shape[1:3], dtype=torch.float32)  # [S, B]: padded length
         losses["kl_z"] = losses["kl_z"] + vade_kl(log_joint_k, log_resp_k, trace_z, first_core.head_dim,
@@ -943,9 +1027,9 @@ def sdma_losses(cores, diagnostics: Optional[Dict[str, Tensor]] = None) -> Dict[
             hardest = clusters_first(resp_z).amax(0)  # [L, T, B, H]
             _accumulate(diagnostics, "hardness_sum", (hardest * real[None, :, :, None]).sum())
             _accumulate(diagnostics, "hardness_count", real.sum() * hardest.size(0) * hardest.size(-1))
-    if first["log_joint_q"] is not None:
-        log_joint_q = _stack_layers([p["log_joint_q"] for _, p in items])
-        log_resp_q = _stack_layers([p["log_resp_q"] for _, p in items])
+    if first.log_joint_q is not None:
+        log_joint_q = _stack_layers([p.log_joint_q for _, p in items])
+        log_resp_q = _stack_layers([p.log_resp_q for _, p in items])
         resp_q = log_resp_q.exp()
         trace_q = torch.stack([c.query_gmm.trace_precision().expand(c.num_heads, -1) for c, _ in items])
         log_prior_q = (torch.stack([c.query_gmm.log_prior().expand(c.num_heads, -1) for c, _ in items])
@@ -974,38 +1058,36 @@ def sdma_losses(cores, diagnostics: Optional[Dict[str, Tensor]] = None) -> Dict[
 GROUP_COMBINATIONS = ("sum", "module_mean")
 
 
-def collect_sdma_losses(model: nn.Module, diagnostics: Optional[Dict[str, Tensor]] = None,
+def collect_sdma_losses(model: nn.Module, records: SDMARecording, diagnostics: Optional[Dict[str, Tensor]] = None,
                         combine: str = "sum") -> Dict[str, Tensor]:
-    """Per-sentence SDMA losses (eq. 20-23): layer mean per attention type, summed over types.
+    """Per-sentence SDMA losses (eq. 20-23) of the forward pass ``records`` holds (:func:`recording`):
+    layer mean per attention type, summed over types.
 
     Modules are grouped by ``sdma_group`` (e.g. ``encoder_self``, ``decoder_self``,
     ``decoder_cross``): each group's terms are averaged over its layers (the 1/N of
     eq. 20 and 23), and the groups are summed. Every value is ``[B]`` (one per sentence
     of the batch); a term no module produced (e.g. the query terms of SMA-T) is zeros,
     and when no SDMA module ran at all (V-T) every term is a 0-dim zero, so every term is
-    present in every step's logging output. Clears the recorded passes. ``diagnostics``:
-    see :func:`sdma_losses`.
+    present in every step's logging output. ``diagnostics``: see :func:`sdma_losses`.
 
     ``combine="module_mean"``: the authors' ESPnet model instead averages over every module of
     every type (``torch.cat(loss_kl, dim=1).mean()``): each group's layer mean is weighted by
     its share of the modules.
     """
-    groups: Dict[str, list] = {}
+    groups: Dict[Tuple, list] = {}  # in module order, as the records of one group are stacked
     for module in model.modules():
-        if isinstance(module, SDMACore) and module.pending is not None:
-            pending = module.pending
-            key = (getattr(module, "sdma_group", "default"), tuple(pending["log_joint_z"].shape),
-                   None if pending["log_joint_q"] is None else tuple(pending["log_joint_q"].shape),
-                   None if pending["log_joint_k"] is None else tuple(pending["log_joint_k"].shape))
-            groups.setdefault(key, []).append(module)
+        record = records.get(module) if isinstance(module, SDMACore) else None
+        if record is not None:
+            key = (getattr(module, "sdma_group", "default"), record.layout())
+            groups.setdefault(key, []).append((module, record))
     if combine not in GROUP_COMBINATIONS:
         raise SDMAConfigError(f"combine={combine!r} is not one of {', '.join(GROUP_COMBINATIONS)}")
-    modules = sum(len(cores) for cores in groups.values())
+    modules = sum(len(items) for items in groups.values())
     per_group = []
-    for cores in groups.values():
-        terms = sdma_losses(cores, diagnostics)
+    for items in groups.values():
+        terms = sdma_losses(items, diagnostics)
         if combine == "module_mean":
-            terms = {name: value * (len(cores) / modules) for name, value in terms.items()}
+            terms = {name: value * (len(items) / modules) for name, value in terms.items()}
         per_group.append(terms)
     present = [v for g in per_group for v in g.values()]
     zeros = torch.zeros_like(present[0]) if present else torch.zeros(())

@@ -24,6 +24,7 @@ from latent_core.sdma import (
     SDMAOptions,
     authors_linear_init,
     authors_semantic_mask,
+    current_real_queries,
     fused_mix_attention,
     lowrank_mix_attention,
     mix_attention,
@@ -117,12 +118,6 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         self.is_causal = group == "decoder_self"
         if sdma.authors and sdma.mode != "none":
             self._build_authors_variance_heads(n_feat, n_head)
-        # Set by the decoder around one forward pass: cross-attention only receives the
-        # key mask, the regularisers need the decoder's (query) padding, (B, T1).
-        self.query_valid: Optional[Tensor] = None
-        # False while the decoder scores one step of a beam search: the regularisers
-        # (and the query GMM) are training/validation quantities.
-        self.record_losses = True
 
     def _build_authors_variance_heads(self, n_feat: int, n_head: int) -> None:
         """Their ``var_estimation`` heads (kept in the core, so that every SDMA parameter is under
@@ -194,7 +189,7 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
                          _heads_first(log_resp_k.exp()).view(B, H, k.size(2), -1), None, blocked)
         x = x.transpose(1, 2).reshape(B, T1, H * D)
 
-        if self.record_losses:
+        if core.computes_regularisers():
             log_joint_q = log_resp_q = None
             if core.query_gmm is not None:  # eq. (16)-(19), on the scaled queries
                 log_joint_q, log_resp_q = core.cluster_queries(q.transpose(1, 2))  # (B, T1, H, C_q)
@@ -228,7 +223,7 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         q = core.perturb((q / math.sqrt(D)).transpose(1, 2).reshape(B, T1, H * D), training, log_var_q)
         q = q.view(B, T1, H, D)
         log_joint_q = log_resp_q = None
-        if self.record_losses and core.query_gmm is not None:
+        if core.query_gmm is not None and core.computes_regularisers():
             log_joint_q, log_resp_q = core.cluster_queries(q)  # (B, T1, H, C_q)
         q = q.transpose(1, 2)  # (B, H, T1, d_k)
 
@@ -246,7 +241,7 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
                          _heads_first(key_resp.exp()).view(B, H, T2, -1), allowed_float, blocked, authors=True)
         x = x.transpose(1, 2).reshape(B, T1, H * D)
 
-        if self.record_losses:
+        if core.computes_regularisers():
             log_vars: Dict[str, Tensor] = {"z": log_var_z.transpose(0, 1), "q": log_var_q.transpose(0, 1)}
             if log_joint_k is not None:
                 log_vars["k"] = log_var_k.transpose(0, 1)
@@ -298,9 +293,10 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
 
     def _query_valid(self, mask: Optional[Tensor], B: int, T1: int, query: Tensor) -> Tensor:
         """(B, T1) float, 1 for real (non-padding) query positions."""
-        if not self.is_self_attention:
-            if self.query_valid is not None and self.query_valid.shape == (B, T1):
-                return self.query_valid.float()
+        if not self.is_self_attention:  # the decoder's real positions (its real_queries scope)
+            valid = current_real_queries()
+            if valid is not None and valid.shape == (B, T1):
+                return valid.float()
         elif mask is not None:
             if mask.size(1) == T1 and mask.size(2) == T1:  # causal: position i valid iff M[i, i]
                 return mask.diagonal(dim1=1, dim2=2).float()

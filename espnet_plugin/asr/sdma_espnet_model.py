@@ -17,6 +17,7 @@ from latent_core.sdma import (
     check_finite,
     check_loss_weight,
     collect_sdma_losses,
+    recording,
     diagnose_nonfinite,
     diagnostic_summary,
     scale_regulariser,
@@ -126,11 +127,10 @@ class ESPnetSDMAASRModel(ESPnetASRModel):
     def forward(self, speech: torch.Tensor, speech_lengths: torch.Tensor, text: torch.Tensor,
                 text_lengths: torch.Tensor, **kwargs) -> Tuple[torch.Tensor, Dict[str, Optional[torch.Tensor]], torch.Tensor]:
         """Shapes: speech (B, L) or (B, L, D), speech_lengths (B,), text (B, U), text_lengths (B,)."""
-        for core in self.sdma_cores:
-            core.pending = None  # nothing recorded by an earlier encode()/inference call
-        loss, stats, weight = super().forward(speech, speech_lengths, text, text_lengths, **kwargs)
+        with recording() as records:
+            loss, stats, weight = super().forward(speech, speech_lengths, text, text_lengths, **kwargs)
         diagnostics = {}
-        terms = collect_sdma_losses(self, diagnostics,
+        terms = collect_sdma_losses(self, records, diagnostics,
                                     combine="module_mean" if self.sdma_reading == "authors" else "sum")
         check_finite(terms, ESPNET_ADVICE, diagnose=lambda: diagnose_nonfinite(
             self, lambda: ESPnetASRModel.forward(self, speech, speech_lengths, text, text_lengths, **kwargs)))

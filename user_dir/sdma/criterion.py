@@ -40,6 +40,7 @@ from latent_core.sdma import (
     check_finite,
     check_loss_weight,
     collect_sdma_losses,
+    recording,
     diagnose_nonfinite,
     diagnostic_summary,
     scale_regulariser,
@@ -105,11 +106,12 @@ class SDMALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion)
         return weights
 
     def forward(self, model, sample, reduce=True):
-        net_output = model(**sample["net_input"])
+        with recording() as records:
+            net_output = model(**sample["net_input"])
         loss, nll_loss = self.compute_loss(model, net_output, sample, reduce=reduce)
         sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
         diagnostics = {}
-        terms = collect_sdma_losses(model, diagnostics)
+        terms = collect_sdma_losses(model, records, diagnostics)
         check_finite(terms, FAIRSEQ_ADVICE,
                      diagnose=lambda: diagnose_nonfinite(model, lambda: model(**sample["net_input"])))
         per_sentence = weighted_regulariser(terms, self.loss_weights(model))  # [B]

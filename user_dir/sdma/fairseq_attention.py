@@ -20,6 +20,7 @@ from latent_core.sdma import (
     SDMAOptions,
     authors_linear_init,
     authors_semantic_mask,
+    current_real_queries,
     fused_mix_attention,
     lowrank_mix_attention,
     mix_attention,
@@ -61,9 +62,6 @@ class SDMAMultiheadAttention(MultiheadAttention):
         self.sdma.sdma_group = group
         if sdma.authors and sdma.mode != "none":
             self._reset_projections_as_authors()
-        # Set by SDMADecoderLayer for the duration of one forward: the decoder's
-        # padding, which cross-attention does not otherwise receive.
-        self.query_padding_mask: Optional[Tensor] = None
 
     def forward(
         self,
@@ -106,39 +104,17 @@ class SDMAMultiheadAttention(MultiheadAttention):
         gmm_terms = self._decoding_gmm_terms(incremental_state)
         log_joint_z, log_resp_z = core.cluster(z_cluster, gmm_terms)  # [T, B, H, C]
         resp_query = core.heads_first(log_resp_z.exp())  # [B*H, T, C]
-
         q = self._scaled_query(z)
-        key_resp = log_joint_k = log_resp_k = None
-        if self.self_attention:
-            source = query if authors else z  # the authors project k and v from the clean input
-            k, v = self.k_proj(source), self.v_proj(source)
-            key_resp = resp_query
-        elif key is not None:
-            if self.beam_size > 1 and bsz == key.size(1):
-                # fairseq's beamable encoder-decoder attention: keep one copy per sentence
-                key = key.view(key.size(0), -1, self.beam_size, key.size(2))[:, :, 0, :]
-                value = key
-                if key_padding_mask is not None:
-                    key_padding_mask = key_padding_mask.view(
-                        -1, self.beam_size, key_padding_mask.size(1)
-                    )[:, 0, :]
-            if authors:  # their keys are perturbed, clustered and projected noisy; values stay clean
-                key_cluster, key_sample = core.sample(key, self.training)
-                log_joint_k, log_resp_k = core.cluster(key_cluster, gmm_terms)
-                k, v = self.k_proj(key_sample), self.v_proj(value)
-            else:
-                k, v = self.k_proj(key), self.v_proj(value)
-                log_resp_k = core.cluster(key, gmm_terms)[1]
-            key_resp = core.heads_first(log_resp_k.exp())
-        else:
-            k = v = None
+        if key is not None and not self.self_attention:
+            key, value, key_padding_mask = self._one_copy_per_sentence(key, value, key_padding_mask, bsz)
+        k, v, key_resp, log_joint_k, log_resp_k = self._keys(query, z, key, value, resp_query, gmm_terms)
 
         # query clustering for head disentanglement (eq. 16-19), on the scaled queries; the
         # paper reading's q = W_q z + b already carries the sample of eq. (8), the authors'
         # draws a second one
         q_cluster, q = core.sample_queries(q, self.training)
         log_joint_q = log_resp_q = None
-        need_losses = incremental_state is None
+        need_losses = incremental_state is None and core.computes_regularisers()
         if core.query_gmm is not None and need_losses:
             log_joint_q, log_resp_q = core.cluster_queries(q_cluster.view(tgt_len, bsz, H, D))
 
@@ -148,36 +124,108 @@ class SDMAMultiheadAttention(MultiheadAttention):
             kv_bsz = k.size(1)
             k = k.contiguous().view(-1, kv_bsz * H, D).transpose(0, 1)
             v = v.contiguous().view(-1, kv_bsz * H, D).transpose(0, 1)
-
         if saved_state is not None:
-            if "prev_key" in saved_state:
-                kv_bsz = saved_state["prev_key"].size(0)
-                prev_key = saved_state["prev_key"].view(kv_bsz * H, -1, D)
-                prev_value = saved_state["prev_value"].view(kv_bsz * H, -1, D)
-                prev_resp = saved_state["prev_key_resp"]
-                prev_resp = prev_resp.view(kv_bsz * H, -1, prev_resp.size(-1))
-                if static_kv:
-                    k, v, key_resp = prev_key, prev_value, prev_resp
-                else:
-                    k = torch.cat([prev_key, k], dim=1)
-                    v = torch.cat([prev_value, v], dim=1)
-                    key_resp = torch.cat([prev_resp, key_resp], dim=1)
-            key_padding_mask = MultiheadAttention._append_prev_key_padding_mask(
-                key_padding_mask=key_padding_mask,
-                prev_key_padding_mask=saved_state.get("prev_key_padding_mask"),
-                batch_size=kv_bsz,
-                src_len=k.size(1),
-                static_kv=static_kv,
-            )
-            saved_state["prev_key"] = k.view(kv_bsz, H, -1, D)
-            saved_state["prev_value"] = v.view(kv_bsz, H, -1, D)
-            saved_state["prev_key_resp"] = key_resp.view(kv_bsz, H, -1, key_resp.size(-1))
-            saved_state["prev_key_padding_mask"] = key_padding_mask
-            incremental_state = self._set_input_buffer(incremental_state, saved_state)
-        src_len = k.size(1)
+            k, v, key_resp, key_padding_mask, kv_bsz = self._extend_cache(
+                incremental_state, saved_state, k, v, key_resp, key_padding_mask, kv_bsz, static_kv)
         if key_padding_mask is not None and key_padding_mask.dim() == 0:
             key_padding_mask = None
 
+        attn, attn_float = self._mixed_attention(q, k, v, resp_query, key_resp, key_padding_mask, attn_mask,
+                                                 bsz, kv_bsz, need_weights, before_softmax)
+        if before_softmax:
+            return attn, v  # the scores, as fairseq's MultiheadAttention
+        attn = self.out_proj(attn)
+
+        if need_losses:
+            core.record(log_joint_z, log_resp_z, self._query_valid(query, real_key_padding_mask),
+                        log_joint_q, log_resp_q, log_joint_k, log_resp_k)
+
+        weights: Optional[Tensor] = None
+        if need_weights and attn_float is not None:
+            weights = attn_float.view(bsz, H, tgt_len, k.size(1)).transpose(1, 0)
+            if not need_head_weights:
+                weights = weights.mean(dim=0)
+        return attn, weights
+
+    def _one_copy_per_sentence(self, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor], bsz: int):
+        """fairseq's beamable encoder-decoder attention: the encoder output once per sentence
+        (not once per beam hypothesis). Returns (key, value, key_padding_mask)."""
+        if not (self.beam_size > 1 and bsz == key.size(1)):
+            return key, value, key_padding_mask
+        key = key.view(key.size(0), -1, self.beam_size, key.size(2))[:, :, 0, :]
+        if key_padding_mask is not None:
+            key_padding_mask = key_padding_mask.view(-1, self.beam_size, key_padding_mask.size(1))[:, 0, :]
+        return key, key, key_padding_mask
+
+    def _keys(self, query: Tensor, z: Tensor, key: Optional[Tensor], value: Optional[Tensor], resp_query: Tensor,
+              gmm_terms):
+        """(k, v ``[S, kv_bsz, E]``, the keys' p(c|.) ``[kv_bsz*H, S, C]``, their log-joint (the
+        authors' reading regularises the keys) and log p(c|.) ``[S, kv_bsz, H, C]``). All None for
+        cross-attention keys already in the decoding cache; the last two None in self-attention."""
+        core = self.sdma
+        log_joint_k = log_resp_k = None
+        if self.self_attention:
+            source = query if core.options.authors else z  # the authors project k and v from the clean input
+            return self.k_proj(source), self.v_proj(source), resp_query, None, None
+        if key is None:
+            return None, None, None, None, None
+        if core.options.authors:  # their keys are perturbed, clustered and projected noisy; values stay clean
+            key_cluster, key_sample = core.sample(key, self.training)
+            log_joint_k, log_resp_k = core.cluster(key_cluster, gmm_terms)
+            k, v = self.k_proj(key_sample), self.v_proj(value)
+        else:
+            k, v = self.k_proj(key), self.v_proj(value)
+            log_resp_k = core.cluster(key, gmm_terms)[1]
+        return k, v, core.heads_first(log_resp_k.exp()), log_joint_k, log_resp_k
+
+    def _extend_cache(self, incremental_state, saved_state, k, v, key_resp, key_padding_mask, kv_bsz: int,
+                      static_kv: bool):
+        """Incremental decoding: the cached keys, values and key p(c|.) (``prev_key_resp``) with this
+        step's appended (or, for static keys, instead of them), and the cache updated.
+        Returns (k, v, key_resp, key_padding_mask, kv_bsz)."""
+        H, D = self.num_heads, self.head_dim
+        if "prev_key" in saved_state:
+            kv_bsz = saved_state["prev_key"].size(0)
+            prev_key = saved_state["prev_key"].view(kv_bsz * H, -1, D)
+            prev_value = saved_state["prev_value"].view(kv_bsz * H, -1, D)
+            prev_resp = saved_state["prev_key_resp"]
+            prev_resp = prev_resp.view(kv_bsz * H, -1, prev_resp.size(-1))
+            if static_kv:
+                k, v, key_resp = prev_key, prev_value, prev_resp
+            else:
+                k = torch.cat([prev_key, k], dim=1)
+                v = torch.cat([prev_value, v], dim=1)
+                key_resp = torch.cat([prev_resp, key_resp], dim=1)
+        key_padding_mask = MultiheadAttention._append_prev_key_padding_mask(
+            key_padding_mask=key_padding_mask,
+            prev_key_padding_mask=saved_state.get("prev_key_padding_mask"),
+            batch_size=kv_bsz,
+            src_len=k.size(1),
+            static_kv=static_kv,
+        )
+        saved_state["prev_key"] = k.view(kv_bsz, H, -1, D)
+        saved_state["prev_value"] = v.view(kv_bsz, H, -1, D)
+        saved_state["prev_key_resp"] = key_resp.view(kv_bsz, H, -1, key_resp.size(-1))
+        saved_state["prev_key_padding_mask"] = key_padding_mask
+        self._set_input_buffer(incremental_state, saved_state)
+        return k, v, key_resp, key_padding_mask, kv_bsz
+
+    def _mixed_attention(self, q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, key_resp: Tensor,
+                         key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor], bsz: int, kv_bsz: int,
+                         need_weights: bool, before_softmax: bool) -> Tuple[Tensor, Optional[Tensor]]:
+        """A_hat V of eq. (1), (2), (10), (11) for ``q`` ``[B*H, T, D]`` (scaled), ``k``/``v``
+        ``[kv_bsz*H, S, D]`` and the p(c|.) of queries ``[B*H, T, C]`` and keys ``[kv_bsz*H, S, C]``.
+
+        Returns (``[T, B, E]``, the weights A_hat ``[B*H, T, S]`` in float32 when computed, else
+        None); with ``before_softmax``, (the masked scores, None). A fused kernel (sdpa, lowrank)
+        where :func:`use_fused_kernel` allows it and no beam folding or raw scores are asked for,
+        else the explicit path.
+        """
+        core = self.sdma
+        authors = core.options.authors
+        H, D = self.num_heads, self.head_dim
+        tgt_len, src_len = q.size(1), k.size(1)
+        embed_dim = H * D
         beamable = self.encoder_decoder_attention and bsz != kv_bsz
         allowed = self._allowed_keys(key_padding_mask, attn_mask) if authors else None
 
@@ -187,7 +235,6 @@ class SDMAMultiheadAttention(MultiheadAttention):
             return semantic_mask_product(resp_query, key_resp, heads=H)
 
         dropout_active = self.training and self.dropout_module.p > 0
-        attn_float = None
         kernel = core.options.attention_kernel
         if not beamable and not before_softmax and use_fused_kernel(kernel, q.device, need_weights, dropout_active):
             base_mask = None
@@ -206,56 +253,54 @@ class SDMAMultiheadAttention(MultiheadAttention):
             else:  # eq. (1), (2), (11)
                 attn = fused_mix_attention(q4, k4, v4, semantic_mask().view(bsz, H, tgt_len, src_len),
                                            core.mix_weight, base_mask, p)
-            attn = attn.permute(2, 0, 1, 3).reshape(tgt_len, bsz, embed_dim)
+            return attn.permute(2, 0, 1, 3).reshape(tgt_len, bsz, embed_dim), None
+
+        mask = semantic_mask()
+        if beamable:
+            scores = torch.einsum(
+                "bxhtd,bhsd->bxhts",
+                q.view((kv_bsz, -1, H) + q.size()[1:]),
+                k.view((kv_bsz, H) + k.size()[1:]),
+            ).reshape(-1, tgt_len, src_len)
         else:
-            mask = semantic_mask()
-            if beamable:
-                scores = torch.einsum(
-                    "bxhtd,bhsd->bxhts",
-                    q.view((kv_bsz, -1, H) + q.size()[1:]),
-                    k.view((kv_bsz, H) + k.size()[1:]),
-                ).reshape(-1, tgt_len, src_len)
-            else:
-                scores = torch.bmm(q, k.transpose(1, 2))
-            scores = scores.float()
-            if attn_mask is not None:
-                scores = scores + attn_mask.unsqueeze(0).float()
-            if key_padding_mask is not None:
-                pad = key_padding_mask.to(torch.bool)
-                scores = scores.view(kv_bsz, -1, H, tgt_len, src_len).masked_fill(
-                    pad[:, None, None, None, :], float("-inf")
-                ).view(bsz * H, tgt_len, src_len)
-            if before_softmax:
-                return scores, v
+            scores = torch.bmm(q, k.transpose(1, 2))
+        scores = scores.float()
+        if attn_mask is not None:
+            scores = scores + attn_mask.unsqueeze(0).float()
+        if key_padding_mask is not None:
+            pad = key_padding_mask.to(torch.bool)
+            scores = scores.view(kv_bsz, -1, H, tgt_len, src_len).masked_fill(
+                pad[:, None, None, None, :], float("-inf")
+            ).view(bsz * H, tgt_len, src_len)
+        if before_softmax:
+            return scores, None
 
-            attn_float = mix_attention(  # eq. (1), (2), (11)
-                scores, mask, core.mix_weight, norm_floor=AUTHORS_EPS if authors else 0.0)
-            attn_probs = self.dropout_module(attn_float.type_as(v))
-            if beamable:
-                attn = torch.einsum(
-                    "bxhts,bhsd->bxhtd",
-                    attn_probs.view((kv_bsz, -1, H) + attn_probs.size()[1:]),
-                    v.view((kv_bsz, H) + v.size()[1:]),
-                ).reshape(-1, tgt_len, D)
-            else:
-                attn = torch.bmm(attn_probs, v)
-            attn = attn.transpose(0, 1).contiguous().view(tgt_len, bsz, embed_dim)
-        attn = self.out_proj(attn)
+        attn_float = mix_attention(  # eq. (1), (2), (11)
+            scores, mask, core.mix_weight, norm_floor=AUTHORS_EPS if authors else 0.0)
+        attn_probs = self.dropout_module(attn_float.type_as(v))
+        if beamable:
+            attn = torch.einsum(
+                "bxhts,bhsd->bxhtd",
+                attn_probs.view((kv_bsz, -1, H) + attn_probs.size()[1:]),
+                v.view((kv_bsz, H) + v.size()[1:]),
+            ).reshape(-1, tgt_len, D)
+        else:
+            attn = torch.bmm(attn_probs, v)
+        return attn.transpose(0, 1).contiguous().view(tgt_len, bsz, embed_dim), attn_float
 
-        if need_losses:
-            query_pad = real_key_padding_mask if self.self_attention else self.query_padding_mask
-            if query_pad is not None and query_pad.size(-1) == tgt_len:
-                query_valid = (~query_pad.to(torch.bool)).t().float()
-            else:
-                query_valid = query.new_ones(tgt_len, bsz, dtype=torch.float32)
-            core.record(log_joint_z, log_resp_z, query_valid, log_joint_q, log_resp_q, log_joint_k, log_resp_k)
-
-        weights: Optional[Tensor] = None
-        if need_weights and attn_float is not None:
-            weights = attn_float.view(bsz, H, tgt_len, src_len).transpose(1, 0)
-            if not need_head_weights:
-                weights = weights.mean(dim=0)
-        return attn, weights
+    def _query_valid(self, query: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
+        """``[T, B]`` float, 1 at real query positions: self-attention's queries are its keys; a
+        cross-attention reads the decoder's real positions from the :func:`real_queries` scope
+        the decoder layer sets."""
+        tgt_len, bsz = query.size(0), query.size(1)
+        if self.self_attention:
+            if key_padding_mask is not None and key_padding_mask.size(-1) == tgt_len:
+                return (~key_padding_mask.to(torch.bool)).t().float()
+        else:
+            valid = current_real_queries()
+            if valid is not None and valid.size(-1) == tgt_len:
+                return valid.t().float()
+        return query.new_ones(tgt_len, bsz, dtype=torch.float32)
 
     def _reset_projections_as_authors(self) -> None:
         """The authors' initialisation of the four projections (``DisentangledAttention.init_params``)."""

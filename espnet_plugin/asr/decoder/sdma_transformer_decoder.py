@@ -1,6 +1,5 @@
 """Transformer decoder with SDMA self- and cross-attention (ESPnet2 ``decoder: sdma_transformer``)."""
 
-import contextlib
 import dataclasses
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -18,6 +17,7 @@ from espnet_plugin.asr.sdma_attention import (
     check_transformer_conf,
     sdma_options_from_conf,
 )
+from latent_core.sdma import real_queries
 
 
 class SDMATransformerDecoder(TransformerDecoder):
@@ -106,9 +106,6 @@ class SDMATransformerDecoder(TransformerDecoder):
                 attention_heads, encoder_output_size, src_attention_dropout_rate,
                 sdma=cross_options, group="decoder_cross", qk_norm=qk_norm,
             )
-        # found once, not on every beam-search step (plain lists: not registered twice)
-        self._sdma_attentions = [m for m in self.decoders.modules() if isinstance(m, SDMAMultiHeadedAttention)]
-        self._cross_attentions = [m for m in self._sdma_attentions if not m.is_self_attention]
         for index in gradient_checkpoint_layers:  # ESPnet counts them from 1
             if not 1 <= index <= num_blocks:
                 raise ESPnetConfigError(f"decoder_conf.gradient_checkpoint_layers={gradient_checkpoint_layers}: "
@@ -117,32 +114,9 @@ class SDMATransformerDecoder(TransformerDecoder):
     def forward(self, hs_pad: torch.Tensor, hlens: torch.Tensor, ys_in_pad: torch.Tensor,
                 ys_in_lens: torch.Tensor, return_hs: bool = False,
                 return_all_hs: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-        query_valid = ~make_pad_mask(ys_in_lens, maxlen=ys_in_pad.size(1)).to(ys_in_pad.device)
-        for module in self._cross_attentions:
-            module.query_valid = query_valid
-        try:
+        # cross-attention receives only the encoder's mask; its regularisers average over the real queries
+        with real_queries(~make_pad_mask(ys_in_lens, maxlen=ys_in_pad.size(1)).to(ys_in_pad.device)):
             return super().forward(hs_pad, hlens, ys_in_pad, ys_in_lens, return_hs, return_all_hs)
-        finally:
-            for module in self._cross_attentions:
-                module.query_valid = None
-
-    @contextlib.contextmanager
-    def _scoring(self):
-        """One beam-search step: no regulariser bookkeeping."""
-        for module in self._sdma_attentions:
-            module.record_losses = False
-        try:
-            yield
-        finally:
-            for module in self._sdma_attentions:
-                module.record_losses = True
-
-    def forward_one_step(self, tgt: torch.Tensor, tgt_mask: torch.Tensor, memory: torch.Tensor,
-                         memory_mask: torch.Tensor = None, *, cache: List[torch.Tensor] = None,
-                         return_hs: bool = False) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-        with self._scoring():
-            return super().forward_one_step(tgt, tgt_mask, memory, memory_mask, cache=cache,
-                                            return_hs=return_hs)
 
     def forward_partially_AR(self, *args: Any, **kwargs: Any):
         raise ESPnetConfigError("SDMATransformerDecoder has no partially autoregressive decoding: decode with the "

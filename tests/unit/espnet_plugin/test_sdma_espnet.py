@@ -14,7 +14,8 @@ from espnet_plugin.asr.encoder.sdma_transformer_encoder import SDMATransformerEn
 from espnet_plugin.asr.sdma_attention import SDMAMultiHeadedAttention  # noqa: E402
 from espnet_plugin.asr.sdma_espnet_model import ESPnetSDMAASRModel  # noqa: E402
 from espnet_plugin.tasks.sdma_asr import SDMAASRTask  # noqa: E402
-from latent_core.sdma import LOSS_NAMES, SDMAConfigError, SDMAOptions, mixing_weight  # noqa: E402
+from latent_core.sdma import (LOSS_NAMES, SDMAConfigError, SDMAOptions, mixing_weight, real_queries,  # noqa: E402
+                               recording)
 
 
 TOKENS = ["<blank>", "<unk>"] + list("一二三四五六七八九十") + ["<sos/eos>"]
@@ -140,10 +141,11 @@ def test_cross_attention_uses_memory_clustering_and_decoder_query_padding():
     sdma.train()
     query, memory = torch.randn(2, 4, 16), torch.randn(2, 9, 16)
     memory_mask = torch.ones(2, 1, 9, dtype=torch.bool)
-    sdma.query_valid = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)
-    sdma(query, memory, memory, memory_mask)
-    assert sdma.sdma.pending["valid"].t().tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
-    assert sdma.sdma.pending["log_joint_z"].shape == (4, 2, 2, 3)  # [T, B, H, C]
+    with recording() as records, real_queries(torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)):
+        sdma(query, memory, memory, memory_mask)
+    record = records.get(sdma.sdma)
+    assert record.valid.t().tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert record.log_joint_z.shape == (4, 2, 2, 3)  # [T, B, H, C]
 
 
 # --------------------------------------------------------------------------- decoder

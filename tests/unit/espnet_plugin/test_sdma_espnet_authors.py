@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from espnet_plugin.asr.sdma_attention import SDMAMultiHeadedAttention
-from latent_core.sdma import SDMAOptions, sdma_losses
+from latent_core.sdma import SDMAOptions, recording, sdma_losses
 from tests.reference.sdma_authors_case import (
     CLUSTERS, EMBED, ESPNET_CASES, HEADS, NUM_UPDATES, build_espnet_case, noise_order, objective, summary,
 )
@@ -54,8 +54,9 @@ def run_ours(name):
         return x + (eps * torch.exp(0.5 * log_var)[..., None]).reshape(x.shape)
 
     core.perturb = perturb
-    output = module(case["x"], case["key"], case["key"], case["mask"])
-    terms = sdma_losses([core])
+    with recording() as records:
+        output = module(case["x"], case["key"], case["key"], case["mask"])
+    terms = sdma_losses([(core, records.get(core))])
     kl, diversity = terms["kl_z"] + terms["kl_q"], terms["dv_z"] + terms["dv_q"]
     mi = 10.0 * terms["dqq"] - terms["dxq"]
     readout, regulariser = objective(output, kl, diversity, mi)

@@ -6,7 +6,7 @@ import torch
 
 import espnet_plugin  # noqa: F401  (registers the classes)
 from espnet_plugin.asr.sdma_attention import SDMAMultiHeadedAttention
-from latent_core.sdma import SDMAOptions
+from latent_core.sdma import SDMAOptions, recording, sdma_losses
 
 
 def attention(kernel, group="encoder_self", reading="authors"):
@@ -31,9 +31,9 @@ def test_fused_training_forward_and_gradients_equal_the_explicit_path(causal, re
     for kernel in ("explicit", "sdpa", "lowrank"):
         module = attention(kernel, reading=reading)
         inp = x.clone().requires_grad_(True)
-        out = module(inp, inp, inp, mask)
-        losses = module.sdma.regularisers(*(module.sdma.pending[k] for k in (
-            "log_joint_z", "log_resp_z", "valid", "log_joint_q", "log_resp_q")))
+        with recording() as records:
+            out = module(inp, inp, inp, mask)
+        losses = sdma_losses([(module.sdma, records.get(module.sdma))])
         (out.pow(2).sum() + sum(v.sum() for v in losses.values())).backward()
         results.append((out.detach(), inp.grad, {n: p.grad for n, p in module.named_parameters()},
                         module.attn))

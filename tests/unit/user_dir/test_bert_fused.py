@@ -9,7 +9,7 @@ from fairseq import options, tasks
 from fairseq.sequence_generator import SequenceGenerator
 
 from latent_core.data import bert_source
-from latent_core.sdma import SDMACore
+from latent_core.sdma import SDMACore, collect_sdma_losses, recording
 from user_dir.sdma.bert_fused import (
     BertFusedAttention,
     BertFusedConfigError,
@@ -222,8 +222,9 @@ def test_every_trained_parameter_gets_a_gradient_in_every_step(tmp_path, bert_di
     src, lengths, prev = batch(task)
     for step in range(3):
         model.zero_grad()
-        out = model(src, lengths, prev)[0]
-        losses = model.sdma_losses()
+        with recording() as records:
+            out = model(src, lengths, prev)[0]
+        losses = collect_sdma_losses(model, records)
         (out.sum() + sum(v.sum() for v in losses.values())).backward()
         missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
         assert not missing, missing[:5]

@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import espnet_plugin  # noqa: F401
 import latent_core.sdma as core
 from espnet_plugin.asr.sdma_attention import SDMAMultiHeadedAttention
-from latent_core.sdma import SDMAOptions, collect_sdma_losses
+from latent_core.sdma import SDMAOptions, collect_sdma_losses, real_queries, recording
 from latent_core.vae.distributions import DiagonalGaussian
 from latent_core.vae.evaluation import importance_weighted_log_likelihood
 from latent_core.vae.kl import KLRegularizer
@@ -80,16 +80,17 @@ def test_fairseq_sdma_attention_and_regularisers_stay_on_the_device(group, readi
     pad[0, -2:] = True
     x, pad, memory, future = fake_inputs(mode, torch.randn(T, B, E), pad, torch.randn(T + 2, B, E),
                                          torch.triu(torch.full((T, T), float("-inf")), 1))
-    with mode:
+    with mode, recording() as records:
         if group == "decoder_cross":
-            module.query_padding_mask = pad
-            out, _ = module(x, memory, memory, key_padding_mask=torch.cat([pad, pad[:, :2]], 1), need_weights=False)
+            with real_queries(~pad):
+                out, _ = module(x, memory, memory, key_padding_mask=torch.cat([pad, pad[:, :2]], 1),
+                                need_weights=False)
         elif group == "decoder_self":
             out, _ = module(x, x, x, attn_mask=future, need_weights=False)
         else:
             out, _ = module(x, x, x, key_padding_mask=pad, need_weights=False)
         diagnostics = {}
-        terms = collect_sdma_losses(module, diagnostics)
+        terms = collect_sdma_losses(module, records, diagnostics)
         assert_cuda(out, *terms.values(), *diagnostics.values())
         module.eval()
         out, weights = module(x, x, x, need_weights=True) if group != "decoder_cross" else \
@@ -123,12 +124,11 @@ def test_espnet_sdma_attention_stays_on_the_device(group, reading):
     if group == "decoder_self":
         mask = mask & torch.tril(torch.ones(6, 6, dtype=torch.bool))[None]
     x, memory, mask = fake_inputs(mode, torch.randn(2, 6, 16), torch.randn(2, 6, 16), mask)
-    with mode:
-        if group == "decoder_cross":
-            module.query_valid = torch.ones(2, 6, dtype=torch.bool, device=x.device)
+    with mode, recording() as records:
         key = memory if group == "decoder_cross" else x
-        out = module(x, key, key, mask)
-        terms = collect_sdma_losses(module, combine="module_mean")
+        with real_queries(torch.ones(2, 6, dtype=torch.bool, device=x.device)):
+            out = module(x, key, key, mask)
+        terms = collect_sdma_losses(module, records, combine="module_mean")
         assert_cuda(out, *terms.values())
 
 

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from latent_core.sdma import SDMAOptions, diagnostic_summary, sdma_losses
+from latent_core.sdma import SDMAOptions, diagnostic_summary, recording, sdma_losses
 from tests.reference.sdma_authors_case import (
     BATCH, CASES, CLUSTERS, EMBED, HEADS, NUM_UPDATES, build_case, noise_order, objective, summary,
 )
@@ -54,10 +54,11 @@ def run_ours(name, reading="authors", diagnostics=None, **options):
     attn_mask = None
     if case["attention"] == "decoder":
         attn_mask = torch.triu(torch.full((x.size(0), x.size(0)), float("-inf"), dtype=x.dtype), 1)
-    output, _ = module(x, key, key, key_padding_mask=case["key_padding_mask"], attn_mask=attn_mask,
-                       need_weights=False)
+    with recording() as records:
+        output, _ = module(x, key, key, key_padding_mask=case["key_padding_mask"], attn_mask=attn_mask,
+                           need_weights=False)
     output = output.transpose(0, 1)
-    terms = sdma_losses([module.sdma], diagnostics)
+    terms = sdma_losses([(module.sdma, records.get(module.sdma))], diagnostics)
     kl, diversity = terms["kl_z"] + terms["kl_q"], terms["dv_z"] + terms["dv_q"]
     mi = 10.0 * terms["dqq"] - terms["dxq"]
     readout, regulariser = objective(output, kl, diversity, mi)

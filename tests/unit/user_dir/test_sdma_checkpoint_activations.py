@@ -59,8 +59,6 @@ def test_checkpointing_trains_the_same_sdma_transformer(tmp_path, mode, offload)
         layers = [*model.encoder.layers, *model.decoder.layers]
         assert all(hasattr(layer, "precheckpoint_forward") == bool(extra) for layer in layers)
     assert_same_training(*runs)
-    # no term of the recomputation is left behind for the next step's criterion
-    assert all(getattr(m, "pending", None) is None for m in model.modules())
 
 
 @pytest.mark.parametrize("fusion", ["embed", "attention"])

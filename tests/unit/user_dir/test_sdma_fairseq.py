@@ -5,7 +5,7 @@ import torch
 from fairseq import options, tasks
 from fairseq.sequence_generator import SequenceGenerator
 
-from latent_core.sdma import SDMACore, SDMAConfigError
+from latent_core.sdma import SDMACore, SDMAConfigError, collect_sdma_losses, recording
 from user_dir.sdma.fairseq_attention import SDMAMultiheadAttention
 
 VOCAB = 30
@@ -70,11 +70,30 @@ def test_training_forward_reports_every_loss(tmp_path):
     model.train()
     model.set_num_updates(2000)
     src, lengths, prev = batch(task)
-    model(src, lengths, prev)
-    losses = model.sdma_losses()
+    with recording() as records:
+        model(src, lengths, prev)
+    losses = collect_sdma_losses(model, records)
     assert set(losses) == {"kl_z", "kl_q", "dqq", "dxq", "dv_z", "dv_q"}
     assert all(v.shape == (3,) and torch.isfinite(v).all() and v.requires_grad for v in losses.values())
-    assert model.sdma_losses()["kl_z"].item() == 0.0  # popped
+    model(src, lengths, prev)  # outside a recording scope: nothing recorded
+    assert collect_sdma_losses(model, records)["kl_z"].equal(losses["kl_z"])
+    assert len(records) == 6  # 2 + 2 self-attentions, 2 cross-attentions: one record each
+
+
+def test_cross_attention_regularisers_see_the_decoder_padding(tmp_path):
+    """Cross-attention receives only the source padding; the decoder layer's real_queries scope
+    gives its records the target's (right-padded) positions."""
+    model, task, _ = build(tmp_path)
+    model.train()
+    src, lengths, prev = batch(task)
+    prev[1, 4:] = task.target_dictionary.pad()
+    with recording() as records:
+        model(src, lengths, prev)
+    for layer in model.decoder.layers:
+        cross, own = records.get(layer.encoder_attn.sdma), records.get(layer.self_attn.sdma)
+        expected = prev.ne(task.target_dictionary.pad()).t().float()  # [T, B]
+        assert torch.equal(cross.valid, expected) and torch.equal(own.valid, expected)
+        assert cross.valid[4:, 1].sum() == 0
 
 
 def test_padding_does_not_leak(tmp_path):
@@ -184,8 +203,9 @@ def test_sma_mode_reports_zero_disentanglement_terms(tmp_path):
     model, task, _ = build(tmp_path, "--sdma-mode", "sma")
     model.train()
     src, lengths, prev = batch(task)
-    model(src, lengths, prev)
-    losses = model.sdma_losses()
+    with recording() as records:
+        model(src, lengths, prev)
+    losses = collect_sdma_losses(model, records)
     assert losses["dqq"].abs().sum().item() == 0.0 and losses["kl_q"].abs().sum().item() == 0.0
     assert (losses["kl_z"] > 0).all()
 
@@ -220,13 +240,14 @@ def test_low_precision_forward_is_finite(tmp_path, dtype):
     model.train()
     model.set_num_updates(3000)
     src, lengths, prev = batch(task)
-    if dtype is torch.float16:
-        model = model.half()
-        out = model(src, lengths, prev)[0]
-    else:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+    with recording() as records:
+        if dtype is torch.float16:
+            model = model.half()
             out = model(src, lengths, prev)[0]
-    losses = model.sdma_losses()
+        else:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(src, lengths, prev)[0]
+    losses = collect_sdma_losses(model, records)
     assert torch.isfinite(out.float()).all()
     assert all(torch.isfinite(v).all() for v in losses.values())
     (out.float().logsumexp(-1).mean() + sum(v.sum() for v in losses.values())).backward()

@@ -9,7 +9,8 @@ tolerances in bfloat16 / float16. SDPA runs on a CPU, so the GPU code path is te
 import pytest
 import torch
 
-from latent_core.sdma import SDMAConfigError, SDMAOptions, fused_mix_attention, mix_attention, use_fused_kernel
+from latent_core.sdma import (SDMAConfigError, SDMAOptions, fused_mix_attention, mix_attention, recording, sdma_losses,
+                               use_fused_kernel)
 from user_dir.sdma.fairseq_attention import SDMAMultiheadAttention
 
 E, H, T, B = 32, 4, 7, 3
@@ -29,17 +30,14 @@ def run(module, x, memory=None, key_padding_mask=None, attn_mask=None, dtype=tor
     module = module.to(dtype)
     x = x.to(dtype).detach().requires_grad_(True)
     key = value = x if memory is None else memory.to(dtype)
-    out, weights = module(x, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask, need_weights=False)
-    losses = module.sdma.regularisers(*_recorded(module))
+    with recording() as records:
+        out, weights = module(x, key, value, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
+                              need_weights=False)
+    losses = sdma_losses([(module.sdma, records.get(module.sdma))])
     loss = out.float().pow(2).sum() + sum(v.sum() for v in losses.values())
     loss.backward()
     grads = {name: p.grad.float().clone() for name, p in module.named_parameters()}
     return out.float().detach(), x.grad.float(), grads, weights
-
-
-def _recorded(module):
-    p = module.sdma.pop_pending()
-    return p["log_joint_z"], p["log_resp_z"], p["valid"], p["log_joint_q"], p["log_resp_q"]
 
 
 def inputs(seed=1):
