@@ -48,6 +48,7 @@ import math
 import sys
 import time
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import torch
@@ -130,6 +131,149 @@ class SentenceSubset(BaseWrapperDataset):
         return indices, []
 
 
+@dataclass
+class SplitRecords:
+    """What :func:`evaluate_split` keeps of each batch: per-sentence values (float64, CPU) and the
+    posteriors of every latent, from which every metric is computed at the end."""
+
+    latents: List[str]
+    log_px: List[torch.Tensor] = field(default_factory=list)  # L_k per sentence
+    elbo: List[torch.Tensor] = field(default_factory=list)
+    reconstruction: List[torch.Tensor] = field(default_factory=list)  # E_q log p(x|z)
+    kl: Dict[str, List[torch.Tensor]] = field(default_factory=dict)  # per latent
+    tokens: List[torch.Tensor] = field(default_factory=list)
+    words: List[torch.Tensor] = field(default_factory=list)  # only where the task counts words
+    means: Dict[str, List[torch.Tensor]] = field(default_factory=dict)
+    logvars: Dict[str, List[torch.Tensor]] = field(default_factory=dict)
+    num_tokens: int = 0
+    num_words: int = 0
+    iw_seconds: float = 0.0
+    hypotheses: List[str] = field(default_factory=list)
+    references: List[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        for store in (self.kl, self.means, self.logvars):
+            store.update({name: [] for name in self.latents})
+
+    @property
+    def num_sentences(self) -> int:
+        return sum(len(t) for t in self.log_px)
+
+    def cat(self, name: str) -> torch.Tensor:
+        return torch.cat(getattr(self, name))
+
+    def per_latent(self, store: Dict[str, List[torch.Tensor]]) -> Dict[str, torch.Tensor]:
+        return {name: torch.cat(values) for name, values in store.items()}
+
+
+def evaluation_batches(model, task, subset: str, batch_size: int, seed: int, max_sentences: Optional[int]):
+    """The batches of ``subset`` (loaded here), in order; a random (``seed``) subset of
+    ``max_sentences`` sentences when given."""
+    task.load_dataset(subset, combine=False, epoch=1)
+    dataset = task.dataset(subset)
+    if max_sentences is not None:
+        if max_sentences < 1:
+            raise VAEConfigError(f"--max-sentences={max_sentences} must be >= 1")
+        if max_sentences < len(dataset):
+            chosen = np.random.default_rng(seed).choice(len(dataset), size=max_sentences, replace=False)
+            dataset = SentenceSubset(dataset, chosen)
+    return task.get_batch_iterator(
+        dataset=dataset, max_tokens=None, max_sentences=batch_size,
+        max_positions=utils.resolve_max_positions(task.max_positions(), model.max_positions()),
+        ignore_invalid_inputs=False, seed=seed, num_workers=0,
+    ).next_epoch_itr(shuffle=False)
+
+
+def record_batch(records: SplitRecords, model, task, sample, k: int, chunk_size: int, generator,
+                 greedy: Optional["LatentDecoder"]) -> None:
+    """The bounds, KLs and posteriors of one batch (and its greedy reconstructions for BLEU)."""
+    device = model_device(model)
+    pad = task.target_dictionary.pad()
+    net_input = dict(sample["net_input"])
+    prev_output_tokens = net_input.pop("prev_output_tokens")
+    encoder_out = model.encoder(**net_input)
+    posteriors = posteriors_of(encoder_out)
+    fn = log_likelihood_fn(model, encoder_out, prev_output_tokens, sample["target"], pad)
+    _sync(device)
+    start = time.perf_counter()
+    log_px = importance_weighted_log_likelihood(fn, posteriors, k, chunk_size, generator)  # [B]
+    _sync(device)
+    records.iw_seconds += time.perf_counter() - start
+    terms = elbo_terms(fn, posteriors, generator)
+    records.log_px.append(log_px.double().cpu())
+    records.elbo.append(terms.elbo.double().cpu())
+    records.reconstruction.append(terms.reconstruction.double().cpu())
+    records.tokens.append(sample["target"].ne(pad).sum(-1).double().cpu())
+    for name in records.latents:
+        records.kl[name].append(terms.kl[name].double().cpu())
+        records.means[name].append(posteriors[name].mean.float().cpu())
+        records.logvars[name].append(posteriors[name].logvar.float().cpu())
+    records.num_tokens += int(sample["ntokens"])
+    if greedy is not None:
+        records.hypotheses += greedy.reconstruct_batch(net_input["src_tokens"], net_input["src_lengths"])
+        records.references += [task.target_text(utils.strip_pad(t, pad).int().cpu()) for t in sample["target"]]
+    words = [task.target_word_count(utils.strip_pad(t, pad).cpu()) for t in sample["target"]]
+    if None not in words:  # no word unit: target_word_count -> None
+        records.num_words += sum(words)
+        records.words.append(torch.tensor(words, dtype=torch.float64))
+
+
+def likelihood_metrics(records: SplitRecords, seed: int) -> "OrderedDict[str, float]":
+    """Perplexities (per token, per word, in the papers' unit), per-sentence NLL, ELBO, reconstruction
+    and KL, their standard errors and the bootstrap interval of the perplexity."""
+    log_px, elbo = records.cat("log_px"), records.cat("elbo")
+    kl = sum(records.per_latent(records.kl).values())
+    iw_sum, elbo_sum = float(log_px.sum()), float(elbo.sum())
+    num_tokens, num_words, num_sentences = records.num_tokens, records.num_words, records.num_sentences
+    results = OrderedDict()
+    results["iw_ppl"] = perplexity(iw_sum, num_tokens)
+    results["elbo_ppl"] = perplexity(elbo_sum, num_tokens)
+    if num_words:
+        results["iw_ppl_word"] = perplexity(iw_sum, num_words)
+        results["elbo_ppl_word"] = perplexity(elbo_sum, num_words)
+    # both papers count the start token of every sentence too: one value, each paper's name
+    results["ppl_qkvae_units"] = results["ppl_optimus_units"] = perplexity(iw_sum, num_tokens + num_sentences)
+    results["nll"] = -iw_sum / num_sentences
+    results["elbo"] = elbo_sum / num_sentences
+    results["rec"] = float(-records.cat("reconstruction").sum()) / num_sentences
+    results["kl"] = float(kl.sum()) / num_sentences
+    results["nll_se"] = standard_error(log_px)
+    results["elbo_se"] = standard_error(elbo)
+    results["kl_se"] = standard_error(kl)
+    low, high = bootstrap_perplexity_interval(log_px, records.cat("tokens"), seed=seed)
+    results["iw_ppl_ci95_low"], results["iw_ppl_ci95_high"] = low, high
+    if num_words:
+        low, high = bootstrap_perplexity_interval(log_px, records.cat("words"), seed=seed)
+        results["iw_ppl_word_ci95_low"], results["iw_ppl_word_ci95_high"] = low, high
+    return results
+
+
+def latent_space_metrics(records: SplitRecords, latent_sizes, mi_samples: int, au_threshold: float,
+                         seed: int) -> "OrderedDict[str, float]":
+    """MI, active units and the first principal component's share, of all latents together and of each."""
+    means, logvars = records.per_latent(records.means), records.per_latent(records.logvars)
+    kl = records.per_latent(records.kl)
+    latents, num_sentences = records.latents, records.num_sentences
+    mi_generator = torch.Generator().manual_seed(seed)
+    joint_means = torch.cat([means[n] for n in latents], -1)  # every latent's posterior means, [N, sum D]
+    joint_mi = mutual_information(joint_means, torch.cat([logvars[n] for n in latents], -1),
+                                  num_samples=mi_samples, generator=mi_generator)
+    au_counts = {name: active_units(means[name], au_threshold)[0] for name in latents}
+    results = OrderedDict()
+    results["mi"], results["mi_se"] = joint_mi.value, joint_mi.standard_error
+    results["au"] = sum(au_counts.values())
+    results["pc1_share"] = float(principal_variance_shares(joint_means)[0])
+    for name in latents:
+        results[f"kl_{name}"] = float(kl[name].sum()) / num_sentences
+        latent_mi = mutual_information(means[name], logvars[name], num_samples=mi_samples, generator=mi_generator)
+        results[f"mi_{name}"], results[f"mi_se_{name}"] = latent_mi.value, latent_mi.standard_error
+        results[f"au_{name}"] = au_counts[name]
+        results[f"pc1_share_{name}"] = float(principal_variance_shares(means[name])[0])
+        results[f"dim_{name}"] = int(latent_sizes[name])
+    results["mi_max_log_n"] = joint_mi.log_n
+    return results
+
+
 @torch.no_grad()
 def evaluate_split(model, task, subset: str = "test", k: int = 100, chunk_size: int = 10,
                    batch_size: int = 32, seed: int = 1, mi_samples: int = 10,
@@ -144,122 +288,37 @@ def evaluate_split(model, task, subset: str = "test", k: int = 100, chunk_size: 
         check_positive_int(option, value, VAEConfigError)
     model.eval()
     device = model_device(model)
-    task.load_dataset(subset, combine=False, epoch=1)
-    dataset = task.dataset(subset)
-    if max_sentences is not None:
-        if max_sentences < 1:
-            raise VAEConfigError(f"--max-sentences={max_sentences} must be >= 1")
-        if max_sentences < len(dataset):
-            chosen = np.random.default_rng(seed).choice(len(dataset), size=max_sentences, replace=False)
-            dataset = SentenceSubset(dataset, chosen)
-    iterator = task.get_batch_iterator(
-        dataset=dataset, max_tokens=None, max_sentences=batch_size,
-        max_positions=utils.resolve_max_positions(task.max_positions(), model.max_positions()),
-        ignore_invalid_inputs=False, seed=seed, num_workers=0,
-    ).next_epoch_itr(shuffle=False)
+    batches = evaluation_batches(model, task, subset, batch_size, seed, max_sentences)
     generator = torch.Generator(device=device).manual_seed(seed)
-    pad = task.target_dictionary.pad()
-    latents = list(model.latent_sizes)
-    iw_sum, elbo_sum, rec_sum, num_tokens, num_sentences, iw_seconds = 0.0, 0.0, 0.0, 0, 0, 0.0
-    num_words = 0  # stays 0 when the task has no word unit (target_word_count -> None)
-    kl_sums = {name: 0.0 for name in latents}
-    # per sentence, for standard errors and the bootstrap interval of the perplexity
-    per_sentence: Dict[str, List[torch.Tensor]] = {"log_px": [], "elbo": [], "kl": [], "tokens": [], "words": []}
-    means: Dict[str, List[torch.Tensor]] = {name: [] for name in latents}
-    logvars: Dict[str, List[torch.Tensor]] = {name: [] for name in latents}
-    references: List[str] = []
-    hypotheses: List[str] = []
-    if bleu:
-        greedy = LatentDecoder(model, task, generation_args(beam=1), batch_size=batch_size)
-    for sample in iterator:
+    greedy = LatentDecoder(model, task, generation_args(beam=1), batch_size=batch_size) if bleu else None
+    records = SplitRecords(list(model.latent_sizes))
+    for sample in batches:
         sample = utils.move_to_cuda(sample, device=device) if device.type == "cuda" else sample
-        net_input = dict(sample["net_input"])
-        prev_output_tokens = net_input.pop("prev_output_tokens")
-        encoder_out = model.encoder(**net_input)
-        posteriors = posteriors_of(encoder_out)
-        fn = log_likelihood_fn(model, encoder_out, prev_output_tokens, sample["target"], pad)
-        _sync(device)
-        start = time.perf_counter()
-        log_px = importance_weighted_log_likelihood(fn, posteriors, k, chunk_size, generator)  # [B]
-        _sync(device)
-        iw_seconds += time.perf_counter() - start
-        terms = elbo_terms(fn, posteriors, generator)
-        iw_sum += float(log_px.double().sum())
-        per_sentence["log_px"].append(log_px.double().cpu())
-        per_sentence["elbo"].append(terms.elbo.double().cpu())
-        per_sentence["kl"].append(sum(terms.kl.values()).double().cpu())
-        per_sentence["tokens"].append(sample["target"].ne(pad).sum(-1).double().cpu())
-        elbo_sum += float(terms.elbo.double().sum())
-        rec_sum += float(-terms.reconstruction.double().sum())
-        for name in latents:
-            kl_sums[name] += float(terms.kl[name].double().sum())
-            means[name].append(posteriors[name].mean.float().cpu())
-            logvars[name].append(posteriors[name].logvar.float().cpu())
-        num_tokens += int(sample["ntokens"])
-        num_sentences += int(sample["target"].size(0))
-        if bleu:
-            hypotheses += greedy.reconstruct_batch(net_input["src_tokens"], net_input["src_lengths"])
-            references += [task.target_text(utils.strip_pad(t, pad).int().cpu()) for t in sample["target"]]
-        words = [task.target_word_count(utils.strip_pad(t, pad).cpu()) for t in sample["target"]]
-        if None not in words:
-            num_words += sum(words)
-            per_sentence["words"].append(torch.tensor(words, dtype=torch.float64))
-    if num_sentences < 2:
-        raise ValueError(f"split {subset!r} has {num_sentences} sentence(s); MI and AU need at least 2")
+        record_batch(records, model, task, sample, k, chunk_size, generator, greedy)
+    if records.num_sentences < 2:
+        raise ValueError(f"split {subset!r} has {records.num_sentences} sentence(s); MI and AU need at least 2")
 
-    results = OrderedDict()
-    results["iw_ppl"] = perplexity(iw_sum, num_tokens)
-    results["elbo_ppl"] = perplexity(elbo_sum, num_tokens)
-    if num_words:
-        results["iw_ppl_word"] = perplexity(iw_sum, num_words)
-        results["elbo_ppl_word"] = perplexity(elbo_sum, num_words)
-    # both papers count the start token of every sentence too: one value, each paper's name
-    results["ppl_qkvae_units"] = results["ppl_optimus_units"] = perplexity(iw_sum, num_tokens + num_sentences)
-    results["nll"] = -iw_sum / num_sentences
-    results["elbo"] = elbo_sum / num_sentences
-    results["rec"] = rec_sum / num_sentences
-    results["kl"] = sum(kl_sums.values()) / num_sentences
-    mean_all = {name: torch.cat(means[name]) for name in latents}
-    logvar_all = {name: torch.cat(logvars[name]) for name in latents}
-    stats = {name: torch.cat(values) for name, values in per_sentence.items() if values}
-    results["nll_se"] = standard_error(stats["log_px"])
-    results["elbo_se"] = standard_error(stats["elbo"])
-    results["kl_se"] = standard_error(stats["kl"])
-    low, high = bootstrap_perplexity_interval(stats["log_px"], stats["tokens"], seed=seed)
-    results["iw_ppl_ci95_low"], results["iw_ppl_ci95_high"] = low, high
-    if num_words:
-        low, high = bootstrap_perplexity_interval(stats["log_px"], stats["words"], seed=seed)
-        results["iw_ppl_word_ci95_low"], results["iw_ppl_word_ci95_high"] = low, high
-    mi_generator = torch.Generator().manual_seed(seed)
-    joint_means = torch.cat([mean_all[n] for n in latents], -1)  # every latent's posterior means, [N, sum D]
-    mi = mutual_information(joint_means, torch.cat([logvar_all[n] for n in latents], -1),
-                            num_samples=mi_samples, generator=mi_generator)
-    results["mi"], results["mi_se"] = mi.value, mi.standard_error
-    au_counts = {name: active_units(mean_all[name], au_threshold)[0] for name in latents}
-    results["au"] = sum(au_counts.values())
-    results["pc1_share"] = float(principal_variance_shares(joint_means)[0])
-    for name in latents:
-        results[f"kl_{name}"] = kl_sums[name] / num_sentences
-        mi = mutual_information(mean_all[name], logvar_all[name], num_samples=mi_samples, generator=mi_generator)
-        results[f"mi_{name}"], results[f"mi_se_{name}"] = mi.value, mi.standard_error
-        results[f"au_{name}"] = au_counts[name]
-        results[f"pc1_share_{name}"] = float(principal_variance_shares(mean_all[name])[0])
-        results[f"dim_{name}"] = int(model.latent_sizes[name])
+    results = likelihood_metrics(records, seed)
+    latent = latent_space_metrics(records, model.latent_sizes, mi_samples, au_threshold, seed)
+    mi_max_log_n = latent.pop("mi_max_log_n")  # reported with the estimator settings below
+    results.update(latent)
     if bleu:
         import sacrebleu
 
-        results["rec_bleu"] = sacrebleu.corpus_bleu(hypotheses, [references], tokenize=task.bleu_tokenize).score
-    results["num_sentences"] = num_sentences
-    results["num_tokens"] = num_tokens
-    if num_words:
-        results["num_words"] = num_words
+        results["rec_bleu"] = sacrebleu.corpus_bleu(records.hypotheses, [records.references],
+                                                    tokenize=task.bleu_tokenize).score
+    results["num_sentences"] = records.num_sentences
+    results["num_tokens"] = records.num_tokens
+    if records.num_words:
+        results["num_words"] = records.num_words
     results["k"] = k
     results["chunk_size"] = chunk_size
     results["batch_size"] = batch_size
     results["mi_samples"] = mi_samples
-    results["mi_max_log_n"] = mi.log_n
-    results["iw_seconds_per_sentence"] = iw_seconds / num_sentences
-    results["estimators"] = estimators(k, mi_samples, num_sentences, bool(num_words), task.bleu_tokenize)
+    results["mi_max_log_n"] = mi_max_log_n
+    results["iw_seconds_per_sentence"] = records.iw_seconds / records.num_sentences
+    results["estimators"] = estimators(k, mi_samples, records.num_sentences, bool(records.num_words),
+                                       task.bleu_tokenize)
     return results
 
 
