@@ -46,10 +46,19 @@ def build_like_hydra_train(config_dir: Path, config_name: str, overrides: List[s
 
     from fairseq.dataclass.utils import omegaconf_no_object_check
 
+    from hydra.version import VersionBase
+
     GlobalHydra.instance().clear()
     hydra_init(config_name)  # FairseqConfig as the schema of the YAML, as fairseq-hydra-train's cli_main
-    with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None):
-        cfg = compose(config_name, overrides=list(overrides))
+    # restored afterwards: fairseq's own hydra.experimental calls (every later
+    # convert_namespace_to_omegaconf in this process) fail under version_base=None
+    base = VersionBase.instance().version_base
+    try:
+        with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None):
+            cfg = compose(config_name, overrides=list(overrides))
+    finally:
+        VersionBase.instance().version_base = base
+        GlobalHydra.instance().clear()
     utils.import_user_module(cfg.common)
     add_defaults(cfg)
     with omegaconf_no_object_check():

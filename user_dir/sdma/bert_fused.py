@@ -42,37 +42,41 @@ refused: the model's ``max_positions()`` says so to fairseq, which stops with it
 ``prepare-translation --src-bert-dir`` refuses, truncates or skips them beforehand.
 """
 
-import argparse
 import contextlib
 import functools
 import hashlib
 import logging
 import struct
+from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
-from fairseq.models import register_model, register_model_architecture
+from fairseq.dataclass import ChoiceEnum
+from fairseq.models import register_model
 from fairseq.models.transformer import TransformerConfig
 from fairseq.modules.multihead_attention import MultiheadAttention
-from omegaconf import OmegaConf
 from torch import Tensor
 
 from latent_core.data.bert_source import load_tokenizer, max_source_pieces
 from latent_core.errors import PluginConfigError, parse_bool
+from latent_core.sdma import real_queries
 from ..hf_pretrained import inspect_hf_directory
 from ..hf_sentence.model import ENCODER_TYPES, load_pretrained_encoder
+from ..model_config import add_config_args
 from .fairseq_attention import SDMAMultiheadAttention
 from .model import (
-    SMALLER_DISENTANGLEMENT,
+    IWSLT_BASE,
+    TABLE_ONE,
     SDMADecoderLayer,
     SDMAEncoderLayer,
+    SDMATransformerConfig,
     SDMATransformerDecoder,
     SDMATransformerEncoder,
     SDMATransformerModel,
     attention_kwargs,
-    set_default,
-    table_one,
+    model_namespace,
+    register_table_one,
     wrap_layer,
     sdma_options,
 )
@@ -80,8 +84,6 @@ from .model import (
 logger = logging.getLogger(__name__)
 
 BERT_FUSIONS = ("embed", "attention")
-DEFAULT_FUSION = "embed"
-DEFAULT_DROPNET = 1.0  # Zhu et al.'s p_net
 # fairseq dictionary symbols that are not BERT tokens: fairseq-preprocess pads a dictionary it
 # builds with these (never seen in data); they map to [UNK]
 MADE_UP_PREFIX = "madeupword"
@@ -269,7 +271,6 @@ class BertFusedAttention(nn.Module):
         self.p_net = float(p_net)
         self.bert_states: Optional[Tensor] = None
         self.bert_padding_mask: Optional[Tensor] = None
-        self.query_padding_mask: Optional[Tensor] = None  # the decoder's padding (SDMA losses)
 
     @contextlib.contextmanager
     def bert_input(self, states: Tensor, padding_mask: Optional[Tensor]) -> Iterator[None]:
@@ -289,12 +290,12 @@ class BertFusedAttention(nn.Module):
         if self.bert_states is None:
             raise RuntimeError("BertFusedAttention called outside bert_input(): the encoder/decoder sets "
                                "BERT's output for each forward pass")
-        query_padding = key_padding_mask if getattr(self.attention, "self_attention", False) \
-            else self.query_padding_mask
-        for module in (self.attention, self.bert_attention):
-            if isinstance(module, SDMAMultiheadAttention) and not module.self_attention:
-                module.query_padding_mask = query_padding
-        try:
+        # the queries of the attention over BERT's output are this layer's positions: in the
+        # encoder they are the keys of the self-attention; the decoder layer sets its own
+        queries = contextlib.nullcontext()
+        if getattr(self.attention, "self_attention", False):
+            queries = real_queries(None if key_padding_mask is None else ~key_padding_mask.to(torch.bool))
+        with queries:
             out, weights = self.attention(
                 query=query, key=key, value=value, key_padding_mask=key_padding_mask,
                 incremental_state=incremental_state, need_weights=need_weights, static_kv=static_kv,
@@ -305,10 +306,6 @@ class BertFusedAttention(nn.Module):
                 query=query, key=self.bert_states, value=self.bert_states,
                 key_padding_mask=self.bert_padding_mask, incremental_state=incremental_state,
                 need_weights=False, static_kv=True)
-        finally:
-            for module in (self.attention, self.bert_attention):
-                if isinstance(module, SDMAMultiheadAttention) and not module.self_attention:
-                    module.query_padding_mask = None
         own, bert = dropnet_weights(self.p_net, self.training)
         return own * out + bert * bert_out, weights
 
@@ -441,7 +438,23 @@ class BertFusedDecoder(SDMATransformerDecoder):
 
 
 # ----------------------------------------------------------------------------- the model
-@register_model("bert_fused_transformer")
+@dataclass
+class BertFusedTransformerConfig(SDMATransformerConfig):
+    """``bert_fused_transformer``: ``sdma_transformer``'s options and the BERT side's."""
+
+    bert_dir: Optional[str] = field(default=None, metadata={
+        "help": "local Hugging Face BERT-family directory (config.json, weights, tokenizer); model_type one of "
+                + ", ".join(ENCODER_TYPES)})
+    bert_fusion: ChoiceEnum(BERT_FUSIONS) = field(default="embed", metadata={
+        "help": "'embed': BERT's vectors replace the source embeddings and positions (the paper); 'attention': "
+                "Zhu et al.'s extra BERT attention in every layer"})
+    bert_finetune: bool = field(default=False, metadata={
+        "help": "train BERT too (else it is frozen: no gradients, no dropout, not saved in checkpoints)"})
+    bert_dropnet: float = field(default=1.0, metadata={
+        "help": "drop-net rate p_net of the attention fusion, in [0, 1] (the default is Zhu et al.'s)"})
+
+
+@register_model("bert_fused_transformer", dataclass=BertFusedTransformerConfig)
 class BertFusedTransformerModel(SDMATransformerModel):
     """BV-T (``--sdma-mode none``) and BSDMA-T (``--sdma-mode sdma``); see the module docstring."""
 
@@ -449,30 +462,15 @@ class BertFusedTransformerModel(SDMATransformerModel):
         raise BertFusedConfigError("torch.jit.script: bert_fused_transformer cannot be scripted (a Hugging Face "
                                    "BERT inside, state set around each forward); run it unscripted")
 
-    @staticmethod
-    def add_args(parser):
-        SDMATransformerModel.add_args(parser)
-        group = parser.add_argument_group("BERT fusion (BV-T / BSDMA-T)")
-        group.add_argument("--bert-dir", metavar="DIR",
-                           help="local Hugging Face BERT-family directory (config.json, weights, tokenizer); "
-                                f"model_type one of {', '.join(ENCODER_TYPES)}")
-        group.add_argument("--bert-fusion", choices=BERT_FUSIONS,
-                           help="'embed': BERT's vectors replace the source embeddings and positions (the "
-                                "paper); 'attention': Zhu et al.'s extra BERT attention in every layer "
-                                f"(default: {DEFAULT_FUSION})")
-        group.add_argument("--bert-finetune", type=parse_bool, metavar="BOOL",
-                           help="train BERT too (default: false, frozen, not saved in checkpoints)")
-        group.add_argument("--bert-dropnet", type=float, metavar="P",
-                           help="drop-net rate p_net of the attention fusion, in [0, 1] (default: "
-                                f"{DEFAULT_DROPNET}, Zhu et al.)")
+    @classmethod
+    def add_args(cls, parser):
+        add_config_args(parser, BertFusedTransformerConfig)
 
     @classmethod
-    def build_model(cls, args, task):
-        if OmegaConf.is_config(args):
-            args = argparse.Namespace(**OmegaConf.to_container(args, resolve=True))
-        _bert_defaults(args)
+    def build_model(cls, cfg, task):
+        args = model_namespace(cfg)
         validate_bert_args(args)
-        model = super().build_model(args, task)  # SDMA defaults and checks
+        model = super().build_model(args, task)  # SDMA's checks
         log_parameter_counts(model)
         return model
 
@@ -517,30 +515,12 @@ def validate_bert_args(args) -> None:
                                    "and the target side the model's own (use --share-decoder-input-output-embed)")
 
 
-def _bert_defaults(args) -> None:
-    set_default(args, "bert_fusion", DEFAULT_FUSION)
-    set_default(args, "bert_finetune", False)
-    set_default(args, "bert_dropnet", DEFAULT_DROPNET)
-
-
-# architecture -> (Embed, FFN, n_h, SDMA overrides): the base rows of Tables II/III (Table I) and tiny
+# architecture -> its Table I row: the base rows of Tables II/III and the tiny one; the model's own
+# name is the IWSLT'14 base (its config defaults)
 BERT_FUSED_ARCHITECTURES = {
-    "bert_fused_transformer": (512, 1024, 4, {}),
-    "bert_fused_transformer_iwslt_de_en": (512, 1024, 4, {}),
-    "bert_fused_transformer_wmt_en_de": (512, 2048, 8, {}),
-    "bert_fused_transformer_tiny": (256, 512, 4, SMALLER_DISENTANGLEMENT),
+    "bert_fused_transformer": IWSLT_BASE,
+    "bert_fused_transformer_iwslt_de_en": IWSLT_BASE,
+    "bert_fused_transformer_wmt_en_de": TABLE_ONE["sdma_transformer_wmt_en_de"],
+    "bert_fused_transformer_tiny": TABLE_ONE["sdma_transformer_iwslt_de_en_tiny"],
 }
-
-
-def _register(name, embed, ffn, heads, overrides):
-    def architecture(args):
-        _bert_defaults(args)
-        table_one(args, embed, ffn, heads, authors_script=True, **overrides)
-
-    architecture.__name__ = name
-    architecture.__doc__ = f"Embed {embed}, FFN {ffn}, {heads} heads, 6+6 layers (Table I)"
-    register_model_architecture("bert_fused_transformer", name)(architecture)
-
-
-for _name, _row in BERT_FUSED_ARCHITECTURES.items():
-    _register(_name, *_row)
+register_table_one("bert_fused_transformer", BERT_FUSED_ARCHITECTURES)

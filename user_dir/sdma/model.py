@@ -11,23 +11,22 @@ transformer (V-T), ``sma`` SMA-T and ``sdma`` SDMA-T.
 import argparse
 import contextlib
 import functools
-from dataclasses import field, fields, make_dataclass
+import re
+from dataclasses import MISSING, dataclass, field, fields, make_dataclass
 from typing import Dict, Optional
 
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
-from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.distributed import fsdp_wrap
-from fairseq.models import register_model, register_model_architecture
+from fairseq.models import MODEL_DATACLASS_REGISTRY, register_model, register_model_architecture
 from fairseq.models.transformer import (
     TransformerConfig,
     TransformerDecoderBase,
     TransformerEncoderBase,
     TransformerModel,
 )
-from fairseq.models.transformer.transformer_legacy import base_architecture
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 from fairseq.models.transformer.transformer_decoder import module_name_fordropout as decoder_dropout_name
 from fairseq.models.transformer.transformer_encoder import module_name_fordropout as encoder_dropout_name
@@ -35,56 +34,135 @@ from fairseq.modules import FairseqDropout
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from omegaconf import OmegaConf
 
-from latent_core.errors import check_positive_int, parse_bool
+from latent_core.errors import check_positive_int
 from latent_core.sdma import (
+    ATTENTION_KERNELS,
+    READINGS,
+    SDMA_MODES,
     SDMAConfigError,
     SDMALossWeights,
     SDMAOptions,
     check_loss_weight,
-    collect_sdma_losses,
     option_name,
+    real_queries,
 )
 
+from ..model_config import add_config_args, config_defaults
 from .fairseq_attention import SDMAMultiheadAttention
 
-# What the fairseq model changes in the core's defaults (latent_core.sdma.SDMAOptions): Tables II-IV
-# fix n_c = 4 (Section IV-C1; Table V's n_c = 4 row is Table II's SDMA-T base, the authors' IWSLT
-# script passes --clusters 4); Table I's 8/8 is --sdma-clusters 8 --sdma-query-clusters 8.
-FAIRSEQ_PRESET = {"num_clusters": 4, "num_query_clusters": 4}
-# The decoder self-attention drops its semantic mask at test time (the paper), the others keep it.
-DECODER_MASK_AT_INFERENCE = False
 SIDES = ("encoder", "decoder")
 PER_SIDE = ("num_clusters", "num_query_clusters")  # the SDMAOptions fields one side may override
 LOSS_WEIGHT_ARGS = tuple(SDMALossWeights().as_options())  # lambda_k, lambda_q, lambda_x, lambda_d of eq. (24)
 
 
-def _flag_field(dc_field, prefix: str = "sdma_"):
-    """(name, type, field) of the fairseq option generated from a core dataclass field. The default
-    is None (the architecture fills it in, fairseq's legacy-architecture convention) and the help
-    names the core default."""
-    name = prefix + option_name(dc_field.name)
-    help_text = f"{dc_field.metadata['help']} (default: {dc_field.default})"
-    choices = dc_field.metadata.get("choices")
-    kind = ChoiceEnum(choices) if choices else Optional[dc_field.type]
-    return name, kind, field(default=None, metadata={"help": help_text})
+def table_one_row(embed: int, ffn: int, heads: int, layers: int = 6, **sdma) -> Dict[str, object]:
+    """One row of Table I as config fields: Embed / FFN, n_h and N on both sides, and the SDMA
+    values where the row differs from the config's defaults."""
+    sizes = {}
+    for side in SIDES:
+        sizes.update({f"{side}_embed_dim": embed, f"{side}_ffn_embed_dim": ffn,
+                      f"{side}_attention_heads": heads, f"{side}_layers": layers})
+    return {**sizes, **sdma}
 
 
-def _per_side_field(side: str, field_name: str):
-    """(name, type, field) of ``--sdma-{side}-{option}``, which overrides ``--sdma-{option}`` on one side."""
-    option = option_name(field_name)
-    return f"sdma_{side}_{option}", Optional[int], field(default=None, metadata={
-        "help": f"{option.replace('_', ' ')} in the {side} only (default: --sdma-{option.replace('_', '-')})"})
+# Table I's tiny and Zh-En rows: lambda_q 50, lambda_x 5
+SMALLER_DISENTANGLEMENT = {"sdma_dqq_weight": 50.0, "sdma_dxq_weight": 5.0}
+# The authors' IWSLT'14 and WMT'14 scripts pass --mi_loss_weight 10 for every size, which their
+# criterion turns into lambda_q = 100, lambda_x = 10 (their L_Dqq carries a factor 10)
+AUTHORS_SCRIPT_WEIGHTS = {"sdma_dqq_weight": 100.0, "sdma_dxq_weight": 10.0}
+IWSLT_BASE = table_one_row(512, 1024, 4)
+# architecture -> its fields: the rows of Table I. The model's own name is the IWSLT'14 base row
+# (its config defaults); Zh-En has no script of the authors (Table I's weights in both readings).
+TABLE_ONE = {
+    "sdma_transformer": IWSLT_BASE,
+    "sdma_transformer_iwslt_de_en": IWSLT_BASE,
+    "sdma_transformer_iwslt_de_en_small": table_one_row(384, 1024, 4),
+    "sdma_transformer_iwslt_de_en_tiny": table_one_row(256, 512, 4, **SMALLER_DISENTANGLEMENT),
+    "sdma_transformer_wmt_en_de": table_one_row(512, 2048, 8),
+    "sdma_transformer_wmt_en_de_small": table_one_row(384, 2048, 8),
+    "sdma_transformer_wmt_en_de_tiny": table_one_row(256, 1024, 4, **SMALLER_DISENTANGLEMENT),
+    "sdma_transformer_wmt_zh_en": table_one_row(512, 1024, 4, **SMALLER_DISENTANGLEMENT, sdma_centroid_grad_scale=5.0),
+}
+WITHOUT_AUTHORS_SCRIPT = ("sdma_transformer_wmt_zh_en",)
+
+_NESTED_REFERENCE = re.compile(r"\$\{model\.(encoder|decoder|quant_noise)\.")
 
 
-# fairseq's options of the model, generated from the core dataclasses (no name or default is
-# written here); the booleans are added separately because they take a value (true/false).
-SDMAModelConfig = make_dataclass(
-    "SDMAModelConfig",
-    [_flag_field(f) for f in fields(SDMAOptions) if f.type is not bool]
-    + [_per_side_field(side, name) for side in SIDES for name in PER_SIDE]
-    + [_flag_field(f) for f in fields(SDMALossWeights)],
-    bases=(FairseqDataclass,),
-)
+def flat_transformer_fields(defaults: Dict[str, object]):
+    """fairseq's ``TransformerConfig`` as flat fields ``(name, type, field)``, named as the options of
+    its legacy ``transformer`` (``TransformerModel.add_args``: ``encoder.embed_dim`` ->
+    ``encoder_embed_dim``), so that a checkpoint's config stays flat; fairseq's
+    ``${model.decoder.embed_dim}`` defaults become ``${model.decoder_embed_dim}``. ``defaults``
+    replaces fairseq's default of the fields it names."""
+    flat = []
+    for f in fields(TransformerConfig):
+        nested = isinstance(f.type, type) and issubclass(f.type, FairseqDataclass)
+        for prefix, sub in ([(f.name + "_", s) for s in fields(f.type)] if nested else [("", f)]):
+            if sub.name != "_name":
+                flat.append((prefix + sub.name, sub))
+    unknown = sorted(set(defaults) - {name for name, _ in flat})
+    if unknown:
+        raise ValueError(f"{unknown} are not options of fairseq's transformer")
+    result = []
+    for name, f in flat:
+        default = defaults.get(name, f.default)
+        assert default is not MISSING, name
+        if isinstance(default, str):
+            default = _NESTED_REFERENCE.sub(r"${model.\1_", default)
+        result.append((name, f.type, field(default=default, metadata=dict(f.metadata))))
+    return result
+
+
+# fairseq's transformer options with the defaults of SDMA's IWSLT'14 base: Table I's row and dropout 0.3
+# (the legacy base_architecture's other values are TransformerConfig's defaults)
+SDMA_TRANSFORMER_DEFAULTS = {**IWSLT_BASE, "dropout": 0.3}
+TransformerFields = make_dataclass("TransformerFields", flat_transformer_fields(SDMA_TRANSFORMER_DEFAULTS),
+                                   bases=(FairseqDataclass,))
+
+
+def core_field(core_dataclass, name: str, **default):
+    """A config field documented by a field of a core dataclass (``latent_core.sdma``): its help
+    text, and its default unless ``default=`` gives the fairseq model's own."""
+    core = core_dataclass.__dataclass_fields__[name]
+    return field(default=default.get("default", core.default), metadata={"help": core.metadata["help"]})
+
+
+@dataclass
+class SDMATransformerConfig(TransformerFields):
+    """``sdma_transformer``: fairseq's transformer options (:data:`TransformerFields`) and SDMA's
+    (``--sdma-*``; the help texts and most defaults are the core's, ``latent_core.sdma``). The
+    defaults are Table I's IWSLT'14 base; the architectures override their rows' fields."""
+
+    sdma_mode: ChoiceEnum(SDMA_MODES) = core_field(SDMAOptions, "mode")
+    sdma_reading: ChoiceEnum(READINGS) = core_field(SDMAOptions, "reading")
+    # Tables II-IV fix n_c = 4 (Section IV-C1; Table V's n_c = 4 row is Table II's SDMA-T base, the
+    # authors' IWSLT script passes --clusters 4); Table I's 8/8 is --sdma-clusters 8 --sdma-query-clusters 8
+    sdma_clusters: int = core_field(SDMAOptions, "num_clusters", default=4)
+    sdma_query_clusters: int = core_field(SDMAOptions, "num_query_clusters", default=4)
+    sdma_mix_max: float = core_field(SDMAOptions, "mix_max")
+    sdma_mix_rate: float = core_field(SDMAOptions, "mix_rate")
+    sdma_centroid_grad_scale: float = core_field(SDMAOptions, "centroid_grad_scale")
+    sdma_noise_var: float = core_field(SDMAOptions, "noise_var")
+    sdma_posterior_var: Optional[float] = core_field(SDMAOptions, "posterior_var")
+    sdma_diversity_alpha: float = core_field(SDMAOptions, "diversity_alpha")
+    sdma_diversity_beta: float = core_field(SDMAOptions, "diversity_beta")
+    sdma_attention_kernel: ChoiceEnum(ATTENTION_KERNELS) = core_field(SDMAOptions, "attention_kernel")
+    sdma_encoder_clusters: Optional[int] = field(
+        default=None, metadata={"help": "n_c of the feature GMM in the encoder only (unset: --sdma-clusters)"})
+    sdma_encoder_query_clusters: Optional[int] = field(
+        default=None, metadata={"help": "n_c of the query GMM in the encoder only (unset: --sdma-query-clusters)"})
+    sdma_decoder_clusters: Optional[int] = field(
+        default=None, metadata={"help": "n_c of the feature GMM in the decoder only (unset: --sdma-clusters)"})
+    sdma_decoder_query_clusters: Optional[int] = field(
+        default=None, metadata={"help": "n_c of the query GMM in the decoder only (unset: --sdma-query-clusters)"})
+    # eq. (24); an architecture's row may take the authors' scripts' values instead (register_table_one_row)
+    sdma_kl_weight: float = core_field(SDMALossWeights, "kl_weight")
+    sdma_dqq_weight: float = core_field(SDMALossWeights, "dqq_weight")
+    sdma_dxq_weight: float = core_field(SDMALossWeights, "dxq_weight")
+    sdma_diversity_weight: float = core_field(SDMALossWeights, "diversity_weight")
+    sdma_decoder_mask_at_inference: bool = field(default=False, metadata={
+        "help": "apply the decoder self-attention's semantic mask when not training (the paper drops it at "
+                "test time; the encoder's and the cross-attention's keep theirs)"})
 
 
 def sdma_options(cfg, side: str, mask_at_inference: bool = True) -> SDMAOptions:
@@ -152,19 +230,14 @@ class SDMADecoderLayer(TransformerDecoderLayerBase):
     def forward(self, x, encoder_out=None, encoder_padding_mask=None, incremental_state=None,
                 prev_self_attn_state=None, prev_attn_state=None, self_attn_mask=None,
                 self_attn_padding_mask=None, need_attn=False, need_head_weights=False):
-        # cross-attention needs the decoder padding for its (query-side) losses
-        # (SDMAMultiheadAttention, or bert_fused.BertFusedAttention around one)
-        cross = self.encoder_attn if hasattr(self.encoder_attn, "query_padding_mask") else None
-        if cross is not None:
-            cross.query_padding_mask = self_attn_padding_mask
-        try:
+        # cross-attention receives only the encoder's padding; its regularisers average over the
+        # decoder's real positions (SDMAMultiheadAttention, or bert_fused.BertFusedAttention around one)
+        valid = None if self_attn_padding_mask is None else ~self_attn_padding_mask.to(torch.bool)
+        with real_queries(valid):
             return super().forward(
                 x, encoder_out, encoder_padding_mask, incremental_state, prev_self_attn_state,
                 prev_attn_state, self_attn_mask, self_attn_padding_mask, need_attn, need_head_weights,
             )
-        finally:
-            if cross is not None:
-                cross.query_padding_mask = None
 
 
 def _checkpointed_forward(original_forward, offload_to_cpu, *args, **kwargs):
@@ -255,7 +328,29 @@ class SDMATransformerDecoder(TransformerDecoderBase):
         return wrap_layer(SDMADecoderLayer(cfg, no_encoder_attn), cfg)
 
 
-@register_model("sdma_transformer")
+_MODEL_REFERENCE = re.compile(r"\$\{model\.(\w+)\}")
+
+
+def model_namespace(cfg) -> argparse.Namespace:
+    """The flat options as fairseq's transformer code reads them (an ``argparse.Namespace``), from
+    what fairseq passes to ``build_model``: a config (``--arch sdma_transformer``, fairseq-hydra-train,
+    a checkpoint) or a Namespace an architecture filled (``--arch sdma_transformer_*`` in-process; old
+    checkpoints). A default ``${model.decoder_embed_dim}`` that no config resolved (an architecture
+    fills in the field defaults as they are written) takes that field's value."""
+    if OmegaConf.is_config(cfg):
+        args = argparse.Namespace(**OmegaConf.to_container(cfg, enum_to_str=True))
+    elif isinstance(cfg, argparse.Namespace):
+        args = cfg
+    else:  # a config dataclass (fairseq's from_namespace)
+        args = argparse.Namespace(**vars(cfg))
+    for name, value in vars(args).items():
+        reference = _MODEL_REFERENCE.fullmatch(value) if isinstance(value, str) else None
+        if reference:
+            setattr(args, name, getattr(args, reference.group(1)))
+    return args
+
+
+@register_model("sdma_transformer", dataclass=SDMATransformerConfig)
 class SDMATransformerModel(TransformerModel):
     """Transformer with semantic and disentangled mask attention (Chien & Huang, 2024)."""
 
@@ -263,22 +358,13 @@ class SDMATransformerModel(TransformerModel):
     def hub_models(cls):
         return {}
 
-    @staticmethod
-    def add_args(parser):
-        TransformerModel.add_args(parser)
-        group = parser.add_argument_group("SDMA (semantic and disentangled mask attention)")
-        gen_parser_from_dataclass(group, SDMAModelConfig(), delete_default=True)
-        group.add_argument("--sdma-decoder-mask-at-inference", type=parse_bool, metavar="BOOL",
-                           help="use the decoder self-attention's semantic mask when not training "
-                                f"(the paper drops it: default {DECODER_MASK_AT_INFERENCE})")
+    @classmethod
+    def add_args(cls, parser):
+        add_config_args(parser, SDMATransformerConfig)
 
     @classmethod
-    def build_model(cls, args, task):
-        if OmegaConf.is_config(args):
-            # fairseq-hydra-train passes a DictConfig; TransformerConfig.from_namespace keeps the
-            # extra (sdma_*) keys of a Namespace only, as for every legacy fairseq architecture.
-            args = argparse.Namespace(**OmegaConf.to_container(args, resolve=True))
-        sdma_base_architecture(args)
+    def build_model(cls, cfg, task):
+        args = model_namespace(cfg)
         validate_sdma_args(args)
         model = super().build_model(args, task)
         model.sdma_loss_weights = {name: float(getattr(args, name)) for name in LOSS_WEIGHT_ARGS}
@@ -303,10 +389,6 @@ class SDMATransformerModel(TransformerModel):
     def build_decoder(cls, args, tgt_dict, embed_tokens):
         cfg = TransformerConfig.from_namespace(args)
         return SDMATransformerDecoder(cfg, tgt_dict, embed_tokens, no_encoder_attn=cfg.no_cross_attention)
-
-    def sdma_losses(self) -> Dict[str, "torch.Tensor"]:
-        """The regularisers of the last forward pass (see ``collect_sdma_losses``)."""
-        return collect_sdma_losses(self)
 
 
 def validate_sdma_args(args) -> None:
@@ -339,72 +421,37 @@ def validate_sdma_args(args) -> None:
         sdma_options(args, side).validate()
 
 
-def set_default(args, name, value):
-    if getattr(args, name, None) is None:
-        setattr(args, name, value)
+def register_table_one_row(model_name: str, arch_name: str, row: Dict[str, object], authors_script: bool = True):
+    """``--arch arch_name``: ``model_name``'s config with the fields of a Table I row, set where the
+    command line (or a checkpoint's config) left them unset, the config defaults elsewhere.
 
-
-def sdma_base_architecture(args):
-    """SDMA defaults (latent_core.sdma: Section IV-A3 and Table I, IWSLT'14 base, with
-    FAIRSEQ_PRESET) on top of fairseq's transformer defaults."""
-    options = SDMAOptions(**FAIRSEQ_PRESET)
-    for f in fields(SDMAOptions):
-        if f.name != "mask_at_inference":
-            set_default(args, "sdma_" + option_name(f.name), getattr(options, f.name))
-    set_default(args, "sdma_decoder_mask_at_inference", DECODER_MASK_AT_INFERENCE)
-    for name, value in SDMALossWeights().as_options().items():
-        set_default(args, name, value)
-    set_default(args, "dropout", 0.3)
-    base_architecture(args)
-
-
-def table_one(args, embed, ffn, heads, layers=6, authors_script=False, **sdma_overrides):
-    """One row of Table I (Embed/FFN, N, n_h) and the SDMA values where it differs from the
-    core defaults (n_c 4 of FAIRSEQ_PRESET; lambda_k 0.01, lambda_q 100, lambda_x 10, lambda_d 1, c_g 10).
-    ``authors_script``: in the authors reading the row takes the weights their training scripts
-    pass (:data:`AUTHORS_SCRIPT_WEIGHTS`) instead of Table I's."""
-    set_default(args, "sdma_reading", SDMAOptions.reading)
-    if authors_script and args.sdma_reading == "authors":
-        sdma_overrides = {**sdma_overrides, **AUTHORS_SCRIPT_WEIGHTS}
-    for side in SIDES:
-        set_default(args, f"{side}_embed_dim", embed)
-        set_default(args, f"{side}_ffn_embed_dim", ffn)
-        set_default(args, f"{side}_attention_heads", heads)
-        set_default(args, f"{side}_layers", layers)
-    for name, value in sdma_overrides.items():
-        set_default(args, name, value)
-    sdma_base_architecture(args)
-
-
-# Table I's tiny and Zh-En rows: lambda_q 50, lambda_x 5
-SMALLER_DISENTANGLEMENT = {"sdma_dqq_weight": 50.0, "sdma_dxq_weight": 5.0}
-# The authors' IWSLT'14 and WMT'14 scripts pass --mi_loss_weight 10 for every size, which their
-# criterion turns into lambda_q = 100, lambda_x = 10 (their L_Dqq carries a factor 10)
-AUTHORS_SCRIPT_WEIGHTS = {"sdma_dqq_weight": 100.0, "sdma_dxq_weight": 10.0}
-# architecture -> (Embed, FFN, n_h, SDMA values that differ from the defaults): the rows of Table I
-TABLE_ONE = {
-    "sdma_transformer": (512, 1024, 4, {}),
-    "sdma_transformer_iwslt_de_en": (512, 1024, 4, {}),
-    "sdma_transformer_iwslt_de_en_small": (384, 1024, 4, {}),
-    "sdma_transformer_iwslt_de_en_tiny": (256, 512, 4, SMALLER_DISENTANGLEMENT),
-    "sdma_transformer_wmt_en_de": (512, 2048, 8, {}),
-    "sdma_transformer_wmt_en_de_small": (384, 2048, 8, {}),
-    "sdma_transformer_wmt_en_de_tiny": (256, 1024, 4, SMALLER_DISENTANGLEMENT),
-    "sdma_transformer_wmt_zh_en": (512, 1024, 4, {**SMALLER_DISENTANGLEMENT, "sdma_centroid_grad_scale": 5.0}),
-}
-
-
-def _register_table_one_row(name, embed, ffn, heads, overrides):
-    authors_script = "zh_en" not in name  # no script of theirs for Zh-En: Table I's values in both readings
+    In the authors reading (``--sdma-reading authors``, the default) a row the authors trained with
+    their scripts takes those scripts' loss weights (:data:`AUTHORS_SCRIPT_WEIGHTS`) instead of
+    Table I's; the paper reading keeps Table I's. (``model_config.register_architecture`` has one set
+    of overrides per architecture; here they depend on the reading the command line chose.)"""
+    defaults = config_defaults(MODEL_DATACLASS_REGISTRY[model_name])
+    table_one = {**defaults, **row}
+    by_reading = {"paper": table_one, "authors": {**table_one, **(AUTHORS_SCRIPT_WEIGHTS if authors_script else {})}}
 
     def architecture(args):
-        table_one(args, embed, ffn, heads, authors_script=authors_script, **overrides)
+        reading = getattr(args, "sdma_reading", None) or defaults["sdma_reading"]
+        for name, value in by_reading.get(reading, table_one).items():  # an unknown reading fails validation
+            if getattr(args, name, None) is None:
+                setattr(args, name, value)
 
-    architecture.__name__ = name
-    architecture.__doc__ = f"Table I: Embed {embed}, FFN {ffn}, {heads} heads, 6+6 layers" + (
-        f"; {overrides}" if overrides else "")
-    register_model_architecture("sdma_transformer", name)(architecture)
+    architecture.__name__ = arch_name
+    architecture.__doc__ = f"{model_name} with Table I's {row}" + (
+        f" ({AUTHORS_SCRIPT_WEIGHTS} in the authors reading)" if authors_script else "")
+    register_model_architecture(model_name, arch_name)(architecture)
+    return architecture
 
 
-for _name, _row in TABLE_ONE.items():
-    _register_table_one_row(_name, *_row)
+def register_table_one(model_name: str, rows: Dict[str, Dict[str, object]]) -> None:
+    """Every row as an architecture of ``model_name``, but the model's own (its config defaults:
+    fairseq registers the model name as an architecture that changes nothing)."""
+    for arch_name, row in rows.items():
+        if arch_name != model_name:
+            register_table_one_row(model_name, arch_name, row, authors_script=arch_name not in WITHOUT_AUTHORS_SCRIPT)
+
+
+register_table_one("sdma_transformer", TABLE_ONE)
