@@ -12,12 +12,16 @@ fairseq reads a dataclass model's options in two ways, and both stay in step wit
   (:func:`architecture_overrides`).
 """
 
+import argparse
 import dataclasses
-from typing import Any, Dict, Type
+import re
+from typing import Any, Callable, Dict, Mapping, Optional, Type
 
 from fairseq.dataclass import FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass, interpret_dc_type
 from fairseq.models import MODEL_DATACLASS_REGISTRY, register_model_architecture
+from fairseq.models.transformer import TransformerConfig
+from omegaconf import OmegaConf
 
 from latent_core.errors import parse_bool
 
@@ -54,12 +58,62 @@ def add_config_args(parser, config_cls: Type[FairseqDataclass]) -> None:
     gen_parser_from_dataclass(parser, config_cls(), delete_default=True)
 
 
-def register_architecture(model_name: str, arch_name: str, **overrides):
+_NESTED_REFERENCE = re.compile(r"\$\{model\.(encoder|decoder|quant_noise)\.")
+_MODEL_REFERENCE = re.compile(r"\$\{model\.(\w+)\}")
+
+
+def flat_transformer_fields(defaults: Mapping[str, Any] = {}):
+    """fairseq's ``TransformerConfig`` as flat fields ``(name, type, field)`` for ``make_dataclass``,
+    named as the options of its legacy ``transformer`` (``encoder.embed_dim`` -> ``encoder_embed_dim``,
+    what ``TransformerModel.add_args`` generates), so that a checkpoint's model config stays flat
+    (a nested one would not load it); fairseq's ``${model.decoder.embed_dim}`` defaults become
+    ``${model.decoder_embed_dim}`` (:func:`config_namespace` resolves them). ``defaults`` replaces
+    fairseq's default of the fields it names (None: unset, the field becomes Optional)."""
+    flat = []
+    for f in dataclasses.fields(TransformerConfig):
+        nested = isinstance(f.type, type) and issubclass(f.type, FairseqDataclass)
+        for prefix, sub in ([(f.name + "_", s) for s in dataclasses.fields(f.type)] if nested else [("", f)]):
+            if sub.name != "_name":
+                flat.append((prefix + sub.name, sub))
+    unknown = sorted(set(defaults) - {name for name, _ in flat})
+    if unknown:
+        raise ValueError(f"{unknown} are not options of fairseq's transformer")
+    result = []
+    for name, f in flat:
+        default = defaults[name] if name in defaults else field_default(f)
+        kind = Optional[f.type] if default is None else f.type
+        if isinstance(default, str):
+            default = _NESTED_REFERENCE.sub(r"${model.\1_", default)
+        result.append((name, kind, dataclasses.field(default=default, metadata=dict(f.metadata))))
+    return result
+
+
+def config_namespace(cfg) -> argparse.Namespace:
+    """A model's options as an ``argparse.Namespace`` (what fairseq's transformer code and the
+    models read), from whatever fairseq hands ``build_model``: the Namespace an architecture filled
+    (``--arch NAME_variant``, old checkpoints), a config dataclass (``--arch NAME``: fairseq's
+    ``from_namespace``) or a DictConfig (fairseq-hydra-train, a checkpoint). A default
+    ``${model.decoder_embed_dim}`` that nothing resolved takes that field's value."""
+    if OmegaConf.is_config(cfg):
+        args = argparse.Namespace(**OmegaConf.to_container(cfg, enum_to_str=True))
+    elif isinstance(cfg, argparse.Namespace):
+        args = cfg
+    else:
+        args = argparse.Namespace(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
+    for name, value in vars(args).items():
+        reference = _MODEL_REFERENCE.fullmatch(value) if isinstance(value, str) else None
+        if reference:
+            setattr(args, name, getattr(args, reference.group(1)))
+    return args
+
+
+def register_architecture(model_name: str, arch_name: str, resolve: Optional[Callable] = None, **overrides):
     """``--arch arch_name``: the config of ``model_name`` with ``overrides`` as its defaults.
 
     The registered function sets every field the command line (or a checkpoint's config) left
     unset (absent or None, fairseq's ``safe_getattr`` convention): the override if there is one,
-    else the dataclass default. Returns the function (so that tests and callers can apply it).
+    else the dataclass default; then ``resolve(args)`` where given (defaults that follow other
+    options). Returns the function (so that tests and callers can apply it).
     """
     config_cls = MODEL_DATACLASS_REGISTRY[model_name]
     defaults = config_defaults(config_cls)
@@ -72,6 +126,8 @@ def register_architecture(model_name: str, arch_name: str, **overrides):
         for name, value in values.items():
             if getattr(args, name, None) is None:
                 setattr(args, name, value)
+        if resolve is not None:
+            resolve(args)
 
     architecture.__name__ = arch_name
     architecture.__doc__ = f"{model_name} with {overrides}" if overrides else f"{model_name} (its defaults)"

@@ -96,7 +96,7 @@ def test_lambda_sweep_fine_tunes_from_the_checkpoint_evaluates_and_resumes(train
         # iw_ppl in Optimus' unit counts <BOS> too: one unit more per sentence than fairseq's tokens
         assert entry["iw_ppl_token"] > entry["iw_ppl"] > 1 and entry["iw_ppl_word"] > entry["iw_ppl_token"]
         log = (out / f"lambda_{key}" / "train.log").read_text()
-        assert f"kl_threshold='{float(key)}'" in log and "kl_variant='hinge'" in log
+        assert f"'kl_threshold': '{float(key)}'" in log and "'kl_variant': hinge" in log
         assert "Loaded checkpoint" in log and str(trained["ckpt"]) in log  # restored from the pre-trained model
     assert "Optimus lambda sweep" in first.stdout
     second = run_checked(cmd, timeout=300)

@@ -13,8 +13,9 @@ out_proj H -> C; fairseq's ``RobertaClassificationHead``) over the [CLS] vector
 * ``--freeze-layers N``: freeze the embeddings and the first N layers (-1: the whole
   encoder; fairseq's optimizer skips parameters without gradients).
 
-The resolved config is recorded in the model's arguments (``hf_backbone_config``), so a
-checkpoint rebuilds its encoder without the original directory.
+The options are the fields of :class:`HFSentenceClassifierConfig` (each default and help written
+there once; subclasses extend it). The resolved config is recorded in the model's arguments
+(``hf_backbone_config``), so a checkpoint rebuilds its encoder without the original directory.
 
 Subclasses (e.g. the topic-VQ model) reuse the pieces: :meth:`build_backbone_and_head`
 ``(args, task) -> (backbone, head)`` (checks, encoder, a head over :meth:`head_input_size`
@@ -31,15 +32,19 @@ import inspect
 import json
 import logging
 import os
-from typing import Dict, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
 
 import torch
-from fairseq.models import BaseFairseqModel, register_model, register_model_architecture
+from fairseq.dataclass import ChoiceEnum, FairseqDataclass
+from fairseq.models import BaseFairseqModel, register_model
+from omegaconf import OmegaConf
 from torch import Tensor, nn
 
 from latent_core.data.bert_source import PADDING_OFFSET_POSITIONS
 from latent_core.errors import PluginConfigError
 from ..hf_pretrained import inspect_hf_directory
+from ..model_config import add_config_args, config_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +54,42 @@ POOLINGS = ("cls", "mean")
 
 class HFSentenceConfigError(PluginConfigError):
     """An impossible model option or Hugging Face directory (the message names which)."""
+
+
+# ---------------------------------------------------------------------------- options
+@dataclass
+class HFSentenceClassifierConfig(FairseqDataclass):
+    hf_model_dir: Optional[str] = field(
+        default=None, metadata={"help": "local Hugging Face encoder directory with pre-trained weights "
+                                        f"(model_type {', '.join(ENCODER_TYPES)})"})
+    hf_config: Optional[str] = field(
+        default=None, metadata={"help": "train from scratch: a directory with config.json, a JSON file or inline JSON"})
+    pooling: ChoiceEnum(POOLINGS) = field(
+        default="cls", metadata={"help": "sentence vector: the first piece ([CLS]) or the mean of the non-padding "
+                                         "pieces"})
+    pooler_dropout: Optional[float] = field(
+        default=None, metadata={"help": "dropout of the classification head (unset: the config's hidden_dropout_prob)"})
+    freeze_layers: int = field(
+        default=0, metadata={"help": "freeze the embeddings and the first N encoder layers (0: none; -1: the whole "
+                                     "encoder)"})
+    hf_backbone_config: Optional[str] = field(
+        default=None, metadata={"help": "written by the model, not an input: the encoder's resolved config (JSON), "
+                                        "saved with checkpoints"})
+
+
+def record_option(args, name: str, value) -> None:
+    """``args.<name> = value``, saved with the checkpoints. fairseq builds a model whose ``--arch`` is
+    its name from a merged copy of ``cfg.model`` (``merge_with_parent``); the copy keeps the run's
+    config as its parent, so the value is written into that config's ``model`` as well (the one the
+    trainer saves)."""
+    try:
+        setattr(args, name, value)
+        parent = args._get_parent() if OmegaConf.is_config(args) else None
+        saved = parent.get("model") if parent is not None else None
+        if OmegaConf.is_config(saved) and saved is not args and name in saved:
+            saved[name] = value
+    except (AttributeError, KeyError):  # a read-only config
+        logger.warning("could not record %s in the model arguments", name)
 
 
 # ---------------------------------------------------------------------------- configs
@@ -170,7 +211,7 @@ class ClassificationHead(nn.Module):
 
 
 # ------------------------------------------------------------------------------ model
-@register_model("hf_sentence_classifier")
+@register_model("hf_sentence_classifier", dataclass=HFSentenceClassifierConfig)
 class HFSentenceClassifier(BaseFairseqModel):
     """Hugging Face encoder + classification head; see the module docstring."""
 
@@ -180,27 +221,27 @@ class HFSentenceClassifier(BaseFairseqModel):
         self.backbone = backbone
         self.head = head
         self.padding_idx = int(padding_idx)
-        self.pooling = args.pooling
+        self.pooling = str(args.pooling)
         config = backbone.config
         self.uses_token_types = ("token_type_ids" in inspect.signature(backbone.forward).parameters
                                  and int(getattr(config, "type_vocab_size", 0) or 0) > 1)
 
-    @staticmethod
-    def add_args(parser):
-        group = parser.add_argument_group("Hugging Face sentence classifier")
-        group.add_argument("--hf-model-dir", metavar="DIR",
-                           help="local Hugging Face encoder directory with pre-trained weights "
-                                f"(model_type {', '.join(ENCODER_TYPES)})")
-        group.add_argument("--hf-config", metavar="JSON_OR_DIR",
-                           help="train from scratch: a directory with config.json, a JSON file or inline JSON")
-        group.add_argument("--pooling", choices=POOLINGS,
-                           help="sentence vector: the first piece ([CLS], default) or the mean of the "
-                                "non-padding pieces")
-        group.add_argument("--pooler-dropout", type=float, metavar="D",
-                           help="dropout of the classification head (default: the config's hidden_dropout_prob)")
-        group.add_argument("--freeze-layers", type=int, metavar="N",
-                           help="freeze the embeddings and the first N encoder layers (0: none, default; "
-                                "-1: the whole encoder)")
+    @classmethod
+    def add_args(cls, parser):
+        add_config_args(parser, cls.config_class())
+
+    @classmethod
+    def config_class(cls):
+        """The model's config dataclass (``register_model`` stores it on the class)."""
+        return getattr(cls, "__dataclass")
+
+    @classmethod
+    def fill_unset_options(cls, args) -> None:
+        """Set every option that ``args`` leaves unset (absent or None) to its default: the
+        Namespace of a caller that skips the architecture function, or of an old checkpoint."""
+        for name, value in config_defaults(cls.config_class()).items():
+            if getattr(args, name, None) is None:
+                setattr(args, name, value)
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -227,10 +268,7 @@ class HFSentenceClassifier(BaseFairseqModel):
                                         "encoder) or --hf-config JSON_OR_DIR (random initialisation)")
         if getattr(backbone, "pooler", None) is not None:
             backbone.pooler = None  # unused: DDP needs every parameter to receive a gradient
-        try:  # saved with the checkpoint's model arguments
-            args.hf_backbone_config = backbone.config.to_json_string(use_diff=False)
-        except (AttributeError, KeyError):  # a read-only (struct) config: rebuilt from the directory instead
-            logger.warning("could not record the encoder config in the model arguments")
+        record_option(args, "hf_backbone_config", backbone.config.to_json_string(use_diff=False))
         return backbone.float()
 
     @classmethod
@@ -244,10 +282,11 @@ class HFSentenceClassifier(BaseFairseqModel):
         """Checks the options and the task, builds the encoder (with weights unless
         ``task.building_from_checkpoint``), the :class:`ClassificationHead` over
         :meth:`head_input_size` inputs, and applies ``--freeze-layers``."""
-        hf_sentence_classifier(args)
+        cls.fill_unset_options(args)
         for needed in ("tokenizer", "num_classes", "padding_idx"):
             if not hasattr(task, needed):
-                raise TypeError(f"--arch {args.arch} needs a task with {needed} (--task hf_sentence_prediction)")
+                arch = getattr(args, "arch", None) or getattr(args, "_name", None)
+                raise TypeError(f"--arch {arch} needs a task with {needed} (--task hf_sentence_prediction)")
         if args.pooling not in POOLINGS:
             raise HFSentenceConfigError(f"--pooling {args.pooling!r}: choose {' or '.join(POOLINGS)}")
         backbone = cls.build_backbone(args, load_weights=not getattr(task, "building_from_checkpoint", False))
@@ -322,14 +361,3 @@ def check_compatible(config, task) -> None:
         raise HFSentenceConfigError(
             f"the tokenizer's pad id {task.padding_idx} differs from the encoder's pad_token_id "
             f"{config.pad_token_id} ({config.model_type} derives positions from it)")
-
-
-@register_model_architecture("hf_sentence_classifier", "hf_sentence_classifier")
-def hf_sentence_classifier(args):
-    args.hf_model_dir = getattr(args, "hf_model_dir", None)
-    args.hf_config = getattr(args, "hf_config", None)
-    args.pooling = getattr(args, "pooling", None) or "cls"
-    args.pooler_dropout = getattr(args, "pooler_dropout", None)
-    args.freeze_layers = getattr(args, "freeze_layers", None)
-    if args.freeze_layers is None:
-        args.freeze_layers = 0

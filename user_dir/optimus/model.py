@@ -41,20 +41,18 @@ vocabulary (see :mod:`.pretrained`); both at once only when they share one vocab
 
 import logging
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from fairseq import utils
-from fairseq.models import (
-    FairseqEncoderDecoderModel,
-    FairseqIncrementalDecoder,
-    register_model,
-    register_model_architecture,
-)
+from fairseq.dataclass import ChoiceEnum, FairseqDataclass
+from fairseq.models import FairseqEncoderDecoderModel, FairseqIncrementalDecoder, register_model
 from torch import Tensor, nn
 from transformers import BertConfig, BertModel, DynamicCache, GPT2Config, GPT2LMHeadModel
 
+from user_dir.model_config import add_config_args, register_architecture
 from user_dir.sentence_vae.base import SentenceVAEEncoder, decoder_extra
 
 from .pretrained import (
@@ -75,6 +73,49 @@ INJECTIONS = ("memory", "embedding", "both")
 MEMORY_KV = ("direct", "projected")
 LATENT = "z"
 ATTN_IMPLEMENTATION = "sdpa"  # the 4-D float mask below suits "sdpa" and "eager"
+
+
+@dataclass
+class OptimusConfig(FairseqDataclass):
+    """The paper's model (Sec. 4.2): BERT-base (L=12, H=768, A=12) + GPT-2 117M (L=12, H=768, A=12),
+    P = 32, memory + embedding injection. The sizes apply from scratch; ``--bert-dir`` /
+    ``--gpt2-dir`` bring their own."""
+
+    latent_dim: int = field(default=32, metadata={"help": "size P of z"})
+    optimus_cls_pooling: ChoiceEnum(POOLINGS) = field(
+        default="pooler", metadata={"help": "sentence representation fed to W_E: 'pooler' = BERT's pooled output "
+                                            "(dense+tanh on [CLS], the authors' code), 'cls' = the last-layer "
+                                            "[CLS] hidden state (the paper's text)"})
+    latent_injection: ChoiceEnum(INJECTIONS) = field(
+        default="both", metadata={"help": "how z enters GPT-2 (Sec. 4.2): memory slot per layer, added to the "
+                                          "token embeddings, or both (the paper's setting)"})
+    optimus_memory_kv: ChoiceEnum(MEMORY_KV) = field(
+        default="direct", metadata={"help": "memory slot of layer l: key = value = h_Mem_l ('direct', the "
+                                            "authors' code) or h_Mem_l through the layer's c_attn key/value "
+                                            "projections ('projected')"})
+    bert_dir: Optional[str] = field(
+        default=None, metadata={"help": "initialise the encoder from this local Hugging Face BERT directory "
+                                        "(config.json, weights, vocab.txt); its sizes override --encoder-*"})
+    gpt2_dir: Optional[str] = field(
+        default=None, metadata={"help": "initialise the decoder from this local Hugging Face GPT-2 directory "
+                                        "(config.json, weights, vocab.json); its sizes override --decoder-*"})
+    encoder_layers: int = field(default=12, metadata={"help": "BERT layers (from scratch)"})
+    encoder_embed_dim: int = field(default=768, metadata={"help": "BERT hidden size (from scratch)"})
+    encoder_attention_heads: int = field(default=12, metadata={"help": "BERT attention heads (from scratch)"})
+    encoder_ffn_embed_dim: int = field(default=3072, metadata={"help": "BERT feed-forward inner size (from scratch)"})
+    decoder_layers: int = field(default=12, metadata={"help": "GPT-2 layers (from scratch)"})
+    decoder_embed_dim: int = field(default=768, metadata={"help": "GPT-2 hidden size (from scratch)"})
+    decoder_attention_heads: int = field(default=12, metadata={"help": "GPT-2 attention heads (from scratch)"})
+    decoder_ffn_embed_dim: int = field(default=3072,
+                                       metadata={"help": "GPT-2 feed-forward inner size (from scratch)"})
+    max_encoder_positions: int = field(
+        default=512, metadata={"help": "BERT's position table (max_position_embeddings, from scratch); the [CLS] "
+                                       "takes one"})
+    max_decoder_positions: int = field(
+        default=1024, metadata={"help": "GPT-2's position table (n_positions, from scratch); the memory slot "
+                                        "takes one"})
+    dropout: float = field(default=0.1, metadata={"help": "dropout of BERT's and GPT-2's hidden states and embeddings"})
+    attention_dropout: float = field(default=0.1, metadata={"help": "dropout of the attention weights"})
 
 
 class OptimusEncoder(SentenceVAEEncoder):
@@ -293,7 +334,7 @@ class OptimusDecoder(FairseqIncrementalDecoder):
         self.set_incremental_state(incremental_state, "gpt2_cache", state)
 
 
-@register_model("optimus")
+@register_model("optimus", dataclass=OptimusConfig)
 class OptimusModel(FairseqEncoderDecoderModel):
     """Optimus (Li et al., 2020): BERT encoder, latent z (``latent_sizes = {"z": P}``), GPT-2 decoder."""
 
@@ -311,49 +352,15 @@ class OptimusModel(FairseqEncoderDecoderModel):
     def hub_models(cls):
         return {}
 
-    @staticmethod
-    def add_args(parser):
-        group = parser.add_argument_group("Optimus (BERT encoder, latent z, GPT-2 decoder)")
-        group.add_argument("--latent-dim", type=int, metavar="P",
-                           help="size P of z (paper: 32)")
-        group.add_argument("--optimus-cls-pooling", choices=POOLINGS,
-                           help="sentence representation fed to W_E: 'pooler' = BERT's pooled output "
-                                "(dense+tanh on [CLS], the authors' code; default), 'cls' = the "
-                                "last-layer [CLS] hidden state (the paper's text)")
-        group.add_argument("--latent-injection", choices=INJECTIONS,
-                           help="how z enters GPT-2 (Sec. 4.2): memory slot per layer, added to the "
-                                "token embeddings, or both (default, the paper's setting)")
-        group.add_argument("--optimus-memory-kv", choices=MEMORY_KV,
-                           help="memory slot of layer l: key = value = h_Mem_l ('direct', the "
-                                "authors' code; default) or h_Mem_l through the layer's c_attn "
-                                "key/value projections ('projected')")
-        group.add_argument("--bert-dir", metavar="DIR",
-                           help="initialise the encoder from this local Hugging Face BERT directory "
-                                "(config.json, weights, vocab.txt); its sizes override --encoder-*")
-        group.add_argument("--gpt2-dir", metavar="DIR",
-                           help="initialise the decoder from this local Hugging Face GPT-2 directory "
-                                "(config.json, weights, vocab.json); its sizes override --decoder-*")
-        for side, model in (("encoder", "BERT"), ("decoder", "GPT-2")):
-            group.add_argument(f"--{side}-layers", type=int, metavar="N", help=f"{model} layers (from scratch)")
-            group.add_argument(f"--{side}-embed-dim", type=int, metavar="H", help=f"{model} hidden size (from scratch)")
-            group.add_argument(f"--{side}-attention-heads", type=int, metavar="A",
-                               help=f"{model} attention heads (from scratch)")
-            group.add_argument(f"--{side}-ffn-embed-dim", type=int, metavar="N",
-                               help=f"{model} feed-forward inner size (from scratch)")
-        group.add_argument("--max-encoder-positions", type=int, metavar="N",
-                           help="BERT's position table (max_position_embeddings, from scratch); "
-                                "the [CLS] takes one (default 512)")
-        group.add_argument("--max-decoder-positions", type=int, metavar="N",
-                           help="GPT-2's position table (n_positions, from scratch); the memory "
-                                "slot takes one (default 1024)")
-        group.add_argument("--dropout", type=float, metavar="D",
-                           help="dropout of BERT's and GPT-2's hidden states and embeddings (default 0.1)")
-        group.add_argument("--attention-dropout", type=float, metavar="D",
-                           help="dropout of the attention weights (default 0.1)")
+    @classmethod
+    def add_args(cls, parser):
+        add_config_args(parser, OptimusConfig)
 
     @classmethod
     def build_model(cls, args, task):
-        optimus_base_architecture(args)
+        """``args``: fairseq-train's Namespace or a config; read and completed in place (the sizes of
+        ``--bert-dir`` / ``--gpt2-dir`` are recorded in it)."""
+        optimus_base(args)  # the defaults of anything unset (a bare Namespace)
         validate_optimus_args(args)
         src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
         bert_dir = (inspect_pretrained_directory(args.bert_dir, "--bert-dir", "bert")
@@ -487,47 +494,13 @@ def validate_optimus_args(args) -> None:
             raise OptimusConfigError(f"--max-{side}-positions={positions} must be >= 2")
 
 
-def _set_default(args, name, value):
-    if getattr(args, name, None) is None:
-        setattr(args, name, value)
-
-
-def _sizes(args, layers, dim, heads, ffn):
-    for side in ("encoder", "decoder"):
-        _set_default(args, f"{side}_layers", layers)
-        _set_default(args, f"{side}_embed_dim", dim)
-        _set_default(args, f"{side}_attention_heads", heads)
-        _set_default(args, f"{side}_ffn_embed_dim", ffn)
-
-
-def optimus_base_architecture(args):
-    """The paper's model (Sec. 4.2): BERT-base (L=12, H=768, A=12) + GPT-2 117M (L=12, H=768,
-    A=12), P = 32, memory + embedding injection."""
-    _set_default(args, "latent_dim", 32)
-    _set_default(args, "optimus_cls_pooling", "pooler")
-    _set_default(args, "latent_injection", "both")
-    _set_default(args, "optimus_memory_kv", "direct")
-    _set_default(args, "bert_dir", None)
-    _set_default(args, "gpt2_dir", None)
-    _sizes(args, 12, 768, 12, 3072)
-    _set_default(args, "max_encoder_positions", 512)
-    _set_default(args, "max_decoder_positions", 1024)
-    _set_default(args, "dropout", 0.1)
-    _set_default(args, "attention_dropout", 0.1)
-
-
-@register_model_architecture("optimus", "optimus")
-def optimus(args):
-    optimus_base_architecture(args)
-
-
-@register_model_architecture("optimus", "optimus_base")
-def optimus_base(args):
-    optimus_base_architecture(args)
-
-
-@register_model_architecture("optimus", "optimus_small")
-def optimus_small(args):
-    """A CPU-sized Optimus: 4 layers, H = 256, 4 heads, FFN 1024 on both sides; P = 32."""
-    _sizes(args, 4, 256, 4, 1024)
-    optimus_base_architecture(args)
+# Architectures: the fields each changes (``optimus``, the model name, is the config's defaults)
+ARCHITECTURES = {
+    "optimus_base": {},
+    "optimus_small": dict(  # a CPU-sized Optimus: 4 layers, H = 256, 4 heads, FFN 1024 on both sides
+        encoder_layers=4, decoder_layers=4, encoder_embed_dim=256, decoder_embed_dim=256,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_embed_dim=1024, decoder_ffn_embed_dim=1024,
+    ),
+}
+optimus_base, optimus_small = (register_architecture("optimus", arch, **overrides)
+                               for arch, overrides in ARCHITECTURES.items())

@@ -42,14 +42,16 @@ explains how to binarise data with BART's vocabulary. When a checkpoint trained 
 """
 
 from collections import OrderedDict
-from typing import Dict, List, Tuple
+from dataclasses import dataclass, field, make_dataclass
+from typing import Dict, List, Optional, Tuple
 
-from fairseq.models import FairseqEncoderDecoderModel, register_model, register_model_architecture
-from fairseq.models.transformer import TransformerConfig, TransformerModel
+from fairseq.dataclass import ChoiceEnum, FairseqDataclass
+from fairseq.models import MODEL_REGISTRY, FairseqEncoderDecoderModel, register_model
+from fairseq.models.transformer import TransformerConfig
 from fairseq.models.transformer.transformer_base import Embedding
-from fairseq.models.transformer.transformer_legacy import base_architecture
 
 from latent_core.vae import VAEConfigError
+from user_dir.model_config import add_config_args, config_namespace, flat_transformer_fields, register_architecture
 
 from .bart_init import initialise_from_bart
 from .decoder import ADVAEDecoder, QKVDecoder
@@ -58,6 +60,70 @@ from .encoder import READINGS, LatentGroup, LatentQueryEncoder
 
 def _option(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+# -- options ----------------------------------------------------------------------------------
+# Appendix B: BART-base truncated to 4 + 4 layers, with BART's conventions; where these models'
+# defaults differ from fairseq's Transformer options
+BART_BASE_DEFAULTS = dict(
+    encoder_embed_dim=768, decoder_embed_dim=768, encoder_ffn_embed_dim=3072, decoder_ffn_embed_dim=3072,
+    encoder_layers=4, decoder_layers=4, encoder_attention_heads=12, decoder_attention_heads=12,
+    encoder_learned_pos=True, decoder_learned_pos=True, activation_fn="gelu", layernorm_embedding=True,
+    no_scale_embedding=True, share_all_embeddings=True, share_decoder_input_output_embed=True,
+)
+BART_DROPOUT = 0.1  # BART's attention and activation dropout (QKVAE's authors' reading keeps it)
+
+
+# fairseq's transformer options with BART-base values; the decoder's input/output dims follow --decoder-embed-dim
+TransformerOptions = make_dataclass("TransformerOptions", flat_transformer_fields(
+    {**BART_BASE_DEFAULTS, "decoder_input_dim": None, "decoder_output_dim": None}), bases=(FairseqDataclass,))
+
+
+@dataclass
+class LatentAttentionVAEConfig(TransformerOptions):
+    """Options of both models: fairseq's Transformer options and the latent ones."""
+
+    attention_dropout: Optional[float] = field(
+        default=None, metadata={"help": "dropout of the attention weights (default: BART's under QKVAE's "
+                                        "--qkvae-reading authors, else no dropout)"})
+    activation_dropout: Optional[float] = field(
+        default=None, metadata={"help": "dropout after the FFN activation (default: BART's under QKVAE's "
+                                        "--qkvae-reading authors, else no dropout)", "alias": "--relu-dropout"})
+    num_latent_slots: int = field(
+        default=4, metadata={"help": "L, the number of slot latents (QKVAE: z_sem_1..L; ADVAE: z_1..L)"})
+    posterior_layers: Optional[int] = field(
+        default=None, metadata={"help": "layers of the encoder's latent-query decoder, Dec in eq. 3 "
+                                        "(default: --decoder-layers)"})
+    word_dropout: float = field(
+        default=0.4, metadata={"help": "probability of replacing a decoder-input token by <unk> in training"})
+    bart_dir: Optional[str] = field(
+        default=None, metadata={"help": "initialise from a local Hugging Face BART directory (config.json + "
+                                        "weights): first encoder layers, last decoder layers, embeddings (the "
+                                        "dictionary must be BART's vocabulary)"})
+
+
+@dataclass
+class QKVAEConfig(LatentAttentionVAEConfig):
+    syn_latent_dim: int = field(default=768, metadata={"help": "size of z_syn"})
+    slot_latent_dim: int = field(default=192, metadata={"help": "size of each z_sem slot latent"})
+    key_mlp_layers: int = field(
+        default=2, metadata={"help": "layers of the z_syn -> keys network: 1 = the paper's linear M^s, "
+                                     "2 = the authors' Linear-GELU-Linear"})
+    qkvae_reading: ChoiceEnum(READINGS) = field(
+        default="authors", metadata={"help": "authors: the model and training of the authors' code that made the "
+                                             "paper's tables (one encoder pass per latent with its own input "
+                                             "projection and causal queries, embedding word dropout scaled by 1-p "
+                                             "in evaluation, a Linear before the tied output embedding, BART's "
+                                             "dropout everywhere, loss averaged over sentences, optimizer state "
+                                             "reset when --ae-steps ends); paper: the model as the paper "
+                                             "describes it"})
+
+
+@dataclass
+class ADVAEConfig(LatentAttentionVAEConfig):
+    slot_latent_dim: int = field(default=384, metadata={"help": "size of each slot latent z_i"})
+    latent_encoder_layers: Optional[int] = field(
+        default=None, metadata={"help": "layers of Enc in y = Cat(d; z) -> Enc(y) (default: --encoder-layers)"})
 
 
 class LatentAttentionVAE(FairseqEncoderDecoderModel):
@@ -82,27 +148,14 @@ class LatentAttentionVAE(FairseqEncoderDecoderModel):
     def hub_models(cls):
         return {}
 
-    @staticmethod
-    def add_args(parser):
-        TransformerModel.add_args(parser)
-        group = parser.add_argument_group("latent attention VAE (ADVAE / QKVAE)")
-        group.add_argument("--num-latent-slots", type=int, metavar="L",
-                           help="L, the number of slot latents (QKVAE: z_sem_1..L; ADVAE: z_1..L) (paper: 4)")
-        group.add_argument("--slot-latent-dim", type=int, metavar="D",
-                           help="size of each slot latent (paper: 192 for QKVAE's z_sem, 384 for ADVAE)")
-        group.add_argument("--posterior-layers", type=int, metavar="N",
-                           help="layers of the encoder's latent-query decoder, Dec in eq. 3 "
-                                "(default: --decoder-layers)")
-        group.add_argument("--word-dropout", type=float, metavar="P",
-                           help="probability of replacing a decoder-input token by <unk> in training (0.4)")
-        group.add_argument("--bart-dir", type=str, metavar="DIR",
-                           help="initialise from a local Hugging Face BART directory (config.json + weights): "
-                                "first encoder layers, last decoder layers, embeddings (the dictionary must "
-                                "be BART's vocabulary)")
-
     # -- subclass hooks -------------------------------------------------------------------
+    # options whose default is another option's value (None in the config): resolve_defaults
+    DEFAULTS_FOLLOWING = {"posterior_layers": "decoder_layers", "decoder_input_dim": "decoder_embed_dim",
+                          "decoder_output_dim": "decoder_embed_dim"}
+
     @classmethod
     def architecture_defaults(cls, args) -> None:
+        """Give every option left unset its default (the model's paper-size architecture)."""
         raise NotImplementedError  # abstract
 
     @classmethod
@@ -124,8 +177,21 @@ class LatentAttentionVAE(FairseqEncoderDecoderModel):
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
-    def build_model(cls, args, task):
+    def resolve_defaults(cls, args) -> None:
+        """The defaults that depend on other options (run by the architectures and build_model)."""
+        for name, source in cls.DEFAULTS_FOLLOWING.items():
+            if getattr(args, name, None) is None:
+                setattr(args, name, getattr(args, source))
+        dropout = BART_DROPOUT if cls.reading(args) == "authors" else 0.0
+        for name in ("attention_dropout", "activation_dropout"):
+            if getattr(args, name, None) is None:
+                setattr(args, name, dropout)
+
+    @classmethod
+    def build_model(cls, cfg, task):
+        args = config_namespace(cfg)
         cls.architecture_defaults(args)
+        cls.resolve_defaults(args)
         src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
         validate_latent_vae_args(args, src_dict, tgt_dict)
         cls.validate_specific(args)
@@ -183,62 +249,18 @@ def validate_latent_vae_args(args, src_dict, tgt_dict) -> None:
                              "(the output projection is tied to the shared embedding)")
 
 
-def _set_default(args, name, value):
-    if getattr(args, name, None) is None:
-        setattr(args, name, value)
-
-
-def latent_vae_base_architecture(args):
-    """BART-base geometry truncated to 4 + 4 layers (Appendix B) and BART's conventions."""
-    for side in ("encoder", "decoder"):
-        _set_default(args, f"{side}_embed_dim", 768)
-        _set_default(args, f"{side}_ffn_embed_dim", 3072)
-        _set_default(args, f"{side}_layers", 4)
-        _set_default(args, f"{side}_attention_heads", 12)
-        _set_default(args, f"{side}_learned_pos", True)
-        _set_default(args, f"{side}_normalize_before", False)
-    _set_default(args, "posterior_layers", args.decoder_layers)
-    _set_default(args, "activation_fn", "gelu")
-    _set_default(args, "dropout", 0.1)
-    _set_default(args, "attention_dropout", 0.0)
-    _set_default(args, "activation_dropout", 0.0)
-    _set_default(args, "layernorm_embedding", True)
-    _set_default(args, "no_scale_embedding", True)
-    _set_default(args, "share_all_embeddings", True)
-    _set_default(args, "share_decoder_input_output_embed", True)
-    _set_default(args, "max_source_positions", 1024)
-    _set_default(args, "max_target_positions", 1024)
-    _set_default(args, "num_latent_slots", 4)
-    _set_default(args, "word_dropout", 0.4)
-    _set_default(args, "bart_dir", None)
-    base_architecture(args)
-
-
 # ---------------------------------------------------------------------------------------------
-@register_model("qkvae")
+@register_model("qkvae", dataclass=QKVAEConfig)
 class QKVAEModel(LatentAttentionVAE):
     """QKVAE: z_syn gives the keys and z_sem the values of the decoder's attention (Section 4)."""
 
-    @staticmethod
-    def add_args(parser):
-        LatentAttentionVAE.add_args(parser)
-        group = parser.add_argument_group("QKVAE")
-        group.add_argument("--syn-latent-dim", type=int, metavar="D",
-                           help="size of z_syn (paper: 768)")
-        group.add_argument("--key-mlp-layers", type=int, metavar="N",
-                           help="layers of the z_syn -> keys network: 1 = the paper's linear M^s, "
-                                "2 = the authors' Linear-GELU-Linear (default: 2)")
-        group.add_argument("--qkvae-reading", choices=READINGS, metavar="READING",
-                           help="authors (default): the model and training of the authors' code that made "
-                                "the paper's tables (one encoder pass per latent with its own input "
-                                "projection and causal queries, embedding word dropout scaled by 1-p in "
-                                "evaluation, a Linear before the tied output embedding, BART's dropout 0.1 "
-                                "everywhere, loss averaged over sentences, optimizer state reset when "
-                                "--ae-steps ends); paper: the model as the paper describes it")
+    @classmethod
+    def add_args(cls, parser):
+        add_config_args(parser, QKVAEConfig)
 
     @classmethod
     def architecture_defaults(cls, args):
-        qkvae_base_architecture(args)
+        qkvae_bart_base(args)
 
     @classmethod
     def latent_groups(cls, args):
@@ -265,20 +287,19 @@ class QKVAEModel(LatentAttentionVAE):
                           key_mlp_layers=args.key_mlp_layers, reading=args.qkvae_reading)
 
 
-@register_model("advae")
+@register_model("advae", dataclass=ADVAEConfig)
 class ADVAEModel(LatentAttentionVAE):
     """ADVAE: L slot latents decoded by cross-attention to Enc(Cat(d; z)) (Section 3.3)."""
 
-    @staticmethod
-    def add_args(parser):
-        LatentAttentionVAE.add_args(parser)
-        group = parser.add_argument_group("ADVAE")
-        group.add_argument("--latent-encoder-layers", type=int, metavar="N",
-                           help="layers of Enc in y = Cat(d; z) -> Enc(y) (default: --encoder-layers)")
+    DEFAULTS_FOLLOWING = {**LatentAttentionVAE.DEFAULTS_FOLLOWING, "latent_encoder_layers": "encoder_layers"}
+
+    @classmethod
+    def add_args(cls, parser):
+        add_config_args(parser, ADVAEConfig)
 
     @classmethod
     def architecture_defaults(cls, args):
-        advae_base_architecture(args)
+        advae_bart_base(args)
 
     @classmethod
     def latent_groups(cls, args):
@@ -296,68 +317,26 @@ class ADVAEModel(LatentAttentionVAE):
 
 
 # ---------------------------------------------------------------------------------------------
-def qkvae_base_architecture(args):
-    """The paper's QKVAE (Section 5.1, Appendix B): z_syn 768, z_sem 4 x 192; the authors'
-    reading keeps BART's dropout 0.1 on attention weights and FFN activations too."""
-    _set_default(args, "qkvae_reading", "authors")
-    if args.qkvae_reading == "authors":
-        _set_default(args, "attention_dropout", 0.1)
-        _set_default(args, "activation_dropout", 0.1)
-    _set_default(args, "syn_latent_dim", 768)
-    _set_default(args, "slot_latent_dim", 192)
-    _set_default(args, "key_mlp_layers", 2)
-    latent_vae_base_architecture(args)
+# Architectures (the table of the module docstring): the fields each changes. ``qkvae`` and
+# ``advae`` (the model names) are the configs' defaults, the ``*_bart_base`` sizes.
+SMALL_GEOMETRY = dict(  # CPU-sized: d_model 256, 4 heads, FFN 1024, 2 + 2 layers
+    encoder_embed_dim=256, decoder_embed_dim=256, encoder_ffn_embed_dim=1024, decoder_ffn_embed_dim=1024,
+    encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+)
+ARCHITECTURES = {
+    "qkvae_bart_base": ("qkvae", {}),
+    "qkvae_small": ("qkvae", {**SMALL_GEOMETRY, "syn_latent_dim": 64, "slot_latent_dim": 16}),
+    "advae_bart_base": ("advae", {}),
+    "advae_small": ("advae", {**SMALL_GEOMETRY, "slot_latent_dim": 32}),  # 4 x 32 = 128 = QKVAE small's 64 + 4 x 16
+}
 
 
-def advae_base_architecture(args):
-    """The paper's ADVAE baseline (Section 5.1): L = 4, total size 1536 = 4 x 384."""
-    _set_default(args, "slot_latent_dim", 384)
-    latent_vae_base_architecture(args)
-    _set_default(args, "latent_encoder_layers", args.encoder_layers)
-
-
-def _small(args):
-    """CPU-sized geometry: d_model 256, 4 heads, FFN 1024, 2 + 2 layers."""
-    for side in ("encoder", "decoder"):
-        _set_default(args, f"{side}_embed_dim", 256)
-        _set_default(args, f"{side}_ffn_embed_dim", 1024)
-        _set_default(args, f"{side}_layers", 2)
-        _set_default(args, f"{side}_attention_heads", 4)
-
-
-@register_model_architecture("qkvae", "qkvae")
-def qkvae(args):
-    qkvae_base_architecture(args)
-
-
-@register_model_architecture("qkvae", "qkvae_bart_base")
-def qkvae_bart_base(args):
-    qkvae_base_architecture(args)
-
-
-@register_model_architecture("qkvae", "qkvae_small")
-def qkvae_small(args):
-    _small(args)
-    _set_default(args, "syn_latent_dim", 64)
-    _set_default(args, "slot_latent_dim", 16)
-    qkvae_base_architecture(args)
-
-
-@register_model_architecture("advae", "advae")
-def advae(args):
-    advae_base_architecture(args)
-
-
-@register_model_architecture("advae", "advae_bart_base")
-def advae_bart_base(args):
-    advae_base_architecture(args)
-
-
-@register_model_architecture("advae", "advae_small")
-def advae_small(args):
-    _small(args)
-    _set_default(args, "slot_latent_dim", 32)  # 4 x 32 = 128 = QKVAE small's 64 + 4 x 16
-    advae_base_architecture(args)
+# each resolves the defaults that follow other options (LatentAttentionVAE.resolve_defaults), as the
+# legacy architectures did
+qkvae_bart_base, qkvae_small, advae_bart_base, advae_small = (
+    register_architecture(model, arch, resolve=MODEL_REGISTRY[model].resolve_defaults, **overrides)
+    for arch, (model, overrides) in ARCHITECTURES.items()
+)
 
 
 def count_parameters(model) -> Dict[str, int]:

@@ -63,7 +63,7 @@ from latent_core.errors import PluginConfigError, parse_bool
 from latent_core.sdma import real_queries
 from ..hf_pretrained import inspect_hf_directory
 from ..hf_sentence.model import ENCODER_TYPES, load_pretrained_encoder
-from ..model_config import add_config_args
+from ..model_config import add_config_args, config_namespace
 from .fairseq_attention import SDMAMultiheadAttention
 from .model import (
     IWSLT_BASE,
@@ -75,7 +75,6 @@ from .model import (
     SDMATransformerEncoder,
     SDMATransformerModel,
     attention_kwargs,
-    model_namespace,
     register_table_one,
     wrap_layer,
     sdma_options,
@@ -468,7 +467,7 @@ class BertFusedTransformerModel(SDMATransformerModel):
 
     @classmethod
     def build_model(cls, cfg, task):
-        args = model_namespace(cfg)
+        args = config_namespace(cfg)
         validate_bert_args(args)
         model = super().build_model(args, task)  # SDMA's checks
         log_parameter_counts(model)

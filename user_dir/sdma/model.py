@@ -8,11 +8,9 @@ beam search, checkpointing) is fairseq's. ``--sdma-mode none`` gives the vanilla
 transformer (V-T), ``sma`` SMA-T and ``sdma`` SDMA-T.
 """
 
-import argparse
 import contextlib
 import functools
-import re
-from dataclasses import MISSING, dataclass, field, fields, make_dataclass
+from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Dict, Optional
 
 import torch
@@ -32,7 +30,6 @@ from fairseq.models.transformer.transformer_decoder import module_name_fordropou
 from fairseq.models.transformer.transformer_encoder import module_name_fordropout as encoder_dropout_name
 from fairseq.modules import FairseqDropout
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
-from omegaconf import OmegaConf
 
 from latent_core.errors import check_positive_int
 from latent_core.sdma import (
@@ -47,7 +44,7 @@ from latent_core.sdma import (
     real_queries,
 )
 
-from ..model_config import add_config_args, config_defaults
+from ..model_config import add_config_args, config_defaults, config_namespace, flat_transformer_fields
 from .fairseq_attention import SDMAMultiheadAttention
 
 SIDES = ("encoder", "decoder")
@@ -84,34 +81,6 @@ TABLE_ONE = {
     "sdma_transformer_wmt_zh_en": table_one_row(512, 1024, 4, **SMALLER_DISENTANGLEMENT, sdma_centroid_grad_scale=5.0),
 }
 WITHOUT_AUTHORS_SCRIPT = ("sdma_transformer_wmt_zh_en",)
-
-_NESTED_REFERENCE = re.compile(r"\$\{model\.(encoder|decoder|quant_noise)\.")
-
-
-def flat_transformer_fields(defaults: Dict[str, object]):
-    """fairseq's ``TransformerConfig`` as flat fields ``(name, type, field)``, named as the options of
-    its legacy ``transformer`` (``TransformerModel.add_args``: ``encoder.embed_dim`` ->
-    ``encoder_embed_dim``), so that a checkpoint's config stays flat; fairseq's
-    ``${model.decoder.embed_dim}`` defaults become ``${model.decoder_embed_dim}``. ``defaults``
-    replaces fairseq's default of the fields it names."""
-    flat = []
-    for f in fields(TransformerConfig):
-        nested = isinstance(f.type, type) and issubclass(f.type, FairseqDataclass)
-        for prefix, sub in ([(f.name + "_", s) for s in fields(f.type)] if nested else [("", f)]):
-            if sub.name != "_name":
-                flat.append((prefix + sub.name, sub))
-    unknown = sorted(set(defaults) - {name for name, _ in flat})
-    if unknown:
-        raise ValueError(f"{unknown} are not options of fairseq's transformer")
-    result = []
-    for name, f in flat:
-        default = defaults.get(name, f.default)
-        assert default is not MISSING, name
-        if isinstance(default, str):
-            default = _NESTED_REFERENCE.sub(r"${model.\1_", default)
-        result.append((name, f.type, field(default=default, metadata=dict(f.metadata))))
-    return result
-
 
 # fairseq's transformer options with the defaults of SDMA's IWSLT'14 base: Table I's row and dropout 0.3
 # (the legacy base_architecture's other values are TransformerConfig's defaults)
@@ -328,28 +297,6 @@ class SDMATransformerDecoder(TransformerDecoderBase):
         return wrap_layer(SDMADecoderLayer(cfg, no_encoder_attn), cfg)
 
 
-_MODEL_REFERENCE = re.compile(r"\$\{model\.(\w+)\}")
-
-
-def model_namespace(cfg) -> argparse.Namespace:
-    """The flat options as fairseq's transformer code reads them (an ``argparse.Namespace``), from
-    what fairseq passes to ``build_model``: a config (``--arch sdma_transformer``, fairseq-hydra-train,
-    a checkpoint) or a Namespace an architecture filled (``--arch sdma_transformer_*`` in-process; old
-    checkpoints). A default ``${model.decoder_embed_dim}`` that no config resolved (an architecture
-    fills in the field defaults as they are written) takes that field's value."""
-    if OmegaConf.is_config(cfg):
-        args = argparse.Namespace(**OmegaConf.to_container(cfg, enum_to_str=True))
-    elif isinstance(cfg, argparse.Namespace):
-        args = cfg
-    else:  # a config dataclass (fairseq's from_namespace)
-        args = argparse.Namespace(**vars(cfg))
-    for name, value in vars(args).items():
-        reference = _MODEL_REFERENCE.fullmatch(value) if isinstance(value, str) else None
-        if reference:
-            setattr(args, name, getattr(args, reference.group(1)))
-    return args
-
-
 @register_model("sdma_transformer", dataclass=SDMATransformerConfig)
 class SDMATransformerModel(TransformerModel):
     """Transformer with semantic and disentangled mask attention (Chien & Huang, 2024)."""
@@ -364,7 +311,7 @@ class SDMATransformerModel(TransformerModel):
 
     @classmethod
     def build_model(cls, cfg, task):
-        args = model_namespace(cfg)
+        args = config_namespace(cfg)
         validate_sdma_args(args)
         model = super().build_model(args, task)
         model.sdma_loss_weights = {name: float(getattr(args, name)) for name in LOSS_WEIGHT_ARGS}

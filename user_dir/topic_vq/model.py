@@ -27,16 +27,17 @@ of phi), ``semantic-attention`` (no Q_q K_q^T), ``output-enhancement``.
 """
 
 import logging
+from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
 import torch
-import torch.nn as nn
-from fairseq.models import register_model, register_model_architecture
+from fairseq.dataclass import ChoiceEnum
+from fairseq.models import register_model
 from torch import Tensor
 
 from latent_core.errors import check_positive_int
 
-from ..hf_sentence.model import HFSentenceClassifier, HFSentenceConfigError, hf_sentence_classifier
+from ..hf_sentence.model import HFSentenceClassifier, HFSentenceClassifierConfig, HFSentenceConfigError
 from .ntm import NeuralTopicModel
 from .semantic_attention import (
     OutputEnhancement,
@@ -66,7 +67,33 @@ def parse_ablations(spec: Optional[str]) -> Tuple[str, ...]:
     return names
 
 
-@register_model("topic_vq_sts")
+@dataclass
+class TopicVQSTSConfig(HFSentenceClassifierConfig):
+    topic_vq_stage: ChoiceEnum(STAGES) = field(
+        default="sts", metadata={"help": "ntm: pre-train the topic model; vqvae: train the topic-enhanced VQ-VAE; "
+                                         "sts: fine-tune the encoder on the task"})
+    topic_vq_init: Optional[str] = field(
+        default=None, metadata={"help": "checkpoint of the previous stage: its NTM and VQ-VAE parameters are loaded"})
+    num_topics: int = field(
+        default=40, metadata={"help": "topics K = codebook size (Table 7: MRPC 30, STS-B 40, Quora 90)"})
+    topic_embed_dim: int = field(default=64, metadata={"help": "topic/code size E"})
+    ntm_hidden_dim: int = field(default=256, metadata={"help": "NTM encoder MLP size"})
+    ntm_dropout: float = field(default=0.2, metadata={"help": "NTM encoder dropout"})
+    ntm_gamma: float = field(default=1.0, metadata={"help": "gamma of eq. 6, L_VQ + gamma L_NTM"})
+    vq_commitment: float = field(default=1e-4, metadata={"help": "commitment weight lambda of eq. 1"})
+    vq_heads: int = field(default=4, metadata={"help": "attention heads of the VQ-VAE layers"})
+    vq_dropout: float = field(default=0.1, metadata={"help": "VQ-VAE dropout"})
+    codebook: ChoiceEnum(CODEBOOK_MODES) = field(
+        default="joint", metadata={"help": "joint: train NTM and VQ-VAE together; multistage: codebook initialised "
+                                           "from the NTM and frozen (Table 3)"})
+    semantic_attention_layers: str = field(
+        default="last", metadata={"help": "encoder layers with semantics-driven attention: last, all, or indices "
+                                          "like 0,-1"})
+    semantic_ffn_dim: int = field(default=256, metadata={"help": "hidden size of the FFN of eq. 4"})
+    ablate: str = field(default="", metadata={"help": f"comma-separated parts to remove: {', '.join(ABLATIONS)}"})
+
+
+@register_model("topic_vq_sts", dataclass=TopicVQSTSConfig)
 class TopicVQSTSModel(HFSentenceClassifier):
     """HF encoder + NTM + topic-enhanced VQ-VAE + semantics-driven attention (module docstring)."""
 
@@ -74,7 +101,7 @@ class TopicVQSTSModel(HFSentenceClassifier):
                  vqvae: TopicVQVAE, semantic_scores: Optional[SemanticScores],
                  enhancement: Optional[OutputEnhancement]):
         super().__init__(args, backbone, head, padding_idx)
-        self.stage = args.topic_vq_stage
+        self.stage = str(args.topic_vq_stage)
         self.gamma = float(args.ntm_gamma)
         self.ntm, self.vqvae = ntm, vqvae
         self.semantic_scores, self.enhancement = semantic_scores, enhancement
@@ -85,40 +112,10 @@ class TopicVQSTSModel(HFSentenceClassifier):
                 backbone, args.semantic_attention_layers, self.attention_context))
         self._set_trainable()
 
-    # ------------------------------------------------------------------ options
-    @staticmethod
-    def add_args(parser):
-        HFSentenceClassifier.add_args(parser)
-        group = parser.add_argument_group("topic-informed VQ (topic_vq_sts)")
-        group.add_argument("--topic-vq-stage", choices=STAGES,
-                           help="ntm: pre-train the topic model; vqvae: train the topic-enhanced VQ-VAE; "
-                                "sts: fine-tune the encoder on the task (default)")
-        group.add_argument("--topic-vq-init", metavar="CKPT",
-                           help="checkpoint of the previous stage: its NTM and VQ-VAE parameters are loaded")
-        group.add_argument("--num-topics", type=int, metavar="K",
-                           help="topics K = codebook size (Table 7: MRPC 30, STS-B 40, Quora 90; default 40)")
-        group.add_argument("--topic-embed-dim", type=int, metavar="E", help="topic/code size E (default 64)")
-        group.add_argument("--ntm-hidden-dim", type=int, metavar="N", help="NTM encoder MLP size (default 256)")
-        group.add_argument("--ntm-dropout", type=float, metavar="D", help="NTM encoder dropout (default 0.2)")
-        group.add_argument("--ntm-gamma", type=float, metavar="G", help="gamma of eq. 6, L_VQ + gamma L_NTM (default 1)")
-        group.add_argument("--vq-commitment", type=float, metavar="L",
-                           help="commitment weight lambda of eq. 1 (default 1e-4)")
-        group.add_argument("--vq-heads", type=int, metavar="H", help="attention heads of the VQ-VAE layers (default 4)")
-        group.add_argument("--vq-dropout", type=float, metavar="D", help="VQ-VAE dropout (default 0.1)")
-        group.add_argument("--codebook", choices=CODEBOOK_MODES,
-                           help="joint: train NTM and VQ-VAE together (default); multistage: codebook "
-                                "initialised from the NTM and frozen (Table 3)")
-        group.add_argument("--semantic-attention-layers", metavar="SPEC",
-                           help="encoder layers with semantics-driven attention: last (default), all, "
-                                "or indices like 0,-1")
-        group.add_argument("--semantic-ffn-dim", type=int, metavar="N", help="hidden size of the FFN of eq. 4 (default 256)")
-        group.add_argument("--ablate", metavar="PARTS",
-                           help=f"comma-separated parts to remove: {', '.join(ABLATIONS)}")
-
     # ----------------------------------------------------------------- building
     @classmethod
     def build_model(cls, args, task):
-        topic_vq_sts(args)
+        cls.fill_unset_options(args)
         vocabulary = getattr(task, "topic_vocabulary", None)
         if vocabulary is None:
             raise HFSentenceConfigError("--arch topic_vq_sts needs the task's topic features: add --topic-features "
@@ -296,21 +293,6 @@ def validate_topic_args(args) -> None:
     for option, value in (("--ntm-dropout", args.ntm_dropout), ("--vq-dropout", args.vq_dropout)):
         if not 0 <= value < 1:
             raise HFSentenceConfigError(f"{option} {value!r} must lie in [0, 1)")
-
-
-def _default(args, name: str, value) -> None:
-    if getattr(args, name, None) is None:  # an explicit 0 or "" stays (and is validated)
-        setattr(args, name, value)
-
-
-@register_model_architecture("topic_vq_sts", "topic_vq_sts")
-def topic_vq_sts(args):
-    for name, value in (("topic_vq_stage", "sts"), ("topic_vq_init", None), ("num_topics", 40),
-                        ("topic_embed_dim", 64), ("ntm_hidden_dim", 256), ("ntm_dropout", 0.2), ("ntm_gamma", 1.0),
-                        ("vq_commitment", 1e-4), ("vq_heads", 4), ("vq_dropout", 0.1), ("codebook", "joint"),
-                        ("semantic_attention_layers", "last"), ("semantic_ffn_dim", 256), ("ablate", "")):
-        _default(args, name, value)
-    hf_sentence_classifier(args)
 
 
 def saved_stage(checkpoint: dict):

@@ -25,16 +25,19 @@ CE_mean + lambda * reg (also under --update-freq: sum_i B_i lambda reg / sum_i B
 """
 
 import logging
+from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 import torch
-from fairseq.models import register_model, register_model_architecture
+from fairseq.dataclass import ChoiceEnum
+from fairseq.models import register_model
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from latent_core.errors import check_positive_int, parse_bool
+from latent_core.errors import check_positive_int
 
-from ..hf_sentence.model import HFSentenceClassifier, HFSentenceConfigError, hf_sentence_classifier
+from ..hf_sentence.model import HFSentenceClassifier, HFSentenceClassifierConfig, HFSentenceConfigError, record_option
+from ..model_config import register_architecture
 from .head import (AGGREGATIONS, ENCODERS, Aggregation, TPRLayer, check_orthogonality,
                    warn_unreachable_orthogonality)
 from .transfer import ALIASES, PARTS, apply_transfer_options
@@ -43,12 +46,46 @@ logger = logging.getLogger(__name__)
 PART_NAMES = ", ".join(list(PARTS) + list(ALIASES))
 
 
-def _default(args, name: str, value) -> None:
-    if getattr(args, name, None) is None:
-        setattr(args, name, value)
+@dataclass
+class TPRClassifierConfig(HFSentenceClassifierConfig):
+    """HUBERT (Transformer) as the paper gives it; the other architectures override fields."""
+
+    tpr_symbols: int = field(default=50, metadata={"help": "number of symbols/fillers n_S"})
+    tpr_roles: int = field(default=35, metadata={"help": "number of roles n_R"})
+    tpr_symbol_dim: int = field(default=32, metadata={"help": "symbol size d_S"})
+    tpr_role_dim: int = field(default=32, metadata={"help": "role size d_R"})
+    tpr_temperature: float = field(default=1.0, metadata={"help": "softmax temperature T of eq. 4"})
+    tpr_encoder: ChoiceEnum(ENCODERS) = field(
+        default="transformer", metadata={"help": "filler/role paths: transformer (eq. 3) or lstm (eq. 2)"})
+    tpr_aggregation: ChoiceEnum(AGGREGATIONS) = field(
+        default="concat", metadata={"help": "eq. 5: concat (all tokens, then a linear projection; the paper's best), "
+                                            "mean, max, first"})
+    tpr_concat_dim: Optional[int] = field(
+        default=None, metadata={"help": "output size of the concat projection (unset: d_S * d_R)"})
+    tpr_orthogonality: float = field(default=0.1, metadata={"help": "lambda of eq. 6 (the paper gives no value)"})
+    tpr_heads: Optional[int] = field(
+        default=None, metadata={"help": "attention heads of the TPR transformer paths (unset: the encoder's)"})
+    tpr_dropout: Optional[float] = field(
+        default=None, metadata={"help": "dropout of the TPR transformer paths (unset: the config's "
+                                        "hidden_dropout_prob)"})
+    tpr_scale: float = field(
+        default=1.0, metadata={"help": "initial value of the trainable scale of the bound values (the paper used "
+                                       "~1000 for the LSTM variant)"})
+    tpr_extra_layer: bool = field(
+        default=True, metadata={"help": "a Transformer encoder layer over the TPR output before the aggregation "
+                                        "(footnote 5; off in tpr_classifier_plain and _lstm); its heads: the largest "
+                                        "divisor of d_S * d_R not above the encoder's heads, its FFN size the "
+                                        "encoder's intermediate size"})
+    tpr_transfer_from: Optional[str] = field(default=None, metadata={"help": "source checkpoint for --tpr-transfer"})
+    tpr_transfer: Optional[str] = field(
+        default=None, metadata={"help": f"comma-separated parts to copy: {PART_NAMES}"})
+    tpr_freeze: Optional[str] = field(default=None, metadata={"help": f"comma-separated parts to freeze: {PART_NAMES}"})
+    tpr_transferred: Optional[str] = field(
+        default=None, metadata={"help": "written by the model, not an input: SOURCE|part:tensors,... of "
+                                        "--tpr-transfer, saved with checkpoints"})
 
 
-@register_model("tpr_classifier")
+@register_model("tpr_classifier", dataclass=TPRClassifierConfig)
 class TPRClassifier(HFSentenceClassifier):
     """Encoder -> TPR layer -> aggregation -> classification head (module docstring)."""
 
@@ -59,38 +96,6 @@ class TPRClassifier(HFSentenceClassifier):
         self.extra_layer = extra_layer
         self.orthogonality = float(args.tpr_orthogonality)
 
-    @staticmethod
-    def add_args(parser):
-        HFSentenceClassifier.add_args(parser)
-        g = parser.add_argument_group("TPR head (tpr_classifier, HUBERT)")
-        g.add_argument("--tpr-symbols", type=int, metavar="N", help="number of symbols/fillers n_S (default 50)")
-        g.add_argument("--tpr-roles", type=int, metavar="N", help="number of roles n_R (default 35)")
-        g.add_argument("--tpr-symbol-dim", type=int, metavar="D", help="symbol size d_S (default 32)")
-        g.add_argument("--tpr-role-dim", type=int, metavar="D", help="role size d_R (default 32)")
-        g.add_argument("--tpr-temperature", type=float, metavar="T", help="softmax temperature of eq. 4 (default 1)")
-        g.add_argument("--tpr-encoder", choices=ENCODERS, help="filler/role paths: transformer (eq. 3) or lstm (eq. 2)")
-        g.add_argument("--tpr-aggregation", choices=AGGREGATIONS,
-                       help="eq. 5: concat (all tokens, then a linear projection; default), mean, max, first")
-        g.add_argument("--tpr-concat-dim", type=int, metavar="D",
-                       help="output size of the concat projection (default d_S * d_R)")
-        g.add_argument("--tpr-orthogonality", type=float, metavar="LAMBDA",
-                       help="lambda of eq. 6 (default 0.1; the paper gives no value)")
-        g.add_argument("--tpr-heads", type=int, metavar="N",
-                       help="attention heads of the TPR transformer paths (default: the encoder's)")
-        g.add_argument("--tpr-dropout", type=float, metavar="D",
-                       help="dropout of the TPR transformer paths (default: the config's hidden_dropout_prob)")
-        g.add_argument("--tpr-scale", type=float, metavar="S",
-                       help="initial value of the trainable scale of the bound values (default 1; "
-                            "the paper used ~1000 for the LSTM variant)")
-        g.add_argument("--tpr-extra-layer", type=parse_bool, metavar="BOOL",
-                       help="a Transformer encoder layer over the TPR output before the aggregation (footnote 5; "
-                            "default true for tpr_classifier, false for tpr_classifier_plain and _lstm); its "
-                            "heads: the largest divisor of d_S * d_R not above the encoder's heads, its FFN size "
-                            "the encoder's intermediate size")
-        g.add_argument("--tpr-transfer-from", metavar="CKPT", help="source checkpoint for --tpr-transfer")
-        g.add_argument("--tpr-transfer", metavar="PARTS", help=f"comma-separated parts to copy: {PART_NAMES}")
-        g.add_argument("--tpr-freeze", metavar="PARTS", help=f"comma-separated parts to freeze: {PART_NAMES}")
-
     @classmethod
     def head_input_size(cls, args, backbone_config) -> int:
         size = args.tpr_symbol_dim * args.tpr_role_dim
@@ -100,7 +105,7 @@ class TPRClassifier(HFSentenceClassifier):
 
     @classmethod
     def build_model(cls, args, task):
-        tpr_classifier(args)
+        cls.fill_unset_options(args)
         validate_tpr_args(args)
         backbone, head = cls.build_backbone_and_head(args, task)
         config = backbone.config
@@ -108,9 +113,9 @@ class TPRClassifier(HFSentenceClassifier):
         if dropout is None:
             dropout = getattr(config, "hidden_dropout_prob", 0.1)
         tpr = TPRLayer(config.hidden_size, args.tpr_symbols, args.tpr_roles, args.tpr_symbol_dim, args.tpr_role_dim,
-                       args.tpr_temperature, args.tpr_encoder, args.tpr_heads or config.num_attention_heads, dropout,
-                       getattr(config, "intermediate_size", None), args.tpr_scale)
-        aggregate = Aggregation(args.tpr_aggregation, tpr.output_size, task.max_positions(),
+                       args.tpr_temperature, str(args.tpr_encoder), args.tpr_heads or config.num_attention_heads,
+                       dropout, getattr(config, "intermediate_size", None), args.tpr_scale)
+        aggregate = Aggregation(str(args.tpr_aggregation), tpr.output_size, task.max_positions(),
                                 cls.head_input_size(args, config))
         warn_unreachable_orthogonality(args.tpr_roles, args.tpr_role_dim, args.tpr_orthogonality)
         extra_layer = None
@@ -122,6 +127,8 @@ class TPRClassifier(HFSentenceClassifier):
                 dropout, batch_first=True)
         model = cls(args, backbone, head, task.padding_idx, tpr, aggregate, extra_layer)
         apply_transfer_options(model, args, getattr(task, "building_from_checkpoint", False))
+        if args.tpr_transferred:  # set just now by the transfer: into the config saved with checkpoints too
+            record_option(args, "tpr_transferred", args.tpr_transferred)
         logger.info("TPR head: %s paths, n_S %d, n_R %d, d_S %d, d_R %d, T %g, %s aggregation, lambda %g, "
                     "extra layer %s", args.tpr_encoder, args.tpr_symbols, args.tpr_roles, args.tpr_symbol_dim,
                     args.tpr_role_dim, args.tpr_temperature, args.tpr_aggregation, args.tpr_orthogonality,
@@ -172,35 +179,24 @@ def validate_tpr_args(args) -> None:
         raise HFSentenceConfigError(f"--tpr-dropout {args.tpr_dropout!r} must lie in [0, 1)")
 
 
-@register_model_architecture("tpr_classifier", "tpr_classifier")
-def tpr_classifier(args):
-    for name, value in (("tpr_symbols", 50), ("tpr_roles", 35), ("tpr_symbol_dim", 32), ("tpr_role_dim", 32),
-                        ("tpr_temperature", 1.0), ("tpr_encoder", "transformer"), ("tpr_aggregation", "concat"),
-                        ("tpr_concat_dim", None), ("tpr_orthogonality", 0.1), ("tpr_heads", None),
-                        ("tpr_dropout", None), ("tpr_scale", 1.0), ("tpr_transfer_from", None),
-                        ("tpr_transfer", None), ("tpr_freeze", None), ("tpr_extra_layer", True)):
-        _default(args, name, value)
-    hf_sentence_classifier(args)
-
-
-@register_model_architecture("tpr_classifier", "tpr_classifier_plain")
-def tpr_classifier_plain(args):
-    _default(args, "tpr_extra_layer", False)
-    tpr_classifier(args)
-
-
-@register_model_architecture("tpr_classifier", "tpr_classifier_lstm")
-def tpr_classifier_lstm(args):
-    _default(args, "tpr_encoder", "lstm")
-    _default(args, "tpr_extra_layer", False)
-    tpr_classifier(args)
+# tpr_classifier (the model's own name) is the paper's HUBERT (Transformer): the config's defaults
+tpr_classifier_plain = register_architecture("tpr_classifier", "tpr_classifier_plain", tpr_extra_layer=False)
+tpr_classifier_lstm = register_architecture("tpr_classifier", "tpr_classifier_lstm", tpr_encoder="lstm",
+                                            tpr_extra_layer=False)
 
 
 # ------------------------------------------------------------------- BERT-LSTM baseline
 LSTM_POOLINGS = ("last", "mean")
 
 
-@register_model("bert_lstm_classifier")
+@dataclass
+class BertLSTMClassifierConfig(HFSentenceClassifierConfig):
+    lstm_hidden: Optional[int] = field(default=None, metadata={"help": "LSTM size (unset: the encoder's hidden size)"})
+    lstm_pooling: ChoiceEnum(LSTM_POOLINGS) = field(
+        default="last", metadata={"help": "the LSTM's last state (the paper) or the mean of its states"})
+
+
+@register_model("bert_lstm_classifier", dataclass=BertLSTMClassifierConfig)
 class BertLSTMClassifier(HFSentenceClassifier):
     """BERT-LSTM (Section 4.2): encoder -> unidirectional LSTM over the non-padding token
     states -> final (or mean) LSTM state ``[B, --lstm-hidden]`` -> classification head."""
@@ -208,14 +204,7 @@ class BertLSTMClassifier(HFSentenceClassifier):
     def __init__(self, args, backbone, head, padding_idx: int):
         super().__init__(args, backbone, head, padding_idx)
         self.lstm = nn.LSTM(backbone.config.hidden_size, args.lstm_hidden, batch_first=True)
-        self.lstm_pooling = args.lstm_pooling
-
-    @staticmethod
-    def add_args(parser):
-        HFSentenceClassifier.add_args(parser)
-        g = parser.add_argument_group("BERT-LSTM baseline")
-        g.add_argument("--lstm-hidden", type=int, metavar="N", help="LSTM size (default: the encoder's hidden size)")
-        g.add_argument("--lstm-pooling", choices=LSTM_POOLINGS, help="last state (default, the paper) or mean")
+        self.lstm_pooling = str(args.lstm_pooling)
 
     @classmethod
     def head_input_size(cls, args, backbone_config) -> int:
@@ -225,7 +214,7 @@ class BertLSTMClassifier(HFSentenceClassifier):
 
     @classmethod
     def build_model(cls, args, task):
-        bert_lstm_classifier(args)
+        cls.fill_unset_options(args)
         if args.lstm_hidden is not None:
             check_positive_int("--lstm-hidden", args.lstm_hidden)
         if args.lstm_pooling not in LSTM_POOLINGS:
@@ -248,10 +237,3 @@ class BertLSTMClassifier(HFSentenceClassifier):
             states, _ = pad_packed_sequence(states, batch_first=True, total_length=hidden.size(1))
             pooled = states.sum(1) / lengths.unsqueeze(-1).to(states.dtype)
         return self.classify(pooled), {"pooled": pooled, "hidden_states": hidden, "padding_mask": padding_mask}
-
-
-@register_model_architecture("bert_lstm_classifier", "bert_lstm_classifier")
-def bert_lstm_classifier(args):
-    _default(args, "lstm_hidden", None)
-    _default(args, "lstm_pooling", "last")
-    hf_sentence_classifier(args)
