@@ -13,7 +13,7 @@ $(STAMP): constraints.txt pyproject.toml scripts/install.sh
 	touch $(STAMP)
 
 demo: install
-	$(PYTHON_VENV) -m user_dir.sdma.quickstart --minutes $(DEMO_MINUTES)
+	$(PYTHON_VENV) -m user_dir.tools.sdma.quickstart --minutes $(DEMO_MINUTES)
 
 # Everything (the CI command): unit tier (tests/unit) and CLI/training runs (tests/integration).
 test: install
@@ -33,7 +33,7 @@ gpu-check: install
 	$(PYTHON_VENV) scripts/gpu_check.py
 
 bench: install
-	$(PYTHON_VENV) -m user_dir.sdma.bench
+	$(PYTHON_VENV) -m user_dir.tools.sdma.bench
 
 clean-outputs:
 	rm -rf outputs

@@ -1,7 +1,7 @@
 """What an update costs, counted by PyTorch: matrix-product FLOPs (``torch.utils.flop_counter``)
 and the elementwise work beside them (ops and bytes, :class:`TrafficCounter`). Toolkit-free: any
-callable is measured (``user_dir.sdma.flops`` counts fairseq's SDMA models with it,
-``user_dir.optimus.speed`` Optimus against GPT-2).
+callable is measured (``user_dir.tools.sdma.flops`` counts fairseq's SDMA models with it,
+``user_dir.tools.optimus.speed`` Optimus against GPT-2).
 
 Attention runs with PyTorch's math SDPA backend while counting, because ``FlopCounterMode`` has
 no formula for the CPU flash-attention kernel and would otherwise miss its products.

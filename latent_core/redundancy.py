@@ -3,7 +3,7 @@
 Chien & Huang, "Latent Semantic and Disentangled Attention", TPAMI 2024
 (Chien & Huang, TPAMI 2024, doi:10.1109/TPAMI.2024.3432631, Section IV-A2 "Evaluation Metrics", Tables II-IV,
 Figs. 10-11).  Plain PyTorch: the toolkit adapters capture the per-head attention
-and hand it to :class:`RedundancyAccumulator`; :mod:`user_dir.sdma.redundancy`
+and hand it to :class:`RedundancyAccumulator`; :mod:`user_dir.tools.sdma.redundancy`
 (command ``sdma-redundancy``) for fairseq encoder-decoder checkpoints (the vanilla
 ``transformer`` and ``sdma_transformer``, whose ``SDMAMultiheadAttention`` returns the
 mixed attention A_hat of eq. 11), :mod:`espnet_plugin.asr.redundancy` (command

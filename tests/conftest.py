@@ -286,7 +286,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="session")
 def loaded(tiny):
     """In-process (models, task) of both tiny checkpoints."""
-    from user_dir.sdma import redundancy as ar
+    from user_dir.tools.sdma import redundancy as ar
 
     out = {}
     for name in ARCHS:

@@ -1,6 +1,6 @@
 """Layer redundancy (LR) and head redundancy (HR) of an ESPnet2 attention-based ASR model.
 
-The ESPnet2 counterpart of ``sdma-redundancy`` (fairseq, ``user_dir.sdma.redundancy``): same
+The ESPnet2 counterpart of ``sdma-redundancy`` (fairseq, ``user_dir.tools.sdma.redundancy``): same
 metrics (SDMA paper, Sec. IV-A2, Table VII), same math (``latent_core.redundancy``'s
 ``RedundancyAccumulator`` is imported, not re-implemented), same result
 structure, table and output options (``--json``, ``--hr-matrix``, ``--heatmap``).

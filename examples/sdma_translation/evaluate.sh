@@ -6,7 +6,7 @@
 #   tokenized BLEU (fairseq-style, as the paper's Tables II-IV): Moses-tokenised hypotheses
 #     vs Moses-tokenised references, BLEU-4 as fairseq-generate / multi-bleu.perl, with the
 #     ##AT##-##AT## compound splitting of WMT'14 En-De for a German target
-#     (sdma-bleu, user_dir/sdma/bleu.py).
+#     (sdma-bleu, user_dir/tools/sdma/bleu.py).
 #
 # usage: examples/sdma_translation/evaluate.sh SAVE_DIR DATA_BIN [OUT_DIR]
 #   SAVE_DIR  the run's checkpoints (checkpoint{epoch}.pt)
@@ -60,7 +60,7 @@ read -r -a gen_args <<< "${GEN_ARGS:-}"
 
 AVG=$SAVE_DIR/checkpoint_avg$N_AVG.pt
 echo "[evaluate] average the last $N_AVG epoch checkpoints -> $AVG"
-"$PYTHON" -m user_dir.average_checkpoints --inputs "$SAVE_DIR" \
+"$PYTHON" -m user_dir.tools.average_checkpoints --inputs "$SAVE_DIR" \
     --num-epoch-checkpoints "$N_AVG" --output "$AVG"
 
 # --required-batch-size-multiple 1: with fairseq's default of 8, batch_by_size drops the last
@@ -83,11 +83,11 @@ echo "[evaluate] sacreBLEU (tokenize $TOK) against $REF -> $OUT_DIR/bleu.txt"
 "$(tool sacrebleu)" "$REF" -i "$OUT_DIR/hyp.txt" -tok "$TOK" | tee "$OUT_DIR/bleu.txt"
 
 echo "[evaluate] BLEU scores ($TGT, $n_hyp sentences) -> $OUT_DIR/bleu.json, $OUT_DIR/bleu_tokenized.txt"
-"$PYTHON" -m user_dir.sdma.bleu --hyp "$OUT_DIR/hyp.txt" --ref "$REF" --lang "$TGT" \
+"$PYTHON" -m user_dir.tools.sdma.bleu --hyp "$OUT_DIR/hyp.txt" --ref "$REF" --lang "$TGT" \
     --sacrebleu-tokenize "$TOK" --tokenizer "${BLEU_TOKENIZER:-auto}" "${split[@]}" --out-dir "$OUT_DIR"
 
 if [[ "${SKIP_REDUNDANCY:-0}" == 1 ]]; then
     exit 0
 fi
 echo "[evaluate] attention redundancy ($SUBSET)"
-"$PYTHON" -m user_dir.sdma.redundancy --path "$AVG" "$DATA_BIN" --subset "$SUBSET"
+"$PYTHON" -m user_dir.tools.sdma.redundancy --path "$AVG" "$DATA_BIN" --subset "$SUBSET"

@@ -46,9 +46,9 @@ topic=(--arch topic_vq_sts --hf-model-dir "$encoder" --num-topics "$K")
     --best-checkpoint-metric $metric --maximize-best-checkpoint-metric --save-dir "$root/base"
 
 for system in disbert base; do
-  "$py" -m user_dir.hf_sentence.predict --path "$root/$system/checkpoint_best.pt" --data "$data" --split valid \
+  "$py" -m user_dir.tools.hf_sentence.predict --path "$root/$system/checkpoint_best.pt" --data "$data" --split valid \
       --out "$root/$system.dev.tsv"
 done
-"$py" -m user_dir.hf_sentence.predict --path "$root/disbert/checkpoint_best.pt" --data "$data" --split test \
+"$py" -m user_dir.tools.hf_sentence.predict --path "$root/disbert/checkpoint_best.pt" --data "$data" --split test \
     --out "$root/$task.tsv"
 echo "GLUE submission: $root/$task.tsv"

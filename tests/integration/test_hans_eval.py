@@ -1,4 +1,4 @@
-"""GLUE NLI layouts (MNLI, QNLI, RTE) and ``hans-eval`` (``user_dir.hf_sentence.hans``: HANS, McCoy et al. 2019).
+"""GLUE NLI layouts (MNLI, QNLI, RTE) and ``hans-eval`` (``user_dir.tools.hf_sentence.hans``: HANS, McCoy et al. 2019).
 
 Files are small ones written here with the real column structure of GLUE's MNLI/QNLI/RTE
 TSVs and of HANS's ``heuristics_evaluation_set.txt``; the end-to-end test trains a tiny
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from conftest import REPO, run_checked, save_tiny_bert, venv_bin
-from user_dir.hf_sentence import hans as hans_eval
-from user_dir.hf_sentence import predict as glue_predict
+from user_dir.tools.hf_sentence import hans as hans_eval
+from user_dir.tools.hf_sentence import predict as glue_predict
 from user_dir.hf_sentence.data import GLUE_TASKS, TASK_CHOICES, read_tsv
-from user_dir.hf_sentence.hans import ENTAILMENT as ENT, NON_ENTAILMENT as NON, HansRecord
+from user_dir.tools.hf_sentence.hans import ENTAILMENT as ENT, NON_ENTAILMENT as NON, HansRecord
 from user_dir.hf_sentence.task import HFSentencePredictionConfig, HFSentencePredictionTask
 
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}

@@ -1,4 +1,4 @@
-"""The SDMA quickstart (``make demo``, ``user_dir.sdma.quickstart``) and the log helpers of ``latent_core.runs``.
+"""The SDMA quickstart (``make demo``, ``user_dir.tools.sdma.quickstart``) and the log helpers of ``latent_core.runs``.
 
 Pure functions first (updates from --minutes, segment boundaries, log parsing of a
 fabricated multi-segment fairseq log, ratio statistics), then the segment runner with a
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from latent_core import runs
-from user_dir.sdma import quickstart as qs
+from user_dir.tools.sdma import quickstart as qs
 
 DING = Path("/usr/share/trans/de-en")
 

@@ -1,5 +1,5 @@
-"""user_dir/sdma/analysis.py, user_dir/sdma/plot_query_tsne.py (``sdma-plot-tsne``, Figs. 8/9) and
-user_dir/sdma/cluster_tokens.py (``sdma-cluster-tokens``, Section IV-B1, cluster usage).
+"""user_dir/tools/sdma/analysis.py, user_dir/tools/sdma/plot_query_tsne.py (``sdma-plot-tsne``, Figs. 8/9) and
+user_dir/tools/sdma/cluster_tokens.py (``sdma-cluster-tokens``, Section IV-B1, cluster usage).
 
 The end-to-end tests reuse the tiny data and the two tiny checkpoints (``transformer``
 and ``sdma_transformer`` with 3 clusters, 2 layers, 4 heads) of ``test_redundancy.py``'s
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from latent_core.sdma import SDMACore, SDMAOptions
-from user_dir.sdma import analysis, plot_query_tsne
-from user_dir.sdma import cluster_tokens as sdma_cluster_tokens
+from user_dir.tools.sdma import analysis, plot_query_tsne
+from user_dir.tools.sdma import cluster_tokens as sdma_cluster_tokens
 
 HEADS, HEAD_DIM, CLUSTERS = 4, 3, 5
 

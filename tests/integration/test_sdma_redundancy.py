@@ -1,6 +1,6 @@
-"""LR / HR on real checkpoints: the fairseq capture and command (user_dir.sdma.redundancy,
+"""LR / HR on real checkpoints: the fairseq capture and command (user_dir.tools.sdma.redundancy,
 ``sdma-redundancy``), the HR heat maps (latent_core.redundancy_plot, ``sdma-plot-heads``;
-Figs. 10-11) and Fig. 6 (user_dir.sdma.plot_attention, ``sdma-plot``), on the session's tiny
+Figs. 10-11) and Fig. 6 (user_dir.tools.sdma.plot_attention, ``sdma-plot``), on the session's tiny
 checkpoints (tests/integration/conftest.py)."""
 
 import itertools
@@ -13,8 +13,8 @@ import torch
 
 from conftest import ARCHS
 from latent_core import redundancy_plot as phr
-from user_dir.sdma import plot_attention as psa
-from user_dir.sdma import redundancy as ar
+from user_dir.tools.sdma import plot_attention as psa
+from user_dir.tools.sdma import redundancy as ar
 
 
 # ----------------------------------------------------------------------------

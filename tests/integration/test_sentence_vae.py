@@ -1,5 +1,5 @@
 """The ``sentence_vae`` task and criterion and the tools ``vae-eval`` and ``vae-generate``
-(``user_dir.sentence_vae.evaluate`` / ``.generate``), with the TEST DOUBLE model ``test_gru_vae``
+(``user_dir.tools.sentence_vae.evaluate`` / ``.generate``), with the TEST DOUBLE model ``test_gru_vae``
 (``tests/sentence_vae_toy_model/``), so that nothing here depends on the real models.
 
 Data: 240 short English phrases from the English side of Debian's trans-de-en dictionary
@@ -29,7 +29,8 @@ from fairseq.logging import metrics
 
 import sentence_vae_toy_model  # noqa: F401  (registers test_gru_vae)
 from conftest import REPO, english_phrases, venv_bin
-from user_dir.sentence_vae import decoding, evaluate, generate
+from user_dir.sentence_vae import decoding
+from user_dir.tools.sentence_vae import evaluate, generate
 from user_dir.sentence_vae.checkpoint import load_sentence_vae
 from user_dir.sentence_vae.criterion import SentenceVAECriterion
 from latent_core.vae import DiagonalGaussian, VAEConfigError

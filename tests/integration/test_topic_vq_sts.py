@@ -329,7 +329,7 @@ def test_three_stages_through_fairseq_train(tmp_path, data, tiny, task):
     joint = model_state(vq_ckpt)
     assert not torch.equal(before["ntm.topic_embeddings"], joint["ntm.topic_embeddings"])  # joint: phi moves
 
-    from user_dir.topic_vq import report as topic_report
+    from user_dir.tools.topic_vq import report as topic_report
 
     assert topic_report.main(["--path", str(vq_ckpt), "--data", str(data), "--json", str(tmp_path / "r.json")]) == 0
     result = json.loads((tmp_path / "r.json").read_text())

@@ -1,4 +1,4 @@
-"""``tpr-roles-pos`` (``user_dir.tpr.roles_pos``): role types vs POS tags (HUBERT, Section 4.5 / Figure 4).
+"""``tpr-roles-pos`` (``user_dir.tools.tpr.roles_pos``): role types vs POS tags (HUBERT, Section 4.5 / Figure 4).
 
 Pure parts (alignment on a real WordPiece tokenizer, top-K role tuples, tag merging, tally and
 association scores) and one end-to-end run: a tiny ``tpr_classifier`` trained for a few
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import REPO, run_checked, save_tiny_bert, venv_bin
-from user_dir.tpr import roles_pos as trp
+from user_dir.tools.tpr import roles_pos as trp
 
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 WORDS = SPECIAL + ("the and a with . , ' s un ##believ ##able play ##ing ##s ##ed man driver "
@@ -159,7 +159,7 @@ def test_tally_summary_and_association():
 
 
 def test_a_checkpoint_that_is_not_tpr_classifier_is_refused(tmp_path, tiny, tokenizer, monkeypatch):
-    from user_dir.hf_sentence import predict as glue_predict
+    from user_dir.tools.hf_sentence import predict as glue_predict
     from user_dir.hf_sentence.model import HFSentenceClassifier
 
     class Task:  # what the classifier's build reads of hf_sentence_prediction

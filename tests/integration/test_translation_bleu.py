@@ -1,4 +1,4 @@
-"""Tokenized BLEU as the SDMA paper reports it (user_dir/sdma/bleu.py and its command ``sdma-bleu``)
+"""Tokenized BLEU as the SDMA paper reports it (user_dir/tools/sdma/bleu.py and its command ``sdma-bleu``)
 and the two BLEU lines of examples/sdma_translation/evaluate.sh (end to end on the Ding pairs)."""
 
 import json
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, prepare_ding_bin, run_checked, venv_bin
-from user_dir.sdma import bleu as translation_bleu
-from user_dir.sdma.bleu import (
+from user_dir.tools.sdma import bleu as translation_bleu
+from user_dir.tools.sdma.bleu import (
     PAPER_LABEL,
     BLEUInputError,
     bleu_of_tokenized,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from latent_core.data import ding, iwslt14 as extract_iwslt14, lee_sts, pattern3, translation as pt
-from user_dir import average_checkpoints
+from user_dir.tools import average_checkpoints
 from conftest import REPO
 
 SCRIPTS = REPO / "scripts"

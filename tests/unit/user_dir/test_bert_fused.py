@@ -328,7 +328,7 @@ def test_unknown_fusion_is_an_argparse_error(tmp_path, bert_dir, capsys):
 
 def test_redundancy_capture_reads_the_layers_own_attentions_under_fusion(tmp_path, bert_dir):
     """sdma-redundancy's LR/HR measure the paper's three attention types inside the fusion wrappers."""
-    from user_dir.sdma.redundancy import capture_attention, head_weight_modules
+    from user_dir.tools.sdma.redundancy import capture_attention, head_weight_modules
 
     model, task, _ = build(tmp_path, bert_dir, "--bert-fusion", "attention")
     model.eval()

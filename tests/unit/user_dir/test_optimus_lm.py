@@ -25,7 +25,7 @@ from user_dir.optimus.task import OptimusBinaryDataError as TaskDataError
 from fairseq.ngram_repeat_block import NGramRepeatBlock
 
 from user_dir.sentence_vae.decoding import GeneratedPrefixNGramBlock, LatentDecoder, generation_args
-from user_dir.sentence_vae.evaluate import evaluate_split
+from user_dir.tools.sentence_vae.evaluate import evaluate_split
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
@@ -294,7 +294,7 @@ def test_defaults_are_the_authors_hinge_and_sentence_average(corpus, extra, vari
 # ------------------------------------------------------------------------ low-resource helpers
 def test_labelled_draws_and_the_feature_classifier(tmp_path):
     from latent_core.vae import VAEConfigError
-    from user_dir.optimus.low_resource import feature_based_accuracy, read_labelled, sample_per_class
+    from user_dir.tools.optimus.low_resource import feature_based_accuracy, read_labelled, sample_per_class
 
     labels = ["0"] * 30 + ["1"] * 20
     rows = sample_per_class(labels, 5, seed=3)
@@ -317,7 +317,7 @@ def test_labelled_draws_and_the_feature_classifier(tmp_path):
 
 
 def test_latent_cgan_learns_where_each_label_lives():
-    from user_dir.optimus.conditional_generation import mean_sentence_bleu, self_bleu, train_cgan
+    from user_dir.tools.optimus.conditional_generation import mean_sentence_bleu, self_bleu, train_cgan
 
     g = torch.Generator().manual_seed(0)
     centres = torch.tensor([[3.0, 0.0, 0.0, 0.0], [-3.0, 0.0, 0.0, 0.0]])
@@ -335,7 +335,7 @@ def test_latent_cgan_learns_where_each_label_lives():
 
 
 def test_pair_speed_times_optimus_against_its_own_decoder_alone(corpus):
-    from user_dir.optimus.speed import time_pair_vs_gpt2
+    from user_dir.tools.optimus.speed import time_pair_vs_gpt2
 
     small = ["--decoder-layers", "2", "--decoder-embed-dim", "32", "--decoder-attention-heads", "2",
              "--decoder-ffn-embed-dim", "64", "--latent-dim", "8"]

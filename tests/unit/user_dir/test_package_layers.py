@@ -1,8 +1,9 @@
 """Arrows only point into shared layers: a paper's package imports no other paper's package,
 only the shared bases (``user_dir/hf_sentence``, ``user_dir/sentence_vae``), which import no
-paper package; no import cycle joins two modules; ``latent_core`` imports neither toolkit
-package; no module takes another module's private names. Imports are read with ``ast``
-(module level and inside functions)."""
+paper package; the tools (``user_dir/tools/<paper>/``) import their paper's package and the shared
+bases, and nothing fairseq loads imports a tool; no import cycle joins two modules;
+``latent_core`` imports neither toolkit package; no module takes another module's private names.
+Imports are read with ``ast`` (module level and inside functions)."""
 
 import ast
 from pathlib import Path
@@ -10,7 +11,8 @@ from pathlib import Path
 from conftest import REPO
 
 USER_DIR = REPO / "user_dir"
-SUBPACKAGES = sorted(p.name for p in USER_DIR.iterdir() if (p / "__init__.py").is_file())
+TOOLS = "tools"  # user_dir/tools/<paper>/: the commands, apart from what fairseq loads
+SUBPACKAGES = sorted(p.name for p in USER_DIR.iterdir() if (p / "__init__.py").is_file() and p.name != TOOLS)
 assert len(SUBPACKAGES) >= 7, SUBPACKAGES  # sdma, sentence_vae, qkvae, optimus, hf_sentence, topic_vq, tpr
 
 
@@ -69,6 +71,45 @@ def test_no_cycle_between_subpackages():
     for package in SUBPACKAGES:
         if package not in state:
             visit(package)
+
+
+def _is_tool(module: str) -> bool:
+    return module == f"user_dir.{TOOLS}" or module.startswith(f"user_dir.{TOOLS}.")
+
+
+def test_nothing_fairseq_loads_imports_a_tool():
+    """``--user-dir user_dir`` imports the package ``user_dir``: what it reaches, directly or not,
+    holds no tool, and no module outside the tools imports one."""
+    graph, _ = module_graph()
+    reached, todo = set(), ["user_dir"]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo += graph[module]
+    assert "user_dir.sdma.model" in reached and "user_dir.tpr.model" in reached  # the walk sees the models
+    assert sorted(m for m in reached if _is_tool(m)) == []
+    arrows = sorted(f"{name} -> {target}" for name, targets in graph.items() if not _is_tool(name)
+                    for target in targets if _is_tool(target))
+    assert arrows == []
+
+
+def test_tools_import_their_paper_and_the_shared_bases_only():
+    graph, _ = module_graph()
+    tools = [name for name in graph if _is_tool(name) and name.count(".") >= 3]  # user_dir.tools.<paper>.<module>
+    assert "user_dir.tools.sdma.bench" in tools
+    allowed_bases = SHARED_BASES | {f"{TOOLS}.{base}" for base in SHARED_BASES}
+    arrows = []
+    for name in tools:
+        paper = name.split(".")[2]
+        for target in graph[name]:
+            parts = target.split(".")
+            if parts[0] != "user_dir" or len(parts) < 2 or parts[1] not in SUBPACKAGES + [TOOLS]:
+                continue
+            into = f"{TOOLS}.{parts[2]}" if parts[1] == TOOLS and len(parts) > 2 else parts[1]
+            if into not in {paper, f"{TOOLS}.{paper}"} | allowed_bases:
+                arrows.append(f"{name} -> {target}")
+    assert sorted(arrows) == []
 
 
 def test_shared_modules_import_no_subpackage():

@@ -1,4 +1,4 @@
-"""QKVAE and ADVAE (``user_dir/qkvae``) and the Table-2 probe (``qkvae-probe``: ``user_dir/qkvae/probe.py``)."""
+"""QKVAE and ADVAE (``user_dir/qkvae``) and the Table-2 probe (``qkvae-probe``: ``user_dir/tools/qkvae/probe.py``)."""
 
 import argparse
 import json
@@ -11,8 +11,10 @@ from fairseq.data import Dictionary, data_utils
 from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
 from fairseq.sequence_generator import SequenceGenerator
 
-from user_dir.qkvae import ADVAEModel, BartInitError, QKVAEModel, probe
-from user_dir.qkvae.bart_init import tokenize_lines, write_fairseq_dictionary
+from user_dir.qkvae import ADVAEModel, BartInitError, QKVAEModel
+
+from user_dir.tools.qkvae import probe
+from user_dir.tools.qkvae.bart_data import tokenize_lines, write_fairseq_dictionary
 from user_dir.qkvae.encoder import SIGMA_FLOOR
 from user_dir.sentence_vae.base import SentenceVAEEncoder
 from latent_core.vae import DiagonalGaussian, VAEConfigError
@@ -545,7 +547,7 @@ def test_bart_vocabulary_dictionary_and_tokenizer(tmp_path):
     """``dict`` aligns fairseq indices with BART's token ids; ``tokenize`` emits BART's BPE tokens."""
     from transformers import BartTokenizer
 
-    from user_dir.qkvae.bart_init import main as bart_data_main
+    from user_dir.tools.qkvae.bart_data import main as bart_data_main
 
     tokens = ["<s>", "<pad>", "</s>", "<unk>", "t", "h", "e", "c", "a", "\u0120", "th", "the", "\u0120c",
               "\u0120ca", "\u0120cat", "<mask>"]

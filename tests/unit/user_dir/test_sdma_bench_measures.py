@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from latent_core.op_counts import count_traffic
-from user_dir.sdma import scale, step_timing
+from user_dir.tools.sdma import scale, step_timing
 
 
 def test_saved_activation_bytes_counts_each_saved_storage_once_and_no_parameters():

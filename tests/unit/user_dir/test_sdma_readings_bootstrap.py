@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import sacrebleu
 
-from user_dir.sdma.readings_runs import bootstrap, corpus_bleu_of, sentence_statistics
+from user_dir.tools.sdma.readings_runs import bootstrap, corpus_bleu_of, sentence_statistics
 
 REFERENCES = ["the cat sat on the mat", "a dog ran in the park today", "we like green tea very much",
               "it rained all day long", "she reads a book at night", "they walk to school together"] * 5

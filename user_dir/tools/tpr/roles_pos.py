@@ -250,9 +250,9 @@ def format_table(summary: dict, scores: dict, baseline: Optional[dict]) -> str:
 # ----------------------------------------------------------------------- the model
 def load_tpr(checkpoint: Path, work_dir: Path, tokenizer_dir: Optional[str], cpu: bool):
     """(tpr_classifier in eval mode, hf_sentence_prediction task) of a checkpoint, loaded the
-    fairseq way by ``user_dir.hf_sentence.predict.load``. The task insists on an existing data
+    fairseq way by ``user_dir.tools.hf_sentence.predict.load``. The task insists on an existing data
     directory but nothing is read from it here, so ``work_dir`` stands in for it."""
-    from user_dir.hf_sentence import predict
+    from user_dir.tools.hf_sentence import predict
     from user_dir.tpr.model import TPRClassifier
 
     if not checkpoint.is_file():

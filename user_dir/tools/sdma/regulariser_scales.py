@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Dict, List
 
 from latent_core.runs import USER_DIR, console_script, print_table, run_streaming, stage, write_json
-from user_dir.sdma.quickstart import MODEL_SIZE, OPTIMIZATION, prepare_data
+from user_dir.tools.sdma.quickstart import MODEL_SIZE, OPTIMIZATION, prepare_data
 
 SCALES = ("sentence", "batch", "token")
 _VALID = re.compile(r"valid on 'valid' subset.*?\| ppl ([0-9.]+).*?\| num_updates (\d+)")
@@ -66,8 +66,8 @@ def train(data_bin: Path, save_dir: Path, model_args: List[str], updates: int, e
 
 def usage_summary(checkpoint: Path, data_bin: Path, max_sentences: int) -> Dict:
     """Cluster usage per attention type (mean over layers and heads) and of the Fig. 6 head."""
-    from user_dir.sdma.analysis import model_cluster_usage, num_clusters
-    from user_dir.sdma.redundancy import load_models
+    from user_dir.tools.sdma.analysis import model_cluster_usage, num_clusters
+    from user_dir.tools.sdma.redundancy import load_models
 
     models, _, task = load_models(checkpoint, str(data_bin))
     usage = model_cluster_usage(models[0], task, "test", max_sentences=max_sentences, device="cpu")

@@ -16,8 +16,8 @@ Usage::
         [--subset test] [--attention decoder_self] [--layer -1] [--max-sentences 104] \
         [--max-tokens-total 13312] [--max-points 20000] --out fig8.png [--json fig8.json]
 
-(``python -m user_dir.sdma.plot_query_tsne`` is the same command.)
-Library: ``user_dir.sdma.analysis`` (collect_queries, embed_queries, draw_query_tsne).
+(``python -m user_dir.tools.sdma.plot_query_tsne`` is the same command.)
+Library: ``user_dir.tools.sdma.analysis`` (collect_queries, embed_queries, draw_query_tsne).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import sys
 from typing import List, Optional
 
 from latent_core.redundancy import RedundancyError
-from user_dir.sdma import analysis
-from user_dir.sdma.redundancy import check_subset, load_models
+from user_dir.tools.sdma import analysis
+from user_dir.tools.sdma.redundancy import check_subset, load_models
 
 DEFAULT_TSNE_POINTS = 20_000  # Barnes-Hut t-SNE of more points takes minutes on a CPU
 

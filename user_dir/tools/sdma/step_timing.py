@@ -28,7 +28,7 @@ import torch
 
 from latent_core.op_counts import count_flops, count_traffic
 
-from .flops import FlopsSetting, build_with_batch
+from user_dir.tools.sdma.flops import FlopsSetting, build_with_batch
 
 # configuration -> (architecture, extra fairseq options)
 STEP_CONFIGS = {

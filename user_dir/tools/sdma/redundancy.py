@@ -23,7 +23,7 @@ Usage::
         [--max-sentences N] [--batch-size B] [--json OUT.json] [--user-dir user_dir] \
         [--hr-matrix] [--heatmap OUT.png [--heatmap-kind encoder_self|decoder_self|decoder_cross|all]]
 
-(``python -m user_dir.sdma.redundancy`` is the same command.)
+(``python -m user_dir.tools.sdma.redundancy`` is the same command.)
 ``--hr-matrix`` adds each type's head-pair HR matrix (``HR_matrix``, ``[N n_h, N n_h]``)
 to the JSON; ``--heatmap`` also draws it (Figs. 10-11; implies ``--hr-matrix``).
 ``sdma-plot-heads`` (:mod:`latent_core.redundancy_plot`) draws the matrices of several
@@ -31,7 +31,7 @@ JSON files side by side (V-T vs SDMA-T, as in the paper's figures).
 
 Python::
 
-    from user_dir.sdma.redundancy import attention_redundancy, layer_redundancy, head_redundancy
+    from user_dir.tools.sdma.redundancy import attention_redundancy, layer_redundancy, head_redundancy
     result = attention_redundancy("ckpt.pt", subset="test", data="data-bin")
     result = attention_redundancy(models, task, "test", max_sentences=100)
     result["encoder_self"]["LR"]       # [0, 1], the paper's scale (None for one head)
@@ -74,7 +74,7 @@ from latent_core.redundancy import (  # re-exported (__all__): the metric, its r
     report,
 )
 from latent_core.redundancy_plot import add_output_arguments, write_outputs
-from user_dir.sdma import analysis
+from user_dir.tools.sdma import analysis
 
 __all__ = [
     # the fairseq capture and the command
@@ -93,7 +93,7 @@ __all__ = [
 
 
 def head_weight_modules(model) -> Dict[str, List[torch.nn.Module]]:
-    """The attention modules of :func:`user_dir.sdma.analysis.attention_modules`, checked for what
+    """The attention modules of :func:`user_dir.tools.sdma.analysis.attention_modules`, checked for what
     capturing their per-head weights needs (fairseq ``MultiheadAttention`` without add_bias_kv /
     add_zero_attn, no --cross-self-attention, an encoder and a decoder); a type the model does not
     have is ``[]``."""

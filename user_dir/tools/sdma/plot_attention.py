@@ -21,7 +21,7 @@ Usage::
     sdma-plot --path CKPT DATA_BIN --subset test --index 0 \
         --layer -1 --head 0 [--vanilla-path CKPT] [--mixed] --out fig6.png
 
-(``python -m user_dir.sdma.plot_attention`` is the same command.)
+(``python -m user_dir.tools.sdma.plot_attention`` is the same command.)
 
 ``--layer`` / ``--head`` are 0-based, negative values count from the end (the
 paper's "first head of the sixth encoder layer" is ``--layer 5 --head 0`` or
@@ -47,7 +47,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from latent_core.redundancy import RedundancyError  # noqa: E402
-from user_dir.sdma.redundancy import force_head_weights, check_subset, load_models  # noqa: E402
+from user_dir.tools.sdma.redundancy import force_head_weights, check_subset, load_models  # noqa: E402
 
 
 class PlotError(RedundancyError):

@@ -37,8 +37,8 @@ from torch import Tensor
 
 from latent_core.vae import VAEConfigError
 
-from .checkpoint import load_sentence_vae
-from .decoding import LatentDecoder, Latents, generation_args
+from user_dir.sentence_vae.checkpoint import load_sentence_vae
+from user_dir.sentence_vae.decoding import LatentDecoder, Latents, generation_args
 
 
 # ------------------------------------------------------------------ latent arithmetic

@@ -28,7 +28,7 @@ max are kept too). Prints tables, writes ``outputs/bench/sdma.json`` with ``trai
 timing per configuration) plus every raw number.
 
 FLOPs (first, well under a minute on a CPU; ``--flops-only`` stops there): counted by PyTorch's
-``FlopCounterMode`` (``user_dir/sdma/flops.py`` over ``latent_core/op_counts.py``; matrix products only, elementwise ops
+``FlopCounterMode`` (``user_dir/tools/sdma/flops.py`` over ``latent_core/op_counts.py``; matrix products only, elementwise ops
 not counted) for V-T, SMA-T and SDMA-T at the tiny and base IWSLT'14 configurations on a
 fixed synthetic batch: one training step (forward with the SDMA regularisers + backward)
 per target token, and one eval-mode forward per sentence (the paper's FLOPs column reads
@@ -56,9 +56,9 @@ from latent_core.runs import (
     train_words_per_second,
     write_json,
 )
-from user_dir.sdma import scale, step_timing
-from user_dir.sdma.flops import describe_setting, flops_table, table_rows
-from user_dir.sdma.quickstart import prepare_data
+from user_dir.tools.sdma import scale, step_timing
+from user_dir.tools.sdma.flops import describe_setting, flops_table, table_rows
+from user_dir.tools.sdma.quickstart import prepare_data
 
 CONFIGS = {
     # the paper's tiny setting (Table I, IWSLT'14 tiny: 256/512, 6+6 layers, 4 heads, 4/4 clusters)

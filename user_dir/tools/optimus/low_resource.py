@@ -42,7 +42,7 @@ from torch import nn
 
 from latent_core.vae import VAEConfigError
 
-from ..sentence_vae.checkpoint import load_sentence_vae
+from user_dir.sentence_vae.checkpoint import load_sentence_vae
 
 LABELS_PER_CLASS = (1, 10, 100, 1000)
 BATCH = 16

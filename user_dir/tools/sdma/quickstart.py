@@ -286,7 +286,7 @@ def main(argv=None):
             ratios.append(result["words_per_second"] / segments["V-T"][-1]["words_per_second"])
             stage(f"  round {index + 1}/{rounds}: words/s SDMA-T / V-T = {ratios[-1]:.3f}")
 
-    from user_dir.sdma.redundancy import attention_redundancy
+    from user_dir.tools.sdma.redundancy import attention_redundancy
 
     ratio = ratio_stats(ratios)
     rows = []

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from user_dir.hf_sentence.predict import load
+from user_dir.tools.hf_sentence.predict import load
 from user_dir.topic_vq.model import TopicVQSTSModel
 from user_dir.topic_vq.ntm import topic_coherence
 

@@ -69,9 +69,9 @@ from latent_core.vae import (
     standard_error,
 )
 
-from .base import posteriors_of, reorder_encoder_output
-from .checkpoint import load_sentence_vae, model_device
-from .decoding import LatentDecoder, generation_args
+from user_dir.sentence_vae.base import posteriors_of, reorder_encoder_output
+from user_dir.sentence_vae.checkpoint import load_sentence_vae, model_device
+from user_dir.sentence_vae.decoding import LatentDecoder, generation_args
 
 logger = logging.getLogger(__name__)
 

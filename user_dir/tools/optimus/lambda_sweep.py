@@ -49,7 +49,7 @@ from latent_core.runs import (
 )
 from latent_core.safe_loading import model_config, register_checkpoint_types
 
-from .model import OptimusModel
+from user_dir.optimus.model import OptimusModel
 
 LAMBDAS = (0.0, 0.05, 0.1, 0.25, 0.5, 1.0)  # Table 1 / Tables 8-11, and lambda = 0
 

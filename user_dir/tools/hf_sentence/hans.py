@@ -36,7 +36,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from user_dir.hf_sentence.data import Examples, HFSentenceDataset, tsv_rows
-from user_dir.hf_sentence.predict import load, predict_dataset  # (also registers the task and models)
+from user_dir.tools.hf_sentence.predict import load, predict_dataset  # (also registers the task and models)
 
 ENTAILMENT, NON_ENTAILMENT = "entailment", "non-entailment"
 GOLD_LABELS = (ENTAILMENT, NON_ENTAILMENT)

@@ -45,7 +45,7 @@ from latent_core.runs import (
     uncontended_words_per_second,
     write_json,
 )
-from . import quickstart
+from user_dir.tools.sdma import quickstart
 
 SYSTEMS = {
     "V-T": ["--sdma-mode", "none"],
@@ -104,7 +104,7 @@ def train(system: str, seed: int, data_bin: Path, save_dir: Path, updates: int) 
 
 
 def evaluate(system: str, seed: int, data_bin: Path, save_dir: Path, max_sentences: int, gen_max_len: int) -> Dict:
-    from .redundancy import attention_redundancy
+    from user_dir.tools.sdma.redundancy import attention_redundancy
 
     done_path = save_dir / "evaluation.json"
     if done_path.exists():

@@ -116,7 +116,7 @@ def export_encoder(checkpoint: Path, dest: Path, tokenizer_dir: str) -> Path:
     directory (``save_pretrained`` + the tokenizer files), for ``--hf-model-dir``."""
     if (dest / "config.json").is_file():
         return dest
-    from user_dir.hf_sentence.predict import load
+    from user_dir.tools.hf_sentence.predict import load
 
     model, _task = load(str(checkpoint), str(checkpoint.parent), tokenizer_dir, cpu=True)
     tmp = dest.with_name(dest.name + ".tmp")

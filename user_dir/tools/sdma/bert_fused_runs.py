@@ -46,7 +46,7 @@ from latent_core.runs import (
     trained_parameters,
     write_json,
 )
-from . import quickstart
+from user_dir.tools.sdma import quickstart
 
 SYSTEMS = ("V-T", "SDMA-T", "BV-T", "BSDMA-T")
 SRC, TGT = "en", "de"
@@ -118,7 +118,7 @@ def train(system: str, data_bin: Path, save_dir: Path, model_args: List[str], up
 
 def evaluate(system: str, data_bin: Path, save_dir: Path, references: List[str], max_sentences: int,
              gen_max_len: int) -> Dict:
-    from .redundancy import attention_redundancy
+    from user_dir.tools.sdma.redundancy import attention_redundancy
 
     checkpoint = save_dir / "checkpoint_last.pt"
     stage(f"{system}: fairseq-generate (beam 5) + sacreBLEU on the test split")

@@ -41,8 +41,8 @@ from torch import Tensor, nn
 
 from latent_core.vae import VAEConfigError
 
-from ..sentence_vae.decoding import LatentDecoder, generation_args
-from .low_resource import OptimusEncoderFeatures, encode_all, read_labelled
+from user_dir.sentence_vae.decoding import LatentDecoder, generation_args
+from user_dir.tools.optimus.low_resource import OptimusEncoderFeatures, encode_all, read_labelled
 
 
 class LatentCGAN(nn.Module):

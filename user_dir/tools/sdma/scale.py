@@ -24,7 +24,7 @@ import torch
 
 from latent_core.op_counts import count_flops
 
-from .flops import FlopsSetting, build_with_batch
+from user_dir.tools.sdma.flops import FlopsSetting, build_with_batch
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ Usage::
     sdma-cluster-tokens DATA_BIN --path SDMA.pt [--subset test] \
         [--attention encoder_self] [--layer -1] [--head 0] [--top 15] [--max-sentences N] [--json OUT.json]
 
-(``python -m user_dir.sdma.cluster_tokens`` is the same command.)
-Library: ``user_dir.sdma.analysis`` (collect_cluster_statistics, cluster_token_table,
+(``python -m user_dir.tools.sdma.cluster_tokens`` is the same command.)
+Library: ``user_dir.tools.sdma.analysis`` (collect_cluster_statistics, cluster_token_table,
 cluster_usage, model_cluster_usage).
 """
 
@@ -32,8 +32,8 @@ import sys
 from typing import Dict, List
 
 from latent_core.redundancy import RedundancyError
-from user_dir.sdma import analysis
-from user_dir.sdma.redundancy import check_subset, load_models
+from user_dir.tools.sdma import analysis
+from user_dir.tools.sdma.redundancy import check_subset, load_models
 
 DEFAULT_TOP_TOKENS = 15
 

@@ -2,7 +2,7 @@
 (command ``optimus-bench --data DIR --bert-dir DIR``; merged into ``outputs/bench/vae.json``).
 
 The two models take turns on one real batch of an ``optimus_lm`` corpus, so machine drift
-between them cancels (the method of ``user_dir/sdma/step_timing.py``):
+between them cancels (the method of ``user_dir/tools/sdma/step_timing.py``):
 
 * **Optimus**: built by fairseq (``--task optimus_lm --arch optimus_small --bert-dir BERT``,
   criterion ``sentence_vae``); one update = criterion forward (BERT, the posterior, z, GPT-2 with

@@ -23,7 +23,7 @@ The n-gram statistics are sacreBLEU's with ``tokenize='none'`` and no smoothing,
 is BLEU-4 as ``multi-bleu.perl`` and fairseq's own scorer (``fairseq.scoring.bleu``)
 compute it; the tests check the equality with fairseq's scorer.
 
-The command ``sdma-bleu`` (:func:`main`; ``python -m user_dir.sdma.bleu`` is the same
+The command ``sdma-bleu`` (:func:`main`; ``python -m user_dir.tools.sdma.bleu`` is the same
 command) prints both scores; see :data:`CLI_DESCRIPTION`.
 """
 
@@ -195,11 +195,11 @@ CLI_DESCRIPTION = """Score translations two ways: sacreBLEU and the paper's toke
 * tokenized BLEU (fairseq-style, as the SDMA paper's Tables II-IV): Moses-tokenised
   hypotheses vs Moses-tokenised references, BLEU-4 without smoothing (fairseq-generate /
   multi-bleu.perl); ``--compound-split`` adds the ``##AT##-##AT##`` compound splitting of
-  WMT'14 En-De (fairseq's compound_split_bleu.sh). See ``user_dir/sdma/bleu.py``.
+  WMT'14 En-De (fairseq's compound_split_bleu.sh). See ``user_dir/tools/sdma/bleu.py``.
 
 usage: sdma-bleu --hyp hyp.txt --ref ref.txt --lang en [--compound-split]
        [--tokenizer auto|moses|zh|none] [--sacrebleu-tokenize 13a] [--out-dir DIR]
-       (python -m user_dir.sdma.bleu is the same command)
+       (python -m user_dir.tools.sdma.bleu is the same command)
 
 Prints one labelled line per score. With ``--out-dir``: ``bleu_tokenized.txt`` (the
 tokenized-BLEU line), ``bleu.json`` (both scores), ``hyp.tok.txt`` / ``ref.tok.txt`` (the

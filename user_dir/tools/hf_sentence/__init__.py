@@ -1,0 +1,1 @@
+"""Commands of the GLUE-style sentence-pair classifier: predictions and GLUE submission files, HANS."""

@@ -1,0 +1,1 @@
+"""Commands of QKVAE: the Table 2 syntax/semantics probe."""
