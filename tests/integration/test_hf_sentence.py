@@ -673,6 +673,30 @@ def test_fairseq_train_learns_and_glue_predict_writes_a_submission(tmp_path, tin
     assert {line.split("\t")[1] for line in lines[1:]} <= {"0", "1"}
 
 
+def test_a_checkpoint_loads_without_the_pretrained_directory(tmp_path, tiny):
+    """The encoder's config travels in the checkpoint (``hf_backbone_config``): fairseq's loader
+    builds the model from it (``from_checkpoint=True``) instead of reading --hf-model-dir again."""
+    import shutil
+
+    from transformers import BertConfig, BertModel
+
+    from user_dir.tools.hf_sentence.predict import load
+
+    pretrained = tmp_path / "pretrained"
+    shutil.copytree(tiny, pretrained)
+    BertModel(BertConfig.from_pretrained(str(tiny))).save_pretrained(str(pretrained))
+    data = write_mrpc(tmp_path / "data", random.Random(1), sizes=(("train", 16), ("dev", 8), ("test", 4)))
+    argv = train_cmd(data, tiny, tmp_path / "ckpt", "--glue-task", "MRPC", "--max-update", "1")
+    argv[argv.index("--hf-config"):argv.index("--hf-config") + 2] = ["--hf-model-dir", str(pretrained)]
+    run(argv)
+    saved = torch.load(tmp_path / "ckpt" / "checkpoint_last.pt", map_location="cpu", weights_only=True)
+    shutil.rmtree(pretrained)
+    model, _ = load(str(tmp_path / "ckpt" / "checkpoint_last.pt"), str(data), tokenizer_dir=str(tiny), cpu=True)
+    assert model.args.hf_model_dir == str(pretrained)  # the directory it was trained from, now gone
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, saved["model"][name]), name
+
+
 def test_fairseq_train_ddp_two_cpu_processes_validates_every_dev_example_once(tmp_path, tiny):
     """fairseq DDP (gloo, 2 processes) sums the criterion's logging outputs; the dev metrics
     logged equal those glue-predict recomputes on the whole dev set with the saved model.

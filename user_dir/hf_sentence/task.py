@@ -18,7 +18,7 @@ For models: ``task.tokenizer``, ``task.num_classes``, ``task.is_regression``,
 ``task.padding_idx``, ``task.max_positions()``, ``task.topic_vocabulary`` (None here; set by
 subclasses with topic features) and ``task.building_from_checkpoint`` (True while
 ``checkpoint_utils.load_model_ensemble_and_task`` builds the model, whose weights are then
-overwritten: a model may skip loading pre-trained weights).
+overwritten: a model may skip loading pre-trained weights; :meth:`HFSentencePredictionTask.build_model`).
 """
 
 import logging
@@ -283,6 +283,17 @@ class HFSentencePredictionTask(FairseqTask):
             encoded = encode(self.tokenizer, examples, self.cfg.max_positions, self.keep_words)
         return HFSentenceDataset(encoded, targets, self.padding_idx, shuffle=shuffle,
                                  topic=self.extra_features(encoded))
+
+    def build_model(self, cfg, from_checkpoint: bool = False):
+        """fairseq's, with :attr:`building_from_checkpoint` set while it builds the model to load
+        a checkpoint into (``load_model_ensemble_and_task`` passes ``from_checkpoint=True``): the
+        encoder is then built from the config recorded in the checkpoint, without reading the
+        pre-trained weights that the checkpoint's replace (nor copying a transfer's source again)."""
+        self.building_from_checkpoint = from_checkpoint
+        try:
+            return super().build_model(cfg, from_checkpoint)
+        finally:
+            self.building_from_checkpoint = False
 
     def load_dataset(self, split: str, epoch: int = 1, combine: bool = False, **kwargs):
         if split_file(split) == "train.tsv" and self._train_cache is not None:
