@@ -18,7 +18,7 @@ terms are logged per sentence.
 """
 
 import math
-from dataclasses import dataclass, field, fields, make_dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from fairseq.criterions import register_criterion
@@ -52,14 +52,15 @@ FAIRSEQ_ADVICE = ("Lower the learning rate, enable --fp16-scale-tolerance / bf16
                   "the last checkpoint is intact.")
 
 
-def _weight_field(dc_field):
-    """A criterion override of one eq. (24) weight, documented by the core dataclass."""
-    return field(default=None, metadata={
-        "help": f"{dc_field.metadata['help']}; default: the model architecture's value"})
+def weight_override(name: str):
+    """A criterion override of one eq. (24) weight (a field of ``latent_core.sdma.SDMALossWeights``,
+    whose help it takes); unset, the model architecture's value applies."""
+    help_text = SDMALossWeights.__dataclass_fields__[name].metadata["help"]
+    return field(default=None, metadata={"help": f"{help_text}; default: the model architecture's value"})
 
 
 @dataclass
-class _RegulariserScaleConfig(LabelSmoothedCrossEntropyCriterionConfig):
+class SDMACriterionConfig(LabelSmoothedCrossEntropyCriterionConfig):
     sdma_regulariser_scale: ChoiceEnum(REGULARISER_SCALES) = field(
         default="sentence",
         metadata={"help": "how the per-sentence regularisers enter the token-summed loss: 'sentence' sums "
@@ -67,14 +68,10 @@ class _RegulariserScaleConfig(LabelSmoothedCrossEntropyCriterionConfig):
                           "lambdas), 'batch' adds their batch mean once, 'token' the batch mean times the "
                           "number of target tokens"},
     )
-
-
-# the four weights of eq. (24) (names and help from latent_core.sdma.SDMALossWeights)
-SDMACriterionConfig = make_dataclass(
-    "SDMACriterionConfig",
-    [(f"sdma_{f.name}", Optional[float], _weight_field(f)) for f in fields(SDMALossWeights)],
-    bases=(_RegulariserScaleConfig,),
-)
+    sdma_kl_weight: Optional[float] = weight_override("kl_weight")
+    sdma_dqq_weight: Optional[float] = weight_override("dqq_weight")
+    sdma_dxq_weight: Optional[float] = weight_override("dxq_weight")
+    sdma_diversity_weight: Optional[float] = weight_override("diversity_weight")
 
 
 @register_criterion("sdma_label_smoothed_cross_entropy", dataclass=SDMACriterionConfig)

@@ -175,3 +175,10 @@ def test_every_core_option_is_a_field():
     names = {f.name for f in config_fields(SDMATransformerConfig)}
     core = {"sdma_" + option_name(f.name) for f in fields(SDMAOptions) if f.name != "mask_at_inference"}
     assert core | set(SDMALossWeights().as_options()) <= names
+
+
+def test_the_criterion_overrides_every_loss_weight():
+    from user_dir.sdma.criterion import SDMACriterionConfig
+
+    overrides = {f.name: f.default for f in fields(SDMACriterionConfig) if f.name.endswith("_weight")}
+    assert overrides == {name: None for name in SDMALossWeights().as_options()}
