@@ -1,7 +1,7 @@
 """One sentence in two tokenizations for Optimus (``prepare-optimus-data``; read by the
 ``optimus_lm`` task of ``user_dir/optimus/task.py``).
 
-Optimus feeds BERT WordPiece pieces and scores GPT-2 byte-level BPE tokens (``optimus.txt``
+Optimus feeds BERT WordPiece pieces and scores GPT-2 byte-level BPE tokens (Li et al., EMNLP 2020,
 Sec. 4.2, "Tokenization": "the input of encoder is WPE, and the output of decoder is BPE").
 For every sentence of raw text this module writes both, and binarises them as one fairseq
 language pair ``bert -> gpt2``:

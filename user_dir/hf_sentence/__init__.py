@@ -9,7 +9,7 @@
 * model ``hf_sentence_classifier`` (:mod:`.model`): ``transformers.AutoModel`` encoder +
   classification head, meant to be subclassed.
 
-Tools: ``glue-predict`` (:mod:`.predict`) writes GLUE submission files
+Tools: ``glue-predict`` (:mod:`user_dir.tools.hf_sentence.predict`) writes GLUE submission files
 from a checkpoint; ``hans-eval`` (:mod:`.hans`) scores an NLI checkpoint on HANS.
 """
 

@@ -1,12 +1,12 @@
 """Pre-trained Hugging Face directories for Optimus and the fairseq-dictionary -> vocabulary maps.
 
-Optimus initialises its encoder from BERT and its decoder from GPT-2 (``optimus.txt``
+Optimus initialises its encoder from BERT and its decoder from GPT-2 (Li et al., EMNLP 2020,
 Sec. 4.2). Here both are *local* Hugging Face directories (``save_pretrained`` output:
 ``config.json``, ``model.safetensors`` or ``pytorch_model.bin``, and the tokenizer's
 vocabulary file), given as ``--bert-dir`` / ``--gpt2-dir``.
 
 **One dictionary, two vocabularies.** The original Optimus reads WordPiece ids into BERT and
-scores GPT-2 BPE ids at the output (``optimus.txt`` Sec. 4.2, "Tokenization"). fairseq's
+scores GPT-2 BPE ids at the output (the Optimus paper, Li et al., EMNLP 2020, Sec. 4.2, "Tokenization"). fairseq's
 ``sentence_vae`` task has ONE dictionary for the source and the target, so in this
 integration the encoder input and the decoder output are the same symbols. A pre-trained
 side can only be used when the dictionary's symbols are that model's tokens, i.e. the data

@@ -1,6 +1,6 @@
 """``optimus_lm`` task: every sentence twice, BERT WordPiece in and GPT-2 byte-level BPE out.
 
-Optimus reads a sentence into BERT as WordPiece and scores it from GPT-2 as BPE (``optimus.txt``
+Optimus reads a sentence into BERT as WordPiece and scores it from GPT-2 as BPE (Li et al., EMNLP 2020,
 Sec. 4.2, "Tokenization"). Data come from ``prepare-optimus-data``
 (:mod:`latent_core.data.optimus_text`): a fairseq language pair ``bert -> gpt2`` with the two
 vocabularies as dictionaries (``dict.bert.txt``, ``dict.gpt2.txt``) and the two tokenizers

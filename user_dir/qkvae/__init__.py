@@ -3,8 +3,10 @@
 * :mod:`.encoder` -- ADVAE's latent-query encoder (eq. 3), shared by both models;
 * :mod:`.decoder` -- QKVAE's QKV decoder (Section 4.1) and ADVAE's decoder (Section 3.3);
 * :mod:`.model` -- the ``qkvae`` / ``advae`` models and their architectures;
-* :mod:`.bart_init` -- ``--bart-dir`` initialisation and BART-vocabulary data preparation;
-* :mod:`.probe` -- the embedding-space test of Table 2 (``qkvae-probe``).
+* :mod:`.bart_init` -- ``--bart-dir`` initialisation.
+
+Tools (``user_dir.tools.qkvae``): the embedding-space test of Table 2 (``qkvae-probe``) and
+BART-vocabulary data preparation (``bart_data``).
 """
 
 from . import model  # noqa: F401  (registers the models and architectures)

@@ -1,5 +1,5 @@
-"""Loading a sentence-VAE checkpoint for the tools (``vae-eval``: :mod:`.evaluate`,
-``vae-generate``: :mod:`.generate`, and the reconstructions of :mod:`.decoding`)."""
+"""Loading a sentence-VAE checkpoint for the tools (``vae-eval``: :mod:`user_dir.tools.sentence_vae.evaluate`,
+``vae-generate``: :mod:`user_dir.tools.sentence_vae.generate`, and the reconstructions of :mod:`.decoding`)."""
 
 from typing import Optional
 

@@ -1,7 +1,7 @@
 """Decoding latents with fairseq's ``SequenceGenerator``: the generation options
 (:func:`generation_args`) and :class:`LatentDecoder` (encode sentences to posterior means,
-decode latents, reconstruct), shared by ``vae-generate`` (:mod:`.generate`) and the
-reconstruction BLEU of ``vae-eval`` (:mod:`.evaluate`). See :mod:`.generate` for how the
+decode latents, reconstruct), shared by ``vae-generate`` (:mod:`user_dir.tools.sentence_vae.generate`) and the
+reconstruction BLEU of ``vae-eval`` (:mod:`user_dir.tools.sentence_vae.evaluate`). See the former for how the
 latents travel to the decoder and how text is tokenised."""
 
 import argparse
