@@ -15,7 +15,7 @@ fairseq reads a dataclass model's options in two ways, and both stay in step wit
 import argparse
 import dataclasses
 import re
-from typing import Any, Callable, Dict, Mapping, Optional, Type
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Type
 
 from fairseq.dataclass import FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass, interpret_dc_type
@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 from latent_core.errors import parse_bool
 
 # arch name -> (model name, {field: value}), for documentation and the hydra tests
-ARCHITECTURE_OVERRIDES: Dict[str, Dict[str, Any]] = {}
+ARCHITECTURE_OVERRIDES: Dict[str, Tuple[str, Dict[str, Any]]] = {}
 
 
 def config_fields(config_cls: Type[FairseqDataclass]):
@@ -44,6 +44,14 @@ def field_default(f: dataclasses.Field):
 
 def config_defaults(config_cls: Type[FairseqDataclass]) -> Dict[str, Any]:
     return {f.name: field_default(f) for f in config_fields(config_cls)}
+
+
+def fill_unset(args, values: Mapping[str, Any]) -> None:
+    """``args.<name> = value`` for every option ``args`` leaves unset (absent or None, fairseq's
+    ``safe_getattr`` convention): what an architecture does to the command line's options."""
+    for name, value in values.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
 
 
 def add_config_args(parser, config_cls: Type[FairseqDataclass]) -> None:
@@ -123,9 +131,7 @@ def register_architecture(model_name: str, arch_name: str, resolve: Optional[Cal
     values = {**defaults, **overrides}
 
     def architecture(args):
-        for name, value in values.items():
-            if getattr(args, name, None) is None:
-                setattr(args, name, value)
+        fill_unset(args, values)
         if resolve is not None:
             resolve(args)
 

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from latent_core.data.bert_source import PADDING_OFFSET_POSITIONS
 from latent_core.errors import PluginConfigError
 from ..hf_pretrained import inspect_hf_directory
-from ..model_config import add_config_args, config_defaults
+from ..model_config import add_config_args, config_defaults, fill_unset
 
 logger = logging.getLogger(__name__)
 
@@ -239,9 +239,7 @@ class HFSentenceClassifier(BaseFairseqModel):
     def fill_unset_options(cls, args) -> None:
         """Set every option that ``args`` leaves unset (absent or None) to its default: the
         Namespace of a caller that skips the architecture function, or of an old checkpoint."""
-        for name, value in config_defaults(cls.config_class()).items():
-            if getattr(args, name, None) is None:
-                setattr(args, name, value)
+        fill_unset(args, config_defaults(cls.config_class()))
 
     # ------------------------------------------------------------------ building
     @classmethod

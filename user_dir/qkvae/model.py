@@ -51,7 +51,8 @@ from fairseq.models.transformer import TransformerConfig
 from fairseq.models.transformer.transformer_base import Embedding
 
 from latent_core.vae import VAEConfigError
-from user_dir.model_config import add_config_args, config_namespace, flat_transformer_fields, register_architecture
+from user_dir.model_config import (add_config_args, config_namespace, fill_unset, flat_transformer_fields,
+                                   register_architecture)
 
 from .bart_init import initialise_from_bart
 from .decoder import ADVAEDecoder, QKVDecoder
@@ -179,13 +180,9 @@ class LatentAttentionVAE(FairseqEncoderDecoderModel):
     @classmethod
     def resolve_defaults(cls, args) -> None:
         """The defaults that depend on other options (run by the architectures and build_model)."""
-        for name, source in cls.DEFAULTS_FOLLOWING.items():
-            if getattr(args, name, None) is None:
-                setattr(args, name, getattr(args, source))
+        fill_unset(args, {name: getattr(args, source) for name, source in cls.DEFAULTS_FOLLOWING.items()})
         dropout = BART_DROPOUT if cls.reading(args) == "authors" else 0.0
-        for name in ("attention_dropout", "activation_dropout"):
-            if getattr(args, name, None) is None:
-                setattr(args, name, dropout)
+        fill_unset(args, {"attention_dropout": dropout, "activation_dropout": dropout})
 
     @classmethod
     def build_model(cls, cfg, task):

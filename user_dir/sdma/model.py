@@ -44,7 +44,7 @@ from latent_core.sdma import (
     real_queries,
 )
 
-from ..model_config import add_config_args, config_defaults, config_namespace, flat_transformer_fields
+from ..model_config import add_config_args, config_defaults, config_namespace, fill_unset, flat_transformer_fields
 from .fairseq_attention import SDMAMultiheadAttention
 
 SIDES = ("encoder", "decoder")
@@ -382,9 +382,7 @@ def register_table_one_row(model_name: str, arch_name: str, row: Dict[str, objec
 
     def architecture(args):
         reading = getattr(args, "sdma_reading", None) or defaults["sdma_reading"]
-        for name, value in by_reading.get(reading, table_one).items():  # an unknown reading fails validation
-            if getattr(args, name, None) is None:
-                setattr(args, name, value)
+        fill_unset(args, by_reading.get(reading, table_one))  # an unknown reading fails validation
 
     architecture.__name__ = arch_name
     architecture.__doc__ = f"{model_name} with Table I's {row}" + (

@@ -185,9 +185,9 @@ def evaluation_batches(model, task, subset: str, batch_size: int, seed: int, max
 
 
 def record_batch(records: SplitRecords, model, task, sample, k: int, chunk_size: int, generator,
-                 greedy: Optional["LatentDecoder"]) -> None:
-    """The bounds, KLs and posteriors of one batch (and its greedy reconstructions for BLEU)."""
-    device = model_device(model)
+                 greedy: Optional["LatentDecoder"], device: torch.device) -> None:
+    """The bounds, KLs and posteriors of one batch (and its greedy reconstructions for BLEU);
+    ``device``: the model's, for the timing's synchronisation."""
     pad = task.target_dictionary.pad()
     net_input = dict(sample["net_input"])
     prev_output_tokens = net_input.pop("prev_output_tokens")
@@ -294,7 +294,7 @@ def evaluate_split(model, task, subset: str = "test", k: int = 100, chunk_size: 
     records = SplitRecords(list(model.latent_sizes))
     for sample in batches:
         sample = utils.move_to_cuda(sample, device=device) if device.type == "cuda" else sample
-        record_batch(records, model, task, sample, k, chunk_size, generator, greedy)
+        record_batch(records, model, task, sample, k, chunk_size, generator, greedy, device)
     if records.num_sentences < 2:
         raise ValueError(f"split {subset!r} has {records.num_sentences} sentence(s); MI and AU need at least 2")
 
