@@ -41,7 +41,7 @@ import contextlib
 import contextvars
 import math
 from dataclasses import dataclass, field, fields
-from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -316,11 +316,23 @@ class GaussianMixture(nn.Module):
 
     def log_prior(self) -> Tensor:
         """log pi, ``[G, C]`` (float32)."""
-        return F.log_softmax(self.prior_logits.float(), dim=-1)
+        return log_prior(self.prior_logits)
 
     def trace_precision(self) -> Tensor:
         """sum_d 1 / sigma_{c,d}^2, shape ``[G, C]`` (enters the KL of eq. 20)."""
-        return torch.exp(-self.log_vars.float().clamp(*_LOGVAR_RANGE)).sum(-1)
+        return trace_precision(self.log_vars)
+
+
+# Of one GMM's parameters or of several stacked along a leading layer axis (``sdma_losses`` stacks
+# the layers' parameters first: one set of ops per attention type instead of one per layer).
+def log_prior(prior_logits: Tensor) -> Tensor:
+    """log pi, ``[..., G, C]`` (float32), from the prior logits ``[..., G, C]``."""
+    return F.log_softmax(prior_logits.float(), dim=-1)
+
+
+def trace_precision(log_vars: Tensor) -> Tensor:
+    """sum_d 1 / sigma_{c,d}^2, ``[..., G, C]`` (float32), from the log-variances ``[..., G, C, d]``."""
+    return torch.exp(-log_vars.float().clamp(*_LOGVAR_RANGE)).sum(-1)
 
 
 def authors_linear_init(linear: nn.Linear, gain: float) -> None:
@@ -337,24 +349,52 @@ def _full_precision(tensor: Tensor):
     return torch.autocast(tensor.device.type, enabled=False)
 
 
-def _gmm_terms(means: Tensor, log_vars: Tensor, prior_logits: Tensor, dtype: torch.dtype):
-    """``(W_sq, W_lin, b)`` with log pi_c + log N(z | mu_c, sigma_c^2) = b + (z*z) W_sq + z W_lin.
+class _GMMParts(NamedTuple):
+    """The expanded log-density of :func:`_gmm_parts` and what its backward pass reuses."""
+    weight_sq: Tensor  # [G*d, C*G], block-diagonal -1/2 sigma^-2
+    weight_lin: Tensor  # [G*d, C*G], block-diagonal mu sigma^-2
+    bias: Tensor  # [C*G]
+    means: Tensor  # [G, C, d] in the compute dtype
+    precision: Tensor  # [G, C, d], sigma^-2 of the clamped log-variances
+    log_pi: Tensor  # [G, C]
+    clamped_log_vars: Tensor  # [G, C, d]
 
-    The -1/2 of the Gaussian exponent is folded into the block-diagonal ``[G*d, C*G]``
-    weights (columns cluster-major: column ``c * G + g`` is cluster c of group g).
+
+def _block_diagonal(weights: Tensor) -> Tensor:
+    """``[K, G, C, d]`` -> ``[K, G*d, C*G]``: block g of matrix k holds ``weights[k, g]``
+    transposed; columns are cluster-major (column ``c * G + g`` is cluster c of group g)."""
+    k, groups, clusters, dim = weights.shape
+    out = weights.new_zeros(k, groups, dim, clusters, groups)
+    out.diagonal(dim1=1, dim2=4).copy_(weights.permute(0, 3, 2, 1))  # the [K, d, C, G] diagonal
+    return out.view(k, groups * dim, clusters * groups)
+
+
+def _diagonal_blocks(full: Tensor, groups: int, clusters: int) -> Tensor:
+    """The inverse of :func:`_block_diagonal` for one matrix: ``[G*d, C*G]`` -> ``[G, C, d]`` (a view)."""
+    return full.view(groups, -1, clusters, groups).diagonal(dim1=0, dim2=3).permute(2, 1, 0)
+
+
+def _gmm_parts(means: Tensor, log_vars: Tensor, prior_logits: Tensor, dtype: torch.dtype) -> _GMMParts:
+    """log pi_c + log N(z | mu_c, sigma_c^2) = b + (z*z) W_sq + z W_lin (eq. 9, expanded), ``z [N, G*d]``.
+
+    The -1/2 of the Gaussian exponent is folded into the block-diagonal weights.
     """
     groups, clusters, dim = means.shape
-    log_vars = log_vars.to(dtype).clamp(*_LOGVAR_RANGE)
+    clamped = log_vars.to(dtype).clamp(*_LOGVAR_RANGE)
     means = means.to(dtype)
-    precision = torch.exp(-log_vars)  # [G, C, d]
-    eye = torch.eye(groups, device=means.device, dtype=dtype)
+    precision = torch.exp(-clamped)  # sigma^-2, [G, C, d]
+    scaled_means = means * precision
+    log_pi = F.log_softmax(prior_logits.to(dtype), dim=-1)  # [G, C]
+    # mu^T Sigma^-1 mu + log |Sigma| + d log 2 pi
+    const = torch.add((scaled_means * means).sum(-1), clamped.sum(-1)).add_(dim * _LOG_2PI)
+    bias = torch.add(log_pi, const, alpha=-0.5).t().reshape(-1)
+    weight_sq, weight_lin = _block_diagonal(torch.stack((-0.5 * precision, scaled_means)))
+    return _GMMParts(weight_sq, weight_lin, bias, means, precision, log_pi, clamped)
 
-    def block_diagonal(w):  # [G, C, d] -> [G*d, C*G]
-        return torch.einsum("gcd,gk->gdck", w, eye).reshape(groups * dim, clusters * groups)
 
-    const = (means * means * precision + log_vars).sum(-1) + dim * _LOG_2PI  # [G, C]
-    bias = (F.log_softmax(prior_logits.to(dtype), dim=-1) - 0.5 * const).t().reshape(-1)
-    return block_diagonal(-0.5 * precision), block_diagonal(means * precision), bias
+def _gmm_terms(means: Tensor, log_vars: Tensor, prior_logits: Tensor, dtype: torch.dtype):
+    """``(W_sq [G*d, C*G], W_lin [G*d, C*G], b [C*G])`` of :func:`_gmm_parts`."""
+    return _gmm_parts(means, log_vars, prior_logits, dtype)[:3]
 
 
 class _GaussianLogJoint(torch.autograd.Function):
@@ -362,34 +402,46 @@ class _GaussianLogJoint(torch.autograd.Function):
 
     The squared Mahalanobis distance is expanded as z^2 . (1/sigma^2) - 2 z . (mu/sigma^2)
     + const, with the G groups' weights as block-diagonal ``[G*d, C*G]`` matrices: two
-    matrix products on the contiguous input, no ``[N, G, C, d]`` temporary. Only ``z`` is
-    saved (it is also saved by the q/k/v projections, so this costs no extra memory);
-    ``z^2`` is recomputed in the backward pass.
+    matrix products on the contiguous input, no ``[N, G, C, d]`` temporary. Of the ``[N, ...]``
+    tensors only ``z`` is saved (it is also saved by the q/k/v projections, so this costs no
+    extra memory); ``z^2`` is recomputed in the backward pass. The parameters' gradients are
+    written out (below) rather than differentiated through the expansion: about a third of
+    the ATen ops, which on a GPU are kernel launches at these small sizes.
     """
 
     @staticmethod
     def forward(ctx, flat, means, log_vars, prior_logits):
-        weight_sq, weight_lin, bias = _gmm_terms(means, log_vars, prior_logits, flat.dtype)
-        ctx.save_for_backward(flat, means, log_vars, prior_logits)
-        return torch.addmm(torch.addmm(bias, flat * flat, weight_sq), flat, weight_lin)
+        parts = _gmm_parts(means, log_vars, prior_logits, flat.dtype)
+        ctx.save_for_backward(flat, log_vars, *parts)
+        ctx.param_dtypes = (means.dtype, log_vars.dtype, prior_logits.dtype)
+        return torch.addmm(torch.addmm(parts.bias, flat * flat, parts.weight_sq), flat, parts.weight_lin)
 
     @staticmethod
     def backward(ctx, grad):
-        flat, means, log_vars, prior_logits = ctx.saved_tensors
-        with torch.enable_grad():
-            params = [t.detach().requires_grad_(True) for t in (means, log_vars, prior_logits)]
-            weight_sq, weight_lin, bias = _gmm_terms(*params, flat.dtype)
+        flat, log_vars, *saved = ctx.saved_tensors
+        weight_sq, weight_lin, _, means, precision, log_pi, clamped = saved
+        groups, clusters, _ = means.shape
         grad_flat = None
         if ctx.needs_input_grad[0]:
             # d/dz [(z*z) W_sq + z W_lin] = 2 z o (g W_sq^T) + g W_lin^T
-            grad_flat = torch.addcmul(torch.mm(grad, weight_lin.detach().t()), flat,
-                                      torch.mm(grad, weight_sq.detach().t()), value=2.0)
-        grads = torch.autograd.grad(
-            (weight_sq, weight_lin, bias),
-            params,
-            (torch.mm((flat * flat).t(), grad), torch.mm(flat.t(), grad), grad.sum(0)),
-        )
-        return (grad_flat, *grads)
+            grad_flat = torch.addcmul(torch.mm(grad, weight_lin.t()), flat, torch.mm(grad, weight_sq.t()), value=2.0)
+        if not any(ctx.needs_input_grad[1:]):
+            return grad_flat, None, None, None
+        # gradients of W_sq = -P/2, W_lin = mu P and b = log pi - (mu^2 P + log sigma^2)/2 - const,
+        # P = sigma^-2 = exp(-clamped log-variance)
+        grad_sq = _diagonal_blocks(torch.mm((flat * flat).t(), grad), groups, clusters)  # [G, C, d]
+        grad_lin = _diagonal_blocks(torch.mm(flat.t(), grad), groups, clusters)
+        grad_bias = grad.sum(0).view(clusters, groups).t()  # [G, C]
+        gb = grad_bias.unsqueeze(-1)
+        lin_minus_bias = torch.addcmul(grad_lin, gb, means, value=-1.0)  # dL/dW_lin - g_b mu
+        grad_means = precision * lin_minus_bias
+        # dL/dP = -dW_sq/2 + mu (dW_lin - g_b mu/2); d log-variance = -P dL/dP - g_b/2
+        grad_precision = torch.addcmul(lin_minus_bias, gb, means, value=0.5).mul_(means).sub_(grad_sq, alpha=0.5)
+        grad_log_vars = torch.addcmul(gb * -0.5, precision, grad_precision, value=-1.0)
+        grad_log_vars = grad_log_vars * (clamped == log_vars)  # clamp: no gradient outside the range
+        grad_prior = grad_bias - log_pi.exp() * grad_bias.sum(-1, keepdim=True)  # log-softmax
+        means_dtype, log_vars_dtype, prior_dtype = ctx.param_dtypes
+        return grad_flat, grad_means.to(means_dtype), grad_log_vars.to(log_vars_dtype), grad_prior.to(prior_dtype)
 
 
 def clusters_first(x: Tensor) -> Tensor:
@@ -654,8 +706,8 @@ class _MixedAttention(torch.autograd.Function):
             inner = inner.masked_fill(norm <= ctx.norm_floor, 0.0)
         grad_w = (grad_masked - inner).div_(norm)
         grad_mask = grad_w * attn if ctx.needs_input_grad[1] else None
-        grad_attn = torch.addcmul(grad * (1.0 - mix), grad_w, mask)
-        grad_scores = attn * (grad_attn - (grad_attn * attn).sum(-1, keepdim=True))
+        grad_attn = torch.addcmul(grad - grad_masked, grad_w, mask)  # (1 - g) dA_hat + dW o M
+        grad_scores = torch._softmax_backward_data(grad_attn, attn, -1, attn.dtype)  # A o (dA - <dA, A>)
         return grad_scores, grad_mask, None, None
 
 
@@ -909,6 +961,19 @@ class SDMACore(nn.Module):
         log_joint = self.feature_gmm.log_joint(z, gmm_terms)
         return log_joint, log_softmax_clusters(log_joint)
 
+    def cluster_jointly(self, inputs: Sequence[Tensor],
+                        gmm_terms: Optional[Tuple[Tensor, Tensor, Tensor]] = None) -> List[Tuple[Tensor, Tensor]]:
+        """:meth:`cluster` of each of ``inputs`` (``[..., n_h * d_k]``, leading shapes may differ) with
+        one density evaluation: a cross-attention's queries and keys share the feature GMM, whose
+        parameters are then expanded, and their gradient collected, once instead of twice."""
+        if len(inputs) == 1:
+            return [self.cluster(inputs[0], gmm_terms)]
+        leads = [x.shape[:-1] for x in inputs]
+        log_joint, log_resp = self.cluster(torch.cat([x.reshape(-1, x.size(-1)) for x in inputs]), gmm_terms)
+        sizes = [math.prod(lead) for lead in leads]
+        return [(joint.view(*lead, *joint.shape[1:]), resp.view(*lead, *resp.shape[1:]))
+                for joint, resp, lead in zip(log_joint.split(sizes), log_resp.split(sizes), leads)]
+
     def cluster_queries(self, q: Tensor) -> Tuple[Tensor, Tensor]:
         """Query clustering (eq. 18 prior, eq. 9 form): ``q [..., n_h, d_k]`` -> ``[..., n_h, n_c^q]``."""
         lead = q.shape[:-1]
@@ -1000,8 +1065,8 @@ def sdma_losses(items: List[Tuple["SDMACore", ClusteringRecord]],
     log_joint_z = _stack_layers([p.log_joint_z for _, p in items])
     log_resp_z = _stack_layers([p.log_resp_z for _, p in items])
     resp_z = log_resp_z.exp()
-    trace_z = torch.stack([c.feature_gmm.trace_precision() for c, _ in items])
-    log_prior_z = torch.stack([c.feature_gmm.log_prior() for c, _ in items]) if authors else None
+    trace_z = trace_precision(torch.stack([c.feature_gmm.log_vars for c, _ in items]))  # [L, H, C]
+    log_prior_z = log_prior(torch.stack([c.feature_gmm.prior_logits for c, _ in items])) if authors else None
     def posterior_var(kind):  # sigma_tilde^2: the option's number, or the learned [L, T, B, H]
         if kind not in first.log_vars:
             return o.kl_posterior_var
@@ -1031,8 +1096,9 @@ def sdma_losses(items: List[Tuple["SDMACore", ClusteringRecord]],
         log_joint_q = _stack_layers([p.log_joint_q for _, p in items])
         log_resp_q = _stack_layers([p.log_resp_q for _, p in items])
         resp_q = log_resp_q.exp()
-        trace_q = torch.stack([c.query_gmm.trace_precision().expand(c.num_heads, -1) for c, _ in items])
-        log_prior_q = (torch.stack([c.query_gmm.log_prior().expand(c.num_heads, -1) for c, _ in items])
+        heads = (len(items), first_core.num_heads, -1)  # one query GMM shared by the heads: [L, 1, C] -> [L, H, C]
+        trace_q = trace_precision(torch.stack([c.query_gmm.log_vars for c, _ in items])).expand(heads)
+        log_prior_q = (log_prior(torch.stack([c.query_gmm.prior_logits for c, _ in items])).expand(heads)
                        if authors else None)
         losses["kl_q"] = vade_kl(log_joint_q, log_resp_q, trace_q, first_core.head_dim, posterior_var("q"),
                                  valid, resp_q, log_prior_q)

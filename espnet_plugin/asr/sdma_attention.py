@@ -179,8 +179,9 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
             zv = zk if value is key else value
         else:
             zk, zv = key, value
-        log_joint_z, log_resp_z = core.cluster(zq)  # (B, T1, H, C)
-        log_resp_k = log_resp_z if zk is zq else core.cluster(zk)[1]
+        clustered = core.cluster_jointly([zq] if zk is zq else [zq, zk])  # one density evaluation
+        log_joint_z, log_resp_z = clustered[0]  # (B, T1, H, C)
+        log_resp_k = clustered[-1][1]
         q, k, v = self.forward_qkv(zq, zk, zv)  # (B, H, T, d_k)
         q = q / math.sqrt(D)
 
@@ -207,16 +208,18 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         # 1. feature clustering of the noisy input, the noise variance predicted per position and head
         log_var_z = core.noise_log_var(query)  # (B, T1, H)
         zq = core.perturb(query, training, log_var_z)
-        log_joint_z, log_resp_z = core.cluster(zq)  # (B, T1, H, C)
         log_joint_k = log_resp_k = log_var_k = None
         if self.is_self_attention:
-            key_resp = log_resp_z if key is query else core.cluster(core.perturb(key, training))[1]
+            key_cluster = None if key is query else core.perturb(key, training)
             key_input = key  # their k and v come from the clean input
         else:
             log_var_k = core.key_noise_log_var(key)
-            key_input = core.perturb(key, training, log_var_k)
-            log_joint_k, log_resp_k = core.cluster(key_input)
-            key_resp = log_resp_k
+            key_input = key_cluster = core.perturb(key, training, log_var_k)
+        clustered = core.cluster_jointly([zq] if key_cluster is None else [zq, key_cluster])  # one density evaluation
+        log_joint_z, log_resp_z = clustered[0]  # (B, T1, H, C)
+        key_resp = clustered[-1][1]
+        if not self.is_self_attention:
+            log_joint_k, log_resp_k = clustered[1]
         q, k, v = self.forward_qkv(zq, key_input, value)  # (B, H, T, d_k)
         # 4. the scaled queries get their own draw (variance from the unscaled projection)
         log_var_q = core.query_noise_log_var(q.transpose(1, 2).reshape(B, T1, H * D))  # (B, T1, H)

@@ -101,13 +101,18 @@ class SDMAMultiheadAttention(MultiheadAttention):
 
         # eq. (8): one noisy sample z, clustered (eq. 9) and projected (Algorithm 1)
         z_cluster, z = core.sample(query, self.training)
+        cross_keys = key is not None and not self.self_attention
+        if cross_keys:
+            key, value, key_padding_mask = self._one_copy_per_sentence(key, value, key_padding_mask, bsz)
+            # the authors' keys are perturbed, clustered and projected noisy; values stay clean
+            key_cluster, key = core.sample(key, self.training) if authors else (key, key)
         gmm_terms = self._decoding_gmm_terms(incremental_state)
-        log_joint_z, log_resp_z = core.cluster(z_cluster, gmm_terms)  # [T, B, H, C]
+        clustered = core.cluster_jointly([z_cluster, key_cluster] if cross_keys else [z_cluster], gmm_terms)
+        log_joint_z, log_resp_z = clustered[0]  # [T, B, H, C]
         resp_query = core.heads_first(log_resp_z.exp())  # [B*H, T, C]
         q = self._scaled_query(z)
-        if key is not None and not self.self_attention:
-            key, value, key_padding_mask = self._one_copy_per_sentence(key, value, key_padding_mask, bsz)
-        k, v, key_resp, log_joint_k, log_resp_k = self._keys(query, z, key, value, resp_query, gmm_terms)
+        k, v, key_resp, log_joint_k, log_resp_k = self._keys(
+            query, z, key, value, resp_query, clustered[1] if cross_keys else None)
 
         # query clustering for head disentanglement (eq. 16-19), on the scaled queries; the
         # paper reading's q = W_q z + b already carries the sample of eq. (8), the authors'
@@ -158,24 +163,22 @@ class SDMAMultiheadAttention(MultiheadAttention):
         return key, key, key_padding_mask
 
     def _keys(self, query: Tensor, z: Tensor, key: Optional[Tensor], value: Optional[Tensor], resp_query: Tensor,
-              gmm_terms):
+              key_clustering: Optional[Tuple[Tensor, Tensor]]):
         """(k, v ``[S, kv_bsz, E]``, the keys' p(c|.) ``[kv_bsz*H, S, C]``, their log-joint (the
         authors' reading regularises the keys) and log p(c|.) ``[S, kv_bsz, H, C]``). All None for
-        cross-attention keys already in the decoding cache; the last two None in self-attention."""
+        cross-attention keys already in the decoding cache; the last two None in self-attention.
+        ``key_clustering``: a cross-attention's (log-joint, log p(c|.)) of ``key`` (already
+        perturbed in the authors reading)."""
         core = self.sdma
-        log_joint_k = log_resp_k = None
         if self.self_attention:
             source = query if core.options.authors else z  # the authors project k and v from the clean input
             return self.k_proj(source), self.v_proj(source), resp_query, None, None
         if key is None:
             return None, None, None, None, None
-        if core.options.authors:  # their keys are perturbed, clustered and projected noisy; values stay clean
-            key_cluster, key_sample = core.sample(key, self.training)
-            log_joint_k, log_resp_k = core.cluster(key_cluster, gmm_terms)
-            k, v = self.k_proj(key_sample), self.v_proj(value)
-        else:
-            k, v = self.k_proj(key), self.v_proj(value)
-            log_resp_k = core.cluster(key, gmm_terms)[1]
+        log_joint_k, log_resp_k = key_clustering
+        if not core.options.authors:
+            log_joint_k = None
+        k, v = self.k_proj(key), self.v_proj(value)
         return k, v, core.heads_first(log_resp_k.exp()), log_joint_k, log_resp_k
 
     def _extend_cache(self, incremental_state, saved_state, k, v, key_resp, key_padding_mask, kv_bsz: int,

@@ -39,12 +39,15 @@ def test_fused_training_forward_and_gradients_equal_the_explicit_path(causal, re
                         module.attn))
     out_e, gx_e, grads_e, attn_e = results[0]
     assert attn_e is not None
+    # the key bias's gradient is zero in exact arithmetic (a softmax ignores a constant per row): in
+    # float32 it is rounding noise, so absolute errors are measured against the largest gradient
+    atol = max(1e-5, 1e-6 * max(float(grad.abs().max()) for grad in grads_e.values()))
     for out_f, gx_f, grads_f, attn_f in results[1:]:
         assert attn_f is None  # the fused paths keep no weights
         torch.testing.assert_close(out_f, out_e, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(gx_f, gx_e, rtol=1e-4, atol=1e-5)
         for name in grads_e:
-            torch.testing.assert_close(grads_f[name], grads_e[name], rtol=1e-4, atol=1e-5, msg=name)
+            torch.testing.assert_close(grads_f[name], grads_e[name], rtol=1e-4, atol=atol, msg=name)
 
 
 def test_evaluation_keeps_the_weights_for_espnet_attention_plots():

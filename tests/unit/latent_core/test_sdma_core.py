@@ -234,13 +234,53 @@ def test_layer_batched_losses_equal_the_mean_of_per_layer_losses():
         assert torch.allclose(batched[name], torch.stack([s[name] for s in single]).mean(0), atol=1e-5), name
 
 
-def test_gaussian_log_joint_gradients():
+def _log_joint_inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    flat = torch.randn(6, 2 * 3, dtype=torch.double, generator=g)
+    means = torch.randn(2, 4, 3, dtype=torch.double, generator=g)
+    log_vars = 0.3 * torch.randn(2, 4, 3, dtype=torch.double, generator=g)
+    prior = torch.randn(2, 4, dtype=torch.double, generator=g)
+    return flat, means, log_vars, prior
+
+
+@pytest.mark.parametrize("needs_grad", [(True, True, True, True), (False, True, True, True),
+                                        (True, False, False, False), (False, False, True, False)],
+                         ids=["all", "parameters", "input", "log_vars"])
+def test_gaussian_log_joint_gradients(needs_grad):
+    """The written-out backward pass against finite differences, for any subset of inputs needing a gradient."""
+    inputs = [t.requires_grad_(n) for t, n in zip(_log_joint_inputs(), needs_grad)]
+    assert torch.autograd.gradcheck(core._GaussianLogJoint.apply, inputs)
+
+
+def test_gaussian_log_joint_gradients_at_the_log_variance_clamp():
+    """Log-variances beyond the clamp range get no gradient (as torch.clamp), those inside one."""
+    flat, means, log_vars, prior = _log_joint_inputs()
+    low, high = core._LOGVAR_RANGE
+    log_vars[0, 0, 0], log_vars[1, 2, 1] = high + 3.0, low - 1.0
+    inputs = [t.requires_grad_(True) for t in (flat, means, log_vars, prior)]
+    assert torch.autograd.gradcheck(core._GaussianLogJoint.apply, inputs)
+    grad = torch.autograd.grad(core._GaussianLogJoint.apply(*inputs).sum(), log_vars)[0]
+    assert grad[0, 0, 0] == 0 and grad[1, 2, 1] == 0 and (grad != 0).sum() == grad.numel() - 2
+
+
+def test_gaussian_log_joint_half_precision_parameters_get_their_own_dtype():
+    """fairseq --fp16 keeps the GMM in float16: the density is computed in float32 and each
+    parameter's gradient comes back in float16, equal to the float32 direct formula's."""
     torch.manual_seed(0)
-    flat = torch.randn(6, 2 * 3, dtype=torch.double, requires_grad=True)
-    means = torch.randn(2, 4, 3, dtype=torch.double, requires_grad=True)
-    log_vars = (0.3 * torch.randn(2, 4, 3, dtype=torch.double)).requires_grad_(True)
-    prior = torch.randn(2, 4, dtype=torch.double, requires_grad=True)
-    assert torch.autograd.gradcheck(core._GaussianLogJoint.apply, (flat, means, log_vars, prior))
+    half = GaussianMixture(3, 4, 5).half()
+    with torch.no_grad():
+        half.log_vars.normal_(0, 0.3)
+    full = GaussianMixture(3, 4, 5)
+    full.load_state_dict({k: v.float() for k, v in half.state_dict().items()})
+    z = torch.randn(7, 2, 3, 5, requires_grad=True)
+    out = half.log_joint(z)
+    assert out.dtype == torch.float32
+    weight = torch.randn_like(out)
+    grads = torch.autograd.grad((out * weight).sum(), [z, *half.parameters()])
+    expected = torch.autograd.grad((full.log_joint_direct(z) * weight).sum(), [z, *full.parameters()])
+    assert [g.dtype for g in grads] == [torch.float32, torch.float16, torch.float16, torch.float16]
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3 * float(want.abs().max()))
 
 
 def test_inference_uses_parameters_written_through_data(gmm):

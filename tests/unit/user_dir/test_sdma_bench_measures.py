@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from latent_core.op_counts import count_traffic
+from latent_core.sdma import SDMACore
 from user_dir.tools.sdma import scale, step_timing
 
 
@@ -35,6 +36,15 @@ def test_update_timing_interleaves_rounds_and_reports_ratios_to_vanilla():
     assert models["V-T"]["elementwise_ops"] < models["SMA-T"]["elementwise_ops"] < models["SDMA-T"]["elementwise_ops"]
     rows = step_timing.table_rows(timing)
     assert [r["model"] for r in rows] == ["V-T", "SMA-T", "SDMA-T"]
+    assert {r["reading"] for r in rows} == {"authors"}
+
+
+@pytest.mark.parametrize("reading", ["authors", "paper"])
+def test_update_timing_builds_the_reading_it_is_given(reading):
+    setting = step_timing.StepSetting(sentences=2, tokens=4, vocab=50, reading=reading)
+    model = step_timing._build("tiny2x2", "sdma", setting)[0]
+    readings = {m.options.reading for m in model.modules() if isinstance(m, SDMACore)}
+    assert readings == {reading}
 
 
 def test_traffic_counter_counts_elementwise_bytes_once_and_skips_views_and_matmuls():
@@ -55,5 +65,7 @@ def test_traffic_counter_counts_elementwise_bytes_once_and_skips_views_and_matmu
 def test_update_timing_refuses_impossible_settings():
     with pytest.raises(ValueError, match="rounds=0"):
         step_timing.StepSetting(rounds=0).validate()
+    with pytest.raises(ValueError, match="reading='table'"):
+        step_timing.StepSetting(reading="table").validate()
     with pytest.raises(ValueError, match="unknown configuration 'huge'"):
         step_timing.time_updates("huge")

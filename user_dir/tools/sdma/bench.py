@@ -56,6 +56,7 @@ from latent_core.runs import (
     train_words_per_second,
     write_json,
 )
+from latent_core.sdma import READINGS
 from user_dir.tools.sdma import scale, step_timing
 from user_dir.tools.sdma.flops import describe_setting, flops_table, table_rows
 from user_dir.tools.sdma.quickstart import prepare_data
@@ -86,6 +87,9 @@ def parse_args(argv=None):
                    help="FLOPs and update timing only, no fairseq-train / fairseq-generate runs")
     p.add_argument("--gen-length", type=int, default=12,
                    help="tokens per hypothesis when decoding the test set (default 12)")
+    p.add_argument("--reading", choices=READINGS, default=step_timing.StepSetting.reading,
+                   help="--sdma-reading of SMA-T and SDMA-T in the update timing and the fairseq-train runs "
+                        "(default %(default)s, the models' default)")
     p.add_argument("--gpu", action="store_true", help="train/decode on the GPU (also add --fp16)")
     p.add_argument("--fp16", action="store_true")
     p.add_argument("--out", type=Path, default=Path("outputs") / "bench" / "sdma.json")
@@ -112,7 +116,7 @@ def measure(args, data_bin, save_dir, name, mode, device, precision):
     # "none" builds fairseq's own MultiheadAttention everywhere: the vanilla transformer
     train = run_streaming([
         console_script("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--task", "translation",
-        *CONFIGS[args.config], "--sdma-mode", mode, "--share-all-embeddings",
+        *CONFIGS[args.config], "--sdma-mode", mode, "--sdma-reading", args.reading, "--share-all-embeddings",
         "--criterion", "sdma_label_smoothed_cross_entropy", "--label-smoothing", "0.1",
         "--optimizer", "adam", "--lr", "2e-3", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "100",
         "--max-tokens", args.max_tokens, "--max-update", args.updates, "--seed", "1",
@@ -161,10 +165,11 @@ def measure_scale():
 
 def measure_steps(args):
     """The interleaved update timing at every ``--step-configs`` configuration (printed, returned)."""
-    setting = step_timing.StepSetting(rounds=args.step_rounds)
+    setting = step_timing.StepSetting(rounds=args.step_rounds, reading=args.reading)
     timings, rows = {}, []
     for config in args.step_configs:
-        stage(f"update timing, {config}: V-T / SMA-T / SDMA-T in one process, {setting.rounds} interleaved "
+        stage(f"update timing, {config}, {setting.reading} reading: V-T / SMA-T / SDMA-T in one process, "
+              f"{setting.rounds} interleaved "
               f"rounds of {setting.updates_per_round} updates, batch {setting.sentences} x {setting.tokens} tokens")
         timings[config] = step_timing.time_updates(config, setting)
         rows += step_timing.table_rows(timings[config])

@@ -27,6 +27,7 @@ from typing import Dict, Sequence
 import torch
 
 from latent_core.op_counts import count_flops, count_traffic
+from latent_core.sdma import READINGS
 
 from user_dir.tools.sdma.flops import FlopsSetting, build_with_batch
 
@@ -47,6 +48,7 @@ class StepSetting:
     rounds: int = 7
     updates_per_round: int = 3
     seed: int = 1
+    reading: str = "authors"  # --sdma-reading of SMA-T and SDMA-T
 
     def validate(self) -> "StepSetting":
         for name in ("sentences", "rounds", "updates_per_round"):
@@ -54,6 +56,8 @@ class StepSetting:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.tokens < 2:
             raise ValueError(f"tokens={self.tokens} must be >= 2 (a word and EOS)")
+        if self.reading not in READINGS:
+            raise ValueError(f"reading={self.reading!r}: one of {', '.join(READINGS)}")
         return self
 
 
@@ -61,7 +65,8 @@ def _build(config: str, mode: str, setting: StepSetting):
     arch, extra = STEP_CONFIGS[config]
     flops_setting = FlopsSetting(src_vocab=setting.vocab, tgt_vocab=setting.vocab, sentences=setting.sentences,
                                  src_tokens=setting.tokens, tgt_tokens=setting.tokens, seed=setting.seed)
-    model, criterion, sample = build_with_batch(arch, mode, flops_setting, ["--share-all-embeddings", *extra])
+    model, criterion, sample = build_with_batch(arch, mode, flops_setting,
+                                                ["--share-all-embeddings", "--sdma-reading", setting.reading, *extra])
     model.train()
     return model, criterion, torch.optim.Adam(model.parameters(), lr=1e-4), sample
 
@@ -130,6 +135,7 @@ def table_rows(timing: Dict):
     for name, r in timing["models"].items():
         rows.append({
             "config": timing["config"],
+            "reading": timing["setting"]["reading"],
             "model": name,
             "ms/update (median)": statistics.median(r["wall_ms"]),
             "speed vs V-T min": r["speed_ratio"]["min"],
