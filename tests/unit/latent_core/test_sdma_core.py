@@ -283,6 +283,32 @@ def test_gaussian_log_joint_half_precision_parameters_get_their_own_dtype():
         torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3 * float(want.abs().max()))
 
 
+def test_joint_clustering_equals_clustering_each_input():
+    """A cross-attention's queries [T, B, E] and keys [S, B, E] clustered in one density evaluation
+    give each one's log-joint and log p(c|z), and the same gradients, as two separate calls."""
+    torch.manual_seed(0)
+    module = SDMACore(12, 3, SDMAOptions(num_clusters=4))
+    with torch.no_grad():
+        module.feature_gmm.log_vars.normal_(0, 0.3)
+    queries, keys = torch.randn(5, 2, 12, requires_grad=True), torch.randn(7, 2, 12, requires_grad=True)
+    inputs = [queries, keys, *module.feature_gmm.parameters()]
+    joint = module.cluster_jointly([queries, keys])
+    separate = [module.cluster(queries), module.cluster(keys)]
+    weights = [torch.randn(n, 2, 3, 4) for n in (5, 7)]
+
+    def loss(clustered):
+        return sum(((j + r.exp()) * w).sum() for (j, r), w in zip(clustered, weights))
+
+    for (j1, r1), (j2, r2) in zip(joint, separate):
+        assert j1.shape == j2.shape and r1.shape == r2.shape
+        torch.testing.assert_close(j1, j2)
+        torch.testing.assert_close(r1, r2)
+    for a, b in zip(torch.autograd.grad(loss(joint), inputs), torch.autograd.grad(loss(separate), inputs)):
+        torch.testing.assert_close(a, b)
+    single = module.cluster_jointly([queries])
+    assert len(single) == 1 and torch.equal(single[0][0], separate[0][0])
+
+
 def test_inference_uses_parameters_written_through_data(gmm):
     """fairseq's FP16Optimizer writes the fp32 master weights with ``p.data.copy_``: neither the
     version counter nor the storage changes, so inference must not reuse earlier weights."""
