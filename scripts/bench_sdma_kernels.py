@@ -91,7 +91,7 @@ def time_kernel(kernel, shape, dtype, device, repeats, warmup):
     return {"ms_median": statistics.median(times), "ms_min": min(times), "peak_mib": peak}
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -100,10 +100,14 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", type=Path, default=Path("outputs") / "bench" / "sdma_kernels.json")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device is visible (use --device cpu)")
+        raise SystemExit("--device cuda: no CUDA device is visible (use --device cpu)")
     rows = []
     for precision in args.dtypes:
         for shape_name in args.shapes:

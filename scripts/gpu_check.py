@@ -100,7 +100,7 @@ def step_kernels(args, out: Path) -> dict:
 
 
 def step_sdma_bench(args, out: Path) -> dict:
-    code = run([sys.executable, "scripts/bench_sdma.py", "--gpu", "--fp16", "--config", "base", "--updates",
+    code = run([console("sdma-bench"), "--gpu", "--fp16", "--config", "base", "--updates",
                 args.sdma_updates, "--repeats", args.repeats, "--skip-scale", "--step-configs", "",
                 "--data-dir", out / "data" / "ding", "--out", out / "sdma_bench.json"],
                out / "sdma_bench.log", args.step_timeout)
@@ -120,7 +120,7 @@ def step_vae_bench(args, out: Path) -> dict:
                    out / "vae_data.log", args.step_timeout)
         if code != 0:
             return {"returncode": code, "failed_at": "prepare-english-vae-data"}
-    code = run([sys.executable, "scripts/bench_vae.py", "--data", data / "bin", "--gpu", "--fp16", "--updates",
+    code = run([console("vae-bench"), "--data", data / "bin", "--gpu", "--fp16", "--updates",
                 args.vae_updates, "--repeats", args.repeats, "--out", out / "vae_bench.json"],
                out / "vae_bench.log", args.step_timeout)
     result = {"returncode": code}
@@ -152,7 +152,7 @@ def step_optimus_bench(args, out: Path) -> dict:
                     out / "data" / "optimus_bpe"], out / "optimus_data.log", args.step_timeout)
         if code != 0:
             return {"returncode": code, "failed_at": "prepare-optimus-data"}
-    code = run([sys.executable, "scripts/optimus_bench.py", "--data", data, "--bert-dir", bert, "--device", "cuda",
+    code = run([console("optimus-bench"), "--data", data, "--bert-dir", bert, "--device", "cuda",
                 "--out", out / "optimus_bench.json"], out / "optimus_bench.log", args.step_timeout)
     result = {"returncode": code}
     if code == 0:

@@ -137,9 +137,7 @@ def time_pair_vs_gpt2(data: str, bert_dir: str, sentences: int = 64, rounds: int
     }
 
 
-def main(argv=None) -> int:
-    """``optimus-bench``: print the comparison and merge it into ``--out`` (``outputs/bench/vae.json``,
-    beside ``vae-bench``'s results) as ``optimus_pair`` and ``optimus_pair_wps_ratio``."""
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="optimus-bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--data", type=Path, required=True, help="an optimus_lm corpus (prepare-optimus-data)")
     p.add_argument("--bert-dir", type=Path, required=True, help="the pairing's local BERT directory")
@@ -149,10 +147,17 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", help="cpu, or cuda (fp32 on the GPU)")
     p.add_argument("--out", type=Path, default=Path("outputs") / "bench" / "vae.json")
     args = p.parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        p.error(f"--device {args.device}: no CUDA device is visible")
     if min(args.sentences, args.rounds, args.updates_per_round) < 1:
         p.error("--sentences, --rounds and --updates-per-round must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    """``optimus-bench``: print the comparison and merge it into ``--out`` (``outputs/bench/vae.json``,
+    beside ``vae-bench``'s results) as ``optimus_pair`` and ``optimus_pair_wps_ratio``."""
+    args = parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"optimus-bench: --device {args.device}: no CUDA device is visible")
     pair = time_pair_vs_gpt2(str(args.data), str(args.bert_dir), args.sentences, args.rounds, args.updates_per_round,
                              device=args.device)
     ratio = pair["wps_ratio"]
