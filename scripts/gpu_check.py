@@ -9,11 +9,14 @@ Steps (each is timed; a failing step is reported and the next one still runs):
    skips, ``fairseq-generate`` CUDA == CPU, ``pytorch_ddp``, ESPnet ``--ngpu 1 --use_amp true``;
 2. ``kernels``: ``scripts/bench_sdma_kernels.py`` (explicit / sdpa / lowrank, forward + backward,
    fp32 / fp16 / bf16);
-3. ``sdma_bench``: ``sdma-bench --gpu --fp16 --config base`` (V-T, SMA-T, SDMA-T words/s, peak
+3. ``profile``: ``python -m user_dir.tools.sdma.profile_update`` at the base configuration (one
+   training update of V-T, SMA-T, SDMA-T: ms, ATen ops, kernels launched, GPU busy time, the ops
+   with the most GPU time): whether SDMA's update is launch-bound;
+4. ``sdma_bench``: ``sdma-bench --gpu --fp16 --config base`` (V-T, SMA-T, SDMA-T words/s, peak
    ``torch.cuda.max_memory_allocated``, ``fairseq-generate`` sentences/s);
-4. ``vae_bench``: ``vae-bench --gpu --fp16`` on the Ding English sentences (QKVAE, ADVAE, Optimus
+5. ``vae_bench``: ``vae-bench --gpu --fp16`` on the Ding English sentences (QKVAE, ADVAE, Optimus
    against plain transformers of their size);
-5. ``optimus_bench``: ``optimus-bench --device cuda`` (needs a BERT directory: ``--bert-dir``, or
+6. ``optimus_bench``: ``optimus-bench --device cuda`` (needs a BERT directory: ``--bert-dir``, or
    the MiniLM weights package that ``make install`` installs).
 
 Writes ``OUT/report.json`` (device, versions, every step's status, seconds and headline numbers;
@@ -35,7 +38,7 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = ("tests", "kernels", "sdma_bench", "vae_bench", "optimus_bench")
+STEPS = ("tests", "kernels", "profile", "sdma_bench", "vae_bench", "optimus_bench")
 
 
 def run(cmd, log: Path, timeout: float) -> int:
@@ -96,6 +99,20 @@ def step_kernels(args, out: Path) -> dict:
         rows = json.loads((out / "sdma_kernels.json").read_text())["rows"]
         result["speedup_vs_explicit"] = {f"{r['dtype']}/{r['shape']}/{r['kernel']}": round(r["speedup_vs_explicit"], 3)
                                          for r in rows if "speedup_vs_explicit" in r and r["kernel"] != "explicit"}
+    return result
+
+
+def step_profile(args, out: Path) -> dict:
+    code = run([sys.executable, "-m", "user_dir.tools.sdma.profile_update", "--device", "cuda", "--config", "base",
+                "--out", out / "sdma_profile.json"], out / "profile.log", args.step_timeout)
+    result = {"returncode": code}
+    if code == 0:
+        models = json.loads((out / "sdma_profile.json").read_text())["models"]
+        for name, r in models.items():
+            key = name.lower().replace("-", "_")
+            result[f"{key}_speed_ratio"] = r.get("speed_vs_vt")
+            result[f"{key}_gpu_busy_ratio"] = r.get("gpu_busy_fraction")
+        result["models"] = models
     return result
 
 

@@ -52,7 +52,9 @@ def parser_of(cmd):
     if cmd[0] == sys.executable:
         if cmd[1] == "-m":
             assert importlib.util.find_spec(cmd[2]) is not None, f"no module {cmd[2]}"
-            return cmd[2], None
+            if cmd[2] == "pytest":
+                return cmd[2], None
+            return cmd[2], getattr(importlib.import_module(cmd[2]), "parse_args", None)
         script = REPO / cmd[1]
         assert script.is_file(), f"{cmd[1]} does not exist"
         return cmd[1], getattr(load_script(script), "parse_args", None)
@@ -74,6 +76,7 @@ def test_every_step_runs_an_existing_program_with_arguments_it_accepts(gpu_check
             assert (REPO / cmd[3]).is_dir()
         else:
             assert parse_args is not None, f"{name}: no parse_args to check its arguments with"
-            parse_args(cmd[2:] if cmd[0] == sys.executable else cmd[1:])
-    assert names == ["pytest", "scripts/bench_sdma_kernels.py", "sdma-bench", "prepare-english-vae-data",
-                     "vae-bench", "prepare-optimus-data", "optimus-bench"]
+            arguments = cmd[1:] if cmd[0] != sys.executable else cmd[3:] if cmd[1] == "-m" else cmd[2:]
+            parse_args(arguments)
+    assert names == ["pytest", "scripts/bench_sdma_kernels.py", "user_dir.tools.sdma.profile_update", "sdma-bench",
+                     "prepare-english-vae-data", "vae-bench", "prepare-optimus-data", "optimus-bench"]

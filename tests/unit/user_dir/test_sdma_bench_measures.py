@@ -5,7 +5,7 @@ import torch
 
 from latent_core.op_counts import count_traffic
 from latent_core.sdma import SDMACore
-from user_dir.tools.sdma import scale, step_timing
+from user_dir.tools.sdma import profile_update, scale, step_timing
 
 
 def test_saved_activation_bytes_counts_each_saved_storage_once_and_no_parameters():
@@ -42,7 +42,7 @@ def test_update_timing_interleaves_rounds_and_reports_ratios_to_vanilla():
 @pytest.mark.parametrize("reading", ["authors", "paper"])
 def test_update_timing_builds_the_reading_it_is_given(reading):
     setting = step_timing.StepSetting(sentences=2, tokens=4, vocab=50, reading=reading)
-    model = step_timing._build("tiny2x2", "sdma", setting)[0]
+    model = step_timing.build_for_updates("tiny2x2", "sdma", setting)[0]
     readings = {m.options.reading for m in model.modules() if isinstance(m, SDMACore)}
     assert readings == {reading}
 
@@ -69,3 +69,24 @@ def test_update_timing_refuses_impossible_settings():
         step_timing.StepSetting(reading="table").validate()
     with pytest.raises(ValueError, match="unknown configuration 'huge'"):
         step_timing.time_updates("huge")
+
+
+def test_update_profile_counts_ops_and_names_the_costliest():
+    """gpu-check's profile step, run on the CPU (the kernel columns exist only on CUDA)."""
+    setting = step_timing.StepSetting(sentences=4, tokens=5, vocab=50)
+    report = profile_update.profile_updates("tiny2x2", setting, "cpu", updates=1, warmup=0)
+    models = report["models"]
+    assert list(models) == ["V-T", "SMA-T", "SDMA-T"] and report["device"] == "cpu"
+    assert models["V-T"]["speed_vs_vt"] == 1.0 and models["V-T"]["aten_ops_vs_vt"] == 1.0
+    assert models["V-T"]["aten_ops"] < models["SMA-T"]["aten_ops"] < models["SDMA-T"]["aten_ops"]
+    for r in models.values():
+        assert r["ms_per_update"] > 0 and "kernels" not in r
+        assert r["top_ops"] and all(op["name"].startswith("aten::") for op in r["top_ops"])
+    assert [row["model"] for row in profile_update.table_rows(report)] == ["V-T", "SMA-T", "SDMA-T"]
+
+
+def test_update_profile_refuses_impossible_settings():
+    with pytest.raises(ValueError, match="updates=0"):
+        profile_update.profile_updates("tiny2x2", step_timing.StepSetting(), updates=0)
+    with pytest.raises(ValueError, match="unknown configuration 'huge'"):
+        profile_update.profile_updates("huge", step_timing.StepSetting())

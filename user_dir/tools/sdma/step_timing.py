@@ -61,17 +61,19 @@ class StepSetting:
         return self
 
 
-def _build(config: str, mode: str, setting: StepSetting):
+def build_for_updates(config: str, mode: str, setting: StepSetting, device: str = "cpu"):
+    """(model in training mode, criterion, Adam, the fixed batch), all on ``device``."""
     arch, extra = STEP_CONFIGS[config]
     flops_setting = FlopsSetting(src_vocab=setting.vocab, tgt_vocab=setting.vocab, sentences=setting.sentences,
                                  src_tokens=setting.tokens, tgt_tokens=setting.tokens, seed=setting.seed)
     model, criterion, sample = build_with_batch(arch, mode, flops_setting,
-                                                ["--share-all-embeddings", "--sdma-reading", setting.reading, *extra])
+                                                ["--share-all-embeddings", "--sdma-reading", setting.reading, *extra],
+                                                device=device)
     model.train()
     return model, criterion, torch.optim.Adam(model.parameters(), lr=1e-4), sample
 
 
-def _update(model, criterion, optimizer, sample) -> None:
+def training_update(model, criterion, optimizer, sample) -> None:
     loss, _, _ = criterion(model, sample)
     loss.backward()
     optimizer.step()
@@ -91,19 +93,19 @@ def time_updates(config: str, setting: StepSetting = StepSetting(),
     setting = setting.validate()
     if config not in STEP_CONFIGS:
         raise ValueError(f"unknown configuration {config!r}: one of {', '.join(STEP_CONFIGS)}")
-    built = {name: _build(config, MODELS[name], setting) for name in models}
+    built = {name: build_for_updates(config, MODELS[name], setting) for name in models}
     flops, traffic = {}, {}
     for name, (model, criterion, optimizer, sample) in built.items():
-        flops[name] = count_flops(lambda: _update(model, criterion, optimizer, sample))[0]
-        traffic[name] = count_traffic(lambda: _update(model, criterion, optimizer, sample))
-        _update(model, criterion, optimizer, sample)  # warm-up outside the timed rounds
+        flops[name] = count_flops(lambda: training_update(model, criterion, optimizer, sample))[0]
+        traffic[name] = count_traffic(lambda: training_update(model, criterion, optimizer, sample))
+        training_update(model, criterion, optimizer, sample)  # warm-up outside the timed rounds
     wall = {name: [] for name in built}
     cpu = {name: [] for name in built}
     for _ in range(setting.rounds):
         for name, (model, criterion, optimizer, sample) in built.items():
             start_wall, start_cpu = time.perf_counter(), time.process_time()
             for _ in range(setting.updates_per_round):
-                _update(model, criterion, optimizer, sample)
+                training_update(model, criterion, optimizer, sample)
             wall[name].append(1000 * (time.perf_counter() - start_wall) / setting.updates_per_round)
             cpu[name].append(1000 * (time.process_time() - start_cpu) / setting.updates_per_round)
     result = {}

@@ -1,0 +1,153 @@
+"""Where a training update of V-T, SMA-T and SDMA-T spends its time (``make gpu-check``'s ``profile`` step).
+
+Each model is built by fairseq as in the update timing (``step_timing.py``: the registered
+architecture, criterion ``sdma_label_smoothed_cross_entropy``, Adam, one fixed batch), warmed up,
+then timed over ``--updates`` updates (wall clock, the device synchronised) and profiled over as
+many more with ``torch.profiler``. Per model and update it reports:
+
+* ``ms_per_update``: wall clock;
+* ``aten_ops``: ATen ops that are not views (``latent_core.op_counts.count_traffic``: elementwise
+  ops plus matrix products), roughly one kernel launch each on a GPU;
+* on CUDA, ``kernels`` (kernels launched) and ``gpu_busy_ms`` (the sum of their run times); their
+  ratio to the wall clock, ``gpu_busy_fraction``, says whether the GPU waits for the CPU to launch
+  work (well under 1: launch-bound, where fewer ops or fusion help) or computes (near 1);
+* ``top_ops``: the ops with the most self time (device time on CUDA, CPU time otherwise).
+
+On a CPU the same code runs (no kernel columns), so the step is tested without a GPU.
+
+    python -m user_dir.tools.sdma.profile_update --device cuda --config base --out outputs/gpu/sdma_profile.json
+"""
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+from typing import Dict, Sequence
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from latent_core.op_counts import count_traffic
+from latent_core.runs import print_table, write_json
+from latent_core.sdma import READINGS
+from user_dir.tools.sdma.step_timing import MODELS, STEP_CONFIGS, StepSetting, build_for_updates, training_update
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile_model(config: str, name: str, setting: StepSetting, device: torch.device, updates: int,
+                  warmup: int, top: int = 12) -> Dict:
+    """One model's numbers (see the module docstring)."""
+    model, criterion, optimizer, sample = build_for_updates(config, MODELS[name], setting, str(device))
+    for _ in range(warmup):
+        training_update(model, criterion, optimizer, sample)
+    traffic = count_traffic(lambda: training_update(model, criterion, optimizer, sample))
+    _synchronize(device)
+    times = []
+    for _ in range(updates):
+        start = time.perf_counter()
+        training_update(model, criterion, optimizer, sample)
+        _synchronize(device)
+        times.append(1000 * (time.perf_counter() - start))
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(updates):
+            training_update(model, criterion, optimizer, sample)
+        _synchronize(device)
+    events = prof.key_averages()
+    result = {
+        "ms_per_update": statistics.median(times),
+        "aten_ops": (traffic["ops"] + traffic["matmul_ops"]),
+        "params": sum(p.numel() for p in model.parameters()),
+    }
+    if device.type == "cuda":
+        kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+        busy_ms = sum(e.self_device_time_total for e in kernels) / 1000 / updates
+        result.update({"kernels": sum(e.count for e in kernels) / updates, "gpu_busy_ms": busy_ms,
+                       "gpu_busy_fraction": busy_ms / result["ms_per_update"]})
+        ranked = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)
+        result["top_ops"] = [{"name": e.key, "calls_per_update": e.count / updates,
+                              "self_ms_per_update": e.self_device_time_total / 1000 / updates} for e in ranked[:top]]
+    else:
+        ranked = sorted((e for e in events if e.key.startswith("aten::")), key=lambda e: e.self_cpu_time_total,
+                        reverse=True)
+        result["top_ops"] = [{"name": e.key, "calls_per_update": e.count / updates,
+                              "self_ms_per_update": e.self_cpu_time_total / 1000 / updates} for e in ranked[:top]]
+    return result
+
+
+def profile_updates(config: str, setting: StepSetting, device: str = "cpu", updates: int = 5, warmup: int = 3,
+                    models: Sequence[str] = tuple(MODELS)) -> Dict:
+    """``{"config", "device", "setting", "models": {name: profile_model(...)}}`` with ratios to V-T."""
+    setting = setting.validate()
+    if config not in STEP_CONFIGS:
+        raise ValueError(f"unknown configuration {config!r}: one of {', '.join(STEP_CONFIGS)}")
+    if updates < 1 or warmup < 0:
+        raise ValueError(f"updates={updates} must be >= 1 and warmup={warmup} >= 0")
+    device = torch.device(device)
+    results = {}
+    for name in models:
+        results[name] = profile_model(config, name, setting, device, updates, warmup)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the previous model's memory, before the next one is built
+    base = results.get("V-T")
+    for result in results.values():
+        if base is not None:
+            result["speed_vs_vt"] = base["ms_per_update"] / result["ms_per_update"]
+            result["aten_ops_vs_vt"] = result["aten_ops"] / base["aten_ops"]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"config": config, "device": name, "setting": setting.__dict__, "updates": updates, "models": results}
+
+
+def table_rows(report: Dict):
+    rows = []
+    for name, r in report["models"].items():
+        row = {"model": name, "ms/update": r["ms_per_update"], "speed vs V-T": r.get("speed_vs_vt"),
+               "ATen ops": r["aten_ops"], "ops vs V-T": r.get("aten_ops_vs_vt")}
+        if "kernels" in r:
+            row.update({"kernels": r["kernels"], "GPU busy ms": r["gpu_busy_ms"], "busy fraction": r["gpu_busy_fraction"]})
+        rows.append(row)
+    return rows
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", choices=sorted(STEP_CONFIGS), default="base")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--reading", choices=READINGS, default=StepSetting.reading, help="--sdma-reading of SMA-T, SDMA-T")
+    p.add_argument("--sentences", type=int, default=160, help="sentences of the fixed batch (default 160)")
+    p.add_argument("--tokens", type=int, default=26, help="tokens per sentence, EOS included (default 26: "
+                                                          "160 x 26 is the IWSLT recipe's 4,096-token batch)")
+    p.add_argument("--updates", type=int, default=5, help="timed updates, and as many profiled (default 5)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    p.add_argument("--out", type=Path, default=Path("outputs") / "bench" / "sdma_profile.json")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: no CUDA device is visible (use --device cpu)")
+    setting = StepSetting(sentences=args.sentences, tokens=args.tokens, reading=args.reading)
+    try:
+        report = profile_updates(args.config, setting, args.device, args.updates, args.warmup, args.models)
+    except ValueError as err:
+        raise SystemExit(f"profile_update: {err}")
+    print_table(table_rows(report), list(table_rows(report)[-1].keys()),
+                f"One training update, {args.config}, {report['device']}, batch {args.sentences} x {args.tokens}, "
+                f"{args.reading} reading (median of {args.updates})")
+    for name, r in report["models"].items():
+        print(f"{name}: " + ", ".join(f"{op['name']} {op['self_ms_per_update']:.2f} ms" for op in r["top_ops"][:6]))
+    write_json(args.out, report)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
