@@ -405,7 +405,7 @@ class _GaussianLogJoint(torch.autograd.Function):
     matrix products on the contiguous input, no ``[N, G, C, d]`` temporary. Of the ``[N, ...]``
     tensors only ``z`` is saved (it is also saved by the q/k/v projections, so this costs no
     extra memory); ``z^2`` is recomputed in the backward pass. The parameters' gradients are
-    written out (below) rather than differentiated through the expansion: about a third of
+    written out (below) rather than differentiated through the expansion: under half of
     the ATen ops, which on a GPU are kernel launches at these small sizes.
     """
 
