@@ -4,7 +4,7 @@
 sdma_transformer`` and ``model: sdma`` in ESPnet2's ASR task. Train and decode with
 ``python -m espnet_plugin.bin.asr_train`` / ``python -m espnet_plugin.bin.asr_inference``
 (every option of ESPnet's own entry points), or run an ``egs2`` recipe with
-``asr.sh --python "python -m espnet_plugin.bin.python"``.
+``asr.sh --python "python -m espnet_plugin.bin.python_shim"``.
 """
 
 from espnet_plugin.tasks.sdma_asr import SDMAASRTask, register  # noqa: F401  (registers at import)
