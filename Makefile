@@ -30,7 +30,7 @@ test-gpu: install
 
 # Validate a GPU machine: the GPU tier, then the benchmarks on the GPU; writes outputs/gpu/report.json.
 gpu-check: install
-	$(PYTHON_VENV) scripts/gpu_check.py
+	$(PYTHON_VENV) -m user_dir.tools.gpu_check
 
 bench: install
 	$(PYTHON_VENV) -m user_dir.tools.sdma.bench

@@ -312,7 +312,7 @@ class GaussianMixture(nn.Module):
     def inference_terms(self, dtype: torch.dtype = torch.float32) -> Tuple[Tensor, Tensor, Tensor]:
         """The expanded log-density of the CURRENT parameters, ``([G*d, C*G], [G*d, C*G], [C*G])``."""
         with torch.no_grad():
-            return _gmm_terms(self.means, self.log_vars, self.prior_logits, dtype)
+            return _gmm_parts(self.means, self.log_vars, self.prior_logits, dtype)[:3]
 
     def log_prior(self) -> Tensor:
         """log pi, ``[G, C]`` (float32)."""
@@ -390,11 +390,6 @@ def _gmm_parts(means: Tensor, log_vars: Tensor, prior_logits: Tensor, dtype: tor
     bias = torch.add(log_pi, const, alpha=-0.5).t().reshape(-1)
     weight_sq, weight_lin = _block_diagonal(torch.stack((-0.5 * precision, scaled_means)))
     return _GMMParts(weight_sq, weight_lin, bias, means, precision, log_pi, clamped)
-
-
-def _gmm_terms(means: Tensor, log_vars: Tensor, prior_logits: Tensor, dtype: torch.dtype):
-    """``(W_sq [G*d, C*G], W_lin [G*d, C*G], b [C*G])`` of :func:`_gmm_parts`."""
-    return _gmm_parts(means, log_vars, prior_logits, dtype)[:3]
 
 
 class _GaussianLogJoint(torch.autograd.Function):

@@ -3,7 +3,7 @@
 # a lent accelerator), in two steps:
 #
 #   scripts/gpu_check_offline.sh fetch [PYTHON_VERSION]   # here, online: wheels + data into .gpu-offline/
-#   scripts/gpu_check_offline.sh run [gpu_check.py options] # there, on a copy of the repository with .gpu-offline/
+#   scripts/gpu_check_offline.sh run [gpu_check options]   # there, on a copy of the repository with .gpu-offline/
 #
 # fetch: downloads, for CPython PYTHON_VERSION (default 3.12) on x86-64 Linux, the wheels of fairseq,
 #   ESPnet and the rest of this project's stack that a PyTorch image usually lacks (versions from
@@ -13,7 +13,7 @@
 # run: installs the wheels into the running python3 (no index, no dependencies), makes this checkout
 #   importable and writes the project's console scripts next to python3 (what `pip install -e .` does;
 #   pyproject.toml asks for Python 3.11, the stack's, which images seldom have), unpacks the dictionary to
-#   /usr/share/trans/de-en (root) and runs scripts/gpu_check.py with the given options.
+#   /usr/share/trans/de-en (root) and runs python -m user_dir.tools.gpu_check with the given options.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=.gpu-offline
@@ -68,7 +68,7 @@ print(f"{len(scripts)} console scripts written next to {sys.executable}")
 EOF
     mkdir -p /usr/share/trans && xz -dc "$DIR/de-en.xz" > /usr/share/trans/de-en
     export GPU_TESTS_ESPNET_CORPUS="$PWD/$DIR/asr_corpus"
-    python3 scripts/gpu_check.py "$@"
+    python3 -m user_dir.tools.gpu_check "$@"
     ;;
   *)
     sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'

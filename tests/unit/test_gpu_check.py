@@ -1,4 +1,4 @@
-"""``make gpu-check`` (``scripts/gpu_check.py``) calls programs that exist, with arguments their own
+"""``make gpu-check`` (``user_dir/tools/gpu_check.py``) calls programs that exist, with arguments their own
 parsers accept. Checked on the CPU: every step runs with the command runner replaced, so the commands
 are recorded instead of run."""
 
@@ -14,16 +14,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-def load_script(path: Path):
-    spec = importlib.util.spec_from_file_location(f"script_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def gpu_check():
-    return load_script(REPO / "scripts" / "gpu_check.py")
+    return importlib.import_module("user_dir.tools.gpu_check")
 
 
 def record_commands(gpu_check, tmp_path, monkeypatch):
@@ -48,16 +41,14 @@ def record_commands(gpu_check, tmp_path, monkeypatch):
 
 
 def parser_of(cmd):
-    """(what the command is, its module's ``parse_args``) for a recorded command."""
+    """(what the command is, its module's ``parse_args``) for a recorded command: ``python -m MODULE``
+    or an installed console script."""
     if cmd[0] == sys.executable:
-        if cmd[1] == "-m":
-            assert importlib.util.find_spec(cmd[2]) is not None, f"no module {cmd[2]}"
-            if cmd[2] == "pytest":
-                return cmd[2], None
-            return cmd[2], getattr(importlib.import_module(cmd[2]), "parse_args", None)
-        script = REPO / cmd[1]
-        assert script.is_file(), f"{cmd[1]} does not exist"
-        return cmd[1], getattr(load_script(script), "parse_args", None)
+        assert cmd[1] == "-m", f"{cmd}: run a module of the project, not a file"
+        assert importlib.util.find_spec(cmd[2]) is not None, f"no module {cmd[2]}"
+        if cmd[2] == "pytest":
+            return cmd[2], None
+        return cmd[2], getattr(importlib.import_module(cmd[2]), "parse_args", None)
     program = Path(cmd[0])
     assert program.is_file(), f"{program} is not installed beside the interpreter"
     # the module the installed wrapper imports (pip writes ``from <module> import <function>``): what runs
@@ -76,7 +67,6 @@ def test_every_step_runs_an_existing_program_with_arguments_it_accepts(gpu_check
             assert (REPO / cmd[3]).is_dir()
         else:
             assert parse_args is not None, f"{name}: no parse_args to check its arguments with"
-            arguments = cmd[1:] if cmd[0] != sys.executable else cmd[3:] if cmd[1] == "-m" else cmd[2:]
-            parse_args(arguments)
-    assert names == ["pytest", "scripts/bench_sdma_kernels.py", "user_dir.tools.sdma.profile_update", "sdma-bench",
+            parse_args(cmd[3:] if cmd[0] == sys.executable else cmd[1:])
+    assert names == ["pytest", "user_dir.tools.sdma.kernels_bench", "user_dir.tools.sdma.profile_update", "sdma-bench",
                      "prepare-english-vae-data", "vae-bench", "prepare-optimus-data", "optimus-bench"]

@@ -61,22 +61,21 @@ def profile_model(config: str, name: str, setting: StepSetting, device: torch.de
     events = prof.key_averages()
     result = {
         "ms_per_update": statistics.median(times),
-        "aten_ops": (traffic["ops"] + traffic["matmul_ops"]),
+        "aten_ops": traffic["ops"] + traffic["matmul_ops"],
         "params": sum(p.numel() for p in model.parameters()),
     }
-    if device.type == "cuda":
-        kernels = [e for e in events if e.device_type == DeviceType.CUDA]
-        busy_ms = sum(e.self_device_time_total for e in kernels) / 1000 / updates
-        result.update({"kernels": sum(e.count for e in kernels) / updates, "gpu_busy_ms": busy_ms,
+    if device.type == "cuda":  # the kernels, by their GPU time
+        ranked = [e for e in events if e.device_type == DeviceType.CUDA]
+        self_us = lambda e: e.self_device_time_total  # noqa: E731
+        busy_ms = sum(map(self_us, ranked)) / 1000 / updates
+        result.update({"kernels": sum(e.count for e in ranked) / updates, "gpu_busy_ms": busy_ms,
                        "gpu_busy_fraction": busy_ms / result["ms_per_update"]})
-        ranked = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)
-        result["top_ops"] = [{"name": e.key, "calls_per_update": e.count / updates,
-                              "self_ms_per_update": e.self_device_time_total / 1000 / updates} for e in ranked[:top]]
-    else:
-        ranked = sorted((e for e in events if e.key.startswith("aten::")), key=lambda e: e.self_cpu_time_total,
-                        reverse=True)
-        result["top_ops"] = [{"name": e.key, "calls_per_update": e.count / updates,
-                              "self_ms_per_update": e.self_cpu_time_total / 1000 / updates} for e in ranked[:top]]
+    else:  # the ATen ops, by their CPU time
+        ranked = [e for e in events if e.key.startswith("aten::")]
+        self_us = lambda e: e.self_cpu_time_total  # noqa: E731
+    ranked.sort(key=self_us, reverse=True)
+    result["top_ops"] = [{"name": e.key, "calls_per_update": e.count / updates,
+                          "self_ms_per_update": self_us(e) / 1000 / updates} for e in ranked[:top]]
     return result
 
 
@@ -139,7 +138,8 @@ def main(argv=None) -> int:
         report = profile_updates(args.config, setting, args.device, args.updates, args.warmup, args.models)
     except ValueError as err:
         raise SystemExit(f"profile_update: {err}")
-    print_table(table_rows(report), list(table_rows(report)[-1].keys()),
+    rows = table_rows(report)
+    print_table(rows, list(rows[-1].keys()),
                 f"One training update, {args.config}, {report['device']}, batch {args.sentences} x {args.tokens}, "
                 f"{args.reading} reading (median of {args.updates})")
     for name, r in report["models"].items():

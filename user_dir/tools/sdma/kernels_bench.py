@@ -8,8 +8,8 @@ of the attention alone (q, k, v, both responsibilities get gradients) at the sha
 precision. Prints a table and writes JSON (``--out``) with the milliseconds, the peak memory
 (``torch.cuda.max_memory_allocated`` on CUDA) and every ratio to explicit from the same run.
 
-    python scripts/bench_sdma_kernels.py --device cuda --dtypes fp16 bf16 fp32
-    python scripts/bench_sdma_kernels.py --device cpu --dtypes fp32 --repeats 5   # a CPU run
+    python -m user_dir.tools.sdma.kernels_bench --device cuda --dtypes fp16 bf16 fp32
+    python -m user_dir.tools.sdma.kernels_bench --device cpu --dtypes fp32 --repeats 5   # a CPU run
 """
 
 import argparse

@@ -7,7 +7,7 @@ Steps (each is timed; a failing step is reported and the next one still runs):
    pytest-xdist is installed): the SDMA kernels on CUDA in fp32/fp16/bf16, 20 updates of
    ``fairseq-train`` per model family in ``--fp16``/``--bf16``/``--amp``, FP16Optimizer overflow
    skips, ``fairseq-generate`` CUDA == CPU, ``pytorch_ddp``, ESPnet ``--ngpu 1 --use_amp true``;
-2. ``kernels``: ``scripts/bench_sdma_kernels.py`` (explicit / sdpa / lowrank, forward + backward,
+2. ``kernels``: ``python -m user_dir.tools.sdma.kernels_bench`` (explicit / sdpa / lowrank, forward + backward,
    fp32 / fp16 / bf16);
 3. ``profile``: ``python -m user_dir.tools.sdma.profile_update`` at the base configuration (one
    training update of V-T, SMA-T, SDMA-T: ms, ATen ops, kernels launched, GPU busy time, the ops
@@ -23,8 +23,8 @@ Writes ``OUT/report.json`` (device, versions, every step's status, seconds and h
 the steps' own JSON files beside it) and prints a table. Budget: about 20 minutes on one
 H100-class GPU with the defaults. Exit status 1 if any step failed.
 
-    python scripts/gpu_check.py                # what make gpu-check runs
-    python scripts/gpu_check.py --steps tests kernels --workers 8
+    python -m user_dir.tools.gpu_check                # what make gpu-check runs
+    python -m user_dir.tools.gpu_check --steps tests kernels --workers 8
 """
 
 import argparse
@@ -37,7 +37,7 @@ import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STEPS = ("tests", "kernels", "profile", "sdma_bench", "vae_bench", "optimus_bench")
 
 
@@ -92,7 +92,7 @@ def step_tests(args, out: Path) -> dict:
 
 
 def step_kernels(args, out: Path) -> dict:
-    code = run([sys.executable, "scripts/bench_sdma_kernels.py", "--device", "cuda", "--dtypes", "fp32", "fp16",
+    code = run([sys.executable, "-m", "user_dir.tools.sdma.kernels_bench", "--device", "cuda", "--dtypes", "fp32", "fp16",
                 "bf16", "--out", out / "sdma_kernels.json"], out / "kernels.log", args.step_timeout)
     result = {"returncode": code}
     if code == 0:
