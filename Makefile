@@ -3,6 +3,10 @@ PYTHON_VENV := .venv/bin/python
 STAMP := .venv/.install-stamp
 DEMO_MINUTES ?= 10
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test` and `make test-fast` (one per core of the 2-core CI
+# machine); each test file runs whole on one worker, so its module fixtures are built once.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: install demo test test-fast test-gpu gpu-check bench clean-outputs
 
@@ -17,11 +21,11 @@ demo: install
 
 # Everything (the CI command): unit tier (tests/unit) and CLI/training runs (tests/integration).
 test: install
-	$(PYTHON_VENV) -m pytest tests $(PYTEST_ARGS)
+	$(PYTHON_VENV) -m pytest tests $(XDIST) $(PYTEST_ARGS)
 
 # The unit tier only: equations, readers, in-process models (a few minutes).
 test-fast: install
-	$(PYTHON_VENV) -m pytest tests/unit -m "not integration" $(PYTEST_ARGS)
+	$(PYTHON_VENV) -m pytest tests/unit -m "not integration" $(XDIST) $(PYTEST_ARGS)
 
 # The GPU tier (tests/gpu): CUDA kernels, fairseq --fp16/--bf16/--amp, DDP, ESPnet --ngpu 1 (needs a GPU).
 test-gpu: install

@@ -21,7 +21,8 @@ DIR=.gpu-offline
 # the ESPnet entry points of the recipe and the plugin)
 PURE="Unidecode antlr4-python3-runtime ci-sdr defusedxml espnet espnet-g2p-en espnet_tts_frontend fast-bss-eval
 humanfriendly hydra-core inflect jaconv jamo jaraco.functools kaldiio librosa more-itertools nltk omegaconf
-soundfile tensorboardX torch-complex typeguard audioread pooch decorator platformdirs pycparser ConfigArgParse"
+soundfile tensorboardX torch-complex typeguard audioread pooch decorator platformdirs pycparser ConfigArgParse
+pytest-timeout pytest-xdist execnet"
 BINARY="fairseq-fixed bitarray soxr cffi editdistance"
 
 pinned() {  # NAME==VERSION from constraints.txt, or NAME

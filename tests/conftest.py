@@ -1,6 +1,7 @@
 import math
 import os
 import random
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +10,11 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-os.environ.setdefault("OMP_NUM_THREADS", "2")
+# `make test` runs pytest-xdist workers, one per core: each worker (and what it starts) computes
+# on one thread, so the workers do not oversubscribe the cores. A plain `pytest` uses two.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+os.environ.setdefault("OMP_NUM_THREADS", "1" if XDIST_WORKER else "2")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 import user_dir  # noqa: E402,F401  (registers models, criterions, safe globals)
 
@@ -94,6 +99,14 @@ def train_under_bf16_autocast(model, loss_fn, steps, lr=3e-3, check_falls=True):
     assert all(math.isfinite(v) for v in losses), losses
     assert losses[-1] < losses[0] or not check_falls, losses
     return losses
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a test's DDP rendezvous; xdist
+    workers run DDP tests at the same time, so a port fixed or derived from the pid can clash)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def venv_bin(name: str) -> str:

@@ -12,13 +12,12 @@ import math
 import os
 import random
 import re
-import socket
 import subprocess
 
 import pytest
 import torch
 
-from conftest import (REPO, english_phrases, prepare_bert_ding_bin, prepare_ding_bin, run_checked, save_tiny_bert,
+from conftest import (REPO, english_phrases, free_port, prepare_bert_ding_bin, prepare_ding_bin, run_checked, save_tiny_bert,
                       venv_bin)
 from gpu_support import FAIRSEQ_PRECISION, ON_CPU, fairseq_device_flags, needs_cuda_for
 
@@ -239,12 +238,6 @@ def test_generate_on_cuda_equals_the_cpu(translation_bin, tmp_path, family):
     assert max(abs(on_gpu[k][0] - on_cpu[k][0]) for k in on_gpu if on_gpu[k][1] == on_cpu[k][1]) < 1e-3
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(ON_CPU, reason="the CPU stand-in (legacy_ddp over gloo) is tests/integration/test_cli.py's")
 @pytest.mark.parametrize("family", ["sdma_authors", "sdma_paper", "sma", "qkvae", "bert_fused"])
 def test_pytorch_ddp_two_processes_on_one_gpu(request, tmp_path, family):
@@ -252,7 +245,7 @@ def test_pytorch_ddp_two_processes_on_one_gpu(request, tmp_path, family):
     off: DDP raises if any trained parameter gets no gradient), two ranks on the one GPU over gloo."""
     fixtures, argv = FAMILIES[family]
     values = {name: request.getfixturevalue(name) for name in fixtures}
-    port = _free_port()
+    port = free_port()
     precision, device = ["--fp16"], ["--device-id", "0", "--distributed-backend", "gloo"]
     procs = []
     for rank in range(2):

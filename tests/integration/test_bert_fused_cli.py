@@ -3,7 +3,6 @@ prepare-translation --src-bert-dir, fairseq-train (one process and DDP), fairseq
 the safe loader and --model-overrides, and the four-row driver sdma-bert-runs."""
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -11,7 +10,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import REPO, prepare_bert_ding_bin, run_checked, venv_bin
+from conftest import REPO, free_port, prepare_bert_ding_bin, run_checked, venv_bin
 
 pytestmark = pytest.mark.integration
 
@@ -89,7 +88,7 @@ def test_ddp_two_cpu_processes_embed_fusion(bert_bin, tmp_path):
     single = tmp_path / "single"
     run_checked(train_cmd(bert_bin, single, *common, "--update-freq", 2))
     ddp = tmp_path / "ddp"
-    port = 29500 + (os.getpid() + 7) % 1000
+    port = free_port()
     procs = [subprocess.Popen(
         [str(c) for c in train_cmd(bert_bin, ddp, *common, "--distributed-world-size", 2, "--distributed-rank",
                                    rank, "--distributed-no-spawn", "--distributed-init-method",

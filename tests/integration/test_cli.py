@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, prepare_ding_bin, run_checked, venv_bin
+from conftest import REPO, free_port, prepare_ding_bin, run_checked, venv_bin
 from latent_core.sdma import mixing_weight
 
 DING = Path("/usr/share/trans/de-en")
@@ -186,7 +186,7 @@ def test_ddp_two_cpu_processes_match_update_freq_two(data_bin, tmp_path, reading
     single = tmp_path / "single"
     run(train_cmd(data_bin, single, *common, "--update-freq", "2"))
     ddp = tmp_path / "ddp"
-    port = 29500 + os.getpid() % 1000
+    port = free_port()
     procs = [
         subprocess.Popen(
             [str(c) for c in train_cmd(data_bin, ddp, *common, "--distributed-world-size", "2",

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO
+from conftest import REPO, free_port
 
 pytest.importorskip("espnet2")
 pytestmark = pytest.mark.skipif(
@@ -260,14 +260,10 @@ def test_real_checkpoints_load_with_the_allow_list(pipeline):
 
 def test_two_process_cpu_training_with_espnets_distributed_launcher(pipeline, tmp_path):
     """ESPnet DDP (gloo, 2 CPU processes): same stat keys on both ranks, update counter = optimizer steps."""
-    import socket
-
     import torch
 
     work, _ = pipeline
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = tmp_path / "ddp"
     base = train_command(work, out) + [
         "--multiprocessing_distributed", "false", "--dist_world_size", "2", "--dist_backend", "gloo",

@@ -13,7 +13,6 @@ import os
 import pickle
 import random
 import re
-import socket
 import subprocess
 
 import numpy as np
@@ -23,7 +22,7 @@ from fairseq.logging import metrics as fairseq_metrics
 from scipy.stats import pearsonr, spearmanr
 from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
 
-from conftest import BF16_AUTOCAST, REPO, run_checked, save_tiny_bert, train_under_bf16_autocast, venv_bin
+from conftest import BF16_AUTOCAST, REPO, free_port, run_checked, save_tiny_bert, train_under_bf16_autocast, venv_bin
 from user_dir.hf_sentence import metrics as hf_metrics
 from user_dir.hf_sentence.criterion import HFSentencePredictionCriterion, HFSentencePredictionCriterionConfig
 from user_dir.hf_sentence.data import GLUE_TASKS, read_tsv
@@ -711,9 +710,7 @@ def test_fairseq_train_ddp_two_cpu_processes_validates_every_dev_example_once(tm
     shard = task.get_batch_iterator(dev, max_sentences=16, max_positions=32, required_batch_size_multiple=8,
                                     num_shards=2, shard_id=1, disable_iterator_cache=True).next_epoch_itr(shuffle=False)
     assert [len(batch) == 0 for batch in shard] == [False, True]
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     save_dir = tmp_path / "ckpt"
     procs = [subprocess.Popen(
         train_cmd(data, tiny, save_dir, "--glue-task", "STS-B", "--max-epoch", "2", "--distributed-world-size", "2",

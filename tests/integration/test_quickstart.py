@@ -178,7 +178,7 @@ def test_train_segment_starts_fresh_then_resumes(tmp_path, monkeypatch):
     save_dir.mkdir()
     (save_dir / "checkpoint_last.pt").write_text("stale")  # an earlier demo's
     (save_dir / "state").write_text("num_updates=999")
-    name, (subdir, arch) = "V-T", qs.MODELS["V-T"]
+    _subdir, arch = qs.MODELS["V-T"]
     first = qs.train_segment(tmp_path / "bin", save_dir, arch, 1, 0, 20, 5, "train-1of2.log")
     assert first["start"] == 0 and first["end"] == 20 and first["startup_seconds"] == 3.0
     assert first["intervals"] == 3 and first["words_per_second"] > 0 and first["loss"] == pytest.approx(9.8)

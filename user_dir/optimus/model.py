@@ -42,7 +42,7 @@ vocabulary (see :mod:`.pretrained`); both at once only when they share one vocab
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +50,6 @@ from fairseq import utils
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.models import FairseqEncoderDecoderModel, FairseqIncrementalDecoder, register_model
 from torch import Tensor, nn
-from transformers import BertConfig, BertModel, DynamicCache, GPT2Config, GPT2LMHeadModel
 
 from user_dir.model_config import add_config_args, register_architecture
 from user_dir.sentence_vae.base import SentenceVAEEncoder, decoder_extra
@@ -65,6 +64,9 @@ from .pretrained import (
     load_pretrained,
     map_dictionary,
 )
+
+if TYPE_CHECKING:  # imported where a model is built, so `--user-dir user_dir` starts without transformers
+    from transformers import BertModel, DynamicCache, GPT2LMHeadModel
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +126,7 @@ class OptimusEncoder(SentenceVAEEncoder):
     ``vocab_rows`` (``[V]``, or ``None`` for the identity) maps fairseq indices to BERT ids.
     """
 
-    def __init__(self, dictionary, bert: BertModel, latent_dim: int, pooling: str,
+    def __init__(self, dictionary, bert: "BertModel", latent_dim: int, pooling: str,
                  vocab_rows: Optional[List[int]] = None):
         super().__init__(dictionary)
         if pooling == "pooler" and bert.pooler is None:
@@ -180,7 +182,7 @@ class OptimusDecoder(FairseqIncrementalDecoder):
     indices to rows of GPT-2's (tied) embedding matrix.
     """
 
-    def __init__(self, dictionary, gpt2: GPT2LMHeadModel, latent_dim: int, injection: str,
+    def __init__(self, dictionary, gpt2: "GPT2LMHeadModel", latent_dim: int, injection: str,
                  memory_kv: str = "direct", vocab_rows: Optional[List[int]] = None):
         super().__init__(dictionary)
         self.gpt2 = gpt2
@@ -275,6 +277,8 @@ class OptimusDecoder(FairseqIncrementalDecoder):
         z = encoder_out["latents"][LATENT]
         if z.size(0) != prev_output_tokens.size(0):
             raise ValueError(f"latents for {z.size(0)} sentences, decoder input for {prev_output_tokens.size(0)}")
+        from transformers import DynamicCache
+
         cache = DynamicCache(config=self.gpt2.config)
         state = self._get_cache(incremental_state) if incremental_state is not None else None
         if state:
@@ -318,7 +322,7 @@ class OptimusDecoder(FairseqIncrementalDecoder):
     def _get_cache(self, incremental_state) -> Optional[Dict[str, Tensor]]:
         return self.get_incremental_state(incremental_state, "gpt2_cache")
 
-    def _set_cache(self, incremental_state, cache: DynamicCache) -> None:
+    def _set_cache(self, incremental_state, cache: "DynamicCache") -> None:
         state = {}
         for layer in range(self.num_layers):
             state[f"key_{layer}"] = cache.layers[layer].keys
@@ -405,6 +409,8 @@ def _adopt_pretrained_sizes(args, directory: PretrainedDirectory, sizes) -> None
 
 def build_encoder(args, dictionary, directory: Optional[PretrainedDirectory] = None) -> OptimusEncoder:
     """BERT from scratch (``--encoder-*`` sizes, ``len(dictionary)`` rows) or from ``--bert-dir``."""
+    from transformers import BertConfig, BertModel
+
     pooler = args.optimus_cls_pooling == "pooler"
     dropout = dict(hidden_dropout_prob=args.dropout, attention_probs_dropout_prob=args.attention_dropout)
     if directory is None:
@@ -433,6 +439,8 @@ def build_encoder(args, dictionary, directory: Optional[PretrainedDirectory] = N
 def build_decoder(args, dictionary, directory: Optional[PretrainedDirectory] = None) -> OptimusDecoder:
     """GPT-2 from scratch (``--decoder-*`` sizes, ``len(dictionary)`` rows) or from ``--gpt2-dir``
     (new embedding rows for the fairseq specials GPT-2 lacks)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
     dropout = dict(resid_pdrop=args.dropout, embd_pdrop=args.dropout, attn_pdrop=args.attention_dropout)
     if directory is None:
         config = GPT2Config(
