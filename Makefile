@@ -3,8 +3,9 @@ PYTHON_VENV := .venv/bin/python
 STAMP := .venv/.install-stamp
 DEMO_MINUTES ?= 10
 PYTEST_ARGS ?=
-# pytest-xdist workers for `make test` and `make test-fast` (one per core of the 2-core CI
-# machine); each test file runs whole on one worker, so its module fixtures are built once.
+# pytest-xdist workers for `make test` (one per core of the 2-core CI machine); each test file
+# runs whole on one worker, so its module fixtures are built once. The unit tier alone gains
+# nothing from them (5-6 minutes either way on 2 cores), so `make test-fast` runs in one process.
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadfile
 
@@ -25,7 +26,7 @@ test: install
 
 # The unit tier only: equations, readers, in-process models (a few minutes).
 test-fast: install
-	$(PYTHON_VENV) -m pytest tests/unit -m "not integration" $(XDIST) $(PYTEST_ARGS)
+	$(PYTHON_VENV) -m pytest tests/unit -m "not integration" $(PYTEST_ARGS)
 
 # The GPU tier (tests/gpu): CUDA kernels, fairseq --fp16/--bf16/--amp, DDP, ESPnet --ngpu 1 (needs a GPU).
 test-gpu: install
