@@ -96,18 +96,24 @@ def flat_transformer_fields(defaults: Mapping[str, Any] = {}):
     return result
 
 
-def config_namespace(cfg) -> argparse.Namespace:
+def config_namespace(cfg, config_cls: Optional[Type[FairseqDataclass]] = None) -> argparse.Namespace:
     """A model's options as an ``argparse.Namespace`` (what fairseq's transformer code and the
     models read), from whatever fairseq hands ``build_model``: the Namespace an architecture filled
     (``--arch NAME_variant``, old checkpoints), a config dataclass (``--arch NAME``: fairseq's
-    ``from_namespace``) or a DictConfig (fairseq-hydra-train, a checkpoint). A default
-    ``${model.decoder_embed_dim}`` that nothing resolved takes that field's value."""
+    ``from_namespace``) or a DictConfig (fairseq-hydra-train, a checkpoint).
+
+    With ``config_cls``, an option the caller left unset (absent or None) takes the config's default,
+    as fairseq's own ``TransformerModel.build_model`` completes a sparse Namespace with its base
+    architecture (fairseq's tests and scripts build models that way). A Namespace is completed in
+    place. A default ``${model.decoder_embed_dim}`` that nothing resolved takes that field's value."""
     if OmegaConf.is_config(cfg):
         args = argparse.Namespace(**OmegaConf.to_container(cfg, enum_to_str=True))
     elif isinstance(cfg, argparse.Namespace):
         args = cfg
     else:
         args = argparse.Namespace(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
+    if config_cls is not None:
+        fill_unset(args, config_defaults(config_cls))
     for name, value in vars(args).items():
         reference = _MODEL_REFERENCE.fullmatch(value) if isinstance(value, str) else None
         if reference:

@@ -186,7 +186,7 @@ class LatentAttentionVAE(FairseqEncoderDecoderModel):
 
     @classmethod
     def build_model(cls, cfg, task):
-        args = config_namespace(cfg)
+        args = config_namespace(cfg, getattr(cls, "__dataclass"))
         cls.architecture_defaults(args)
         cls.resolve_defaults(args)
         src_dict, tgt_dict = task.source_dictionary, task.target_dictionary

@@ -467,7 +467,7 @@ class BertFusedTransformerModel(SDMATransformerModel):
 
     @classmethod
     def build_model(cls, cfg, task):
-        args = config_namespace(cfg)
+        args = config_namespace(cfg, BertFusedTransformerConfig)
         validate_bert_args(args)
         model = super().build_model(args, task)  # SDMA's checks
         log_parameter_counts(model)

@@ -311,7 +311,7 @@ class SDMATransformerModel(TransformerModel):
 
     @classmethod
     def build_model(cls, cfg, task):
-        args = config_namespace(cfg)
+        args = config_namespace(cfg, getattr(cls, "__dataclass"))  # a sparse Namespace builds, as fairseq's
         validate_sdma_args(args)
         model = super().build_model(args, task)
         model.sdma_loss_weights = {name: float(getattr(args, name)) for name in LOSS_WEIGHT_ARGS}
