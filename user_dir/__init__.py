@@ -4,7 +4,7 @@
 every model, criterion and task below, reports configuration errors as one line
 (``latent_core/errors.py``) and allow-lists the few extra types that
 fairseq checkpoints contain for torch's safe loader (``weights_only=True``).
-It also makes fairseq's ``translation`` task rebuild its batch iterator every epoch,
+It also makes fairseq's ``translation`` task build its cached batch iterator as at epoch 1,
 so that a resumed run is bit-identical to a continuous one (``user_dir/exact_resume.py``).
 """
 

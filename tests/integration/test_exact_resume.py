@@ -10,6 +10,8 @@ schedule values, losses) must be equal too.
 * (a) SDMA translation (fairseq's ``translation`` task, ``sdma_transformer_iwslt_de_en_tiny``
   shrunk to one layer, 400 Ding dictionary pairs): 60 == 40 + 20, resumed from the mid-epoch
   checkpoint that ``--max-update 40`` writes;
+* (a') fairseq's own ``--arch transformer`` with the plugin loaded: a continuous run equals the same
+  run without the plugin, and resumes exactly;
 * (b) sentence VAE (``sentence_vae`` task, ``qkvae_small`` shrunk, a linear KL schedule
   active throughout, 200 English phrases): 60 == 40 + 20;
 * (c) ``hf_sentence_prediction`` (MRPC layout, a tiny random BERT): 60 == 40 + 20;
@@ -161,6 +163,36 @@ def test_sdma_translation_resume_is_bit_identical(small_translation_bin, tmp_pat
     mix = [v.item() for k, v in b["model"].items() if k.endswith("mix_weight")]
     assert mix and all(g == pytest.approx(mixing_weight(N_UPDATES - 1), abs=1e-7) for g in mix)
     assert_same_logged_stats(log_c, log_r, M_UPDATES + 1, N_UPDATES)
+
+
+# ------------------------------------------- (a') fairseq's own transformer under the plugin
+@needs_ding
+def test_the_plugin_leaves_a_plain_transformer_run_unchanged_and_resumes_it_exactly(small_translation_bin, tmp_path):
+    """``--arch transformer`` (nothing of the plugin's) with ``--user-dir user_dir``: the continuous run
+    is bit-identical to the same run without the plugin (fairseq's cached epoch-1 batches, reshuffled
+    each epoch; fairseq's default data-loader worker), and its resume is exact."""
+    def train(save_dir, max_update, plugin=True):
+        return run([
+            venv_bin("fairseq-train"), small_translation_bin, *(["--user-dir", REPO / "user_dir"] if plugin else []),
+            "--arch", "transformer", "--encoder-layers", "1", "--decoder-layers", "1",
+            "--encoder-embed-dim", "32", "--decoder-embed-dim", "32", "--encoder-ffn-embed-dim", "64",
+            "--decoder-ffn-embed-dim", "64", "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
+            "--dropout", "0.1", "--task", "translation", "--criterion", "label_smoothed_cross_entropy",
+            "--label-smoothing", "0.1", "--optimizer", "adam", "--lr", "2e-3", "--max-tokens", "500",
+            "--max-update", max_update, "--max-epoch", "100", "--seed", "1", "--cpu", "--no-progress-bar",
+            "--log-format", "json", "--log-interval", "1", "--save-dir", save_dir, "--no-epoch-checkpoints",
+        ])
+
+    a, b, log_c, log_r = fairseq_resume(train, tmp_path)
+    assert b["extra_state"]["train_iterator"]["epoch"] >= 2
+    assert_fairseq_states_identical(a, b)
+    assert_same_logged_stats(log_c, log_r, M_UPDATES + 1, N_UPDATES)
+
+    log_plain = train(tmp_path / "plain", N_UPDATES, plugin=False)
+    plain = torch.load(tmp_path / "plain" / "checkpoint_last.pt", map_location="cpu", weights_only=True)
+    assert_identical(plain["model"], a["model"], "plain fairseq vs the same run with the plugin loaded")
+    assert_same_logged_stats(log_plain, log_c, 1, N_UPDATES)
+    assert log_c.count("creating new batches") == log_plain.count("creating new batches") == 2  # train, valid
 
 
 # -------------------------------------------------------------------- (b) sentence VAE

@@ -30,7 +30,7 @@ from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.tasks import FairseqTask, register_task
 from omegaconf import II
 
-from ..exact_resume import no_epoch_iterator_reuse
+from ..exact_resume import batches_made_as_at_epoch_one
 from .data import (
     GLUE_TASKS,
     TASK_CHOICES,
@@ -246,7 +246,8 @@ class HFSentencePredictionTask(FairseqTask):
     def max_positions(self):
         return self.cfg.max_positions
 
-    can_reuse_epoch_itr = no_epoch_iterator_reuse  # bit-identical resume: user_dir/exact_resume.py
+    # bit-identical resume (user_dir/exact_resume.py)
+    get_batch_iterator = batches_made_as_at_epoch_one(FairseqTask.get_batch_iterator)
 
     # ------------------------------------------------------------ extension hooks
     @property

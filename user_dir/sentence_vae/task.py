@@ -33,7 +33,7 @@ from fairseq.tasks import FairseqTask, register_task
 from omegaconf import II
 
 from latent_core.errors import PluginConfigError
-from user_dir.exact_resume import no_epoch_iterator_reuse
+from user_dir.exact_resume import batches_made_as_at_epoch_one
 from user_dir.model_wrappers import unwrap_model
 
 logger = logging.getLogger(__name__)
@@ -202,7 +202,8 @@ class SentenceVAETask(FairseqTask):
 
         return with_generated_prefix_ngram_block(super().build_generator(models, args, *rest, **kwargs))
 
-    can_reuse_epoch_itr = no_epoch_iterator_reuse  # bit-identical resume: user_dir/exact_resume.py
+    # bit-identical resume (user_dir/exact_resume.py)
+    get_batch_iterator = batches_made_as_at_epoch_one(FairseqTask.get_batch_iterator)
 
     def max_positions(self):
         return (self.cfg.max_positions, self.cfg.max_positions)
