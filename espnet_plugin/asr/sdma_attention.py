@@ -35,8 +35,12 @@ from latent_core.sdma import (
 ATTENTION_GROUPS = ("encoder_self", "decoder_self", "decoder_cross")
 
 
-class ESPnetConfigError(PluginConfigError):
-    """A training-config value ESPnet would reject with a bare assert (the message names the YAML key)."""
+class ESPnetConfigError(PluginConfigError, AssertionError):
+    """A training-config value ESPnet would reject with a bare assert (the message names the YAML key).
+
+    Both a ``ValueError`` (the plugin's :class:`PluginConfigError`: one line, exit status 2) and an
+    ``AssertionError``: ESPnet's own classes ``assert`` on invalid configuration and code (ESPnet's
+    tests among it) written against them catches ``AssertionError``."""
 
 
 def check_transformer_conf(conf_name: str, *, width: int, width_key: str, attention_heads: int,

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from latent_core.sdma import (
     AUTHORS_EPS,
+    SDMAConfigError,
     SDMACore,
     SDMAOptions,
     authors_linear_init,
@@ -50,10 +51,10 @@ class SDMAMultiheadAttention(MultiheadAttention):
 
     def __init__(self, embed_dim, num_heads, *, sdma: SDMAOptions, group: str, **kwargs):
         if kwargs.get("add_bias_kv") or kwargs.get("add_zero_attn"):
-            raise ValueError("SDMA attention does not support add_bias_kv / add_zero_attn")
+            raise SDMAConfigError("SDMA attention does not support add_bias_kv / add_zero_attn")
         kdim = kwargs.get("kdim") or embed_dim
         if kdim != embed_dim:
-            raise ValueError(
+            raise SDMAConfigError(
                 f"SDMA clusters keys and queries with one GMM: key dim {kdim} must equal "
                 f"the embedding dim {embed_dim}"
             )
@@ -62,6 +63,22 @@ class SDMAMultiheadAttention(MultiheadAttention):
         self.sdma.sdma_group = group
         if sdma.authors and sdma.mode != "none":
             self._reset_projections_as_authors()
+
+    def __prepare_scriptable__(self):
+        """``torch.jit.script`` calls this first, on every submodule: a named error instead of
+        TorchScript's compile error deep in the SDMA core."""
+        raise SDMAConfigError(
+            "torch.jit.script: SDMAMultiheadAttention cannot be scripted (the SDMA core uses custom autograd "
+            "functions and per-forward state); run it unscripted, or script fairseq's MultiheadAttention "
+            "(sdma_transformer --sdma-mode none builds fairseq's own layers, which script)")
+
+    def _adaptive_prune_heads(self, reserve_head_index):
+        """fairseq's head pruning: refused, with what to do instead (its GMMs, noise heads and mask are
+        built for ``num_heads`` heads; fairseq's code would fail on a size mismatch in the core)."""
+        raise SDMAConfigError(
+            f"head pruning (_adaptive_prune_heads) is not supported by SDMA attention: its per-head GMM and noise "
+            f"parameters are built for {self.num_heads} heads; prune a --sdma-mode none model (fairseq's own "
+            "attention), or train with fewer --encoder-attention-heads / --decoder-attention-heads")
 
     def forward(
         self,

@@ -393,13 +393,15 @@ def test_impossible_options_name_the_config_key(overrides, message):
     ],
 )
 def test_what_espnet_asserts_is_checked_first_and_named_by_its_yaml_key(overrides, message):
-    """ESPnet would fail with a bare AssertionError; the plugin names the key (a PluginConfigError)."""
+    """ESPnet would fail with a bare AssertionError; the plugin names the key (a PluginConfigError), and
+    the error is an AssertionError too, so code written against ESPnet's classes still catches it."""
     from espnet_plugin.asr.sdma_attention import ESPnetConfigError
     from latent_core.errors import PluginConfigError
 
-    with pytest.raises(ESPnetConfigError) as error:
+    with pytest.raises(AssertionError) as error:
         SDMAASRTask.build_model(tiny_args(**overrides))
-    assert message in str(error.value) and isinstance(error.value, PluginConfigError)
+    assert isinstance(error.value, ESPnetConfigError) and isinstance(error.value, PluginConfigError)
+    assert isinstance(error.value, ValueError) and message in str(error.value)
 
 
 def test_unknown_option_is_refused_by_name():

@@ -35,3 +35,29 @@ def test_bert_fused_refuses_scripting_by_name(tmp_path, bert_dir):  # noqa: F811
     model, _, _ = bert_build(tmp_path, bert_dir, "--sdma-mode", "none")
     with pytest.raises(BertFusedConfigError, match="bert_fused_transformer cannot be scripted"):
         torch.jit.script(model)
+
+
+def sdma_attention(mode="sdma"):
+    from latent_core.sdma import SDMAOptions
+    from user_dir.sdma.fairseq_attention import SDMAMultiheadAttention
+
+    return SDMAMultiheadAttention(16, 4, self_attention=True, sdma=SDMAOptions(mode=mode), group="encoder_self")
+
+
+def test_the_attention_module_alone_refuses_scripting_in_one_line():
+    with pytest.raises(SDMAConfigError) as error:
+        torch.jit.script(sdma_attention())
+    message = str(error.value)
+    assert "SDMAMultiheadAttention cannot be scripted" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("mode", ["sdma", "sma"])
+def test_head_pruning_is_refused_by_name(mode):
+    """fairseq's ``test_pruning_heads`` sequence: a named error instead of a size mismatch in the core."""
+    attention = sdma_attention(mode)
+    reserve = attention._get_reserve_head_index(num_heads_to_keep=2)
+    with pytest.raises(SDMAConfigError, match="head pruning .* not supported by SDMA attention.*4 heads"):
+        attention._adaptive_prune_heads(reserve_head_index=reserve)
+    assert attention.num_heads == 4  # nothing changed
+    x = torch.randn(5, 2, 16)
+    attention(x, x, x)  # still usable
