@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: install demo test test-fast test-gpu gpu-check bench clean-outputs
+.PHONY: install demo test test-fast test-gpu test-toolkits gpu-check bench clean-outputs
 
 install: $(STAMP)
 
@@ -27,6 +27,12 @@ test: install
 # The unit tier only: equations, readers, in-process models (a few minutes).
 test-fast: install
 	$(PYTHON_VENV) -m pytest tests/unit -m "not integration" $(PYTEST_ARGS)
+
+# fairseq's and ESPnet's own tests (pinned sdists from PyPI, cached in .cache/toolkit-tests/) with the
+# plugin's classes substituted, in each SDMA mode and reading; fails on a failure that
+# tests/toolkits/expected_failures.toml does not explain, or on an expected failure that passes.
+test-toolkits: install
+	$(PYTHON_VENV) tests/toolkits/run_toolkit_tests.py
 
 # The GPU tier (tests/gpu): CUDA kernels, fairseq --fp16/--bf16/--amp, DDP, ESPnet --ngpu 1 (needs a GPU).
 test-gpu: install

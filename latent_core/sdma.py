@@ -903,8 +903,9 @@ class SDMACore(nn.Module):
         self.mix_weight.fill_(mixing_weight(num_updates, o.mix_max, o.mix_rate))
 
     def active(self, training: bool) -> bool:
-        """Whether the semantic mask is applied in this forward pass."""
-        return training or self.options.mask_at_inference
+        """Whether the semantic mask is applied in this forward pass (never in mode ``none``: an attention
+        module built with it is the toolkit's plain attention, as the option documents)."""
+        return self.options.mode != "none" and (training or self.options.mask_at_inference)
 
     # -- clustering -------------------------------------------------------------
     def perturb(self, x: Tensor, training: bool, log_var: Optional[Tensor] = None) -> Tensor:

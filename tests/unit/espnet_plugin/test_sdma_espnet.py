@@ -439,3 +439,21 @@ def test_every_trained_parameter_gets_a_gradient_for_ddp(reading, num_updates):
     loss.sum().backward()
     missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
     assert not missing, missing
+
+
+@pytest.mark.parametrize("reading", ["authors", "paper"])
+def test_mode_none_is_espnets_plain_attention_in_training(reading):
+    """``SDMAOptions(mode="none")`` documents vanilla attention: the class built with it computes ESPnet's
+    ``MultiHeadedAttention`` exactly, in training too (the authors reading crashed on its absent noise heads)."""
+    from espnet.nets.pytorch_backend.transformer.attention import MultiHeadedAttention
+
+    from espnet_plugin.asr.sdma_attention import SDMAMultiHeadedAttention
+    from latent_core.sdma import SDMAOptions
+
+    torch.manual_seed(0)
+    sdma = SDMAMultiHeadedAttention(2, 8, 0.0, sdma=SDMAOptions(mode="none", reading=reading), group="encoder_self")
+    plain = MultiHeadedAttention(2, 8, 0.0)
+    plain.load_state_dict({k: v for k, v in sdma.state_dict().items() if not k.startswith("sdma.")})
+    x, mask = torch.randn(2, 5, 8), torch.ones(2, 1, 5, dtype=torch.bool)
+    mask[1, :, 3:] = False
+    torch.testing.assert_close(sdma.train()(x, x, x, mask), plain.train()(x, x, x, mask), rtol=0, atol=0)

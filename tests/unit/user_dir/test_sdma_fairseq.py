@@ -361,3 +361,25 @@ def test_every_trained_parameter_gets_a_gradient_for_ddp(tmp_path, mode, num_upd
     loss.backward()
     unused = [name for name, p in model.named_parameters() if p.requires_grad and p.grad is None]
     assert not unused, unused
+
+
+@pytest.mark.parametrize("reading", ["authors", "paper"])
+def test_attention_in_mode_none_is_fairseqs_multihead_attention_in_training(reading):
+    """``SDMAOptions(mode="none")`` documents vanilla attention: the module computes fairseq's exactly."""
+    from fairseq.modules.multihead_attention import MultiheadAttention
+
+    from latent_core.sdma import SDMAOptions
+    from user_dir.sdma.fairseq_attention import SDMAMultiheadAttention
+
+    torch.manual_seed(0)
+    sdma = SDMAMultiheadAttention(8, 2, self_attention=True, sdma=SDMAOptions(mode="none", reading=reading),
+                                  group="encoder_self")
+    plain = MultiheadAttention(8, 2, self_attention=True)
+    plain.load_state_dict({k: v for k, v in sdma.state_dict().items() if not k.startswith("sdma.")})
+    x = torch.randn(5, 2, 8)
+    padding = torch.zeros(2, 5, dtype=torch.bool)
+    padding[1, 3:] = True
+    out_sdma, weights_sdma = sdma.train()(x, x, x, key_padding_mask=padding)
+    out_plain, weights_plain = plain.train()(x, x, x, key_padding_mask=padding)
+    torch.testing.assert_close(out_sdma, out_plain, rtol=0, atol=0)
+    torch.testing.assert_close(weights_sdma, weights_plain, rtol=0, atol=0)
