@@ -707,31 +707,58 @@ class _MixedAttention(torch.autograd.Function):
 
 
 def fused_mix_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, mix: Tensor,
-                        base_mask: Optional[Tensor] = None, dropout_p: float = 0.0) -> Tensor:
+                        base_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
+                        authors_responsibilities: Optional[Tuple[Tensor, Tensor, Optional[Tensor]]] = None) -> Tensor:
     """A_hat V of eq. (11) with ``torch.nn.functional.scaled_dot_product_attention``.
 
     A_hat V = (1 - g) softmax(s) V + g softmax(s + log M) V: two SDPA calls, the second with
     the semantic mask as an additive float mask, so fused kernels run (memory-efficient
     attention on CUDA accepts, and differentiates, an additive mask; on a CPU the unmasked
     branch gets the fused CPU kernel). ``q [B, H, T, D]`` already scaled, ``k, v [B, H, S, D]``,
-    ``mask`` the unnormalised M of :func:`semantic_mask_product` reshaped to ``[B, H, T, S]``,
-    ``base_mask`` an additive float mask (padding / future positions as ``-inf``) broadcastable
-    to ``[B, H, T, S]`` in ``q``'s dtype, or None. Returns ``[B, H, T, D]`` in ``q``'s dtype.
-    With ``dropout_p > 0`` each branch draws its own dropout (the explicit path drops A_hat).
-    A mask with zeros (the authors' :func:`authors_semantic_mask`) is floored at the smallest
-    normal float before the log; the authors' 1e-6 floor of sum_j M_ij A_ij is not applied here.
+    ``mask`` M of eq. (10) reshaped to ``[B, H, T, S]`` (:func:`semantic_mask_product`, or the
+    authors' :func:`authors_semantic_mask`), ``base_mask`` an additive float mask (padding / future
+    positions as ``-inf``) broadcastable to ``[B, H, T, S]`` in ``q``'s dtype, or None. Returns
+    ``[B, H, T, D]`` in ``q``'s dtype. With ``dropout_p > 0`` each branch draws its own dropout (the
+    explicit path drops A_hat). A mask with zeros is floored at the smallest normal float before the log.
+
+    The authors reading (``authors_responsibilities = (resp_query [B, H, T, C], resp_key [B, H, S, C],
+    allowed)``, ``allowed`` the 0/1 mask of :func:`authors_semantic_mask` or None): their A_bar divides
+    M o A by max(Z_i, eps), Z_i = sum_j M_ij A_ij, so a row whose masked mass is below eps is not
+    renormalised to 1 (softmax(s + log M) always is). Z_i = sum_c gq_ic [A gk_c]_i / r_i (M has rank C;
+    r_i its row normaliser), so the plain call's value is widened by the C responsibilities of the keys
+    and the masked branch is scaled by min(1, Z_i / eps): exact in every row.
     """
     log_mask = torch.log(mask.clamp_min(torch.finfo(mask.dtype).tiny)).to(q.dtype)
     if base_mask is not None:
         log_mask = log_mask + base_mask
-    plain = F.scaled_dot_product_attention(q, k, v, attn_mask=base_mask, dropout_p=dropout_p, scale=1.0)
+    D = v.size(-1)
+    plain_value = v if authors_responsibilities is None else torch.cat([v, authors_responsibilities[1].to(v.dtype)], -1)
+    plain = F.scaled_dot_product_attention(q, k, plain_value, attn_mask=base_mask, dropout_p=dropout_p, scale=1.0)
     masked = F.scaled_dot_product_attention(q, k, v, attn_mask=log_mask, dropout_p=dropout_p, scale=1.0)
+    if authors_responsibilities is not None:
+        resp_query, resp_key, allowed = authors_responsibilities
+        plain, attended_key_resp = plain[..., :D], plain[..., D:]  # [A V], [A gk]
+        with _full_precision(resp_query):
+            wide = torch.promote_types(q.dtype, torch.float32)
+            gq = resp_query.to(wide)
+            row = (gq * _allowed_key_mass(resp_key.to(wide), allowed)).sum(-1, keepdim=True).clamp_min(AUTHORS_EPS)
+            mass = (gq * attended_key_resp.to(wide)).sum(-1, keepdim=True) / row  # Z_i of eq. (2)
+            masked = (masked.to(wide) * (mass / AUTHORS_EPS).clamp_max(1.0)).to(q.dtype)
     return torch.lerp(plain, masked, mix.detach().to(plain.dtype, copy=True))
+
+
+def _allowed_key_mass(resp_key: Tensor, allowed: Optional[Tensor]) -> Tensor:
+    """sum_{j allowed} p(c|k_j), ``[B, H, T or 1, C]`` from ``resp_key [B, H, S, C]`` and the 0/1
+    ``allowed`` (broadcastable to ``[B, H, T, S]``; None: every key): the authors' mask normaliser
+    r_i = sum_c gq_ic (this)_ic before its eps."""
+    if allowed is None:
+        return resp_key.sum(-2, keepdim=True)
+    return torch.matmul(allowed.to(resp_key.dtype), resp_key)
 
 
 def lowrank_mix_attention(q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, resp_key: Tensor, mix: Tensor,
                           base_mask: Optional[Tensor] = None, allowed: Optional[Tensor] = None,
-                          dropout_p: float = 0.0) -> Tensor:
+                          dropout_p: float = 0.0, authors: bool = False) -> Tensor:
     """A_hat V of eq. (11) in one ``scaled_dot_product_attention`` call, with no T x S mask.
 
     M_ij = sum_c gq_ic gk_jc (+ eps) has rank C, so the masked branch of eq. (2) is
@@ -740,10 +767,10 @@ def lowrank_mix_attention(q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, r
     branches; the responsibilities get their gradient through that value and the final ratio.
     ``q [B, H, T, D]`` scaled, ``k, v [B, H, S, D]``, ``resp_query [B, H, T, C]``,
     ``resp_key [B, H, S, C]`` (p(c|.) per head), ``base_mask`` additive (``-inf`` at padding/future
-    keys) broadcastable to ``[B, H, T, S]`` in ``q``'s dtype. ``allowed`` (0/1, broadcastable to
-    ``[B, H, T, S]``) selects the authors reading (:func:`authors_semantic_mask`: M L1-normalised over
-    the allowed keys, both normalisers floored at their eps); None is the paper reading
-    (:func:`semantic_mask_product`). Returns ``[B, H, T, D]`` in ``q``'s dtype. Exact (no
+    keys) broadcastable to ``[B, H, T, S]`` in ``q``'s dtype. ``authors`` selects the authors reading
+    (:func:`authors_semantic_mask`: M L1-normalised over the keys ``allowed`` (0/1, broadcastable to
+    ``[B, H, T, S]``; None: every key), both normalisers floored at their eps); else the paper reading
+    (:func:`semantic_mask_product`; ``allowed`` unused). Returns ``[B, H, T, D]`` in ``q``'s dtype. Exact (no
     approximation) up to rounding; with ``dropout_p > 0`` the kernel drops A before the mask
     (one draw for both branches; the explicit path drops A_hat).
     """
@@ -758,11 +785,10 @@ def lowrank_mix_attention(q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, r
         gq = resp_query.to(wide)
         num = torch.einsum("bhtc,bhtcd->bhtd", gq, out[..., D:D + C * D].unflatten(-1, (C, D)))
         den = torch.einsum("bhtc,bhtc->bht", gq, out[..., D + C * D:]).unsqueeze(-1)
-        if allowed is None:  # eq. (10) plus the 1e-6 floor of semantic_mask_product
+        if not authors:  # eq. (10) plus the 1e-6 floor of semantic_mask_product
             masked = (num + _MASK_FLOOR * plain) / (den + _MASK_FLOOR)
         else:  # r_i = max(sum_c gq_ic sum_{j allowed} gk_jc, eps), then A o M renormalised with eps
-            key_mass = torch.matmul(allowed.to(wide), resp_key.to(wide))  # [B, H, T or 1, C]
-            row = (gq * key_mass).sum(-1, keepdim=True).clamp_min(AUTHORS_EPS)
+            row = (gq * _allowed_key_mass(resp_key.to(wide), allowed)).sum(-1, keepdim=True).clamp_min(AUTHORS_EPS)
             masked = (num / row) / (den / row).clamp_min(AUTHORS_EPS)
         mixed = torch.lerp(plain, masked, mix.detach().to(plain.dtype, copy=True))
     return mixed.to(q.dtype)

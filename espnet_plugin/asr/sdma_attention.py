@@ -287,8 +287,9 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
             p = self.dropout.p if dropout_active else 0.0
             if kernel == "lowrank":
                 return lowrank_mix_attention(q, k, v, resp_query, resp_key, core.mix_weight, base_mask,
-                                             allowed if authors else None, p)
-            return fused_mix_attention(q, k, v, semantic_mask(), core.mix_weight, base_mask, p)
+                                             allowed, p, authors=authors)
+            return fused_mix_attention(q, k, v, semantic_mask(), core.mix_weight, base_mask, p,
+                                       authors_responsibilities=(resp_query, resp_key, allowed) if authors else None)
         scores = torch.matmul(q, k.transpose(-2, -1)).float()
         if blocked is not None:
             scores = scores.masked_fill(blocked, torch.finfo(torch.float32).min)

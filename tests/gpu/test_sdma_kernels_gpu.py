@@ -56,10 +56,11 @@ def _mask(resp_q, resp_k, allowed, authors):
 def _run(kernel, q, k, v, resp_q, resp_k, mix, allowed, authors):
     base_mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(allowed == 0, float("-inf"))
     if kernel == "lowrank":
-        return lowrank_mix_attention(q, k, v, resp_q, resp_k, mix, base_mask, allowed if authors else None)
+        return lowrank_mix_attention(q, k, v, resp_q, resp_k, mix, base_mask, allowed, authors=authors)
     mask = _mask(resp_q, resp_k, allowed, authors)
     if kernel == "sdpa":
-        return fused_mix_attention(q, k, v, mask, mix, base_mask)
+        return fused_mix_attention(q, k, v, mask, mix, base_mask,
+                                   authors_responsibilities=(resp_q, resp_k, allowed) if authors else None)
     scores = (q @ k.transpose(-1, -2)).float().masked_fill(allowed == 0, float("-inf"))
     attn = mix_attention(scores, mask, mix, norm_floor=AUTHORS_EPS if authors else 0.0)
     return attn.to(v.dtype) @ v

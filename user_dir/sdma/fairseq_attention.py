@@ -266,13 +266,14 @@ class SDMAMultiheadAttention(MultiheadAttention):
                 base_mask = future if base_mask is None else base_mask + future
             q4, k4, v4 = (t.view(bsz, H, -1, D) for t in (q, k, v))
             p = self.dropout_module.p if dropout_active else 0.0
+            resp4 = (resp_query.view(bsz, H, tgt_len, -1), key_resp.view(bsz, H, src_len, -1))
             if kernel == "lowrank":  # eq. (1), (2), (11) without the T x S mask
-                attn = lowrank_mix_attention(q4, k4, v4, resp_query.view(bsz, H, tgt_len, -1),
-                                             key_resp.view(bsz, H, src_len, -1), core.mix_weight, base_mask,
-                                             allowed, p)
+                attn = lowrank_mix_attention(q4, k4, v4, *resp4, core.mix_weight, base_mask, allowed, p,
+                                             authors=authors)
             else:  # eq. (1), (2), (11)
                 attn = fused_mix_attention(q4, k4, v4, semantic_mask().view(bsz, H, tgt_len, src_len),
-                                           core.mix_weight, base_mask, p)
+                                           core.mix_weight, base_mask, p,
+                                           authors_responsibilities=(*resp4, allowed) if authors else None)
             return attn.permute(2, 0, 1, 3).reshape(tgt_len, bsz, embed_dim), None
 
         mask = semantic_mask()

@@ -52,7 +52,7 @@ def test_lowrank_equals_explicit(authors, causal):
     base_mask = torch.zeros_like(allowed).masked_fill(allowed == 0, float("-inf"))
     ref_in, low_in = _inputs(), _inputs()
     ref = _explicit(*ref_in, mix, allowed, authors)
-    low = lowrank_mix_attention(*low_in, mix, base_mask, allowed if authors else None)
+    low = lowrank_mix_attention(*low_in, mix, base_mask, allowed, authors=authors)
     torch.testing.assert_close(low, ref, rtol=1e-10, atol=1e-12)
     weights = torch.randn_like(ref)
     (ref * weights).sum().backward()
@@ -74,5 +74,5 @@ def test_lowrank_rows_with_no_shared_cluster_fall_back_like_the_explicit_path():
     base_mask = torch.zeros_like(allowed).masked_fill(allowed == 0, float("-inf"))
     for authors in (False, True):
         ref = _explicit(q, k, v, resp_q, resp_k, mix, allowed, authors)
-        low = lowrank_mix_attention(q, k, v, resp_q, resp_k, mix, base_mask, allowed if authors else None)
+        low = lowrank_mix_attention(q, k, v, resp_q, resp_k, mix, base_mask, allowed, authors=authors)
         torch.testing.assert_close(low, ref, rtol=1e-9, atol=1e-12)

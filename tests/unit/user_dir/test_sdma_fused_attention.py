@@ -16,10 +16,11 @@ from user_dir.sdma.fairseq_attention import SDMAMultiheadAttention
 E, H, T, B = 32, 4, 7, 3
 
 
-def attention(kernel, group="encoder_self", **kwargs):
+def attention(kernel, group="encoder_self", reading="authors", **kwargs):
     torch.manual_seed(0)
     module = SDMAMultiheadAttention(
-        E, H, sdma=SDMAOptions(num_clusters=3, num_query_clusters=2, noise_var=0.0, attention_kernel=kernel),
+        E, H, sdma=SDMAOptions(num_clusters=3, num_query_clusters=2, noise_var=0.0, attention_kernel=kernel,
+                               reading=reading),
         group=group, self_attention=group != "decoder_cross", encoder_decoder_attention=group == "decoder_cross",
         **kwargs)
     module.set_num_updates(2000)  # g = 0.63: both branches matter
@@ -67,21 +68,22 @@ def fused_calls(monkeypatch):
     return calls
 
 
+@pytest.mark.parametrize("reading", ["authors", "paper"])
 @pytest.mark.parametrize("kernel", ["sdpa", "lowrank"])
-@pytest.mark.parametrize("case", ["encoder_self", "decoder_self_causal", "decoder_cross"])
-def test_fused_path_equals_explicit_path_fp32_outputs_and_gradients(case, kernel, fused_calls):
+@pytest.mark.parametrize("case", ["encoder_self", "unmasked_self", "decoder_self_causal", "decoder_cross"])
+def test_fused_path_equals_explicit_path_fp32_outputs_and_gradients(case, kernel, reading, fused_calls):
     x, pad = inputs()
     kwargs = {}
     if case == "encoder_self":
         kwargs = {"key_padding_mask": pad}
     elif case == "decoder_self_causal":
         kwargs = {"attn_mask": future_mask()}
-    else:
+    elif case == "decoder_cross":
         kwargs = {"memory": torch.randn(T + 2, B, E), "key_padding_mask": torch.cat([pad, pad[:, :2]], 1)}
     group = "decoder_cross" if case == "decoder_cross" else "encoder_self"
-    explicit = run(attention("explicit", group), x, **kwargs)
+    explicit = run(attention("explicit", group, reading), x, **kwargs)
     assert not fused_calls
-    fused = run(attention(kernel, group), x, **kwargs)
+    fused = run(attention(kernel, group, reading), x, **kwargs)
     assert len(fused_calls) == (kernel == "sdpa") and fused[3] is None
     torch.testing.assert_close(fused[0], explicit[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused[1], explicit[1], rtol=1e-4, atol=1e-5)

@@ -1,0 +1,117 @@
+"""Every fused kernel of eq. (1), (2), (10), (11) equals the explicit path in every row.
+
+The stress case: most query rows share almost no cluster with any key, so in the authors reading
+their masked attention mass sum_j A_ij M_ij falls below the authors' eps (1e-6), where their
+``F.normalize`` stops renormalising (A_bar = M o A / eps) and softmax(s + log M) would renormalise
+to 1; two rows share a cluster with the keys (ordinary rows). Both kernels (``sdpa``:
+:func:`fused_mix_attention`; ``lowrank``: :func:`lowrank_mix_attention`) against the explicit path
+(scores, :func:`mix_attention`): outputs and the gradients of q, k, v and both responsibilities,
+float64, both readings, with no mask (every key allowed), key padding, and a causal mask.
+"""
+
+import pytest
+import torch
+
+from latent_core.sdma import (
+    AUTHORS_EPS,
+    authors_semantic_mask,
+    fused_mix_attention,
+    lowrank_mix_attention,
+    mix_attention,
+    semantic_mask_product,
+)
+
+B, H, T, S, D, C = 2, 2, 6, 6, 4, 3
+ORDINARY_ROWS = 2
+
+
+def stress_inputs(seed=0):
+    """q, k, v and responsibilities: queries on cluster 0, keys on cluster 1 (overlap ~1e-13), but for
+    the first ORDINARY_ROWS queries, which share the keys' cluster."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, n, D, generator=g, dtype=torch.float64) for n in (T, S, S))
+    logits_q = 0.5 * torch.randn(B, H, T, C, generator=g, dtype=torch.float64)
+    logits_q[..., 0] += 30.0
+    logits_q[..., :ORDINARY_ROWS, 1] += 30.0
+    logits_k = 0.5 * torch.randn(B, H, S, C, generator=g, dtype=torch.float64)
+    logits_k[..., 1] += 30.0
+    resp_q, resp_k = torch.softmax(logits_q, -1), torch.softmax(logits_k, -1)
+    return [t.requires_grad_() for t in (q, k, v, resp_q, resp_k)]
+
+
+def allowed_keys(masking):
+    if masking == "none":
+        return None
+    allowed = torch.ones(B, 1, 1, S, dtype=torch.float64)
+    allowed[1, ..., -2:] = 0  # the second sentence's last two keys are padding
+    if masking == "causal":
+        allowed = torch.ones(1, 1, T, S, dtype=torch.float64).tril()
+    return allowed
+
+
+def semantic_mask(resp_q, resp_k, allowed, authors):
+    flat = lambda x: x.reshape(B * H, x.size(-2), C)  # noqa: E731
+    if authors:
+        return authors_semantic_mask(flat(resp_q), flat(resp_k), allowed).view(B, H, T, S)
+    return semantic_mask_product(flat(resp_q), flat(resp_k)).view(B, H, T, S)
+
+
+def run(kernel, tensors, mix, allowed, authors):
+    q, k, v, resp_q, resp_k = tensors
+    base_mask = None if allowed is None else torch.zeros_like(allowed).masked_fill(allowed == 0, float("-inf"))
+    if kernel == "lowrank":
+        return lowrank_mix_attention(q, k, v, resp_q, resp_k, mix, base_mask, allowed, authors=authors)
+    mask = semantic_mask(resp_q, resp_k, allowed, authors)
+    if kernel == "sdpa":
+        return fused_mix_attention(q, k, v, mask, mix, base_mask,
+                                   authors_responsibilities=(resp_q, resp_k, allowed) if authors else None)
+    scores = q @ k.transpose(-1, -2)
+    if base_mask is not None:
+        scores = scores + base_mask
+    return mix_attention(scores, mask, mix, norm_floor=AUTHORS_EPS if authors else 0.0) @ v
+
+
+def masked_mass(tensors, allowed, authors):
+    """sum_j A_ij M_ij of every row, ``[B, H, T]``."""
+    q, k, _, resp_q, resp_k = (t.detach() for t in tensors)
+    scores = q @ k.transpose(-1, -2)
+    if allowed is not None:
+        scores = scores.masked_fill(allowed == 0, float("-inf"))
+    return (torch.softmax(scores, -1) * semantic_mask(resp_q, resp_k, allowed, authors)).sum(-1)
+
+
+def test_the_stress_case_is_one():
+    mass = masked_mass(stress_inputs(), allowed_keys("padding"), authors=True)
+    below = (mass < AUTHORS_EPS).float().mean().item()
+    assert below >= 0.6 and (mass[..., :ORDINARY_ROWS] > 1e-3).all()
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "lowrank"])
+@pytest.mark.parametrize("authors", [True, False], ids=["authors", "paper"])
+@pytest.mark.parametrize("masking", ["none", "padding", "causal"])
+def test_kernel_equals_explicit_in_every_row(kernel, authors, masking):
+    mix = torch.tensor(0.7, dtype=torch.float64)
+    allowed = allowed_keys(masking)
+    reference, fused = stress_inputs(), stress_inputs()
+    want = run("explicit", reference, mix, allowed, authors)
+    got = run(kernel, fused, mix, allowed, authors)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    weights = torch.randn_like(want)
+    (want * weights).sum().backward()
+    (got * weights).sum().backward()
+    for name, a, b in zip(("q", "k", "v", "resp_q", "resp_k"), reference, fused):
+        # atol: the paper reading's d/dresp divides by masses down to its 1e-6 floor (float64 rounding x 1e6)
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-8, atol=1e-8, msg=name)
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "lowrank"])
+@pytest.mark.parametrize("authors", [True, False], ids=["authors", "paper"])
+def test_kernel_equals_explicit_on_an_ordinary_batch(kernel, authors):
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(B, H, n, D, generator=g, dtype=torch.float64) for n in (T, S, S)]
+    tensors += [torch.softmax(torch.randn(B, H, n, C, generator=g, dtype=torch.float64), -1) for n in (T, S)]
+    mix = torch.tensor(0.4, dtype=torch.float64)
+    for masking in ("none", "padding", "causal"):
+        allowed = allowed_keys(masking)
+        torch.testing.assert_close(run(kernel, tensors, mix, allowed, authors),
+                                   run("explicit", tensors, mix, allowed, authors), rtol=1e-10, atol=1e-12)
