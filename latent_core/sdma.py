@@ -35,6 +35,12 @@ Two readings (``SDMAOptions.reading``), see :data:`READINGS` and the README's ta
   per-sentence softmax of eq. (17).
 
 In both, the scaling factor ``s`` of Algorithm 1 is 1 (its final value in the paper).
+
+Attention is computed in one place for both toolkits: :func:`sdma_attention` (eq. 1, 2, 10, 11 from
+q, k, v, the responsibilities, the blocked keys, g and the reading) dispatches on :data:`KERNELS`
+(``explicit``, ``sdpa``, ``lowrank``; ``auto`` picks one, :func:`select_kernel`). A new attention
+variant is one function of :class:`AttentionInputs` and one row of :data:`KERNELS`;
+``tests/unit/latent_core/test_sdma_kernels_exact.py`` holds every row to the explicit kernel.
 """
 
 import contextlib
@@ -54,7 +60,7 @@ SDMA_MODES = ("sdma", "sma", "none")
 # What the SDMA modules compute in training (SDMAOptions.reading): the authors' code or the printed equations
 READINGS = ("authors", "paper")
 # How the mixed attention of eq. (11) is computed (SDMAOptions.attention_kernel)
-ATTENTION_KERNELS = ("auto", "explicit", "sdpa", "lowrank")
+ATTENTION_KERNELS = ("auto", "explicit", "sdpa", "lowrank")  # "auto" and the rows of KERNELS
 # Names of the regularisers every SDMA module reports (eq. 20, 21, 22, 23).
 LOSS_NAMES = ("kl_z", "kl_q", "dqq", "dxq", "dv_z", "dv_q")
 
@@ -798,11 +804,106 @@ def use_fused_kernel(kernel: str, device: torch.device, need_weights: bool, drop
     """Whether a fused kernel (:func:`fused_mix_attention`, or :func:`lowrank_mix_attention` for ``lowrank``)
     computes this forward pass (see ``SDMAOptions.attention_kernel``). ``auto`` never picks ``lowrank``:
     measured on an H100 it was 0.48-0.98x the explicit path's speed where sdpa was 1.10-1.84x."""
+    return select_kernel(kernel, device, need_weights, dropout_active) != "explicit"
+
+
+def select_kernel(kernel: str, device: torch.device, need_weights: bool, dropout_active: bool) -> str:
+    """The row of :data:`KERNELS` that computes this forward pass: the option's own kernel, except that
+    the weights (attention plots, LR/HR, ``need_weights``) need the explicit one, and ``auto`` is
+    ``sdpa`` on CUDA without attention dropout, ``explicit`` elsewhere."""
     if need_weights or kernel == "explicit":
-        return False
-    if kernel in ("sdpa", "lowrank"):
-        return True
-    return device.type == "cuda" and not dropout_active
+        return "explicit"
+    if kernel != "auto":
+        return kernel
+    return "sdpa" if device.type == "cuda" and not dropout_active else "explicit"
+
+
+class AttentionInputs(NamedTuple):
+    """What every kernel of :data:`KERNELS` receives (built by :func:`sdma_attention`)."""
+
+    q: Tensor  # [B, H, T, D], scaled
+    k: Tensor  # [B, H, S, D]
+    v: Tensor  # [B, H, S, D]
+    resp_query: Tensor  # [B, H, T, C], p(c | z_i)
+    resp_key: Tensor  # [B, H, S, C], p(c | z_j)
+    mix: Tensor  # g of eq. (11), a scalar buffer
+    authors: bool  # the reading of eq. (10)'s mask (authors_semantic_mask vs semantic_mask_product)
+    blocked: Optional[Tensor]  # bool, True where query i may not attend to key j, broadcastable to [B, H, T, S]
+    dropout: Callable[[Tensor], Tensor]  # the module's attention dropout (the explicit kernel drops A_hat)
+    dropout_p: float  # its rate when active, else 0 (the fused kernels' own dropout)
+
+    @property
+    def allowed(self) -> Optional[Tensor]:
+        """The 0/1 float complement of ``blocked``: the keys the authors' mask normaliser sums over."""
+        return None if self.blocked is None else (~self.blocked).to(torch.float32)
+
+    def additive_mask(self) -> Optional[Tensor]:
+        """``blocked`` as SDPA's additive float mask in ``q``'s dtype (its smallest value, not -inf: a row
+        with every key blocked stays finite, as in the explicit kernel)."""
+        if self.blocked is None:
+            return None
+        return torch.zeros(self.blocked.shape, dtype=self.q.dtype, device=self.q.device).masked_fill(
+            self.blocked, torch.finfo(self.q.dtype).min)
+
+    def semantic_mask(self) -> Tensor:
+        """M of eq. (10), ``[B, H, T, S]``, in this reading."""
+        B, H, T, S = self.q.size(0), self.q.size(1), self.q.size(2), self.k.size(2)
+        flat_query, flat_key = self.resp_query.flatten(0, 1), self.resp_key.flatten(0, 1)
+        if self.authors:  # times the padding/causal mask, L1-normalised with their eps
+            return authors_semantic_mask(flat_query, flat_key, self.allowed).view(B, H, T, S)
+        return semantic_mask_product(flat_query, flat_key).view(B, H, T, S)
+
+
+def explicit_kernel(x: AttentionInputs) -> Tuple[Tensor, Tensor]:
+    """Scores, eq. (1), (2), (11) in one autograd node (:func:`mix_attention`), dropout, A_hat V; the
+    weights A_hat ``[B, H, T, S]`` (float32) are returned. Blocked keys get weight 0."""
+    scores = torch.matmul(x.q, x.k.transpose(-2, -1)).float()
+    if x.blocked is not None:
+        scores = scores.masked_fill(x.blocked, torch.finfo(torch.float32).min)
+    attn = mix_attention(scores, x.semantic_mask(), x.mix, norm_floor=AUTHORS_EPS if x.authors else 0.0)
+    if x.blocked is not None:
+        attn = attn.masked_fill(x.blocked, 0.0)
+    return torch.matmul(x.dropout(attn.type_as(x.v)), x.v), attn
+
+
+def sdpa_kernel(x: AttentionInputs) -> Tuple[Tensor, None]:
+    """Two ``scaled_dot_product_attention`` calls (:func:`fused_mix_attention`)."""
+    exact_rows = (x.resp_query, x.resp_key, x.allowed) if x.authors else None
+    return fused_mix_attention(x.q, x.k, x.v, x.semantic_mask(), x.mix, x.additive_mask(), x.dropout_p,
+                               authors_responsibilities=exact_rows), None
+
+
+def lowrank_kernel(x: AttentionInputs) -> Tuple[Tensor, None]:
+    """One ``scaled_dot_product_attention`` call with no T x S mask (:func:`lowrank_mix_attention`)."""
+    return lowrank_mix_attention(x.q, x.k, x.v, x.resp_query, x.resp_key, x.mix, x.additive_mask(), x.allowed,
+                                 x.dropout_p, authors=x.authors), None
+
+
+# The kernels of eq. (1), (2), (10), (11), by SDMAOptions.attention_kernel (``auto``: :func:`select_kernel`).
+# A new variant is one function of AttentionInputs -> (A_hat V [B, H, T, D], A_hat or None) and one row here;
+# tests/unit/latent_core/test_sdma_kernels_exact.py then holds it to the explicit kernel in every row.
+KERNELS: Dict[str, Callable[[AttentionInputs], Tuple[Tensor, Optional[Tensor]]]] = {
+    "explicit": explicit_kernel,
+    "sdpa": sdpa_kernel,
+    "lowrank": lowrank_kernel,
+}
+
+
+def sdma_attention(q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, resp_key: Tensor, mix: Tensor, *,
+                   authors: bool, blocked: Optional[Tensor], kernel: str, need_weights: bool,
+                   dropout: Callable[[Tensor], Tensor], dropout_p: float) -> Tuple[Tensor, Optional[Tensor]]:
+    """A_hat V of eq. (1), (2), (10), (11): the one entry point of both toolkits' adapters.
+
+    ``q [B, H, T, D]`` scaled, ``k, v [B, H, S, D]``, ``resp_query [B, H, T, C]`` and ``resp_key
+    [B, H, S, C]`` the clustering probabilities of eq. (9), ``mix`` g, ``authors`` the reading of the
+    mask, ``blocked`` bool broadcastable to ``[B, H, T, S]`` (True: padding or a future key; None),
+    ``kernel`` the option (``auto`` / a row of :data:`KERNELS`), ``need_weights`` whether A_hat must be
+    returned, ``dropout`` the module's attention dropout and ``dropout_p`` its rate when active (else 0).
+    Returns ``(A_hat V [B, H, T, D], A_hat [B, H, T, S] float32 or None)``; the adapters keep only their
+    layout, incremental cache and beam folding.
+    """
+    name = select_kernel(kernel, q.device, need_weights, dropout_p > 0)
+    return KERNELS[name](AttentionInputs(q, k, v, resp_query, resp_key, mix, authors, blocked, dropout, dropout_p))
 
 
 @dataclass

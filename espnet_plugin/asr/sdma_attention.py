@@ -18,19 +18,7 @@ from espnet.nets.pytorch_backend.transformer.attention import MultiHeadedAttenti
 from torch import Tensor
 
 from latent_core.errors import PluginConfigError, check_positive_int
-from latent_core.sdma import (
-    AUTHORS_EPS,
-    SDMACore,
-    SDMAOptions,
-    authors_linear_init,
-    authors_semantic_mask,
-    current_real_queries,
-    fused_mix_attention,
-    lowrank_mix_attention,
-    mix_attention,
-    semantic_mask_product,
-    use_fused_kernel,
-)
+from latent_core.sdma import SDMACore, SDMAOptions, authors_linear_init, current_real_queries, sdma_attention
 
 ATTENTION_GROUPS = ("encoder_self", "decoder_self", "decoder_cross")
 
@@ -191,7 +179,7 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
 
         blocked = None if mask is None else mask.unsqueeze(1).eq(0)  # (B, 1, T1 or 1, T2)
         x = self._attend(q, k, v, _heads_first(log_resp_z.exp()).view(B, H, T1, -1),
-                         _heads_first(log_resp_k.exp()).view(B, H, k.size(2), -1), None, blocked)
+                         _heads_first(log_resp_k.exp()).view(B, H, k.size(2), -1), blocked)
         x = x.transpose(1, 2).reshape(B, T1, H * D)
 
         if core.computes_regularisers():
@@ -242,10 +230,9 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
             allowed = mask.to(torch.bool)
         else:
             allowed = None
-        allowed_float = None if allowed is None else allowed.float().unsqueeze(1)  # (B or 1, 1, T1 or 1, T2)
         blocked = None if allowed is None else ~allowed.unsqueeze(1)
         x = self._attend(q, k, v, _heads_first(log_resp_z.exp()).view(B, H, T1, -1),
-                         _heads_first(key_resp.exp()).view(B, H, T2, -1), allowed_float, blocked, authors=True)
+                         _heads_first(key_resp.exp()).view(B, H, T2, -1), blocked, authors=True)
         x = x.transpose(1, 2).reshape(B, T1, H * D)
 
         if core.computes_regularisers():
@@ -261,43 +248,19 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         return self.linear_out(x)
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, resp_key: Tensor,
-                allowed: Optional[Tensor], blocked: Optional[Tensor], authors: bool = False) -> Tensor:
-        """A_hat V of eq. (1), (2), (10), (11): ``q`` (B, H, T1, d_k) scaled, ``k``/``v`` (B, H, T2, d_k),
-        ``resp_query`` (B, H, T1, C) and ``resp_key`` (B, H, T2, C) p(c|.), ``blocked`` (B, 1, T1 or 1, T2)
-        True = masked, ``allowed`` its 0/1 float complement (the authors reading's mask normaliser, else
-        None) -> (B, H, T1, d_k). Outside training ESPnet reads the weights (``self.attn``: attention
-        plots), so the explicit path keeps them there."""
+                blocked: Optional[Tensor], authors: bool = False) -> Tensor:
+        """A_hat V of eq. (1), (2), (10), (11) through the core's entry point
+        (:func:`latent_core.sdma.sdma_attention`): ``q`` (B, H, T1, d_k) scaled, ``k``/``v`` (B, H, T2, d_k),
+        ``resp_query`` (B, H, T1, C) and ``resp_key`` (B, H, T2, C) p(c|.), ``blocked`` (B or 1, 1, T1 or 1, T2)
+        True = masked -> (B, H, T1, d_k). Outside training ESPnet reads the weights (``self.attn``:
+        attention plots), so they are asked for there (the explicit kernel)."""
         core = self.sdma
-        B, H, T1, T2 = q.size(0), q.size(1), q.size(2), k.size(2)
         dropout_active = self.training and self.dropout.p > 0
-        flat_q, flat_k = resp_query.reshape(B * H, T1, -1), resp_key.reshape(B * H, T2, -1)
-
-        def semantic_mask() -> Tensor:  # eq. (10), (B, H, T1, T2)
-            if authors:
-                return authors_semantic_mask(flat_q, flat_k, allowed).view(B, H, T1, T2)
-            return semantic_mask_product(flat_q, flat_k).view(B, H, T1, T2)
-
-        kernel = core.options.attention_kernel
-        if use_fused_kernel(kernel, q.device, not self.training, dropout_active):
-            base_mask = None
-            if blocked is not None:
-                base_mask = torch.zeros(blocked.shape, dtype=q.dtype, device=q.device).masked_fill(
-                    blocked, torch.finfo(q.dtype).min)
-            self.attn = None
-            p = self.dropout.p if dropout_active else 0.0
-            if kernel == "lowrank":
-                return lowrank_mix_attention(q, k, v, resp_query, resp_key, core.mix_weight, base_mask,
-                                             allowed, p, authors=authors)
-            return fused_mix_attention(q, k, v, semantic_mask(), core.mix_weight, base_mask, p,
-                                       authors_responsibilities=(resp_query, resp_key, allowed) if authors else None)
-        scores = torch.matmul(q, k.transpose(-2, -1)).float()
-        if blocked is not None:
-            scores = scores.masked_fill(blocked, torch.finfo(torch.float32).min)
-        attn = mix_attention(scores, semantic_mask(), core.mix_weight, norm_floor=AUTHORS_EPS if authors else 0.0)
-        if blocked is not None:
-            attn = attn.masked_fill(blocked, 0.0)
-        self.attn = attn
-        return torch.matmul(self.dropout(attn.type_as(v)), v)
+        x, self.attn = sdma_attention(
+            q, k, v, resp_query, resp_key, core.mix_weight, authors=authors, blocked=blocked,
+            kernel=core.options.attention_kernel, need_weights=not self.training, dropout=self.dropout,
+            dropout_p=self.dropout.p if dropout_active else 0.0)
+        return x
 
     def _query_valid(self, mask: Optional[Tensor], B: int, T1: int, query: Tensor) -> Tensor:
         """(B, T1) float, 1 for real (non-padding) query positions."""

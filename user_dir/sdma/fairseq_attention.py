@@ -22,11 +22,9 @@ from latent_core.sdma import (
     authors_linear_init,
     authors_semantic_mask,
     current_real_queries,
-    fused_mix_attention,
-    lowrank_mix_attention,
     mix_attention,
+    sdma_attention,
     semantic_mask_product,
-    use_fused_kernel,
 )
 
 
@@ -237,54 +235,39 @@ class SDMAMultiheadAttention(MultiheadAttention):
         ``[kv_bsz*H, S, D]`` and the p(c|.) of queries ``[B*H, T, C]`` and keys ``[kv_bsz*H, S, C]``.
 
         Returns (``[T, B, E]``, the weights A_hat ``[B*H, T, S]`` in float32 when computed, else
-        None); with ``before_softmax``, (the masked scores, None). A fused kernel (sdpa, lowrank)
-        where :func:`use_fused_kernel` allows it and no beam folding or raw scores are asked for,
-        else the explicit path.
+        None); with ``before_softmax``, (the masked scores, None). The core's entry point
+        (:func:`latent_core.sdma.sdma_attention`, which picks the kernel) computes it, except fairseq's
+        own cases kept here: beam folding (the encoder's keys shared by a sentence's hypotheses) and the
+        raw scores (``before_softmax``).
         """
         core = self.sdma
         authors = core.options.authors
         H, D = self.num_heads, self.head_dim
         tgt_len, src_len = q.size(1), k.size(1)
-        embed_dim = H * D
-        beamable = self.encoder_decoder_attention and bsz != kv_bsz
-        allowed = self._allowed_keys(key_padding_mask, attn_mask) if authors else None
-
-        def semantic_mask() -> Tensor:  # eq. (10), [B*H, T, S]
-            if authors:  # as their code: times the padding/causal mask, L1-normalised with eps
-                return authors_semantic_mask(resp_query, key_resp, allowed, heads=H)
-            return semantic_mask_product(resp_query, key_resp, heads=H)
-
         dropout_active = self.training and self.dropout_module.p > 0
-        kernel = core.options.attention_kernel
-        if not beamable and not before_softmax and use_fused_kernel(kernel, q.device, need_weights, dropout_active):
-            base_mask = None
+        if not (self.encoder_decoder_attention and bsz != kv_bsz) and not before_softmax:
+            blocked = None
             if key_padding_mask is not None:
-                base_mask = torch.zeros(kv_bsz, 1, 1, src_len, dtype=q.dtype, device=q.device).masked_fill(
-                    key_padding_mask.to(torch.bool)[:, None, None, :], float("-inf"))
-            if attn_mask is not None:
-                future = attn_mask.to(q.dtype)[None, None]
-                base_mask = future if base_mask is None else base_mask + future
-            q4, k4, v4 = (t.view(bsz, H, -1, D) for t in (q, k, v))
-            p = self.dropout_module.p if dropout_active else 0.0
-            resp4 = (resp_query.view(bsz, H, tgt_len, -1), key_resp.view(bsz, H, src_len, -1))
-            if kernel == "lowrank":  # eq. (1), (2), (11) without the T x S mask
-                attn = lowrank_mix_attention(q4, k4, v4, *resp4, core.mix_weight, base_mask, allowed, p,
-                                             authors=authors)
-            else:  # eq. (1), (2), (11)
-                attn = fused_mix_attention(q4, k4, v4, semantic_mask().view(bsz, H, tgt_len, src_len),
-                                           core.mix_weight, base_mask, p,
-                                           authors_responsibilities=(*resp4, allowed) if authors else None)
-            return attn.permute(2, 0, 1, 3).reshape(tgt_len, bsz, embed_dim), None
+                blocked = key_padding_mask.to(torch.bool)[:, None, None, :]  # [B, 1, 1, S]
+            if attn_mask is not None:  # fairseq's future mask: 0 / -inf
+                future = torch.isneginf(attn_mask)[None, None]  # [1, 1, T, S]
+                blocked = future if blocked is None else blocked | future
+            attn, weights = sdma_attention(  # eq. (1), (2), (10), (11)
+                *(t.view(bsz, H, -1, t.size(-1)) for t in (q, k, v, resp_query, key_resp)), core.mix_weight,
+                authors=authors, blocked=blocked, kernel=core.options.attention_kernel, need_weights=need_weights,
+                dropout=self.dropout_module, dropout_p=self.dropout_module.p if dropout_active else 0.0)
+            weights = None if weights is None else weights.view(bsz * H, tgt_len, src_len)
+            return attn.permute(2, 0, 1, 3).reshape(tgt_len, bsz, H * D), weights
 
-        mask = semantic_mask()
-        if beamable:
-            scores = torch.einsum(
-                "bxhtd,bhsd->bxhts",
-                q.view((kv_bsz, -1, H) + q.size()[1:]),
-                k.view((kv_bsz, H) + k.size()[1:]),
-            ).reshape(-1, tgt_len, src_len)
+        # beam folding (kv_bsz sentences, bsz = kv_bsz * beam hypotheses) or the raw scores: explicit
+        allowed = self._allowed_keys(key_padding_mask, attn_mask) if authors else None
+        if authors:  # as their code: times the padding/causal mask, L1-normalised with eps
+            mask = authors_semantic_mask(resp_query, key_resp, allowed, heads=H)
         else:
-            scores = torch.bmm(q, k.transpose(1, 2))
+            mask = semantic_mask_product(resp_query, key_resp, heads=H)
+        scores = torch.einsum(
+            "bxhtd,bhsd->bxhts", q.view((kv_bsz, -1, H) + q.size()[1:]), k.view((kv_bsz, H) + k.size()[1:]),
+        ).reshape(-1, tgt_len, src_len) if bsz != kv_bsz else torch.bmm(q, k.transpose(1, 2))
         scores = scores.float()
         if attn_mask is not None:
             scores = scores + attn_mask.unsqueeze(0).float()
@@ -295,19 +278,15 @@ class SDMAMultiheadAttention(MultiheadAttention):
             ).view(bsz * H, tgt_len, src_len)
         if before_softmax:
             return scores, None
-
         attn_float = mix_attention(  # eq. (1), (2), (11)
             scores, mask, core.mix_weight, norm_floor=AUTHORS_EPS if authors else 0.0)
         attn_probs = self.dropout_module(attn_float.type_as(v))
-        if beamable:
-            attn = torch.einsum(
-                "bxhts,bhsd->bxhtd",
-                attn_probs.view((kv_bsz, -1, H) + attn_probs.size()[1:]),
-                v.view((kv_bsz, H) + v.size()[1:]),
-            ).reshape(-1, tgt_len, D)
-        else:
-            attn = torch.bmm(attn_probs, v)
-        return attn.transpose(0, 1).contiguous().view(tgt_len, bsz, embed_dim), attn_float
+        attn = torch.einsum(
+            "bxhts,bhsd->bxhtd",
+            attn_probs.view((kv_bsz, -1, H) + attn_probs.size()[1:]),
+            v.view((kv_bsz, H) + v.size()[1:]),
+        ).reshape(-1, tgt_len, D)
+        return attn.transpose(0, 1).contiguous().view(tgt_len, bsz, H * D), attn_float
 
     def _query_valid(self, query: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
         """``[T, B]`` float, 1 at real query positions: self-attention's queries are its keys; a
