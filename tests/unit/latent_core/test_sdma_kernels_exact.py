@@ -115,3 +115,26 @@ def test_kernel_equals_explicit_on_an_ordinary_batch(kernel, authors):
         allowed = allowed_keys(masking)
         torch.testing.assert_close(run(kernel, tensors, mix, allowed, authors),
                                    run("explicit", tensors, mix, allowed, authors), rtol=1e-10, atol=1e-12)
+
+
+def test_the_option_names_every_row_of_the_kernel_table():
+    from latent_core.sdma import ATTENTION_KERNELS, KERNELS
+
+    assert set(ATTENTION_KERNELS) == {"auto", *KERNELS}
+
+
+@pytest.mark.parametrize("kernel", ["explicit", "sdpa", "lowrank", "auto"])
+def test_the_entry_point_equals_its_kernel_and_returns_weights_only_when_asked(kernel):
+    from latent_core.sdma import sdma_attention
+
+    tensors = [t.detach() for t in stress_inputs()]
+    mix = torch.tensor(0.7, dtype=torch.float64)
+    allowed = allowed_keys("padding")
+    out, weights = sdma_attention(*tensors, mix, authors=True, blocked=allowed == 0, kernel=kernel,
+                                  need_weights=False, dropout=lambda a: a, dropout_p=0.0)
+    # the explicit kernel scores in float32 (as both toolkits' explicit paths do), the reference in float64
+    torch.testing.assert_close(out, run("explicit", tensors, mix, allowed, True), rtol=1e-5, atol=1e-6)
+    assert (weights is None) == (kernel in ("sdpa", "lowrank"))  # auto is explicit on a CPU
+    out, weights = sdma_attention(*tensors, mix, authors=True, blocked=allowed == 0, kernel=kernel,
+                                  need_weights=True, dropout=lambda a: a, dropout_p=0.0)
+    assert weights.shape == (B, H, T, S) and torch.all(weights.masked_select((allowed == 0).expand(B, H, T, S)) == 0)
