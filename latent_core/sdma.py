@@ -640,6 +640,16 @@ def authors_semantic_mask(resp_query: Tensor, resp_key: Tensor, allowed: Optiona
     return product / product.sum(-1, keepdim=True).clamp_min(AUTHORS_EPS)
 
 
+def reading_semantic_mask(resp_query: Tensor, resp_key: Tensor, authors: bool, allowed: Optional[Tensor] = None,
+                          heads: Optional[int] = None) -> Tensor:
+    """M of eq. (10) as the attention uses it, ``[N, T, S]``, in one reading: the authors'
+    (:func:`authors_semantic_mask`, times ``allowed``, L1-normalised with their eps) or the paper's
+    (:func:`semantic_mask_product`; ``allowed`` unused, the blocked keys' scores carry it)."""
+    if authors:
+        return authors_semantic_mask(resp_query, resp_key, allowed, heads)
+    return semantic_mask_product(resp_query, resp_key, heads)
+
+
 def semantic_mask(resp_query: Tensor, resp_key: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tensor:
     """M of eq. (10), normalised over (non-padding) keys; for analysis and figures."""
     m = torch.bmm(resp_query, resp_key.transpose(1, 2))
@@ -849,9 +859,7 @@ class AttentionInputs(NamedTuple):
         """M of eq. (10), ``[B, H, T, S]``, in this reading."""
         B, H, T, S = self.q.size(0), self.q.size(1), self.q.size(2), self.k.size(2)
         flat_query, flat_key = self.resp_query.flatten(0, 1), self.resp_key.flatten(0, 1)
-        if self.authors:  # times the padding/causal mask, L1-normalised with their eps
-            return authors_semantic_mask(flat_query, flat_key, self.allowed).view(B, H, T, S)
-        return semantic_mask_product(flat_query, flat_key).view(B, H, T, S)
+        return reading_semantic_mask(flat_query, flat_key, self.authors, self.allowed).view(B, H, T, S)
 
 
 def explicit_kernel(x: AttentionInputs) -> Tuple[Tensor, Tensor]:

@@ -20,11 +20,10 @@ from latent_core.sdma import (
     SDMACore,
     SDMAOptions,
     authors_linear_init,
-    authors_semantic_mask,
     current_real_queries,
     mix_attention,
+    reading_semantic_mask,
     sdma_attention,
-    semantic_mask_product,
 )
 
 
@@ -261,10 +260,7 @@ class SDMAMultiheadAttention(MultiheadAttention):
 
         # beam folding (kv_bsz sentences, bsz = kv_bsz * beam hypotheses) or the raw scores: explicit
         allowed = self._allowed_keys(key_padding_mask, attn_mask) if authors else None
-        if authors:  # as their code: times the padding/causal mask, L1-normalised with eps
-            mask = authors_semantic_mask(resp_query, key_resp, allowed, heads=H)
-        else:
-            mask = semantic_mask_product(resp_query, key_resp, heads=H)
+        mask = reading_semantic_mask(resp_query, key_resp, authors, allowed, heads=H)  # eq. (10)
         scores = torch.einsum(
             "bxhtd,bhsd->bxhts", q.view((kv_bsz, -1, H) + q.size()[1:]), k.view((kv_bsz, H) + k.size()[1:]),
         ).reshape(-1, tgt_len, src_len) if bsz != kv_bsz else torch.bmm(q, k.transpose(1, 2))
