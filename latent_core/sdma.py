@@ -839,13 +839,9 @@ class AttentionInputs(NamedTuple):
     mix: Tensor  # g of eq. (11), a scalar buffer
     authors: bool  # the reading of eq. (10)'s mask (authors_semantic_mask vs semantic_mask_product)
     blocked: Optional[Tensor]  # bool, True where query i may not attend to key j, broadcastable to [B, H, T, S]
+    allowed: Optional[Tensor]  # its 0/1 float complement: the keys the authors' mask normaliser sums over
     dropout: Callable[[Tensor], Tensor]  # the module's attention dropout (the explicit kernel drops A_hat)
     dropout_p: float  # its rate when active, else 0 (the fused kernels' own dropout)
-
-    @property
-    def allowed(self) -> Optional[Tensor]:
-        """The 0/1 float complement of ``blocked``: the keys the authors' mask normaliser sums over."""
-        return None if self.blocked is None else (~self.blocked).to(torch.float32)
 
     def additive_mask(self) -> Optional[Tensor]:
         """``blocked`` as SDPA's additive float mask in ``q``'s dtype (its smallest value, not -inf: a row
@@ -911,7 +907,9 @@ def sdma_attention(q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, resp_key
     layout, incremental cache and beam folding.
     """
     name = select_kernel(kernel, q.device, need_weights, dropout_p > 0)
-    return KERNELS[name](AttentionInputs(q, k, v, resp_query, resp_key, mix, authors, blocked, dropout, dropout_p))
+    allowed = None if blocked is None else (~blocked).to(torch.float32)
+    return KERNELS[name](AttentionInputs(q, k, v, resp_query, resp_key, mix, authors, blocked, allowed, dropout,
+                                         dropout_p))
 
 
 @dataclass

@@ -3,14 +3,11 @@ an unexpected failure, an expected failure that now passes, a failure for anothe
 listed one, an entry that matches nothing and a "toolkit defect" that passes alone fail the command;
 an expected failure does not; a malformed list is refused with a message naming the entry."""
 
-import sys
 from pathlib import Path
 
 import pytest
 
-TOOLKITS = Path(__file__).resolve().parents[1] / "toolkits"
-sys.path.insert(0, str(TOOLKITS))
-import run_toolkit_tests as contract  # noqa: E402
+from toolkits import run_toolkit_tests as contract  # tests/toolkits (tests/ is on the path, as for conftest)
 
 ENTRY = """
 [[expected]]
