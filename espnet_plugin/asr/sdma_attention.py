@@ -10,7 +10,7 @@ full-sequence scores without an extra cache.
 """
 
 import math
-from typing import Dict, Iterable, Optional
+from typing import Dict, Iterable, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -18,7 +18,8 @@ from espnet.nets.pytorch_backend.transformer.attention import MultiHeadedAttenti
 from torch import Tensor
 
 from latent_core.errors import PluginConfigError, check_positive_int
-from latent_core.sdma import SDMACore, SDMAOptions, authors_linear_init, current_real_queries, sdma_attention
+from latent_core.sdma import (SDMACore, SDMAOptions, authors_linear_init, compiled, current_real_queries,
+                              sdma_attention)
 
 ATTENTION_GROUPS = ("encoder_self", "decoder_self", "decoder_cross")
 
@@ -159,8 +160,23 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         if expand_kv:
             raise ESPnetConfigError("SDMA attention has no partially autoregressive decoding (expand_kv): decode with "
                                     "the autoregressive beam search")
-        if core.options.authors:
-            return self._forward_authors(query, key, value, mask)
+        # read here, outside the (possibly compiled) body: the recording scope and the decoder's real positions
+        need_losses = core.computes_regularisers()
+        real_queries = None if self.is_self_attention else current_real_queries()
+        body = SDMAMultiHeadedAttention._forward_authors if core.options.authors else SDMAMultiHeadedAttention._forward_paper
+        if core.compiles(self.training):
+            body = compiled(body)
+        out, self.attn, record = body(self, query, key, value, mask, need_losses, real_queries)
+        if record is not None:
+            core.record(*record)
+        return out
+
+    def _forward_paper(self, query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], need_losses: bool,
+                       real_queries: Optional[Tensor]):
+        """The ``paper`` reading, shapes as :meth:`forward`: ``(output (B, T1, D), A_hat or None, the arguments
+        of :meth:`SDMACore.record` or None)``. No context variable is read here, so that ``torch.compile``
+        traces it as one graph (``sdma_conf.compile``)."""
+        core = self.sdma
         B, T1, _ = query.shape
         H, D = self.h, self.d_k
 
@@ -178,21 +194,23 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         q = q / math.sqrt(D)
 
         blocked = None if mask is None else mask.unsqueeze(1).eq(0)  # (B, 1, T1 or 1, T2)
-        x = self._attend(q, k, v, _heads_first(log_resp_z.exp()).view(B, H, T1, -1),
-                         _heads_first(log_resp_k.exp()).view(B, H, k.size(2), -1), blocked)
+        x, weights = self._attend(q, k, v, _heads_first(log_resp_z.exp()).view(B, H, T1, -1),
+                                  _heads_first(log_resp_k.exp()).view(B, H, k.size(2), -1), blocked)
         x = x.transpose(1, 2).reshape(B, T1, H * D)
 
-        if core.computes_regularisers():
+        record = None
+        if need_losses:
             log_joint_q = log_resp_q = None
             if core.query_gmm is not None:  # eq. (16)-(19), on the scaled queries
                 log_joint_q, log_resp_q = core.cluster_queries(q.transpose(1, 2))  # (B, T1, H, C_q)
                 log_joint_q, log_resp_q = log_joint_q.transpose(0, 1), log_resp_q.transpose(0, 1)
-            core.record(log_joint_z.transpose(0, 1), log_resp_z.transpose(0, 1),
-                        self._query_valid(mask, B, T1, query).t(), log_joint_q, log_resp_q)
-        return self.linear_out(x)
+            record = (log_joint_z.transpose(0, 1), log_resp_z.transpose(0, 1),
+                      self._query_valid(mask, B, T1, query, real_queries).t(), log_joint_q, log_resp_q)
+        return self.linear_out(x), weights, record
 
-    def _forward_authors(self, query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor]) -> Tensor:
-        """The ``authors`` reading (their ESPnet ``disentangled_attention``), shapes as :meth:`forward`."""
+    def _forward_authors(self, query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], need_losses: bool,
+                         real_queries: Optional[Tensor]):
+        """The ``authors`` reading (their ESPnet ``disentangled_attention``), as :meth:`_forward_paper`."""
         core = self.sdma
         B, T1, _ = query.shape
         H, D = self.h, self.d_k
@@ -218,7 +236,7 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         q = core.perturb((q / math.sqrt(D)).transpose(1, 2).reshape(B, T1, H * D), training, log_var_q)
         q = q.view(B, T1, H, D)
         log_joint_q = log_resp_q = None
-        if core.query_gmm is not None and core.computes_regularisers():
+        if core.query_gmm is not None and need_losses:
             log_joint_q, log_resp_q = core.cluster_queries(q)  # (B, T1, H, C_q)
         q = q.transpose(1, 2)  # (B, H, T1, d_k)
 
@@ -231,43 +249,44 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         else:
             allowed = None
         blocked = None if allowed is None else ~allowed.unsqueeze(1)
-        x = self._attend(q, k, v, _heads_first(log_resp_z.exp()).view(B, H, T1, -1),
-                         _heads_first(key_resp.exp()).view(B, H, T2, -1), blocked, authors=True)
+        x, weights = self._attend(q, k, v, _heads_first(log_resp_z.exp()).view(B, H, T1, -1),
+                                  _heads_first(key_resp.exp()).view(B, H, T2, -1), blocked, authors=True)
         x = x.transpose(1, 2).reshape(B, T1, H * D)
 
-        if core.computes_regularisers():
+        record = None
+        if need_losses:
             log_vars: Dict[str, Tensor] = {"z": log_var_z.transpose(0, 1), "q": log_var_q.transpose(0, 1)}
             if log_joint_k is not None:
                 log_vars["k"] = log_var_k.transpose(0, 1)
                 log_joint_k, log_resp_k = log_joint_k.transpose(0, 1), log_resp_k.transpose(0, 1)
             if log_joint_q is not None:
                 log_joint_q, log_resp_q = log_joint_q.transpose(0, 1), log_resp_q.transpose(0, 1)
-            core.record(log_joint_z.transpose(0, 1), log_resp_z.transpose(0, 1),
-                        self._query_valid(mask, B, T1, query).t(), log_joint_q, log_resp_q,
-                        log_joint_k, log_resp_k, log_vars)
-        return self.linear_out(x)
+            record = (log_joint_z.transpose(0, 1), log_resp_z.transpose(0, 1),
+                      self._query_valid(mask, B, T1, query, real_queries).t(), log_joint_q, log_resp_q,
+                      log_joint_k, log_resp_k, log_vars)
+        return self.linear_out(x), weights, record
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, resp_key: Tensor,
-                blocked: Optional[Tensor], authors: bool = False) -> Tensor:
+                blocked: Optional[Tensor], authors: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
         """A_hat V of eq. (1), (2), (10), (11) through the core's entry point
         (:func:`latent_core.sdma.sdma_attention`): ``q`` (B, H, T1, d_k) scaled, ``k``/``v`` (B, H, T2, d_k),
         ``resp_query`` (B, H, T1, C) and ``resp_key`` (B, H, T2, C) p(c|.), ``blocked`` (B or 1, 1, T1 or 1, T2)
-        True = masked -> (B, H, T1, d_k). Outside training ESPnet reads the weights (``self.attn``:
-        attention plots), so they are asked for there (the explicit kernel)."""
+        True = masked -> ((B, H, T1, d_k), A_hat (B, H, T1, T2) or None). Outside training ESPnet reads the
+        weights (``self.attn``: attention plots), so they are asked for there (the explicit kernel)."""
         core = self.sdma
         dropout_active = self.training and self.dropout.p > 0
-        x, self.attn = sdma_attention(
+        return sdma_attention(
             q, k, v, resp_query, resp_key, core.mix_weight, authors=authors, blocked=blocked,
             kernel=core.options.attention_kernel, need_weights=not self.training, dropout=self.dropout,
             dropout_p=self.dropout.p if dropout_active else 0.0)
-        return x
 
-    def _query_valid(self, mask: Optional[Tensor], B: int, T1: int, query: Tensor) -> Tensor:
-        """(B, T1) float, 1 for real (non-padding) query positions."""
-        if not self.is_self_attention:  # the decoder's real positions (its real_queries scope)
-            valid = current_real_queries()
-            if valid is not None and valid.shape == (B, T1):
-                return valid.float()
+    def _query_valid(self, mask: Optional[Tensor], B: int, T1: int, query: Tensor,
+                     real_queries: Optional[Tensor]) -> Tensor:
+        """(B, T1) float, 1 for real (non-padding) query positions (``real_queries``: the decoder's, from its
+        :func:`latent_core.sdma.real_queries` scope, for a cross-attention)."""
+        if not self.is_self_attention:
+            if real_queries is not None and real_queries.shape == (B, T1):
+                return real_queries.float()
         elif mask is not None:
             if mask.size(1) == T1 and mask.size(2) == T1:  # causal: position i valid iff M[i, i]
                 return mask.diagonal(dim1=1, dim2=2).float()

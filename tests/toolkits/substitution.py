@@ -170,5 +170,5 @@ def regularisers_do_not_leak(monkeypatch):
     add = sdma.SDMARecording.add
     monkeypatch.setattr(sdma.SDMARecording, "add", lambda self, core, rec: (kept.append(core), add(self, core, rec)))
     yield
-    assert sdma._RECORDING.get() is None, "an SDMA recording() scope is still open after the test"
+    assert sdma.active_recording() is None, "an SDMA recording() scope is still open after the test"
     assert not kept, f"SDMA recorded {len(kept)} regulariser inputs though no criterion consumed them"

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from latent_core.sdma import (
     AUTHORS_EPS,
+    compiled,
     SDMAConfigError,
     SDMACore,
     SDMAOptions,
@@ -96,6 +97,27 @@ class SDMAMultiheadAttention(MultiheadAttention):
                 query, key, value, key_padding_mask, incremental_state, need_weights,
                 static_kv, attn_mask, before_softmax, need_head_weights,
             )
+        # read here, outside the (possibly compiled) body: the recording scope and the decoder's real positions
+        need_losses = incremental_state is None and core.computes_regularisers()
+        real_queries = None if self.self_attention else current_real_queries()
+        body = SDMAMultiheadAttention._sdma_forward
+        if core.compiles(self.training) and incremental_state is None and not before_softmax:
+            body = compiled(body)
+        attn, weights, record = body(self, query, key, value, key_padding_mask, incremental_state, need_weights,
+                                     static_kv, attn_mask, before_softmax, need_head_weights, need_losses,
+                                     real_queries)
+        if record is not None:
+            core.record(*record)
+        return attn, weights
+
+    def _sdma_forward(self, query: Tensor, key: Optional[Tensor], value: Optional[Tensor],
+                      key_padding_mask: Optional[Tensor], incremental_state, need_weights: bool, static_kv: bool,
+                      attn_mask: Optional[Tensor], before_softmax: bool, need_head_weights: bool, need_losses: bool,
+                      real_queries: Optional[Tensor]):
+        """:meth:`forward` of an active SDMA module: ``(output [T, B, E], weights or None, the arguments of
+        :meth:`SDMACore.record` or None)``; with ``before_softmax``, ``(scores, v, None)``. No context variable
+        is read here, so that ``torch.compile`` traces it as one graph (``SDMAOptions.compile``)."""
+        core = self.sdma
         if need_head_weights:
             need_weights = True
         tgt_len, bsz, embed_dim = query.size()
@@ -133,7 +155,6 @@ class SDMAMultiheadAttention(MultiheadAttention):
         # draws a second one
         q_cluster, q = core.sample_queries(q, self.training)
         log_joint_q = log_resp_q = None
-        need_losses = incremental_state is None and core.computes_regularisers()
         if core.query_gmm is not None and need_losses:
             log_joint_q, log_resp_q = core.cluster_queries(q_cluster.view(tgt_len, bsz, H, D))
 
@@ -152,19 +173,20 @@ class SDMAMultiheadAttention(MultiheadAttention):
         attn, attn_float = self._mixed_attention(q, k, v, resp_query, key_resp, key_padding_mask, attn_mask,
                                                  bsz, kv_bsz, need_weights, before_softmax)
         if before_softmax:
-            return attn, v  # the scores, as fairseq's MultiheadAttention
+            return attn, v, None  # the scores, as fairseq's MultiheadAttention
         attn = self.out_proj(attn)
 
+        record = None
         if need_losses:
-            core.record(log_joint_z, log_resp_z, self._query_valid(query, real_key_padding_mask),
-                        log_joint_q, log_resp_q, log_joint_k, log_resp_k)
+            record = (log_joint_z, log_resp_z, self._query_valid(query, real_key_padding_mask, real_queries),
+                      log_joint_q, log_resp_q, log_joint_k, log_resp_k)
 
         weights: Optional[Tensor] = None
         if need_weights and attn_float is not None:
             weights = attn_float.view(bsz, H, tgt_len, k.size(1)).transpose(1, 0)
             if not need_head_weights:
                 weights = weights.mean(dim=0)
-        return attn, weights
+        return attn, weights, record
 
     def _one_copy_per_sentence(self, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor], bsz: int):
         """fairseq's beamable encoder-decoder attention: the encoder output once per sentence
@@ -284,18 +306,17 @@ class SDMAMultiheadAttention(MultiheadAttention):
         ).reshape(-1, tgt_len, D)
         return attn.transpose(0, 1).contiguous().view(tgt_len, bsz, H * D), attn_float
 
-    def _query_valid(self, query: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
+    def _query_valid(self, query: Tensor, key_padding_mask: Optional[Tensor], real_queries: Optional[Tensor]) -> Tensor:
         """``[T, B]`` float, 1 at real query positions: self-attention's queries are its keys; a
-        cross-attention reads the decoder's real positions from the :func:`real_queries` scope
-        the decoder layer sets."""
+        cross-attention reads the decoder's real positions (``real_queries`` ``[B, T]``, what the
+        :func:`real_queries` scope of the decoder layer holds)."""
         tgt_len, bsz = query.size(0), query.size(1)
         if self.self_attention:
             if key_padding_mask is not None and key_padding_mask.size(-1) == tgt_len:
                 return (~key_padding_mask.to(torch.bool)).t().float()
         else:
-            valid = current_real_queries()
-            if valid is not None and valid.size(-1) == tgt_len:
-                return valid.t().float()
+            if real_queries is not None and real_queries.size(-1) == tgt_len:
+                return real_queries.t().float()
         return query.new_ones(tgt_len, bsz, dtype=torch.float32)
 
     def _reset_projections_as_authors(self) -> None:

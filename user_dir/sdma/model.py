@@ -116,6 +116,7 @@ class SDMATransformerConfig(TransformerFields):
     sdma_diversity_alpha: float = core_field(SDMAOptions, "diversity_alpha")
     sdma_diversity_beta: float = core_field(SDMAOptions, "diversity_beta")
     sdma_attention_kernel: ChoiceEnum(ATTENTION_KERNELS) = core_field(SDMAOptions, "attention_kernel")
+    sdma_compile: bool = core_field(SDMAOptions, "compile")
     sdma_encoder_clusters: Optional[int] = field(
         default=None, metadata={"help": "n_c of the feature GMM in the encoder only (unset: --sdma-clusters)"})
     sdma_encoder_query_clusters: Optional[int] = field(

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from latent_core import sdma as core
+from latent_core.sdma import mixture
 from latent_core.sdma import GaussianMixture, SDMACore, SDMAOptions
 
 
@@ -249,17 +250,17 @@ def _log_joint_inputs(seed=0):
 def test_gaussian_log_joint_gradients(needs_grad):
     """The written-out backward pass against finite differences, for any subset of inputs needing a gradient."""
     inputs = [t.requires_grad_(n) for t, n in zip(_log_joint_inputs(), needs_grad)]
-    assert torch.autograd.gradcheck(core._GaussianLogJoint.apply, inputs)
+    assert torch.autograd.gradcheck(mixture._GaussianLogJoint.apply, inputs)
 
 
 def test_gaussian_log_joint_gradients_at_the_log_variance_clamp():
     """Log-variances beyond the clamp range get no gradient (as torch.clamp), those inside one."""
     flat, means, log_vars, prior = _log_joint_inputs()
-    low, high = core._LOGVAR_RANGE
+    low, high = mixture._LOGVAR_RANGE
     log_vars[0, 0, 0], log_vars[1, 2, 1] = high + 3.0, low - 1.0
     inputs = [t.requires_grad_(True) for t in (flat, means, log_vars, prior)]
-    assert torch.autograd.gradcheck(core._GaussianLogJoint.apply, inputs)
-    grad = torch.autograd.grad(core._GaussianLogJoint.apply(*inputs).sum(), log_vars)[0]
+    assert torch.autograd.gradcheck(mixture._GaussianLogJoint.apply, inputs)
+    grad = torch.autograd.grad(mixture._GaussianLogJoint.apply(*inputs).sum(), log_vars)[0]
     assert grad[0, 0, 0] == 0 and grad[1, 2, 1] == 0 and (grad != 0).sum() == grad.numel() - 2
 
 

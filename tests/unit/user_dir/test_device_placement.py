@@ -19,7 +19,6 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import espnet_plugin  # noqa: F401
-import latent_core.sdma as core
 from espnet_plugin.asr.sdma_attention import SDMAMultiHeadedAttention
 from latent_core.sdma import SDMAOptions, collect_sdma_losses, real_queries, recording
 from latent_core.vae.distributions import DiagonalGaussian
@@ -151,11 +150,13 @@ def test_vae_estimators_stay_on_the_device():
 
 def test_a_planted_cpu_tensor_is_caught(monkeypatch):
     """A ``torch.zeros(S)`` without ``device=`` in the mixing of eq. (11) fails the harness."""
-    original = core.mix_attention
+    from latent_core.sdma import attention
+
+    original = attention.mix_attention
 
     def planted(scores, mask, mix, norm_floor=0.0):
         return original(scores, mask, mix, norm_floor) + torch.zeros(scores.size(-1))
 
-    monkeypatch.setattr(core, "mix_attention", planted)  # the explicit kernel of the core's entry point
+    monkeypatch.setattr(attention, "mix_attention", planted)  # the explicit kernel of the core's entry point
     with pytest.raises(RuntimeError, match="device"):
         test_fairseq_sdma_attention_and_regularisers_stay_on_the_device("encoder_self", "paper", "explicit")

@@ -1,0 +1,180 @@
+"""The parameters and computations of SDMA for one attention module (:class:`SDMACore`): what the
+fairseq and ESPnet adapters hold."""
+
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from latent_core.sdma.mixture import GaussianMixture, log_softmax_clusters
+from latent_core.sdma.options import SDMAConfigError, SDMAOptions, mixing_weight
+from latent_core.sdma.records import ClusteringRecord, active_recording
+from latent_core.sdma.regularisers import sdma_losses
+
+
+class SDMACore(nn.Module):
+    """Parameters and computations of SDMA for one attention module.
+
+    Holds the per-head feature GMM theta_z (``[n_h, n_c, d_k]``), the query GMM theta_q
+    shared across heads (``[1, n_c^q, d_k]``, only in ``sdma`` mode) and the mixing
+    weight g of eq. (11) as a persistent buffer: it follows ``set_num_updates`` in
+    training and is saved in checkpoints, so inference uses its end-of-training value.
+    The adapters call :meth:`perturb`, :meth:`cluster`, :meth:`cluster_queries` and
+    :meth:`record`; :func:`collect_sdma_losses` turns the clustering recorded in a
+    :func:`recording` scope into the regularisers (batched over the layers of each attention type).
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, options: SDMAOptions):
+        super().__init__()
+        options.validate()
+        if embed_dim % num_heads != 0:
+            raise SDMAConfigError(
+                f"embedding size {embed_dim} is not divisible by the number of heads {num_heads}"
+            )
+        self.options = options
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        self.feature_gmm = GaussianMixture(
+            num_heads, options.num_clusters, self.head_dim, options.centroid_grad_scale, init=options.reading
+        )
+        self.query_gmm = (
+            GaussianMixture(1, options.num_query_clusters, self.head_dim, options.centroid_grad_scale,
+                            init=options.reading)
+            if options.mode == "sdma"
+            else None
+        )
+        self.register_buffer("mix_weight", torch.zeros(()), persistent=True)
+
+    # -- schedule ---------------------------------------------------------------
+    def set_num_updates(self, num_updates: int) -> None:
+        o = self.options
+        self.mix_weight.fill_(mixing_weight(num_updates, o.mix_max, o.mix_rate))
+
+    def active(self, training: bool) -> bool:
+        """Whether the semantic mask is applied in this forward pass (never in mode ``none``: an attention
+        module built with it is the toolkit's plain attention, as the option documents)."""
+        return self.options.mode != "none" and (training or self.options.mask_at_inference)
+
+    def compiles(self, training: bool) -> bool:
+        """Whether this forward pass runs the compiled path (``compile`` option; training with gradients only:
+        decoding and validation run eager, so that they need no graphs of their own)."""
+        return self.options.compile and training and torch.is_grad_enabled()
+
+    # -- clustering -------------------------------------------------------------
+    def perturb(self, x: Tensor, training: bool, log_var: Optional[Tensor] = None) -> Tensor:
+        """z = x + sigma * eps in training (eq. 8, variance ``noise_var``).
+
+        ``log_var`` (``[..., n_h]``, the authors' ESPnet ``var_estimation``): a log-variance per
+        position and head instead of ``noise_var``.
+        """
+        if training and log_var is not None:
+            eps = torch.randn(x.shape, dtype=x.dtype, device=x.device)
+            std = torch.exp(0.5 * log_var.float()).to(x.dtype)
+            return x + (eps.view(*x.shape[:-1], self.num_heads, -1) * std[..., None]).view(x.shape)
+        if training and self.options.noise_var > 0:
+            # torch.randn, not randn_like: fairseq hands the layers a transposed (non-contiguous)
+            # x, and sampling into a strided tensor takes PyTorch's per-element path (~9x slower)
+            eps = torch.randn(x.shape, dtype=x.dtype, device=x.device)
+            return torch.add(x, eps, alpha=math.sqrt(self.options.noise_var))
+        return x
+
+    def sample(self, x: Tensor, training: bool) -> Tuple[Tensor, Tensor]:
+        """(input of the feature clustering, input of the projections) for attention input ``x``.
+
+        Both are the one sample z of eq. (8), except in the authors' reading with c_g <= 1, where
+        their code clusters x / 10 without noise and projects the noisy x (their
+        ``grad_multiplier == 1`` branch).
+        """
+        if self.options.authors and self.options.centroid_grad_scale <= 1:
+            return x / 10.0, self.perturb(x, training)
+        z = self.perturb(x, training)
+        return z, z
+
+    def sample_queries(self, q: Tensor, training: bool) -> Tuple[Tensor, Tensor]:
+        """(input of the query GMM, queries of the scores) for the scaled queries ``q``.
+
+        Paper reading: ``q`` itself (it carries the sample of eq. 8 through W_q). Authors
+        reading: a second draw, q + sigma * eps (their ``disentangled_attention`` step 4), used
+        for both; with c_g <= 1 their code clusters q / 10 and scores the noisy q.
+        """
+        if not self.options.authors:
+            return q, q
+        return self.sample(q, training)
+
+    def cluster(self, x: Tensor, gmm_terms: Optional[Tuple[Tensor, Tensor, Tensor]] = None) -> Tuple[Tensor, Tensor]:
+        """Feature clustering of eq. (9): ``x [..., n_h * d_k]`` -> (log-joint, log p(c|z)), ``[..., n_h, n_c]``.
+
+        ``gmm_terms``: see :meth:`GaussianMixture.log_joint` (inference only).
+        """
+        z = x.reshape(*x.shape[:-1], self.num_heads, self.head_dim)
+        log_joint = self.feature_gmm.log_joint(z, gmm_terms)
+        return log_joint, log_softmax_clusters(log_joint)
+
+    def cluster_jointly(self, inputs: Sequence[Tensor],
+                        gmm_terms: Optional[Tuple[Tensor, Tensor, Tensor]] = None) -> List[Tuple[Tensor, Tensor]]:
+        """:meth:`cluster` of each of ``inputs`` (``[..., n_h * d_k]``, leading shapes may differ) with
+        one density evaluation: a cross-attention's queries and keys share the feature GMM, whose
+        parameters are then expanded, and their gradient collected, once instead of twice."""
+        if len(inputs) == 1:
+            return [self.cluster(inputs[0], gmm_terms)]
+        leads = [x.shape[:-1] for x in inputs]
+        log_joint, log_resp = self.cluster(torch.cat([x.reshape(-1, x.size(-1)) for x in inputs]), gmm_terms)
+        sizes = [math.prod(lead) for lead in leads]
+        return [(joint.view(*lead, *joint.shape[1:]), resp.view(*lead, *resp.shape[1:]))
+                for joint, resp, lead in zip(log_joint.split(sizes), log_resp.split(sizes), leads)]
+
+    def cluster_queries(self, q: Tensor) -> Tuple[Tensor, Tensor]:
+        """Query clustering (eq. 18 prior, eq. 9 form): ``q [..., n_h, d_k]`` -> ``[..., n_h, n_c^q]``."""
+        lead = q.shape[:-1]
+        log_joint = self.query_gmm.log_joint(q.reshape(-1, 1, self.head_dim)).reshape(*lead, -1)
+        return log_joint, log_softmax_clusters(log_joint)
+
+    @staticmethod
+    def heads_first(resp: Tensor) -> Tensor:
+        """``[T, B, n_h, C]`` -> ``[B * n_h, T, C]`` (the layout of the attention scores)."""
+        T, B, H, C = resp.shape
+        # contiguous: a clusters-first input would otherwise stay a strided view, on which
+        # bmm falls back to one matrix product per batch entry
+        return resp.permute(1, 2, 0, 3).contiguous().view(B * H, T, C)
+
+    # -- regularisers -----------------------------------------------------------
+    @staticmethod
+    def computes_regularisers() -> bool:
+        """Whether a forward pass computes the regularisers' inputs (the query clustering, the records).
+
+        Inside a :func:`recording` scope, and whenever autograd is on: activation checkpointing
+        (fairseq's ``--checkpoint-activations``, ESPnet's ``gradient_checkpoint_layers``) recomputes
+        the forward pass in backward, outside the scope, and must save the same tensors as the
+        first pass. Not in ``no_grad`` decoding outside a scope (beam search).
+        """
+        return torch.is_grad_enabled() or active_recording() is not None
+
+    def record(self, log_joint_z: Tensor, log_resp_z: Tensor, query_valid: Tensor,
+               log_joint_q: Optional[Tensor] = None, log_resp_q: Optional[Tensor] = None,
+               log_joint_k: Optional[Tensor] = None, log_resp_k: Optional[Tensor] = None,
+               log_vars: Optional[Dict[str, Tensor]] = None) -> None:
+        """Keep this forward pass's clustering in the active :func:`recording` (see
+        :class:`ClusteringRecord` for the arguments). Outside a scope nothing is kept; nor is
+        anything inside backward (activation checkpointing recomputing the forward pass: the
+        criterion already took the first pass's records).
+        """
+        records = active_recording()
+        if records is None or torch._C._current_graph_task_id() != -1:
+            return
+        records.add(self, ClusteringRecord(log_joint_z, log_resp_z, query_valid, log_joint_q, log_resp_q,
+                                           log_joint_k, log_resp_k, log_vars or {}))
+
+    def regularisers(self, log_joint_z: Tensor, log_resp_z: Tensor, query_valid: Tensor,
+                     log_joint_q: Optional[Tensor] = None,
+                     log_resp_q: Optional[Tensor] = None) -> Dict[str, Tensor]:
+        """All SDMA loss terms of this module alone (``[T, B, n_h, C]`` inputs)."""
+        return sdma_losses([(self, ClusteringRecord(log_joint_z, log_resp_z, query_valid, log_joint_q, log_resp_q))])
+
+    def extra_repr(self) -> str:
+        o = self.options
+        return (
+            f"mode={o.mode}, reading={o.reading}, heads={self.num_heads}, clusters={o.num_clusters}, "
+            f"query_clusters={o.num_query_clusters}, nu={o.mix_max}, c_g={o.centroid_grad_scale}"
+        )

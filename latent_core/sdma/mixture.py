@@ -1,0 +1,233 @@
+"""The Gaussian mixtures of eq. (5)/(9) (:class:`GaussianMixture`, the per-head feature GMM and the
+query GMM), their log-joint as one autograd node, and the clusters-first layout of the clustering tensors."""
+
+import math
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from latent_core.sdma.options import LOG_2PI
+
+_LOGVAR_RANGE = (-9.0, 9.0)
+
+
+class GaussianMixture(nn.Module):
+    """``groups`` independent diagonal GMMs of ``num_clusters`` components in ``dim`` dims.
+
+    Parameters (eq. 5): prior logits ``[G, C]`` (pi = softmax), means ``[G, C, d]``
+    and log-variances ``[G, C, d]``; ``init="paper"`` draws the means from N(0, 1) with unit
+    variances and a uniform prior, ``init="authors"`` as their code. The gradient of the means is multiplied by
+    ``centroid_grad_scale`` (c_g of Section IV-A3).
+    """
+
+    def __init__(self, groups: int, num_clusters: int, dim: int, centroid_grad_scale: float = 1.0,
+                 init: str = "paper"):
+        super().__init__()
+        self.groups, self.num_clusters, self.dim = groups, num_clusters, dim
+        self.prior_logits = nn.Parameter(torch.zeros(groups, num_clusters))
+        self.means = nn.Parameter(torch.randn(groups, num_clusters, dim))
+        self.log_vars = nn.Parameter(torch.zeros(groups, num_clusters, dim))
+        if init == "authors":
+            self.reset_parameters_as_authors()
+        self.centroid_grad_scale = float(centroid_grad_scale)
+        if self.centroid_grad_scale != 1.0:
+            self.means.register_hook(self._scale_centroid_grad)
+
+    def reset_parameters_as_authors(self) -> None:
+        """xavier_normal_ (gain 1) on every GMM parameter, as the authors' init_cluster_params: means
+        near the origin (std sqrt(2 / ((G + C) d)), ~0.044 at base), soft clusters at step 0."""
+        for parameter in (self.prior_logits, self.means, self.log_vars):
+            nn.init.xavier_normal_(parameter)
+
+    def _scale_centroid_grad(self, grad: Tensor) -> Tensor:
+        return grad * self.centroid_grad_scale
+
+    def log_joint(self, z: Tensor, terms: Optional[Tuple[Tensor, Tensor, Tensor]] = None) -> Tensor:
+        """log pi_c + log N(z | mu_c, sigma_c^2) for ``z`` of shape ``[..., G, d]`` -> ``[..., G, C]``.
+
+        Computed in (at least) float32 by :class:`_GaussianLogJoint`, which saves only ``z``
+        for the backward pass. The result is stored clusters-first (``[C, ..., G]`` in memory,
+        see :func:`clusters_first`), so softmaxes and sums over the few clusters run as
+        vectorised operations over the long dimensions. Without gradients, ``terms`` (from
+        :meth:`inference_terms`) may be passed by a caller that knows the parameters cannot
+        have changed since they were built (one beam search); otherwise they are rebuilt
+        from the current parameters on every call.
+        """
+        lead = z.shape[:-2]
+        dtype = torch.promote_types(z.dtype, torch.float32)
+        flat = z.to(dtype).reshape(-1, self.groups * self.dim)  # [N, G*d]
+        with full_precision(flat):
+            if torch.is_grad_enabled() and torch.compiler.is_compiling():
+                # the compiled path (SDMAOptions.compile): the expansion itself, whose backward inductor
+                # derives and fuses (the hand-written one below exists to save eager launches)
+                parts = _gmm_parts(self.means, self.log_vars, self.prior_logits, dtype)
+                out = torch.addmm(torch.addmm(parts.bias, flat * flat, parts.weight_sq), flat, parts.weight_lin)
+            elif torch.is_grad_enabled():
+                out = _GaussianLogJoint.apply(flat, self.means, self.log_vars, self.prior_logits)
+            else:
+                # Never cached across calls on the module: fairseq's FP16Optimizer (and EMA, and
+                # anyone writing ``p.data``) changes the parameters without bumping their version
+                # counter or moving them, so a cache keyed on either serves stale weights.
+                if terms is None or terms[0].dtype != dtype:
+                    terms = self.inference_terms(dtype)
+                weight_sq, weight_lin, bias = terms
+                out = torch.addmm(torch.addmm(bias, flat * flat, weight_sq), flat, weight_lin)
+        # [N, C*G] (columns cluster-major) -> storage [C, N, G], viewed as [..., G, C]
+        out = out.view(-1, self.num_clusters, self.groups).transpose(0, 1).contiguous()
+        return out.view(self.num_clusters, *lead, self.groups).movedim(0, -1)
+
+    def log_joint_direct(self, z: Tensor) -> Tensor:
+        """:meth:`log_joint` written as eq. (9) reads, ``[..., G, d] -> [..., G, C]``: a
+        ``[..., G, C, d]`` difference per cluster instead of two matrix products. Slow and
+        memory-hungry; the reference the fast path is tested against."""
+        log_vars = self.log_vars.float().clamp(*_LOGVAR_RANGE)
+        z = z.to(torch.promote_types(z.dtype, torch.float32))
+        squared = ((z.unsqueeze(-2) - self.means) ** 2 / log_vars.exp()).sum(-1)  # (z - mu_c)^T Sigma_c^-1 (z - mu_c)
+        log_normal = -0.5 * (squared + log_vars.sum(-1) + self.dim * LOG_2PI)  # log N(z | mu_c, Sigma_c)
+        return log_normal + self.log_prior()  # + log pi_c
+
+    def inference_terms(self, dtype: torch.dtype = torch.float32) -> Tuple[Tensor, Tensor, Tensor]:
+        """The expanded log-density of the CURRENT parameters, ``([G*d, C*G], [G*d, C*G], [C*G])``."""
+        with torch.no_grad():
+            return _gmm_parts(self.means, self.log_vars, self.prior_logits, dtype)[:3]
+
+    def log_prior(self) -> Tensor:
+        """log pi, ``[G, C]`` (float32)."""
+        return log_prior(self.prior_logits)
+
+    def trace_precision(self) -> Tensor:
+        """sum_d 1 / sigma_{c,d}^2, shape ``[G, C]`` (enters the KL of eq. 20)."""
+        return trace_precision(self.log_vars)
+
+
+# Of one GMM's parameters or of several stacked along a leading layer axis (``sdma_losses`` stacks
+# the layers' parameters first: one set of ops per attention type instead of one per layer).
+def log_prior(prior_logits: Tensor) -> Tensor:
+    """log pi, ``[..., G, C]`` (float32), from the prior logits ``[..., G, C]``."""
+    return F.log_softmax(prior_logits.float(), dim=-1)
+
+
+def trace_precision(log_vars: Tensor) -> Tensor:
+    """sum_d 1 / sigma_{c,d}^2, ``[..., G, C]`` (float32), from the log-variances ``[..., G, C, d]``."""
+    return torch.exp(-log_vars.float().clamp(*_LOGVAR_RANGE)).sum(-1)
+
+
+def authors_linear_init(linear: nn.Linear, gain: float) -> None:
+    """The authors' initialisation of an attention projection: xavier_normal_ weights with ``gain``
+    and the bias ``nn.Linear`` would draw (uniform in +-1/sqrt(fan_in))."""
+    nn.init.xavier_normal_(linear.weight, gain=gain)
+    if linear.bias is not None:
+        bound = 1 / math.sqrt(linear.weight.size(1))
+        nn.init.uniform_(linear.bias, -bound, bound)
+
+
+def full_precision(tensor: Tensor):
+    """Autocast off for the block that follows (its matrix products keep ``tensor``'s dtype)."""
+    return torch.autocast(tensor.device.type, enabled=False)
+
+
+class _GMMParts(NamedTuple):
+    """The expanded log-density of :func:`_gmm_parts` and what its backward pass reuses."""
+    weight_sq: Tensor  # [G*d, C*G], block-diagonal -1/2 sigma^-2
+    weight_lin: Tensor  # [G*d, C*G], block-diagonal mu sigma^-2
+    bias: Tensor  # [C*G]
+    means: Tensor  # [G, C, d] in the compute dtype
+    precision: Tensor  # [G, C, d], sigma^-2 of the clamped log-variances
+    log_pi: Tensor  # [G, C]
+    clamped_log_vars: Tensor  # [G, C, d]
+
+
+def _block_diagonal(weights: Tensor) -> Tensor:
+    """``[K, G, C, d]`` -> ``[K, G*d, C*G]``: block g of matrix k holds ``weights[k, g]``
+    transposed; columns are cluster-major (column ``c * G + g`` is cluster c of group g)."""
+    k, groups, clusters, dim = weights.shape
+    out = weights.new_zeros(k, groups, dim, clusters, groups)
+    out.diagonal(dim1=1, dim2=4).copy_(weights.permute(0, 3, 2, 1))  # the [K, d, C, G] diagonal
+    return out.view(k, groups * dim, clusters * groups)
+
+
+def _diagonal_blocks(full: Tensor, groups: int, clusters: int) -> Tensor:
+    """The inverse of :func:`_block_diagonal` for one matrix: ``[G*d, C*G]`` -> ``[G, C, d]`` (a view)."""
+    return full.view(groups, -1, clusters, groups).diagonal(dim1=0, dim2=3).permute(2, 1, 0)
+
+
+def _gmm_parts(means: Tensor, log_vars: Tensor, prior_logits: Tensor, dtype: torch.dtype) -> _GMMParts:
+    """log pi_c + log N(z | mu_c, sigma_c^2) = b + (z*z) W_sq + z W_lin (eq. 9, expanded), ``z [N, G*d]``.
+
+    The -1/2 of the Gaussian exponent is folded into the block-diagonal weights.
+    """
+    groups, clusters, dim = means.shape
+    clamped = log_vars.to(dtype).clamp(*_LOGVAR_RANGE)
+    means = means.to(dtype)
+    precision = torch.exp(-clamped)  # sigma^-2, [G, C, d]
+    scaled_means = means * precision
+    log_pi = F.log_softmax(prior_logits.to(dtype), dim=-1)  # [G, C]
+    # mu^T Sigma^-1 mu + log |Sigma| + d log 2 pi
+    const = torch.add((scaled_means * means).sum(-1), clamped.sum(-1)).add_(dim * LOG_2PI)
+    bias = torch.add(log_pi, const, alpha=-0.5).t().reshape(-1)
+    weight_sq, weight_lin = _block_diagonal(torch.stack((-0.5 * precision, scaled_means)))
+    return _GMMParts(weight_sq, weight_lin, bias, means, precision, log_pi, clamped)
+
+
+class _GaussianLogJoint(torch.autograd.Function):
+    """log pi_c + log N(z | mu_c, diag sigma_c^2) for G independent GMMs, ``[N, G*d] -> [N, C*G]``.
+
+    The squared Mahalanobis distance is expanded as z^2 . (1/sigma^2) - 2 z . (mu/sigma^2)
+    + const, with the G groups' weights as block-diagonal ``[G*d, C*G]`` matrices: two
+    matrix products on the contiguous input, no ``[N, G, C, d]`` temporary. Of the ``[N, ...]``
+    tensors only ``z`` is saved (it is also saved by the q/k/v projections, so this costs no
+    extra memory); ``z^2`` is recomputed in the backward pass. The parameters' gradients are
+    written out (below) rather than differentiated through the expansion: under half of
+    the ATen ops, which on a GPU are kernel launches at these small sizes.
+    """
+
+    @staticmethod
+    def forward(ctx, flat, means, log_vars, prior_logits):
+        parts = _gmm_parts(means, log_vars, prior_logits, flat.dtype)
+        ctx.save_for_backward(flat, log_vars, *parts)
+        ctx.param_dtypes = (means.dtype, log_vars.dtype, prior_logits.dtype)
+        return torch.addmm(torch.addmm(parts.bias, flat * flat, parts.weight_sq), flat, parts.weight_lin)
+
+    @staticmethod
+    def backward(ctx, grad):
+        flat, log_vars, *saved = ctx.saved_tensors
+        weight_sq, weight_lin, _, means, precision, log_pi, clamped = saved
+        groups, clusters, _ = means.shape
+        grad_flat = None
+        if ctx.needs_input_grad[0]:
+            # d/dz [(z*z) W_sq + z W_lin] = 2 z o (g W_sq^T) + g W_lin^T
+            grad_flat = torch.addcmul(torch.mm(grad, weight_lin.t()), flat, torch.mm(grad, weight_sq.t()), value=2.0)
+        if not any(ctx.needs_input_grad[1:]):
+            return grad_flat, None, None, None
+        # gradients of W_sq = -P/2, W_lin = mu P and b = log pi - (mu^2 P + log sigma^2)/2 - const,
+        # P = sigma^-2 = exp(-clamped log-variance)
+        grad_sq = _diagonal_blocks(torch.mm((flat * flat).t(), grad), groups, clusters)  # [G, C, d]
+        grad_lin = _diagonal_blocks(torch.mm(flat.t(), grad), groups, clusters)
+        grad_bias = grad.sum(0).view(clusters, groups).t()  # [G, C]
+        gb = grad_bias.unsqueeze(-1)
+        lin_minus_bias = torch.addcmul(grad_lin, gb, means, value=-1.0)  # dL/dW_lin - g_b mu
+        grad_means = precision * lin_minus_bias
+        # dL/dP = -dW_sq/2 + mu (dW_lin - g_b mu/2); d log-variance = -P dL/dP - g_b/2
+        grad_precision = torch.addcmul(lin_minus_bias, gb, means, value=0.5).mul_(means).sub_(grad_sq, alpha=0.5)
+        grad_log_vars = torch.addcmul(gb * -0.5, precision, grad_precision, value=-1.0)
+        grad_log_vars = grad_log_vars * (clamped == log_vars)  # clamp: no gradient outside the range
+        grad_prior = grad_bias - log_pi.exp() * grad_bias.sum(-1, keepdim=True)  # log-softmax
+        means_dtype, log_vars_dtype, prior_dtype = ctx.param_dtypes
+        return grad_flat, grad_means.to(means_dtype), grad_log_vars.to(log_vars_dtype), grad_prior.to(prior_dtype)
+
+
+def clusters_first(x: Tensor) -> Tensor:
+    """``[..., C]`` -> ``[C, ...]`` (a view). The clustering tensors are stored clusters-first
+    (:meth:`GaussianMixture.log_joint`), so this view is contiguous and the few clusters
+    become the outermost dimension: a softmax or sum over them is a handful of vectorised
+    passes over long rows, where PyTorch's kernels over a last dimension of 4-8 elements
+    spend their time in per-row overhead."""
+    return x.movedim(-1, 0)
+
+
+def log_softmax_clusters(x: Tensor) -> Tensor:
+    """``log_softmax(x, dim=-1)`` over the (few) clusters of ``x [..., C]``, computed clusters-first."""
+    return torch.log_softmax(clusters_first(x), dim=0).movedim(0, -1)

@@ -1,0 +1,102 @@
+"""What one forward pass records for the regularisers: the clustering of every SDMA attention called
+inside a :func:`recording` scope, and the decoder's real query positions (:func:`real_queries`)."""
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, Optional, Tuple
+
+import torch.nn as nn
+from torch import Tensor
+
+from latent_core.sdma.compiled import log_new_compile_time
+
+@dataclass
+class ClusteringRecord:
+    """One SDMA attention's clustering in one forward pass: the input of its regularisers.
+
+    ``log_joint_*`` / ``log_resp_*``: log p(z, c) and log p(c | z), ``[T, B, n_h, C]`` (``_k``: the
+    keys of a cross-attention, ``[S, B, n_h, C]``, which the authors' reading regularises too);
+    ``valid`` ``[T, B]``: 1 at real (non-padding) query positions; ``log_vars``: learned posterior
+    log-variances per position and head (``{"z": [T, B, n_h], "q": ..., "k": [S, B, n_h]}``, the
+    authors' ESPnet ``var_estimation``) replacing sigma_tilde^2.
+    """
+
+    log_joint_z: Tensor
+    log_resp_z: Tensor
+    valid: Tensor
+    log_joint_q: Optional[Tensor] = None
+    log_resp_q: Optional[Tensor] = None
+    log_joint_k: Optional[Tensor] = None
+    log_resp_k: Optional[Tensor] = None
+    log_vars: Dict[str, Tensor] = field(default_factory=dict)
+
+    def layout(self) -> Tuple:
+        """The shapes that decide which records can be stacked into one batched computation."""
+        return tuple(None if t is None else tuple(t.shape) for t in (self.log_joint_z, self.log_joint_q,
+                                                                      self.log_joint_k))
+
+
+class SDMARecording:
+    """The :class:`ClusteringRecord` of every SDMA attention called inside one :func:`recording`
+    scope (the latest call of each core wins)."""
+
+    def __init__(self):
+        self._records: Dict[nn.Module, ClusteringRecord] = {}
+
+    def add(self, core: nn.Module, record: ClusteringRecord) -> None:
+        self._records[core] = record
+
+    def get(self, core: nn.Module) -> Optional[ClusteringRecord]:
+        return self._records.get(core)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+
+_RECORDING: contextvars.ContextVar[Optional[SDMARecording]] = contextvars.ContextVar("sdma_recording", default=None)
+_REAL_QUERIES: contextvars.ContextVar[Optional[Tensor]] = contextvars.ContextVar("sdma_real_queries", default=None)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[SDMARecording]:
+    """Record the clustering of the SDMA attentions called inside, for the regularisers::
+
+        with recording() as records:
+            output = model(batch)
+        terms = collect_sdma_losses(model, records)
+
+    Outside such a scope (decoding, analysis) nothing is recorded.
+    """
+    log_new_compile_time()  # of the compiled path (SDMAOptions.compile) in the previous forward and backward
+    records = SDMARecording()
+    token = _RECORDING.set(records)
+    try:
+        yield records
+    finally:
+        _RECORDING.reset(token)
+
+
+@contextlib.contextmanager
+def real_queries(valid: Optional[Tensor]) -> Iterator[None]:
+    """The decoder's real (non-padding) positions, ``[B, T]`` bool, for the attentions called inside.
+
+    A cross-attention receives only the padding of its keys; its regularisers average over the
+    queries, so the decoder layer (or a fused attention) states which queries are real around the
+    call. ``None``: every position is real.
+    """
+    token = _REAL_QUERIES.set(valid)
+    try:
+        yield
+    finally:
+        _REAL_QUERIES.reset(token)
+
+
+def active_recording() -> Optional[SDMARecording]:
+    """The innermost open :func:`recording` scope's records, or None (decoding, analysis)."""
+    return _RECORDING.get()
+
+
+def current_real_queries() -> Optional[Tensor]:
+    """What the innermost :func:`real_queries` scope set (``[B, T]`` bool), or None."""
+    return _REAL_QUERIES.get()
