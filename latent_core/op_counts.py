@@ -88,3 +88,67 @@ def count_traffic(fn: Callable[[], object]) -> Dict[str, int]:
     with sdpa_kernel(SDPBackend.MATH), counter:
         fn()
     return {"ops": counter.ops, "bytes": counter.bytes, "matmul_ops": counter.matmul_ops}
+
+
+# ATen ops that launch no kernel: allocation and metadata (views are recognised by their schema)
+_NO_KERNEL = {"empty", "empty_strided", "empty_like", "resize_", "set_", "detach", "detach_", "lift_fresh",
+              "alias", "_unsafe_view", "_reshape_alias", "as_strided", "is_nonzero", "item", "_local_scalar_dense",
+              "record_stream", "resolve_conj", "resolve_neg"}
+
+
+def _aten_op(name: str):
+    """The overload packet of a profiler event ``aten::name``, or None."""
+    return getattr(torch.ops.aten, name.removeprefix("aten::"), None)
+
+
+def _decomposes(packet) -> bool:
+    """Whether an ATen op is implemented by other ATen ops above the kernels (CompositeImplicitAutograd in every
+    overload, e.g. ``matmul``, ``softmax``, ``to``; the profiler does not name the overload): it is counted
+    through the ops it calls, as a dispatch-mode counter sees them."""
+    key = torch._C.DispatchKey.CompositeImplicitAutograd
+    composite = []
+    for overload in packet.overloads():
+        try:
+            composite.append(getattr(packet, overload).has_kernel_for_dispatch_key(key))
+        except RuntimeError:  # an overload known to Python only (no dispatcher entry)
+            continue
+    return bool(composite) and all(composite)
+
+
+def _launches_a_kernel(packet, op: str) -> bool:
+    return op not in _NO_KERNEL and not any(getattr(packet, o).is_view for o in packet.overloads())
+
+
+def count_launches(fn: Callable[[], object]) -> Dict[str, int]:
+    """Kernel launches of running ``fn`` once, from the profiler: ``{"aten", "inductor", "launches"}``.
+
+    ``aten``: ATen ops that run a kernel, outside compiled graphs and inside them (inductor calls matrix products
+    as extern ATen kernels): on each path of the profiler's call tree, the first op that is not a composite of
+    other ATen ops, unless it is a view, allocation or metadata op (what :class:`TrafficCounter` counts, without
+    its dispatch mode, under which ``torch.compile``'d functions would run eager); ``inductor``: the kernels inductor
+    generated that ran (``cpp_fused_*`` on a CPU, visible when ``torch._inductor.config.cpp.enable_kernel_profile``
+    was on while they were compiled; ``triton_*`` on CUDA); ``launches``: their sum, one launch each on a GPU.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    counts = {"aten": 0, "inductor": 0}
+
+    def visit(event) -> None:
+        name = event.name
+        if name.startswith("aten::"):
+            packet = _aten_op(name)
+            if packet is not None and not _decomposes(packet):
+                counts["aten"] += _launches_a_kernel(packet, name.removeprefix("aten::"))
+                return
+        elif "cpp_fused" in name or name.startswith("triton_"):
+            counts["inductor"] += 1
+            return
+        for child in event.cpu_children:
+            visit(child)
+
+    for event in prof.events():
+        if event.cpu_parent is None:
+            visit(event)
+    return {**counts, "launches": counts["aten"] + counts["inductor"]}

@@ -18,7 +18,8 @@ from espnet.nets.pytorch_backend.transformer.attention import MultiHeadedAttenti
 from torch import Tensor
 
 from latent_core.errors import PluginConfigError, check_positive_int
-from latent_core.sdma import (SDMACore, SDMAOptions, authors_linear_init, compiled, current_real_queries,
+from latent_core.sdma import (SDMACore, SDMAOptions, authors_linear_init, compiled, contiguous_inputs,
+                              current_real_queries,
                               sdma_attention)
 
 ATTENTION_GROUPS = ("encoder_self", "decoder_self", "decoder_cross")
@@ -166,6 +167,7 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         body = SDMAMultiHeadedAttention._forward_authors if core.options.authors else SDMAMultiHeadedAttention._forward_paper
         if core.compiles(self.training):
             body = compiled(body)
+            query, key, value, mask = contiguous_inputs(query, key, value, mask)
         out, self.attn, record = body(self, query, key, value, mask, need_losses, real_queries)
         if record is not None:
             core.record(*record)

@@ -75,7 +75,7 @@ from latent_core.sdma.regularisers import (  # noqa: F401
     token_given_cluster, vade_kl, weighted_regulariser,
 )
 from latent_core.sdma.core import SDMACore  # noqa: F401
-from latent_core.sdma.compiled import compile_seconds, compiled, log_new_compile_time  # noqa: F401
+from latent_core.sdma.compiled import compile_seconds, compiled, contiguous_inputs, log_new_compile_time  # noqa: F401
 from latent_core.sdma.nonfinite import (  # noqa: F401
     check_finite, diagnose_nonfinite, first_nonfinite_activation, first_nonfinite_parameter,
 )

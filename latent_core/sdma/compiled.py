@@ -39,6 +39,21 @@ def compiled(fn: Callable) -> Callable:
     return _COMPILED[fn]
 
 
+def contiguous_inputs(*tensors):
+    """The tensors (or None) as contiguous tensors that are not views, for a compiled call; those that were one
+    tensor stay one. Dynamo guards on strides, on a view's base and on aliasing, so a transposed input
+    (fairseq's first layer), a slice of a cached buffer (fairseq's future mask, a view of its own buffer when
+    the lengths match and a copy's when they do not) or self-attention's ``key is query`` changing between
+    calls would compile another graph."""
+    made = []
+    for tensor in tensors:
+        same = next((new for old, new in zip(tensors, made) if old is tensor), None)
+        if same is None and tensor is not None:
+            same = tensor.clone(memory_format=torch.contiguous_format) if tensor._base is not None else tensor.contiguous()
+        made.append(same)
+    return made
+
+
 def compile_seconds() -> float:
     """Seconds spent compiling (dynamo and inductor, forward graphs and their lazily compiled backward
     graphs) in this process since the first compiled function was built."""

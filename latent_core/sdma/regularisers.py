@@ -189,7 +189,8 @@ def sdma_losses(items: List[Tuple[nn.Module, ClusteringRecord]],
         gmms["q"] = [core.query_gmm for core, _ in items]
     gmm_parameters = {kind: ([g.log_vars for g in group], [g.prior_logits for g in group]) for kind, group in gmms.items()}
     terms = compiled(group_terms) if first_core.compiles(first_core.training) else group_terms
-    losses, sums = terms(layers, log_vars, gmm_parameters, first.valid, authors=o.authors, head_dim=first_core.head_dim,
+    # contiguous: inductor saves a view of a transposed input with the strides of the first call's sizes
+    losses, sums = terms(layers, log_vars, gmm_parameters, first.valid.contiguous(), authors=o.authors, head_dim=first_core.head_dim,
                          num_heads=first_core.num_heads, posterior_var=o.kl_posterior_var, alpha=o.diversity_alpha,
                          beta=o.diversity_beta, diagnose=diagnostics is not None)
     for name, value in sums.items():

@@ -17,6 +17,7 @@ from torch import Tensor
 from latent_core.sdma import (
     AUTHORS_EPS,
     compiled,
+    contiguous_inputs,
     SDMAConfigError,
     SDMACore,
     SDMAOptions,
@@ -103,6 +104,8 @@ class SDMAMultiheadAttention(MultiheadAttention):
         body = SDMAMultiheadAttention._sdma_forward
         if core.compiles(self.training) and incremental_state is None and not before_softmax:
             body = compiled(body)
+            query, key, value, key_padding_mask, attn_mask = contiguous_inputs(
+                query, key, value, key_padding_mask, attn_mask)
         attn, weights, record = body(self, query, key, value, key_padding_mask, incremental_state, need_weights,
                                      static_kv, attn_mask, before_softmax, need_head_weights, need_losses,
                                      real_queries)

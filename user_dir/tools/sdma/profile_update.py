@@ -6,8 +6,13 @@ then timed over ``--updates`` updates (wall clock, the device synchronised) and 
 many more with ``torch.profiler``. Per model and update it reports:
 
 * ``ms_per_update``: wall clock;
+* ``launches``: kernel launches per update (``latent_core.op_counts.count_launches``: ATen ops that run a
+  kernel, outside compiled graphs and inside them, plus the kernels inductor generated), split into
+  ``model_launches`` (criterion forward with the regularisers, and backward) and ``optimizer_launches``
+  (the Adam step: per parameter on a CPU; a handful with fairseq's ``--fp16`` flat parameters or a
+  multi-tensor Adam on a GPU, so ``model_launches`` is the ratio that carries over);
 * ``aten_ops``: ATen ops that are not views (``latent_core.op_counts.count_traffic``: elementwise
-  ops plus matrix products), roughly one kernel launch each on a GPU;
+  ops plus matrix products), eager models only (its dispatch mode runs compiled functions eager);
 * on CUDA, ``kernels`` (kernels launched) and ``gpu_busy_ms`` (the sum of their run times); their
   ratio to the wall clock, ``gpu_busy_fraction``, says whether the GPU waits for the CPU to launch
   work (well under 1: launch-bound, where fewer ops or fusion help) or computes (near 1);
@@ -15,7 +20,10 @@ many more with ``torch.profiler``. Per model and update it reports:
 
 On a CPU the same code runs (no kernel columns), so the step is tested without a GPU.
 
-    python -m user_dir.tools.sdma.profile_update --device cuda --config base --out outputs/gpu/sdma_profile.json
+``--compiled`` adds SMA-T and SDMA-T with the compiled path (``--sdma-compile``; compiled during the warm-up,
+the compile time reported as ``compile_s``).
+
+    python -m user_dir.tools.sdma.profile_update --device cuda --config base --compiled --out outputs/gpu/sdma_profile.json
 """
 
 import argparse
@@ -28,10 +36,13 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from latent_core.op_counts import count_traffic
+import torch._inductor.config as inductor_config
+
+from latent_core.op_counts import count_launches, count_traffic
 from latent_core.runs import print_table, write_json
-from latent_core.sdma import READINGS
-from user_dir.tools.sdma.step_timing import MODELS, STEP_CONFIGS, StepSetting, build_for_updates, training_update
+from latent_core.sdma import READINGS, compile_seconds
+from user_dir.tools.sdma.step_timing import (MODELS, STEP_CONFIGS, VARIANTS, StepSetting, build_for_updates,
+                                             forward_backward, training_update)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -42,10 +53,17 @@ def _synchronize(device: torch.device) -> None:
 def profile_model(config: str, name: str, setting: StepSetting, device: torch.device, updates: int,
                   warmup: int, top: int = 12) -> Dict:
     """One model's numbers (see the module docstring)."""
-    model, criterion, optimizer, sample = build_for_updates(config, MODELS[name], setting, str(device))
-    for _ in range(warmup):
+    mode, compiled = VARIANTS[name]
+    model, criterion, optimizer, sample = build_for_updates(config, mode, setting, str(device), compiled)
+    compiling = compile_seconds()
+    for _ in range(max(warmup, 2 if compiled else 0)):  # the compiled path: forward and backward graphs
         training_update(model, criterion, optimizer, sample)
-    traffic = count_traffic(lambda: training_update(model, criterion, optimizer, sample))
+    _synchronize(device)
+    compile_s = compile_seconds() - compiling
+    model_launches = count_launches(lambda: forward_backward(model, criterion, sample))
+    optimizer_launches = count_launches(optimizer.step)
+    optimizer.zero_grad(set_to_none=True)
+    traffic = None if compiled else count_traffic(lambda: training_update(model, criterion, optimizer, sample))
     _synchronize(device)
     times = []
     for _ in range(updates):
@@ -61,9 +79,16 @@ def profile_model(config: str, name: str, setting: StepSetting, device: torch.de
     events = prof.key_averages()
     result = {
         "ms_per_update": statistics.median(times),
-        "aten_ops": traffic["ops"] + traffic["matmul_ops"],
+        "launches": model_launches["launches"] + optimizer_launches["launches"],
+        "model_launches": model_launches["launches"],
+        "inductor_kernels": model_launches["inductor"],
+        "optimizer_launches": optimizer_launches["launches"],
         "params": sum(p.numel() for p in model.parameters()),
     }
+    if traffic is not None:
+        result["aten_ops"] = traffic["ops"] + traffic["matmul_ops"]
+    if compiled:
+        result["compile_s"] = compile_s
     if device.type == "cuda":  # the kernels, by their GPU time
         ranked = [e for e in events if e.device_type == DeviceType.CUDA]
         self_us = lambda e: e.self_device_time_total  # noqa: E731
@@ -89,15 +114,20 @@ def profile_updates(config: str, setting: StepSetting, device: str = "cpu", upda
         raise ValueError(f"updates={updates} must be >= 1 and warmup={warmup} >= 0")
     device = torch.device(device)
     results = {}
-    for name in models:
-        results[name] = profile_model(config, name, setting, device, updates, warmup)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # the previous model's memory, before the next one is built
+    # inductor's C++ kernels show in the profiler (count_launches) only when compiled with kernel profiling
+    with inductor_config.patch({"cpp.enable_kernel_profile": True}):
+        for name in models:
+            results[name] = profile_model(config, name, setting, device, updates, warmup)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the previous model's memory, before the next one is built
     base = results.get("V-T")
     for result in results.values():
         if base is not None:
             result["speed_vs_vt"] = base["ms_per_update"] / result["ms_per_update"]
-            result["aten_ops_vs_vt"] = result["aten_ops"] / base["aten_ops"]
+            result["launches_vs_vt"] = result["launches"] / base["launches"]
+            result["model_launches_vs_vt"] = result["model_launches"] / base["model_launches"]
+            if "aten_ops" in result:
+                result["aten_ops_vs_vt"] = result["aten_ops"] / base["aten_ops"]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"config": config, "device": name, "setting": setting.__dict__, "updates": updates, "models": results}
 
@@ -106,7 +136,9 @@ def table_rows(report: Dict):
     rows = []
     for name, r in report["models"].items():
         row = {"model": name, "ms/update": r["ms_per_update"], "speed vs V-T": r.get("speed_vs_vt"),
-               "ATen ops": r["aten_ops"], "ops vs V-T": r.get("aten_ops_vs_vt")}
+               "launches": r["launches"], "vs V-T": r.get("launches_vs_vt"),
+               "fwd+bwd launches": r["model_launches"], "fwd+bwd vs V-T": r.get("model_launches_vs_vt"),
+               "optimizer": r["optimizer_launches"], "compile s": r.get("compile_s")}
         if "kernels" in r:
             row.update({"kernels": r["kernels"], "GPU busy ms": r["gpu_busy_ms"], "busy fraction": r["gpu_busy_fraction"]})
         rows.append(row)
@@ -124,7 +156,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                           "160 x 26 is the IWSLT recipe's 4,096-token batch)")
     p.add_argument("--updates", type=int, default=5, help="timed updates, and as many profiled (default 5)")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    p.add_argument("--models", nargs="+", choices=list(VARIANTS), default=list(MODELS))
+    p.add_argument("--compiled", action="store_true", help="add SMA-T and SDMA-T with --sdma-compile")
     p.add_argument("--out", type=Path, default=Path("outputs") / "bench" / "sdma_profile.json")
     return p.parse_args(argv)
 
@@ -135,7 +168,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"--device {args.device}: no CUDA device is visible (use --device cpu)")
     setting = StepSetting(sentences=args.sentences, tokens=args.tokens, reading=args.reading)
     try:
-        report = profile_updates(args.config, setting, args.device, args.updates, args.warmup, args.models)
+        models = list(dict.fromkeys([*args.models, *(["SMA-T compiled", "SDMA-T compiled"] if args.compiled else [])]))
+        report = profile_updates(args.config, setting, args.device, args.updates, args.warmup, models)
     except ValueError as err:
         raise SystemExit(f"profile_update: {err}")
     rows = table_rows(report)

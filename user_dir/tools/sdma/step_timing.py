@@ -38,6 +38,9 @@ STEP_CONFIGS = {
     "base": ("sdma_transformer_iwslt_de_en", []),
 }
 MODELS = {"V-T": "none", "SMA-T": "sma", "SDMA-T": "sdma"}
+# the compiled path (--sdma-compile) of the SDMA models: name -> (--sdma-mode, compiled)
+VARIANTS = {**{name: (mode, False) for name, mode in MODELS.items()},
+            "SMA-T compiled": ("sma", True), "SDMA-T compiled": ("sdma", True)}
 
 
 @dataclass(frozen=True)
@@ -61,9 +64,11 @@ class StepSetting:
         return self
 
 
-def build_for_updates(config: str, mode: str, setting: StepSetting, device: str = "cpu"):
-    """(model in training mode, criterion, Adam, the fixed batch), all on ``device``."""
+def build_for_updates(config: str, mode: str, setting: StepSetting, device: str = "cpu", compiled: bool = False):
+    """(model in training mode, criterion, Adam, the fixed batch), all on ``device``; ``compiled``: with
+    ``--sdma-compile``."""
     arch, extra = STEP_CONFIGS[config]
+    extra = [*extra, "--sdma-compile"] if compiled else extra
     flops_setting = FlopsSetting(src_vocab=setting.vocab, tgt_vocab=setting.vocab, sentences=setting.sentences,
                                  src_tokens=setting.tokens, tgt_tokens=setting.tokens, seed=setting.seed)
     model, criterion, sample = build_with_batch(arch, mode, flops_setting,
@@ -73,9 +78,13 @@ def build_for_updates(config: str, mode: str, setting: StepSetting, device: str 
     return model, criterion, torch.optim.Adam(model.parameters(), lr=1e-4), sample
 
 
-def training_update(model, criterion, optimizer, sample) -> None:
+def forward_backward(model, criterion, sample) -> None:
     loss, _, _ = criterion(model, sample)
     loss.backward()
+
+
+def training_update(model, criterion, optimizer, sample) -> None:
+    forward_backward(model, criterion, sample)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
