@@ -267,3 +267,39 @@ def test_missing_data_files_are_named(data_bin, tmp_path):
     proc = run(train_cmd(dicts_only, tmp_path / "ck", "--max-update", "1", "-s", "de", "-t", "en"), check=False)
     assert proc.returncode != 0 and re.search(r"Dataset not found: (train|valid)", proc.stderr)
     assert not (tmp_path / "ck").exists() or not list((tmp_path / "ck").glob("*.pt"))
+
+
+def test_compiled_training_logs_its_compile_time_and_its_checkpoints_decode_eager(trained, data_bin, tmp_path):
+    """``--sdma-compile`` under ``fairseq-train``: the compile time is logged once, in seconds; its checkpoint
+    decodes with ``fairseq-generate`` (eager, the flag has no effect there: the same hypotheses with it turned
+    off); and an eager checkpoint resumes under the compiled path."""
+    compiled_dir = tmp_path / "compiled"
+    proc = run(train_cmd(data_bin, compiled_dir, "--sdma-compile", "--max-update", "6", "--max-epoch", "100",
+                         "--no-epoch-checkpoints"))
+    log = proc.stdout + proc.stderr
+    reports = re.findall(r"SDMA compiled path \(torch\.compile\): (\d+) compilation\(s\) .*? in ([0-9.]+) s", log)
+    # the first update compiles every variant; later ones at most inductor's CPU specialisation of long
+    # reductions (batches on either side of 1,024 positions), each reported with its seconds
+    assert reports and int(reports[0][0]) >= 2 and all(float(seconds) > 0 for _, seconds in reports), log[-3000:]
+    assert sum(int(n) for n, _ in reports[1:]) < int(reports[0][0]), reports
+    values = losses(log)
+    assert len(values) == 6 and all(v == v and v < 1e4 for v in values)
+    state = torch.load(compiled_dir / "checkpoint_last.pt", map_location="cpu", weights_only=False)
+    assert state["cfg"]["model"]["sdma_compile"]
+
+    def generate(*extra):
+        out = run([venv_bin("fairseq-generate"), data_bin, "--user-dir", REPO / "user_dir", "--path",
+                   compiled_dir / "checkpoint_last.pt", "--beam", "2", "--gen-subset", "test", "--cpu",
+                   "--max-tokens", "2000", "--required-batch-size-multiple", "1", *extra])
+        assert "SDMA compiled path" not in out.stdout + out.stderr
+        return sorted(line for line in out.stdout.splitlines() if line.startswith("H-"))
+
+    hypotheses = generate()
+    assert len(hypotheses) == 100
+    assert generate("--model-overrides", "{'sdma_compile': False}") == hypotheses
+    save_dir, _ = trained
+    resumed = run(train_cmd(data_bin, tmp_path / "resumed", "--sdma-compile", "--restore-file",
+                            save_dir / "checkpoint_last.pt", "--max-update", "43", "--max-epoch", "100",
+                            "--no-epoch-checkpoints"))
+    assert "loaded checkpoint" in (resumed.stdout + resumed.stderr).lower()
+    assert "SDMA compiled path" in resumed.stdout + resumed.stderr

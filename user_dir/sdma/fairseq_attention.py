@@ -104,6 +104,9 @@ class SDMAMultiheadAttention(MultiheadAttention):
         body = SDMAMultiheadAttention._sdma_forward
         if core.compiles(self.training) and incremental_state is None and not before_softmax:
             body = compiled(body)
+            if key_padding_mask is None:  # fairseq leaves it out of batches without padding: one graph for both
+                key_padding_mask = torch.zeros(query.size(1), query.size(0) if key is None else key.size(0),
+                                               dtype=torch.bool, device=query.device)
             query, key, value, key_padding_mask, attn_mask = contiguous_inputs(
                 query, key, value, key_padding_mask, attn_mask)
         attn, weights, record = body(self, query, key, value, key_padding_mask, incremental_state, need_weights,

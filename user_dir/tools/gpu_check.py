@@ -10,8 +10,9 @@ Steps (each is timed; a failing step is reported and the next one still runs):
 2. ``kernels``: ``python -m user_dir.tools.sdma.kernels_bench`` (explicit / sdpa / lowrank, forward + backward,
    fp32 / fp16 / bf16);
 3. ``profile``: ``python -m user_dir.tools.sdma.profile_update`` at the base configuration (one
-   training update of V-T, SMA-T, SDMA-T: ms, ATen ops, kernels launched, GPU busy time, the ops
-   with the most GPU time): whether SDMA's update is launch-bound;
+   training update of V-T, SMA-T, SDMA-T, eager and with the compiled path ``--sdma-compile``: ms, launches,
+   kernels launched, GPU busy time, the ops with the most GPU time): whether SDMA's update is launch-bound
+   and what compiling gains;
 4. ``sdma_bench``: ``sdma-bench --gpu --fp16 --config base`` (V-T, SMA-T, SDMA-T words/s, peak
    ``torch.cuda.max_memory_allocated``, ``fairseq-generate`` sentences/s);
 5. ``vae_bench``: ``vae-bench --gpu --fp16`` on the Ding English sentences (QKVAE, ADVAE, Optimus
@@ -104,14 +105,15 @@ def step_kernels(args, out: Path) -> dict:
 
 def step_profile(args, out: Path) -> dict:
     code = run([sys.executable, "-m", "user_dir.tools.sdma.profile_update", "--device", "cuda", "--config", "base",
-                "--out", out / "sdma_profile.json"], out / "profile.log", args.step_timeout)
+                "--compiled", "--out", out / "sdma_profile.json"], out / "profile.log", args.step_timeout)
     result = {"returncode": code}
     if code == 0:
         models = json.loads((out / "sdma_profile.json").read_text())["models"]
         for name, r in models.items():
-            key = name.lower().replace("-", "_")
+            key = name.lower().replace("-", "_").replace(" ", "_")
             result[f"{key}_speed_ratio"] = r.get("speed_vs_vt")
             result[f"{key}_gpu_busy_ratio"] = r.get("gpu_busy_fraction")
+            result[f"{key}_launches_ratio"] = r.get("launches_vs_vt")
         result["models"] = models
     return result
 

@@ -62,6 +62,32 @@ def test_traffic_counter_counts_elementwise_bytes_once_and_skips_views_and_matmu
     assert counts["bytes"] == (2 * 64 + 64 + 64) * 4
 
 
+def test_launch_counter_agrees_with_the_dispatch_count_eager_and_sees_inductors_kernels_compiled():
+    """count_launches: eager, the ops a dispatch-mode counter sees (elementwise + matrix products, no views or
+    allocations); compiled, the extern matrix products plus the fused kernels inductor generated."""
+    import torch._inductor.config as inductor_config
+
+    from latent_core.op_counts import count_launches
+
+    x = torch.randn(64, 32, requires_grad=True)
+    w = torch.randn(32, 16, requires_grad=True)
+
+    def f(x, w):
+        return torch.softmax(x @ w, -1).exp().sum(-1) * 2
+
+    eager = count_launches(lambda: f(x, w).sum().backward())
+    traffic = count_traffic(lambda: f(x, w).sum().backward())
+    assert eager == {"aten": traffic["ops"] + traffic["matmul_ops"], "inductor": 0,
+                     "launches": traffic["ops"] + traffic["matmul_ops"]}
+    with inductor_config.patch({"cpp.enable_kernel_profile": True}):
+        compiled = torch.compile(f, dynamic=True, fullgraph=True)
+        compiled(x, w).sum().backward()
+        fused = count_launches(lambda: compiled(x, w).sum().backward())
+    assert fused["inductor"] >= 2  # at least one fused kernel forward and one backward
+    assert fused["launches"] < eager["launches"]
+    assert fused["aten"] >= 3  # the three matrix products stay ATen (extern) kernels
+
+
 def test_update_timing_refuses_impossible_settings():
     with pytest.raises(ValueError, match="rounds=0"):
         step_timing.StepSetting(rounds=0).validate()
@@ -79,6 +105,10 @@ def test_update_profile_counts_ops_and_names_the_costliest():
     assert list(models) == ["V-T", "SMA-T", "SDMA-T"] and report["device"] == "cpu"
     assert models["V-T"]["speed_vs_vt"] == 1.0 and models["V-T"]["aten_ops_vs_vt"] == 1.0
     assert models["V-T"]["aten_ops"] < models["SMA-T"]["aten_ops"] < models["SDMA-T"]["aten_ops"]
+    assert models["V-T"]["launches"] < models["SMA-T"]["launches"] < models["SDMA-T"]["launches"]
+    for r in models.values():  # eager: the launches are the dispatched ops (no inductor kernels)
+        assert r["launches"] == r["aten_ops"] and r["inductor_kernels"] == 0
+        assert r["launches"] == r["model_launches"] + r["optimizer_launches"]
     for r in models.values():
         assert r["ms_per_update"] > 0 and "kernels" not in r
         assert r["top_ops"] and all(op["name"].startswith("aten::") for op in r["top_ops"])
