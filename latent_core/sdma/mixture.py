@@ -42,6 +42,13 @@ class GaussianMixture(nn.Module):
         for parameter in (self.prior_logits, self.means, self.log_vars):
             nn.init.xavier_normal_(parameter)
 
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        # a deep copy (copy.deepcopy, fairseq's EMA) or an unpickled module holds new Parameters, without the
+        # hook: c_g would silently drop to 1 in the copy
+        if self.centroid_grad_scale != 1.0 and not self.means._backward_hooks:
+            self.means.register_hook(self._scale_centroid_grad)
+
     def _scale_centroid_grad(self, grad: Tensor) -> Tensor:
         return grad * self.centroid_grad_scale
 

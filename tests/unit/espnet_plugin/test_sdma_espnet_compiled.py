@@ -38,7 +38,7 @@ def step(module, x, key, mask, seed):
 
 @pytest.mark.parametrize("group", ["encoder_self", "decoder_self", "decoder_cross"])
 def test_compiled_equals_eager_and_does_not_recompile(group):
-    def build(compile):  # the same seed: the same weights (a deepcopy would drop the c_g hook of the means)
+    def build(compile):  # the same seed: the same weights
         torch.manual_seed(0)
         return SDMAMultiHeadedAttention(HEADS, WIDTH, 0.1, group=group,
                                         sdma=SDMAOptions(num_clusters=4, num_query_clusters=4, compile=compile))

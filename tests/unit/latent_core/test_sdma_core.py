@@ -399,3 +399,20 @@ def test_mixed_attention_gradients_equal_autograd_of_eq_2_and_11():
     positive = (torch.rand(2, 3, 5, dtype=torch.float64) + 0.1).requires_grad_()
     assert torch.autograd.gradcheck(lambda s, m: core.mix_attention(s, m, torch.tensor(0.6, dtype=torch.float64)),
                                     (finite, positive))
+
+
+def test_a_deep_copy_keeps_the_centroid_gradient_scale():
+    """c_g is a gradient hook on the means; copy.deepcopy (fairseq's EMA, a model duplicated for comparison)
+    makes new Parameters, to which the hook is registered again, once."""
+    import copy
+
+    torch.manual_seed(0)
+    gmm = GaussianMixture(2, 3, 4, centroid_grad_scale=10.0)
+    copied = copy.deepcopy(copy.deepcopy(gmm))
+    z = torch.randn(5, 2, 4)
+    for module in (gmm, copied):
+        module.log_joint(z).sum().backward()
+    torch.testing.assert_close(copied.means.grad, gmm.means.grad)
+    plain = GaussianMixture(2, 3, 4)
+    plain.log_joint(z).sum().backward()
+    assert not copy.deepcopy(plain).means._backward_hooks
