@@ -167,6 +167,9 @@ def _accumulate(into: Dict[str, Tensor], name: str, value: Tensor) -> None:
     into[name] = into[name] + value if name in into else value
 
 
+_LAYER_FIELDS = ("log_joint_z", "log_resp_z", "log_joint_q", "log_resp_q", "log_joint_k", "log_resp_k")
+
+
 def sdma_losses(items: List[Tuple[nn.Module, ClusteringRecord]],
                 diagnostics: Optional[Dict[str, Tensor]] = None) -> Dict[str, Tensor]:
     """The regularisers of SDMA modules of ONE attention type, per sentence (``[B]`` each).
@@ -196,9 +199,6 @@ def sdma_losses(items: List[Tuple[nn.Module, ClusteringRecord]],
     for name, value in sums.items():
         _accumulate(diagnostics, name, value)
     return losses
-
-
-_LAYER_FIELDS = ("log_joint_z", "log_resp_z", "log_joint_q", "log_resp_q", "log_joint_k", "log_resp_k")
 
 
 def group_terms(layers: Dict[str, List[Tensor]], log_vars: Dict[str, List[Tensor]],

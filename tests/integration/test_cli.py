@@ -284,7 +284,7 @@ def test_compiled_training_logs_its_compile_time_and_its_checkpoints_decode_eage
     assert sum(int(n) for n, _ in reports[1:]) < int(reports[0][0]), reports
     values = losses(log)
     assert len(values) == 6 and all(v == v and v < 1e4 for v in values)
-    state = torch.load(compiled_dir / "checkpoint_last.pt", map_location="cpu", weights_only=False)
+    state = torch.load(compiled_dir / "checkpoint_last.pt", map_location="cpu", weights_only=True)
     assert state["cfg"]["model"]["sdma_compile"]
 
     def generate(*extra):
