@@ -285,10 +285,13 @@ class AttentionInputs(NamedTuple):
 
 def explicit_kernel(x: AttentionInputs) -> Tuple[Tensor, Tensor]:
     """Scores, eq. (1), (2), (11) in one autograd node (:func:`mix_attention`), dropout, A_hat V; the
-    weights A_hat ``[B, H, T, S]`` (float32) are returned. Blocked keys get weight 0."""
-    scores = torch.matmul(x.q, x.k.transpose(-2, -1)).float()
+    weights A_hat ``[B, H, T, S]`` (float32, or float64 for float64 inputs) are returned. Blocked keys get
+    weight 0."""
+    # Half-precision scores are widened: the mixture's normaliser (eps 1e-6) underflows in fp16.
+    score_dtype = torch.promote_types(x.q.dtype, torch.float32)
+    scores = torch.matmul(x.q, x.k.transpose(-2, -1)).to(score_dtype)
     if x.blocked is not None:
-        scores = scores.masked_fill(x.blocked, torch.finfo(torch.float32).min)
+        scores = scores.masked_fill(x.blocked, torch.finfo(score_dtype).min)
     attn = mix_attention(scores, x.semantic_mask(), x.mix, norm_floor=AUTHORS_EPS if x.authors else 0.0)
     if x.blocked is not None:
         attn = attn.masked_fill(x.blocked, 0.0)
@@ -328,7 +331,7 @@ def sdma_attention(q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, resp_key
     mask, ``blocked`` bool broadcastable to ``[B, H, T, S]`` (True: padding or a future key; None),
     ``kernel`` the option (``auto`` / a row of :data:`KERNELS`), ``need_weights`` whether A_hat must be
     returned, ``dropout`` the module's attention dropout and ``dropout_p`` its rate when active (else 0).
-    Returns ``(A_hat V [B, H, T, D], A_hat [B, H, T, S] float32 or None)``; the adapters keep only their
+    Returns ``(A_hat V [B, H, T, D], A_hat [B, H, T, S] (at least float32) or None)``; the adapters keep only their
     layout, incremental cache and beam folding.
     """
     name = select_kernel(kernel, q.device, need_weights, dropout_p > 0)

@@ -5,20 +5,14 @@ reference, for both readings, with key padding and a causal mask.
 Tolerance: max |error| / max |reference| per tensor, at most 2e-4 in fp32, 2e-2 in fp16 and 8e-2
 in bf16 (bf16 keeps 8 mantissa bits: one rounding of q, k and v is already ~4e-3 relative, and the
 scores' rounding is amplified by the softmax). The explicit path keeps the scores and the mixing in
-fp32, as the adapters do.
+fp32, as the adapters do. Every kernel runs through the core's entry point, :func:`sdma_attention`
+(the float64 reference is its explicit row on float64 inputs).
 """
 
 import pytest
 import torch
 
-from latent_core.sdma import (
-    AUTHORS_EPS,
-    authors_semantic_mask,
-    fused_mix_attention,
-    lowrank_mix_attention,
-    mix_attention,
-    semantic_mask_product,
-)
+from latent_core.sdma import sdma_attention
 
 from gpu_support import DTYPES, device, needs_cuda_for  # noqa: F401 (fixture)
 
@@ -46,24 +40,11 @@ def _allowed(device, causal):
     return allowed
 
 
-def _mask(resp_q, resp_k, allowed, authors):
-    flat = lambda x: x.reshape(B * H, T, C)  # noqa: E731
-    if authors:
-        return authors_semantic_mask(flat(resp_q), flat(resp_k), allowed).view(B, H, T, T)
-    return semantic_mask_product(flat(resp_q), flat(resp_k)).view(B, H, T, T)
-
-
 def _run(kernel, q, k, v, resp_q, resp_k, mix, allowed, authors):
-    base_mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(allowed == 0, float("-inf"))
-    if kernel == "lowrank":
-        return lowrank_mix_attention(q, k, v, resp_q, resp_k, mix, base_mask, allowed, authors=authors)
-    mask = _mask(resp_q, resp_k, allowed, authors)
-    if kernel == "sdpa":
-        return fused_mix_attention(q, k, v, mask, mix, base_mask,
-                                   authors_responsibilities=(resp_q, resp_k, allowed) if authors else None)
-    scores = (q @ k.transpose(-1, -2)).float().masked_fill(allowed == 0, float("-inf"))
-    attn = mix_attention(scores, mask, mix, norm_floor=AUTHORS_EPS if authors else 0.0)
-    return attn.to(v.dtype) @ v
+    """A_hat V through the core's one entry point with ``kernel`` its row of the kernel table."""
+    out, _ = sdma_attention(q, k, v, resp_q, resp_k, mix, authors=authors, blocked=allowed == 0, kernel=kernel,
+                            need_weights=False, dropout=lambda a: a, dropout_p=0.0)
+    return out
 
 
 def _relative_error(got, want):

@@ -1,12 +1,14 @@
 """Every fused kernel of eq. (1), (2), (10), (11) equals the explicit path in every row.
 
-The stress case: most query rows share almost no cluster with any key, so in the authors reading
-their masked attention mass sum_j A_ij M_ij falls below the authors' eps (1e-6), where their
-``F.normalize`` stops renormalising (A_bar = M o A / eps) and softmax(s + log M) would renormalise
-to 1; two rows share a cluster with the keys (ordinary rows). Both kernels (``sdpa``:
-:func:`fused_mix_attention`; ``lowrank``: :func:`lowrank_mix_attention`) against the explicit path
-(scores, :func:`mix_attention`): outputs and the gradients of q, k, v and both responsibilities,
-float64, both readings, with no mask (every key allowed), key padding, and a causal mask.
+Every kernel runs through the core's one entry point, :func:`sdma_attention`, and the explicit row is
+held to the equations written out by hand (:func:`mix_attention_direct`). The stress case: most query
+rows share almost no cluster with any key, so in the authors reading their masked attention mass
+sum_j A_ij M_ij falls below the authors' eps (1e-6), where their ``F.normalize`` stops renormalising
+(A_bar = M o A / eps) and softmax(s + log M) would renormalise to 1; two rows share a cluster with the
+keys (ordinary rows). Both fused kernels (``sdpa``: :func:`fused_mix_attention`; ``lowrank``:
+:func:`lowrank_mix_attention`) against the explicit row: outputs and the gradients of q, k, v and both
+responsibilities, float64, both readings, with no mask (every key allowed), key padding, and a causal
+mask.
 """
 
 import pytest
@@ -15,9 +17,8 @@ import torch
 from latent_core.sdma import (
     AUTHORS_EPS,
     authors_semantic_mask,
-    fused_mix_attention,
-    lowrank_mix_attention,
-    mix_attention,
+    mix_attention_direct,
+    sdma_attention,
     semantic_mask_product,
 )
 
@@ -57,18 +58,23 @@ def semantic_mask(resp_q, resp_k, allowed, authors):
 
 
 def run(kernel, tensors, mix, allowed, authors):
+    """A_hat V through the core's one entry point, :func:`sdma_attention`, with ``kernel`` its row."""
     q, k, v, resp_q, resp_k = tensors
-    base_mask = None if allowed is None else torch.zeros_like(allowed).masked_fill(allowed == 0, float("-inf"))
-    if kernel == "lowrank":
-        return lowrank_mix_attention(q, k, v, resp_q, resp_k, mix, base_mask, allowed, authors=authors)
-    mask = semantic_mask(resp_q, resp_k, allowed, authors)
-    if kernel == "sdpa":
-        return fused_mix_attention(q, k, v, mask, mix, base_mask,
-                                   authors_responsibilities=(resp_q, resp_k, allowed) if authors else None)
+    blocked = None if allowed is None else allowed == 0
+    out, _ = sdma_attention(q, k, v, resp_q, resp_k, mix, authors=authors, blocked=blocked, kernel=kernel,
+                            need_weights=False, dropout=lambda a: a, dropout_p=0.0)
+    return out
+
+
+def direct(tensors, mix, allowed, authors):
+    """The same by hand, with eq. (11) in its direct form (:func:`mix_attention_direct`): the reference
+    the explicit row is held to."""
+    q, k, v, resp_q, resp_k = tensors
     scores = q @ k.transpose(-1, -2)
-    if base_mask is not None:
-        scores = scores + base_mask
-    return mix_attention(scores, mask, mix, norm_floor=AUTHORS_EPS if authors else 0.0) @ v
+    if allowed is not None:
+        scores = scores.masked_fill(allowed == 0, float("-inf"))
+    mask = semantic_mask(resp_q, resp_k, allowed, authors)
+    return mix_attention_direct(scores, mask, mix, norm_floor=AUTHORS_EPS if authors else 0.0) @ v
 
 
 def masked_mass(tensors, allowed, authors):
@@ -123,17 +129,31 @@ def test_the_option_names_every_row_of_the_kernel_table():
     assert set(ATTENTION_KERNELS) == {"auto", *KERNELS}
 
 
-@pytest.mark.parametrize("kernel", ["explicit", "sdpa", "lowrank", "auto"])
-def test_the_entry_point_equals_its_kernel_and_returns_weights_only_when_asked(kernel):
-    from latent_core.sdma import sdma_attention
+@pytest.mark.parametrize("authors", [True, False], ids=["authors", "paper"])
+@pytest.mark.parametrize("masking", ["none", "padding", "causal"])
+def test_the_explicit_row_equals_the_equations_by_hand(authors, masking):
+    mix = torch.tensor(0.7, dtype=torch.float64)
+    allowed = allowed_keys(masking)
+    reference, entry = stress_inputs(), stress_inputs()
+    want, got = direct(reference, mix, allowed, authors), run("explicit", entry, mix, allowed, authors)
+    assert got.dtype == torch.float64  # float64 inputs are scored in float64, not narrowed to float32
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    weights = torch.randn_like(want)
+    (want * weights).sum().backward()
+    (got * weights).sum().backward()
+    for name, a, b in zip(("q", "k", "v", "resp_q", "resp_k"), reference, entry):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-8, atol=1e-8, msg=name)
 
+
+@pytest.mark.parametrize("kernel", ["explicit", "sdpa", "lowrank", "auto"])
+def test_the_entry_point_returns_weights_only_when_asked(kernel):
     tensors = [t.detach() for t in stress_inputs()]
     mix = torch.tensor(0.7, dtype=torch.float64)
     allowed = allowed_keys("padding")
+    want = direct(tensors, mix, allowed, True)
     out, weights = sdma_attention(*tensors, mix, authors=True, blocked=allowed == 0, kernel=kernel,
                                   need_weights=False, dropout=lambda a: a, dropout_p=0.0)
-    # the explicit kernel scores in float32 (as both toolkits' explicit paths do), the reference in float64
-    torch.testing.assert_close(out, run("explicit", tensors, mix, allowed, True), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out, want, rtol=1e-9, atol=1e-12)
     assert (weights is None) == (kernel in ("sdpa", "lowrank"))  # auto is explicit on a CPU
     out, weights = sdma_attention(*tensors, mix, authors=True, blocked=allowed == 0, kernel=kernel,
                                   need_weights=True, dropout=lambda a: a, dropout_p=0.0)
