@@ -80,16 +80,22 @@ class SDMACore(nn.Module):
             return torch.add(x, eps, alpha=math.sqrt(self.options.noise_var))
         return x
 
+    @property
+    def clustering_scale(self) -> float:
+        """The factor :meth:`sample`'s clustering input is clustered at (pass it to :meth:`cluster`): 1/10 in
+        the authors' reading with c_g <= 1, where their fairseq code clusters x / 10 (their
+        ``grad_multiplier == 1`` branch), else 1."""
+        return 0.1 if self.options.authors and self.options.centroid_grad_scale <= 1 else 1.0
+
     def sample(self, x: Tensor, training: bool) -> Tuple[Tensor, Tensor]:
         """(input of the feature clustering, input of the projections) for attention input ``x``.
 
         Both are the one sample z of eq. (8), except in the authors' reading with c_g <= 1, where
-        their code clusters x / 10 without noise and projects the noisy x (their
-        ``grad_multiplier == 1`` branch).
+        their code clusters the clean x (at :attr:`clustering_scale`, 1/10) and projects the noisy x.
         """
-        if self.options.authors and self.options.centroid_grad_scale <= 1:
-            return x / 10.0, self.perturb(x, training)
         z = self.perturb(x, training)
+        if self.clustering_scale != 1.0:
+            return x, z
         return z, z
 
     def sample_queries(self, q: Tensor, training: bool) -> Tuple[Tensor, Tensor]:
@@ -97,38 +103,44 @@ class SDMACore(nn.Module):
 
         Paper reading: ``q`` itself (it carries the sample of eq. 8 through W_q). Authors
         reading: a second draw, q + sigma * eps (their ``disentangled_attention`` step 4), used
-        for both; with c_g <= 1 their code clusters q / 10 and scores the noisy q.
+        for both; with c_g <= 1 their code clusters q / 10 (the clean q, at :attr:`clustering_scale`) and
+        scores the noisy q.
         """
         if not self.options.authors:
             return q, q
         return self.sample(q, training)
 
-    def cluster(self, x: Tensor, gmm_terms: Optional[Tuple[Tensor, Tensor, Tensor]] = None) -> Tuple[Tensor, Tensor]:
-        """Feature clustering of eq. (9): ``x [..., n_h * d_k]`` -> (log-joint, log p(c|z)), ``[..., n_h, n_c]``.
+    def cluster(self, x: Tensor, gmm_terms: Optional[Tuple[Tensor, Tensor, Tensor]] = None,
+                scale: float = 1.0) -> Tuple[Tensor, Tensor]:
+        """Feature clustering of eq. (9) of ``scale * x``: ``x [..., n_h * d_k]`` -> (log-joint, log p(c|z)),
+        ``[..., n_h, n_c]``.
 
-        ``gmm_terms``: see :meth:`GaussianMixture.log_joint` (inference only).
+        ``gmm_terms``: see :meth:`GaussianMixture.log_joint` (inference only); ``scale``: the input's factor
+        (:attr:`clustering_scale` for :meth:`sample`'s clustering input), folded into the density.
         """
         z = x.reshape(*x.shape[:-1], self.num_heads, self.head_dim)
-        log_joint = self.feature_gmm.log_joint(z, gmm_terms)
+        log_joint = self.feature_gmm.log_joint(z, gmm_terms, scale)
         return log_joint, log_softmax_clusters(log_joint)
 
-    def cluster_jointly(self, inputs: Sequence[Tensor],
-                        gmm_terms: Optional[Tuple[Tensor, Tensor, Tensor]] = None) -> List[Tuple[Tensor, Tensor]]:
+    def cluster_jointly(self, inputs: Sequence[Tensor], gmm_terms: Optional[Tuple[Tensor, Tensor, Tensor]] = None,
+                        scale: float = 1.0) -> List[Tuple[Tensor, Tensor]]:
         """:meth:`cluster` of each of ``inputs`` (``[..., n_h * d_k]``, leading shapes may differ) with
         one density evaluation: a cross-attention's queries and keys share the feature GMM, whose
         parameters are then expanded, and their gradient collected, once instead of twice."""
         if len(inputs) == 1:
-            return [self.cluster(inputs[0], gmm_terms)]
+            return [self.cluster(inputs[0], gmm_terms, scale)]
         leads = [x.shape[:-1] for x in inputs]
-        log_joint, log_resp = self.cluster(torch.cat([x.reshape(-1, x.size(-1)) for x in inputs]), gmm_terms)
+        heads = [x.reshape(*x.shape[:-1], self.num_heads, self.head_dim) for x in inputs]
+        log_joint = self.feature_gmm.log_joint_rows(heads, gmm_terms, scale)  # [N_1 + N_2, n_h, n_c]
+        log_resp = log_softmax_clusters(log_joint)
         sizes = [math.prod(lead) for lead in leads]
         return [(joint.view(*lead, *joint.shape[1:]), resp.view(*lead, *resp.shape[1:]))
                 for joint, resp, lead in zip(log_joint.split(sizes), log_resp.split(sizes), leads)]
 
-    def cluster_queries(self, q: Tensor) -> Tuple[Tensor, Tensor]:
-        """Query clustering (eq. 18 prior, eq. 9 form): ``q [..., n_h, d_k]`` -> ``[..., n_h, n_c^q]``."""
+    def cluster_queries(self, q: Tensor, scale: float = 1.0) -> Tuple[Tensor, Tensor]:
+        """Query clustering (eq. 18 prior, eq. 9 form) of ``scale * q``: ``q [..., n_h, d_k]`` -> ``[..., n_h, n_c^q]``."""
         lead = q.shape[:-1]
-        log_joint = self.query_gmm.log_joint(q.reshape(-1, 1, self.head_dim)).reshape(*lead, -1)
+        log_joint = self.query_gmm.log_joint(q.reshape(-1, 1, self.head_dim), scale=scale).reshape(*lead, -1)
         return log_joint, log_softmax_clusters(log_joint)
 
     @staticmethod

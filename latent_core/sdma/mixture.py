@@ -2,7 +2,7 @@
 query GMM), their log-joint as one autograd node, and the clusters-first layout of the clustering tensors."""
 
 import math
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -52,8 +52,12 @@ class GaussianMixture(nn.Module):
     def _scale_centroid_grad(self, grad: Tensor) -> Tensor:
         return grad * self.centroid_grad_scale
 
-    def log_joint(self, z: Tensor, terms: Optional[Tuple[Tensor, Tensor, Tensor]] = None) -> Tensor:
-        """log pi_c + log N(z | mu_c, sigma_c^2) for ``z`` of shape ``[..., G, d]`` -> ``[..., G, C]``.
+    def log_joint(self, z: Tensor, terms: Optional[Tuple[Tensor, Tensor, Tensor]] = None,
+                  scale: float = 1.0) -> Tensor:
+        """log pi_c + log N(s z | mu_c, sigma_c^2) for ``z`` of shape ``[..., G, d]`` -> ``[..., G, C]``.
+
+        ``scale`` s multiplies the input (the authors' fairseq code clusters x / 10): it is folded into the
+        density's weights, so the scaled input is never materialised or saved for the backward pass.
 
         Computed in (at least) float32 by :class:`_GaussianLogJoint`, which saves only ``z``
         for the backward pass. The result is stored clusters-first (``[C, ..., G]`` in memory,
@@ -63,17 +67,27 @@ class GaussianMixture(nn.Module):
         have changed since they were built (one beam search); otherwise they are rebuilt
         from the current parameters on every call.
         """
-        lead = z.shape[:-2]
-        dtype = torch.promote_types(z.dtype, torch.float32)
-        flat = z.to(dtype).reshape(-1, self.groups * self.dim)  # [N, G*d]
-        with full_precision(flat):
+        return self.log_joint_rows([z], terms, scale).view(*z.shape[:-1], self.num_clusters)
+
+    def log_joint_rows(self, zs: Sequence[Tensor], terms: Optional[Tuple[Tensor, Tensor, Tensor]] = None,
+                       scale: float = 1.0) -> Tensor:
+        """:meth:`log_joint` of several inputs ``[..., G, d]`` (leading shapes may differ) in one density
+        evaluation: their rows in order, ``[N_1 + N_2 + ..., G, C]`` (clusters-first storage). Each input is
+        saved for the backward pass as it is (a cross-attention's queries and keys, already saved by their
+        projections), not as a concatenated copy."""
+        dtype = torch.promote_types(zs[0].dtype, torch.float32)
+        flats = [z.to(dtype).reshape(-1, self.groups * self.dim) for z in zs]  # [N_i, G*d]
+        with full_precision(flats[0]):
             if torch.is_grad_enabled() and torch.compiler.is_compiling():
                 # the compiled path (SDMAOptions.compile): the expansion itself, whose backward inductor
-                # derives and fuses (the hand-written one below exists to save eager launches)
-                parts = _gmm_parts(self.means, self.log_vars, self.prior_logits, dtype)
+                # derives and fuses (the hand-written one below exists to save eager launches). Two products,
+                # not the node's one of [z*z, z]: with that one, compiled gradients differed from eager's
+                # under the sampling noise (equal without it; tests/unit/user_dir/test_sdma_compiled.py)
+                parts = _gmm_parts(self.means, self.log_vars, self.prior_logits, dtype, scale)
+                flat = _rows(flats)
                 out = torch.addmm(torch.addmm(parts.bias, flat * flat, parts.weight_sq), flat, parts.weight_lin)
             elif torch.is_grad_enabled():
-                out = _GaussianLogJoint.apply(flat, self.means, self.log_vars, self.prior_logits)
+                out = _GaussianLogJoint.apply(scale, self.means, self.log_vars, self.prior_logits, *flats)
             else:
                 # Never cached across calls on the module: fairseq's FP16Optimizer (and EMA, and
                 # anyone writing ``p.data``) changes the parameters without bumping their version
@@ -81,17 +95,19 @@ class GaussianMixture(nn.Module):
                 if terms is None or terms[0].dtype != dtype:
                     terms = self.inference_terms(dtype)
                 weight_sq, weight_lin, bias = terms
+                if scale != 1.0:
+                    weight_sq, weight_lin = weight_sq * (scale * scale), weight_lin * scale
+                flat = _rows(flats)
                 out = torch.addmm(torch.addmm(bias, flat * flat, weight_sq), flat, weight_lin)
-        # [N, C*G] (columns cluster-major) -> storage [C, N, G], viewed as [..., G, C]
-        out = out.view(-1, self.num_clusters, self.groups).transpose(0, 1).contiguous()
-        return out.view(self.num_clusters, *lead, self.groups).movedim(0, -1)
+        # [N, C*G] (columns cluster-major) -> storage [C, N, G], viewed as [N, G, C]
+        return out.view(-1, self.num_clusters, self.groups).transpose(0, 1).contiguous().movedim(0, -1)
 
-    def log_joint_direct(self, z: Tensor) -> Tensor:
-        """:meth:`log_joint` written as eq. (9) reads, ``[..., G, d] -> [..., G, C]``: a
+    def log_joint_direct(self, z: Tensor, scale: float = 1.0) -> Tensor:
+        """:meth:`log_joint` written as eq. (9) reads (of ``scale * z``), ``[..., G, d] -> [..., G, C]``: a
         ``[..., G, C, d]`` difference per cluster instead of two matrix products. Slow and
         memory-hungry; the reference the fast path is tested against."""
         log_vars = self.log_vars.float().clamp(*_LOGVAR_RANGE)
-        z = z.to(torch.promote_types(z.dtype, torch.float32))
+        z = z.to(torch.promote_types(z.dtype, torch.float32)) * scale
         squared = ((z.unsqueeze(-2) - self.means) ** 2 / log_vars.exp()).sum(-1)  # (z - mu_c)^T Sigma_c^-1 (z - mu_c)
         log_normal = -0.5 * (squared + log_vars.sum(-1) + self.dim * LOG_2PI)  # log N(z | mu_c, Sigma_c)
         return log_normal + self.log_prior()  # + log pi_c
@@ -138,13 +154,24 @@ def full_precision(tensor: Tensor):
 
 class _GMMParts(NamedTuple):
     """The expanded log-density of :func:`_gmm_parts` and what its backward pass reuses."""
-    weight_sq: Tensor  # [G*d, C*G], block-diagonal -1/2 sigma^-2
-    weight_lin: Tensor  # [G*d, C*G], block-diagonal mu sigma^-2
+    weight_sq: Tensor  # [G*d, C*G], block-diagonal -1/2 sigma^-2 (times s^2)
+    weight_lin: Tensor  # [G*d, C*G], block-diagonal mu sigma^-2 (times s)
     bias: Tensor  # [C*G]
     means: Tensor  # [G, C, d] in the compute dtype
     precision: Tensor  # [G, C, d], sigma^-2 of the clamped log-variances
     log_pi: Tensor  # [G, C]
     clamped_log_vars: Tensor  # [G, C, d]
+    weight: Tensor  # [2*G*d, C*G]: W_sq above W_lin (they are views of it), for one product with [z*z, z]
+
+
+def _rows(flats: Sequence[Tensor]) -> Tensor:
+    """The inputs' rows as one ``[N, G*d]`` (the input itself when there is one)."""
+    return flats[0] if len(flats) == 1 else torch.cat(flats)
+
+
+def _squares_beside(flat: Tensor) -> Tensor:
+    """``[N, G*d]`` -> ``[N, 2*G*d]``: [z*z, z], the input of the one product with :attr:`_GMMParts.weight`."""
+    return torch.cat((flat * flat, flat), dim=1)
 
 
 def _block_diagonal(weights: Tensor) -> Tensor:
@@ -161,10 +188,11 @@ def _diagonal_blocks(full: Tensor, groups: int, clusters: int) -> Tensor:
     return full.view(groups, -1, clusters, groups).diagonal(dim1=0, dim2=3).permute(2, 1, 0)
 
 
-def _gmm_parts(means: Tensor, log_vars: Tensor, prior_logits: Tensor, dtype: torch.dtype) -> _GMMParts:
-    """log pi_c + log N(z | mu_c, sigma_c^2) = b + (z*z) W_sq + z W_lin (eq. 9, expanded), ``z [N, G*d]``.
+def _gmm_parts(means: Tensor, log_vars: Tensor, prior_logits: Tensor, dtype: torch.dtype,
+               scale: float = 1.0) -> _GMMParts:
+    """log pi_c + log N(s z | mu_c, sigma_c^2) = b + (z*z) W_sq + z W_lin (eq. 9, expanded), ``z [N, G*d]``.
 
-    The -1/2 of the Gaussian exponent is folded into the block-diagonal weights.
+    The -1/2 of the Gaussian exponent and the input scale s are folded into the block-diagonal weights.
     """
     groups, clusters, dim = means.shape
     clamped = log_vars.to(dtype).clamp(*_LOGVAR_RANGE)
@@ -175,44 +203,58 @@ def _gmm_parts(means: Tensor, log_vars: Tensor, prior_logits: Tensor, dtype: tor
     # mu^T Sigma^-1 mu + log |Sigma| + d log 2 pi
     const = torch.add((scaled_means * means).sum(-1), clamped.sum(-1)).add_(dim * LOG_2PI)
     bias = torch.add(log_pi, const, alpha=-0.5).t().reshape(-1)
-    weight_sq, weight_lin = _block_diagonal(torch.stack((-0.5 * precision, scaled_means)))
-    return _GMMParts(weight_sq, weight_lin, bias, means, precision, log_pi, clamped)
+    square_term, linear_term = -0.5 * precision, scaled_means
+    if scale != 1.0:
+        square_term, linear_term = square_term * (scale * scale), linear_term * scale
+    weight = _block_diagonal(torch.stack((square_term, linear_term)))  # [2, G*d, C*G]
+    return _GMMParts(weight[0], weight[1], bias, means, precision, log_pi, clamped, weight.flatten(0, 1))
 
 
 class _GaussianLogJoint(torch.autograd.Function):
     """log pi_c + log N(z | mu_c, diag sigma_c^2) for G independent GMMs, ``[N, G*d] -> [N, C*G]``.
 
     The squared Mahalanobis distance is expanded as z^2 . (1/sigma^2) - 2 z . (mu/sigma^2)
-    + const, with the G groups' weights as block-diagonal ``[G*d, C*G]`` matrices: two
-    matrix products on the contiguous input, no ``[N, G, C, d]`` temporary. Of the ``[N, ...]``
-    tensors only ``z`` is saved (it is also saved by the q/k/v projections, so this costs no
-    extra memory); ``z^2`` is recomputed in the backward pass. The parameters' gradients are
+    + const, with the G groups' weights as block-diagonal ``[G*d, C*G]`` matrices stacked into one
+    ``[2*G*d, C*G]``: one matrix product of [z*z, z] (forward, and each of the two in backward), no
+    ``[N, G, C, d]`` temporary. Of the ``[N, ...]`` tensors only ``z`` is saved (it is also saved by the
+    q/k/v projections, so this costs no extra memory); ``[z*z, z]`` is recomputed in the backward pass.
+    An input scale s (the authors' x / 10) multiplies the weights (W_sq s^2, W_lin s), not the input. The parameters' gradients are
     written out (below) rather than differentiated through the expansion: under half of
     the ATen ops, which on a GPU are kernel launches at these small sizes.
     """
 
     @staticmethod
-    def forward(ctx, flat, means, log_vars, prior_logits):
-        parts = _gmm_parts(means, log_vars, prior_logits, flat.dtype)
-        ctx.save_for_backward(flat, log_vars, *parts)
+    def forward(ctx, scale, means, log_vars, prior_logits, *flats):
+        parts = _gmm_parts(means, log_vars, prior_logits, flats[0].dtype, scale)
+        ctx.save_for_backward(log_vars, *parts, *flats)
         ctx.param_dtypes = (means.dtype, log_vars.dtype, prior_logits.dtype)
-        return torch.addmm(torch.addmm(parts.bias, flat * flat, parts.weight_sq), flat, parts.weight_lin)
+        ctx.scale = scale
+        return torch.addmm(parts.bias, _squares_beside(_rows(flats)), parts.weight)
 
     @staticmethod
     def backward(ctx, grad):
-        flat, log_vars, *saved = ctx.saved_tensors
-        weight_sq, weight_lin, _, means, precision, log_pi, clamped = saved
+        log_vars, _, _, _, means, precision, log_pi, clamped, weight, *flats = ctx.saved_tensors
         groups, clusters, _ = means.shape
-        grad_flat = None
-        if ctx.needs_input_grad[0]:
-            # d/dz [(z*z) W_sq + z W_lin] = 2 z o (g W_sq^T) + g W_lin^T
-            grad_flat = torch.addcmul(torch.mm(grad, weight_lin.t()), flat, torch.mm(grad, weight_sq.t()), value=2.0)
-        if not any(ctx.needs_input_grad[1:]):
-            return grad_flat, None, None, None
+        flat = _rows(flats)
+        width = flat.size(1)
+        grad_flats = [None] * len(flats)
+        if any(ctx.needs_input_grad[4:]):
+            # d/dz [(z*z) W_sq + z W_lin] = 2 z o (g W_sq^T) + g W_lin^T (the weights carry the scale);
+            # g [W_sq; W_lin]^T gives both products side by side
+            both = torch.mm(grad, weight.t())  # [N, 2*G*d]
+            grad_flat = torch.addcmul(both[:, width:], flat, both[:, :width], value=2.0)
+            grad_flats = grad_flat.split([f.size(0) for f in flats])
+        if not any(ctx.needs_input_grad[1:4]):
+            return (None, None, None, None, *grad_flats)
         # gradients of W_sq = -P/2, W_lin = mu P and b = log pi - (mu^2 P + log sigma^2)/2 - const,
-        # P = sigma^-2 = exp(-clamped log-variance)
-        grad_sq = _diagonal_blocks(torch.mm((flat * flat).t(), grad), groups, clusters)  # [G, C, d]
-        grad_lin = _diagonal_blocks(torch.mm(flat.t(), grad), groups, clusters)
+        # P = sigma^-2 = exp(-clamped log-variance), of the scaled input s z: (s z)^2 and s z, with s
+        # folded into the small results
+        scale = ctx.scale
+        grad_weight = torch.mm(_squares_beside(flat).t(), grad)  # [2*G*d, C*G]: d/dW_sq above d/dW_lin
+        grad_sq = _diagonal_blocks(grad_weight[:width], groups, clusters)  # [G, C, d]
+        grad_lin = _diagonal_blocks(grad_weight[width:], groups, clusters)
+        if scale != 1.0:
+            grad_sq, grad_lin = grad_sq * (scale * scale), grad_lin * scale
         grad_bias = grad.sum(0).view(clusters, groups).t()  # [G, C]
         gb = grad_bias.unsqueeze(-1)
         lin_minus_bias = torch.addcmul(grad_lin, gb, means, value=-1.0)  # dL/dW_lin - g_b mu
@@ -223,7 +265,8 @@ class _GaussianLogJoint(torch.autograd.Function):
         grad_log_vars = grad_log_vars * (clamped == log_vars)  # clamp: no gradient outside the range
         grad_prior = grad_bias - log_pi.exp() * grad_bias.sum(-1, keepdim=True)  # log-softmax
         means_dtype, log_vars_dtype, prior_dtype = ctx.param_dtypes
-        return grad_flat, grad_means.to(means_dtype), grad_log_vars.to(log_vars_dtype), grad_prior.to(prior_dtype)
+        return (None, grad_means.to(means_dtype), grad_log_vars.to(log_vars_dtype), grad_prior.to(prior_dtype),
+                *grad_flats)
 
 
 def clusters_first(x: Tensor) -> Tensor:

@@ -149,7 +149,8 @@ class SDMAMultiheadAttention(MultiheadAttention):
             # the authors' keys are perturbed, clustered and projected noisy; values stay clean
             key_cluster, key = core.sample(key, self.training) if authors else (key, key)
         gmm_terms = self._decoding_gmm_terms(incremental_state)
-        clustered = core.cluster_jointly([z_cluster, key_cluster] if cross_keys else [z_cluster], gmm_terms)
+        clustered = core.cluster_jointly([z_cluster, key_cluster] if cross_keys else [z_cluster], gmm_terms,
+                                         core.clustering_scale)
         log_joint_z, log_resp_z = clustered[0]  # [T, B, H, C]
         resp_query = core.heads_first(log_resp_z.exp())  # [B*H, T, C]
         q = self._scaled_query(z)
@@ -162,7 +163,7 @@ class SDMAMultiheadAttention(MultiheadAttention):
         q_cluster, q = core.sample_queries(q, self.training)
         log_joint_q = log_resp_q = None
         if core.query_gmm is not None and need_losses:
-            log_joint_q, log_resp_q = core.cluster_queries(q_cluster.view(tgt_len, bsz, H, D))
+            log_joint_q, log_resp_q = core.cluster_queries(q_cluster.view(tgt_len, bsz, H, D), core.clustering_scale)
 
         q = q.contiguous().view(tgt_len, bsz * H, D).transpose(0, 1)
         kv_bsz = bsz

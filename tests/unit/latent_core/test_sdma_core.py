@@ -244,13 +244,28 @@ def _log_joint_inputs(seed=0):
     return flat, means, log_vars, prior
 
 
+def _log_joint_node(flat, means, log_vars, prior, *more_rows, scale=1.0):
+    return mixture._GaussianLogJoint.apply(scale, means, log_vars, prior, flat, *more_rows)
+
+
 @pytest.mark.parametrize("needs_grad", [(True, True, True, True), (False, True, True, True),
                                         (True, False, False, False), (False, False, True, False)],
                          ids=["all", "parameters", "input", "log_vars"])
 def test_gaussian_log_joint_gradients(needs_grad):
     """The written-out backward pass against finite differences, for any subset of inputs needing a gradient."""
     inputs = [t.requires_grad_(n) for t, n in zip(_log_joint_inputs(), needs_grad)]
-    assert torch.autograd.gradcheck(mixture._GaussianLogJoint.apply, inputs)
+    assert torch.autograd.gradcheck(_log_joint_node, inputs)
+
+
+def test_gaussian_log_joint_gradients_of_several_inputs_at_a_scale():
+    """Two inputs (a cross-attention's queries and keys, saved apart) and the authors' 1/10 folded in."""
+    inputs = [t.requires_grad_() for t in _log_joint_inputs()]
+    keys = torch.randn(4, 6, dtype=torch.double, generator=torch.Generator().manual_seed(5)).requires_grad_()
+    assert torch.autograd.gradcheck(lambda *a: _log_joint_node(*a, scale=0.1), [*inputs, keys])
+    flat, means, log_vars, prior = inputs
+    joint = _log_joint_node(flat, means, log_vars, prior, keys, scale=0.1)
+    apart = [_log_joint_node(x * 0.1, means, log_vars, prior) for x in (flat, keys)]
+    torch.testing.assert_close(joint, torch.cat(apart))
 
 
 def test_gaussian_log_joint_gradients_at_the_log_variance_clamp():
@@ -259,8 +274,8 @@ def test_gaussian_log_joint_gradients_at_the_log_variance_clamp():
     low, high = mixture._LOGVAR_RANGE
     log_vars[0, 0, 0], log_vars[1, 2, 1] = high + 3.0, low - 1.0
     inputs = [t.requires_grad_(True) for t in (flat, means, log_vars, prior)]
-    assert torch.autograd.gradcheck(mixture._GaussianLogJoint.apply, inputs)
-    grad = torch.autograd.grad(mixture._GaussianLogJoint.apply(*inputs).sum(), log_vars)[0]
+    assert torch.autograd.gradcheck(_log_joint_node, inputs)
+    grad = torch.autograd.grad(_log_joint_node(*inputs).sum(), log_vars)[0]
     assert grad[0, 0, 0] == 0 and grad[1, 2, 1] == 0 and (grad != 0).sum() == grad.numel() - 2
 
 
@@ -416,3 +431,37 @@ def test_a_deep_copy_keeps_the_centroid_gradient_scale():
     plain = GaussianMixture(2, 3, 4)
     plain.log_joint(z).sum().backward()
     assert not copy.deepcopy(plain).means._backward_hooks
+
+
+@pytest.mark.parametrize("path", ["autograd node", "compiled form", "no grad"])
+def test_an_input_scale_is_folded_into_the_density(gmm, path, monkeypatch):
+    """log_joint(z, scale=s) == log_joint(s z) (the authors' x / 10) in values and in the gradients of z and of
+    every GMM parameter, on each of log_joint's three paths, without materialising s z."""
+    if path == "compiled form":  # the branch torch.compile traces, run eager
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    z = torch.randn(7, 2, 3, 5, requires_grad=True)
+    weight = torch.randn(7, 2, 3, 4)
+    inputs = [z, *gmm.parameters()]
+    with torch.set_grad_enabled(path != "no grad"):
+        folded = gmm.log_joint(z, scale=0.1)
+        scaled = gmm.log_joint_direct(z * 0.1)
+    torch.testing.assert_close(folded, scaled, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gmm.log_joint_direct(z, scale=0.1), scaled)
+    if path == "no grad":
+        return
+    got = torch.autograd.grad((folded * weight).sum(), inputs)
+    want = torch.autograd.grad((scaled * weight).sum(), inputs)
+    for name, a, b in zip(("z", "prior_logits", "means", "log_vars"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_the_authors_clean_clustering_input_is_clustered_at_a_tenth():
+    """Authors reading with c_g <= 1: the clean x, clustered as x / 10 (their grad_multiplier == 1 branch)."""
+    core = SDMACore(8, 2, SDMAOptions(num_clusters=3, reading="authors", centroid_grad_scale=1.0, noise_var=0.5))
+    x = torch.randn(5, 2, 8)
+    cluster_input, z = core.sample(x, training=True)
+    assert cluster_input is x and not torch.equal(z, x) and core.clustering_scale == 0.1
+    torch.testing.assert_close(core.cluster(x, scale=core.clustering_scale)[0], core.cluster(x / 10)[0],
+                               rtol=1e-5, atol=1e-5)
+    for options in (SDMAOptions(num_clusters=3, reading="authors"), SDMAOptions(num_clusters=3, reading="paper")):
+        assert SDMACore(8, 2, options).clustering_scale == 1.0

@@ -440,7 +440,7 @@ def _head_colours(num_heads: int):
 
 def inference_responsibilities(core: SDMACore, x: Tensor) -> Tensor:
     """p(c | z_i^h) of eq. (9) as at inference (no sampling noise: z = x), ``[T, B, E]`` -> ``[T, B, n_h, C]``."""
-    _log_joint, log_resp = core.cluster(core.perturb(x, training=False))
+    _log_joint, log_resp = core.cluster(x, scale=core.clustering_scale)
     return log_resp.exp()
 
 

@@ -144,7 +144,7 @@ def sdma_panels(model, sample, layer: int, head: int, path: str = "checkpoint") 
         plain = record["weights"][head, 0]
         x = record["input"]  # [T, 1, E]
     with torch.no_grad():
-        _, log_resp = core.cluster(x)  # [T, 1, n_h, C]
+        _, log_resp = core.cluster(x, scale=core.clustering_scale)  # [T, 1, n_h, C]
         resp = log_resp.exp()[:, 0, head, :]  # [T, C]
         mask = semantic_mask(resp[None], resp[None])[0]  # [T, T]
     return {
