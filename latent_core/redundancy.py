@@ -269,6 +269,26 @@ PAPER_COMPARISON = ("The paper's published LR / HR (Tables II-IV, VII) were comp
 SINGLE_HEAD_NOTE = "LR is undefined for a single head per layer (log2 1 = 0); LR_bits is 0, HR is defined"
 
 
+COLLAPSE_PEAK = 0.9
+
+
+def attention_focus(attn: Tensor, query_mask: Optional[Tensor] = None, key_mask: Optional[Tensor] = None,
+                    peak: float = COLLAPSE_PEAK) -> Tuple[Tensor, Tensor, int]:
+    """How concentrated each layer's attention rows are (not a measure of the paper; a diagnostic of collapse).
+
+    ``attn`` ``[N, n_h, B, T, S]`` (or ``[N, n_h, T, S]``), masks as :func:`layer_redundancy_bits`; rows over
+    the real keys. Returns ``(entropy_sum [N], peaked_sum [N], rows)``: per layer the sum over real query
+    rows and heads of the row's entropy in bits and of 1 where the row puts more than ``peak`` of its mass on
+    one key, and the number of rows summed per layer (real queries x heads). A causal decoder
+    self-attention's first row has one key and counts as peaked.
+    """
+    attn, query_mask, _single = _prepare(attn, query_mask, key_mask)
+    qm = query_mask.to(attn.dtype)  # [B, T]
+    entropy = (entropy_bits(attn) * qm).sum((1, 2, 3))  # [N]
+    peaked = ((attn.amax(-1) > peak).to(attn.dtype) * qm).sum((1, 2, 3))
+    return entropy, peaked, int(query_mask.sum()) * attn.size(1)
+
+
 def head_labels(layers: int, heads: int) -> List[str]:
     """``["L0H0", "L0H1", ...]``: the row/column labels of an HR matrix (0-based layer, head)."""
     return [f"L{n}H{h}" for n in range(layers) for h in range(heads)]
@@ -310,6 +330,7 @@ class RedundancyAccumulator:
         self.counts = dict.fromkeys(ATTENTION_TYPES, 0)
         self.shapes: Dict[str, Tuple[int, int]] = {}
         self.matrices: Dict[str, Tensor] = {}
+        self.focus: Dict[str, List] = {}  # type -> [entropy_sum [N], peaked_sum [N], rows]
 
     def add(self, kind: str, attn: Tensor, query_mask: Tensor, key_mask: Tensor) -> None:
         """Add one batch of one type: ``attn`` ``[N, n_h, B, T, S]``, ``query_mask`` ``[B, T]``,
@@ -335,6 +356,12 @@ class RedundancyAccumulator:
         else:
             hr = head_redundancy(attn, query_mask, key_mask)
         self.sums[kind]["HR"] += hr.double().sum().item()
+        entropy, peaked, rows = attention_focus(attn, query_mask, key_mask)
+        if kind in self.focus:
+            sums = self.focus[kind]
+            self.focus[kind] = [sums[0] + entropy.double(), sums[1] + peaked.double(), sums[2] + rows]
+        else:
+            self.focus[kind] = [entropy.double(), peaked.double(), rows]
         self.sums[kind]["HR_sq"] += (hr.double() * hr.double()).sum().item()
         self.counts[kind] += attn.size(2)
 
@@ -358,11 +385,17 @@ class RedundancyAccumulator:
             entry["LR_se"] = None if heads < 2 or lr_bits_se is None else lr_bits_se / lr_divisor(heads)
             entry["LR_bits_se"] = lr_bits_se
             entry["HR_se"] = _standard_error(sums["HR"], sums["HR_sq"], n)
+            entropy, peaked, rows = self.focus[kind]
+            entry["entropy_bits_per_layer"] = (entropy / max(rows, 1)).tolist()
+            entry["collapsed_share_per_layer"] = (peaked / max(rows, 1)).tolist()
             result[kind] = entry
         result["sentences"] = self.counts[present[0]]
         result["estimator"] = ("LR and HR: per-sentence values (each sentence's real query/key positions), "
                                "averaged over the sentences with equal weight; *_se: their standard deviation "
-                               "over sentences / sqrt(sentences) (None for one sentence)")
+                               "over sentences / sqrt(sentences) (None for one sentence); "
+                               "entropy_bits_per_layer / collapsed_share_per_layer: over every real query row "
+                               "and head of a layer, the mean entropy of the row in bits and the share of rows "
+                               f"with more than {COLLAPSE_PEAK} of their mass on one key (attention_focus)")
         result.update(LR_scale=LR_SCALE, HR_scale=HR_SCALE, compare_with_paper="encoder_self",
                       notes=PAPER_COMPARISON)
         return result

@@ -68,6 +68,28 @@ def test_segment_bounds_cover_the_updates(updates, segments):
     assert 1 <= interval <= 10
 
 
+def test_the_plan_scales_the_idle_calibration_by_the_measured_load():
+    idle = qs.idle_minutes(300) * 60
+    quiet = qs.plan_message(300, "--minutes 15", 4, idle, qs.LOAD_PROBE_IDLE_SECONDS, 1.0)
+    busy = qs.plan_message(300, "--minutes 15", 4, idle, 2 * qs.LOAD_PROBE_IDLE_SECONDS, 2.0)
+    assert f"about {qs.duration(idle)}," in quiet and f"about {qs.duration(2 * idle)}," in busy
+    assert "2.00x the idle calibration" in busy and f"({qs.duration(idle)} on an idle 2-core machine" in busy
+    eta = qs.Eta(2.0)  # before any segment ran, every estimate is the idle one times the load
+    assert eta.segment("V-T", 100) == pytest.approx(2.0 * (qs.PROCESS_SECONDS + 100 * qs.SECONDS_PER_UPDATE["V-T"]))
+    assert eta.fixed("decode") == pytest.approx(2.0 * qs.STAGE_SECONDS["decode"])
+
+
+def test_measure_load_times_training_updates_of_the_demo_size(monkeypatch):
+    from user_dir.tools.sdma import step_timing
+
+    calls = []
+    monkeypatch.setattr(step_timing, "training_update", lambda *a: calls.append(a))
+    monkeypatch.setattr(step_timing, "build_for_updates", lambda config, mode, setting: (config, mode, None, None))
+    seconds, load = qs.measure_load(updates=3)
+    assert len(calls) == 4 and calls[0][:2] == ("tiny2x2", "none")  # one warm-up, three timed
+    assert load == pytest.approx(seconds / qs.LOAD_PROBE_IDLE_SECONDS)
+
+
 def test_default_plan():
     updates = qs.updates_for_minutes(10)
     interval = qs.log_interval_for(updates, qs.SEGMENTS)
@@ -205,8 +227,10 @@ def test_train_segment_refuses_a_wrong_resume(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(not DING.exists(), reason="apt-get install trans-de-en (make install does)")
-def test_quickstart_end_to_end_interleaved(tmp_path, capsys):
+def test_quickstart_end_to_end_interleaved(tmp_path):
     import torch
+
+    from conftest import run_checked, venv_bin
 
     from latent_core.data import ding, translation
 
@@ -218,8 +242,10 @@ def test_quickstart_end_to_end_interleaved(tmp_path, capsys):
                               "--test-prefix", str(raw / "test"), "--src", "de", "--tgt", "en", "--joint",
                               "--vocab-size", "400", "--out-dir", str(prep), "--workers", "1"])
     # 4 updates leave the models untrained: they would decode 200 tokens per sentence
-    qs.main(["--updates", "4", "--segments", "2", "--out-dir", str(out), "--gen-max-len", "8"])
-    printed = capsys.readouterr().out
+    proc = run_checked([venv_bin("python"), "-m", "user_dir.tools.sdma.quickstart", "--updates", "4", "--segments", "2",
+                        "--out-dir", out, "--gen-max-len", "8"], timeout=1200)
+    printed = proc.stdout
+    assert "DEBUG" not in proc.stdout + proc.stderr  # no library debug logging (fairseq's root logger at DEBUG)
 
     results = json.loads((out / "results.json").read_text())
     assert results["updates"] == 4 and results["segments"] == 2 and results["minutes"] is None
@@ -241,6 +267,16 @@ def test_quickstart_end_to_end_interleaved(tmp_path, capsys):
         assert runs.resumed_update(second) == 2 and runs.last_num_updates(second) == 4
     assert (out / "fig6_sdma.png").stat().st_size > 0
     assert "plan: 4 updates per model (--updates) in 2 interleaved segments each" in printed
+    # the plan's duration is the idle calibration times the load measured on this machine before it
+    load = results["load_factor"]
+    assert load == pytest.approx(results["load_probe_seconds"] / qs.LOAD_PROBE_IDLE_SECONDS)
+    assert f"{results['load_probe_seconds']:.2f} s per probe update, {load:.2f}x" in printed
+    assert results["planned_minutes"] == pytest.approx(results["idle_minutes_estimate"] * load)
+    assert "BLEU (sacreBLEU 13a, test split, beam 5; 95% bootstrap intervals" in printed
+    assert "SDMA-T - V-T" in printed and "validation cross-entropy at the last update" in printed
+    assert "learning curves" in printed
+    pair = results["bleu_bootstrap"]["comparisons"]["SDMA-T - V-T"]
+    assert pair["interval"][0] <= pair["difference"] <= pair["interval"][1]
     assert "train SDMA-T segment 2/2: updates 2 -> 4 (about" in printed and "demo done ~" in printed
     assert "SDMA-T / V-T words/s over 2 interleaved rounds: min" in printed
 

@@ -19,7 +19,7 @@ terms are logged per sentence.
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Dict, NamedTuple, Optional
 
 from fairseq.criterions import register_criterion
 from fairseq.criterions.label_smoothed_cross_entropy import (
@@ -29,6 +29,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 from fairseq.logging import metrics
 
 from fairseq.dataclass import ChoiceEnum
+from torch import Tensor
 
 from latent_core.sdma import (
     DIAGNOSTIC_SUMS,
@@ -50,6 +51,16 @@ from user_dir.model_wrappers import unwrap_model
 
 FAIRSEQ_ADVICE = ("Lower the learning rate, enable --fp16-scale-tolerance / bf16, or check the input data; "
                   "the last checkpoint is intact.")
+
+
+class LossParts(NamedTuple):
+    """:meth:`SDMALabelSmoothedCrossEntropyCriterion.loss_parts` of one batch."""
+    ce_loss: Tensor  # label-smoothed cross-entropy, summed over target tokens
+    regulariser: Tensor  # the weighted SDMA terms of eq. (24), as they enter the loss
+    nll_loss: Tensor
+    net_output: tuple
+    terms: Dict[str, Tensor]  # each SDMA term per sentence
+    diagnostics: Dict[str, Tensor]
 
 
 def weight_override(name: str):
@@ -102,19 +113,24 @@ class SDMALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion)
             weights[name] = value if value is not None else model_defaults.get(name, 0.0)
         return weights
 
-    def forward(self, model, sample, reduce=True):
+    def loss_parts(self, model, sample, reduce=True) -> "LossParts":
+        """The two parts of eq. (24) for one batch, apart: label-smoothed L_CE and the weighted regularisers
+        (``forward`` adds them; ``sdma-learning-curves`` measures each part's gradient)."""
         with recording() as records:
             net_output = model(**sample["net_input"])
-        loss, nll_loss = self.compute_loss(model, net_output, sample, reduce=reduce)
-        sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
+        ce_loss, nll_loss = self.compute_loss(model, net_output, sample, reduce=reduce)
         diagnostics = {}
         terms = collect_sdma_losses(model, records, diagnostics)
         check_finite(terms, FAIRSEQ_ADVICE,
                      diagnose=lambda: diagnose_nonfinite(model, lambda: model(**sample["net_input"])))
         per_sentence = weighted_regulariser(terms, self.loss_weights(model))  # [B]
-        regulariser = scale_regulariser(per_sentence, self.regulariser_scale, sample["ntokens"]).to(loss)
-        ce_loss = loss
-        loss = loss + regulariser
+        regulariser = scale_regulariser(per_sentence, self.regulariser_scale, sample["ntokens"]).to(ce_loss)
+        return LossParts(ce_loss, regulariser, nll_loss, net_output, terms, diagnostics)
+
+    def forward(self, model, sample, reduce=True):
+        ce_loss, regulariser, nll_loss, net_output, terms, diagnostics = self.loss_parts(model, sample, reduce)
+        sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
+        loss = ce_loss + regulariser
         logging_output = {
             "loss": loss.data,
             "ce_loss": ce_loss.data,

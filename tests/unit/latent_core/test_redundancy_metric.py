@@ -215,3 +215,31 @@ def test_accumulator_reports_standard_errors_over_sentences_across_batches():
     single = RedundancyAccumulator()
     single.add("encoder_self", attn[:, :, :1], query_mask[:1], key_mask[:1])
     assert single.result()["encoder_self"]["HR_se"] is None
+
+
+def test_attention_focus_entropy_and_collapse_per_layer():
+    """Layer 0: every row one-hot (0 bits, collapsed); layer 1: uniform over the real keys (log2 of their number,
+    not collapsed); the padded query row and the padding key do not count."""
+    from latent_core.redundancy import attention_focus
+
+    N, H, B, T, S = 2, 2, 1, 3, 4
+    attn = torch.zeros(N, H, B, T, S)
+    attn[0, ..., 1] = 1.0
+    attn[1] = 1.0 / S
+    query_mask = torch.tensor([[True, True, False]])
+    key_mask = torch.tensor([[True, True, True, False]])
+    entropy, peaked, rows = attention_focus(attn, query_mask, key_mask)
+    assert rows == 2 * H
+    torch.testing.assert_close(entropy / rows, torch.tensor([0.0, math.log2(3)]), check_dtype=False)
+    torch.testing.assert_close(peaked / rows, torch.tensor([1.0, 0.0]), check_dtype=False)
+
+
+def test_the_accumulator_reports_focus_per_layer():
+    from latent_core.redundancy import RedundancyAccumulator
+
+    acc = RedundancyAccumulator()
+    attn = torch.softmax(torch.randn(3, 4, 2, 5, 5), -1)
+    acc.add("encoder_self", attn, torch.ones(2, 5, dtype=torch.bool), torch.ones(2, 5, dtype=torch.bool))
+    entry = acc.result()["encoder_self"]
+    assert len(entry["entropy_bits_per_layer"]) == 3 and len(entry["collapsed_share_per_layer"]) == 3
+    assert all(0 < e < math.log2(5) for e in entry["entropy_bits_per_layer"])

@@ -474,11 +474,13 @@ class ClusterStatistics:
     """Corpus statistics of the feature clusters of every SDMA attention module.
 
     ``resp_sums[type][layer]``: sum over real query tokens of p(c | z_i^h), ``[n_h, C]``;
+    ``max_sums[type][layer]``: sum over real query tokens of max_c p(c | z_i^h), ``[n_h]``;
     ``tokens[type]``: their number; ``argmax_counts``: for the focus module, the number of
     tokens of each id assigned to each (head, argmax cluster), ``[n_h, C, V]``.
     """
 
     resp_sums: Dict[str, List[Tensor]] = field(default_factory=dict)
+    max_sums: Dict[str, List[Tensor]] = field(default_factory=dict)
     tokens: Dict[str, int] = field(default_factory=dict)
     argmax_counts: Optional[Tensor] = None
 
@@ -486,6 +488,11 @@ class ClusterStatistics:
         """Cluster usage perplexity per attention type, ``[layers, n_h]`` (see :func:`cluster_usage`)."""
         return {kind: usage_perplexity(torch.stack(sums) / max(self.tokens[kind], 1))
                 for kind, sums in self.resp_sums.items()}
+
+    def hardness(self) -> Dict[str, Tensor]:
+        """Mean max_c p(c | z) per attention type and layer (over real tokens and heads), ``[layers]``: 1/C for
+        clusters that do not separate tokens, 1 for hard assignments."""
+        return {kind: torch.stack(sums).mean(-1) / max(self.tokens[kind], 1) for kind, sums in self.max_sums.items()}
 
 
 def sdma_modules(model: nn.Module) -> Dict[Tuple[str, int], nn.Module]:
@@ -511,7 +518,8 @@ def collect_cluster_statistics(model: nn.Module, batches: Iterable[dict],
             raise AnalysisError(f"{focus[0]} layer {index} is a plain MultiheadAttention without a GMM")
         focus = (focus[0], index)
     layers = {kind: len(mods) for kind, mods in attention_modules(model).items()}
-    stats = ClusterStatistics(resp_sums={kind: [None] * layers[kind] for kind, _index in modules})
+    stats = ClusterStatistics(resp_sums={kind: [None] * layers[kind] for kind, _index in modules},
+                              max_sums={kind: [None] * layers[kind] for kind, _index in modules})
     with _eval(model), torch.no_grad(), capture_inputs(modules) as inputs:
         for sample in batches:
             inputs.clear()
@@ -536,6 +544,9 @@ def _accumulate(stats: ClusterStatistics, model, modules, inputs, net_input, foc
         sums = stats.resp_sums[kind]
         batch_sum = resp.double().sum(0).cpu()  # [n_h, C]
         sums[index] = batch_sum if sums[index] is None else sums[index] + batch_sum
+        peak = resp.amax(-1).double().sum(0).cpu()  # [n_h]
+        maxima = stats.max_sums[kind]
+        maxima[index] = peak if maxima[index] is None else maxima[index] + peak
         if (kind, index) == focus:
             counts = argmax_token_counts(resp, ids[valid], len(query_dictionary(model, kind)))
             stats.argmax_counts = counts if stats.argmax_counts is None else stats.argmax_counts + counts

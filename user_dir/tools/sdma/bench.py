@@ -152,14 +152,16 @@ def measure_flops():
     return {"flops_ratio": table["configs"]["base"]["SDMA-T"]["ratio_to_vt"], "flops": table}
 
 
-def measure_scale():
-    """FLOPs per token and training memory of the paper's base configurations (printed, returned)."""
+def measure_scale(reading: str = "authors"):
+    """FLOPs per token and training memory of the paper's base configurations, SDMA-T in ``reading``
+    (printed, returned)."""
     stage("scale: IWSLT'14 / WMT'14 base, one training batch of ~4096 target tokens each, FLOPs and "
           "parameter / saved-activation memory")
-    rows = scale.scale_table()
+    rows = scale.scale_table(reading)
     printable = scale.table_rows(rows)
     print_table(printable, list(printable[0].keys()),
-                "Base configurations per GPU (fp32; activations = tensors saved for backward)")
+                f"Base configurations per GPU (fp32; activations = tensors saved for backward; SDMA-T {reading} "
+                "reading)")
     return rows
 
 
@@ -187,7 +189,7 @@ def main(argv=None):
         stage(f"flops_ratio (SDMA-T / V-T, base) = {flops['flops_ratio']:.4f}; updated {args.out}")
         return
     if not args.skip_scale:
-        flops["scale"] = measure_scale()
+        flops["scale"] = measure_scale(args.reading)
     steps = measure_steps(args)
     if args.skip_train:
         _update_json(args.out, {**flops, "step": steps})

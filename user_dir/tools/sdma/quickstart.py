@@ -20,11 +20,15 @@ then a side-by-side table, also written to ``outputs/quickstart/results.json``.
 The number of updates is a pure function of ``--minutes`` (``make demo DEMO_MINUTES=60``
 for a longer run), calibrated on an idle 2-core machine, so the trained models and their
 BLEU do not depend on how busy the machine is; a busy machine only takes longer.
-``--updates N`` sets it directly.
+``--updates N`` sets it directly. How much longer is measured before the plan is printed: a few
+training updates of the demo's model size in this process (about 10 s), against the same
+measurement on the idle calibration machine (:func:`measure_load`); every duration and ETA the demo
+prints is the idle calibration times that load factor, corrected by each finished segment.
 """
 
 import argparse
 import datetime
+import os
 import shutil
 import time
 from pathlib import Path
@@ -85,6 +89,35 @@ FIXED_SECONDS = (STAGE_SECONDS["data"] + 2 * PROCESS_SECONDS + 2 * STAGE_SECONDS
                  + 2 * STAGE_SECONDS["analysis"] + STAGE_SECONDS["figure"])  # 120 s
 SEGMENTS = 4
 MIN_UPDATES = 10
+# The load probe (measure_load): seconds per training update of the demo's model size on one fixed batch
+# (step_timing's tiny2x2 V-T, 300 x 12 tokens), on the idle calibration machine.
+LOAD_PROBE_IDLE_SECONDS = 0.9
+LOAD_PROBE_UPDATES = 3
+
+
+def measure_load(updates: int = LOAD_PROBE_UPDATES) -> Tuple[float, float]:
+    """(seconds per update of the load probe here and now, its ratio to :data:`LOAD_PROBE_IDLE_SECONDS`): a
+    V-T of the demo's size (``step_timing``'s tiny2x2) trained in this process on one fixed batch, one warm-up
+    update then the median of ``updates`` timed ones. The ratio scales every idle duration the demo prints."""
+    import torch
+
+    from user_dir.tools.sdma import step_timing
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, os.cpu_count() or 1))  # as fairseq-train will run
+    try:
+        model, criterion, optimizer, sample = step_timing.build_for_updates(
+            "tiny2x2", "none", step_timing.StepSetting())
+        step_timing.training_update(model, criterion, optimizer, sample)
+        times = []
+        for _ in range(updates):
+            began = time.perf_counter()
+            step_timing.training_update(model, criterion, optimizer, sample)
+            times.append(time.perf_counter() - began)
+    finally:
+        torch.set_num_threads(threads)
+    seconds = sorted(times)[len(times) // 2]
+    return seconds, seconds / LOAD_PROBE_IDLE_SECONDS
 
 
 def updates_for_minutes(minutes: float, segments: int = SEGMENTS) -> int:
@@ -171,10 +204,10 @@ def prepare_data(out_dir: Path, max_words: int, vocab_size: int, seed: int = 1,
 class Eta:
     """Estimated durations: the idle calibration scaled by the load measured so far."""
 
-    def __init__(self):
+    def __init__(self, load: float = 1.0):
         self.seconds_per_update: Dict[str, Optional[float]] = {name: None for name in MODELS}
         self.process_seconds: Optional[float] = None
-        self.load = 1.0  # measured / calibrated seconds per update
+        self.load = load  # measured / calibrated seconds per update (first: measure_load's)
 
     def measured(self, name: str, updates: int, seconds: float, startup: float) -> None:
         per_update = max(seconds - startup, 0.0) / max(updates, 1)
@@ -248,20 +281,54 @@ def pooled_words_per_second(segments: List[Dict]) -> float:
     return sum(s["words"] for s in segments) / seconds if seconds > 0 else float("nan")
 
 
+def plan_message(updates: int, source: str, rounds: int, idle_seconds: float, probe_seconds: float,
+                 load: float) -> str:
+    """The plan line: the updates (a function of ``--minutes`` only) and the duration on this machine, the idle
+    calibration times the measured ``load``."""
+    planned = idle_seconds * load
+    return (f"plan: {updates} updates per model ({source}) in {rounds} interleaved segments each (V-T, then "
+            f"SDMA-T); this machine: {probe_seconds:.2f} s per probe update, {load:.2f}x the idle calibration's "
+            f"{LOAD_PROBE_IDLE_SECONDS:.2f} s, so about {duration(planned)}, done ~{clock(planned)} "
+            f"({duration(idle_seconds)} on an idle 2-core machine; the results do not depend on the load)")
+
+
+def summary_lines(bleu: Dict, valid_bits: Dict[str, float], updates: int) -> List[str]:
+    """What the reader can act on: BLEU with intervals, SDMA-T - V-T paired, validation cross-entropy, and what
+    this scale can show. ``bleu``: :func:`readings_runs.bootstrap` of the two models."""
+    systems, diff = bleu["systems"], bleu["comparisons"]["SDMA-T - V-T"]
+    pct = int(100 * bleu["level"])
+    lines = [
+        "BLEU (sacreBLEU 13a, test split, beam 5; " + f"{pct}% bootstrap intervals over test sentences, "
+        f"{bleu['resamples']} resamples): " + ", ".join(
+            f"{name} {v['bleu']:.2f} ({v['interval'][0]:.2f}-{v['interval'][1]:.2f})" for name, v in systems.items())
+        + f"; SDMA-T - V-T {diff['difference']:+.2f} (paired: {diff['interval'][0]:+.2f} to "
+        f"{diff['interval'][1]:+.2f})",
+        "validation cross-entropy at the last update (bits per target token, no label smoothing, no "
+        "regularisers): " + ", ".join(f"{name} {bits:.3f}" for name, bits in valid_bits.items()),
+        f"What {updates} updates can show: that data, training, decoding and the analysis run end to end, and the "
+        "two models' early learning. Not the paper's BLEU gain: early in training SDMA-T trails V-T at this size; "
+        "when and whether the gap closes, and why, is in the learning curves "
+        "(examples/sdma_translation/README.md#learning-curves-when-sdma-pays-off).",
+    ]
+    return lines
+
+
 def main(argv=None):
     args = parse_args(argv)
     began = time.time()
     out = args.out_dir
-    updates, eta = args.updates, Eta()
+    updates = args.updates
     log_interval = log_interval_for(updates, args.segments)
     bounds = segment_bounds(updates, args.segments, log_interval)
     rounds = len(bounds)
     reuse = all((out / "data" / f).exists() for f in ("prep/bin/train.de-en.de.bin", "raw/test.en"))
-    planned = idle_minutes(updates, rounds, data=not reuse) * 60
-    source = "--updates" if args.updates_given else f"--minutes {args.minutes:g}"
-    stage(f"plan: {updates} updates per model ({source}) in {rounds} interleaved segments each "
-          f"(V-T, then SDMA-T); about {duration(planned)} on an idle 2-core machine, done ~{clock(planned)} "
-          f"(later if the cores are shared; the results are the same)")
+    idle = idle_minutes(updates, rounds, data=not reuse) * 60
+    stage("measuring this machine: a few training updates of the demo's model size (about 10 s)")
+    probe_seconds, load = measure_load()
+    eta = Eta(load)
+    planned = idle * load
+    stage(plan_message(updates, "--updates" if args.updates_given else f"--minutes {args.minutes:g}", rounds,
+                       idle, probe_seconds, load))
 
     if not reuse:
         stage_eta("data: Ding pairs, sentencepiece, fairseq-preprocess", eta.fixed("data"), planned)
@@ -286,6 +353,7 @@ def main(argv=None):
             ratios.append(result["words_per_second"] / segments["V-T"][-1]["words_per_second"])
             stage(f"  round {index + 1}/{rounds}: words/s SDMA-T / V-T = {ratios[-1]:.3f}")
 
+    from user_dir.tools.sdma.readings_runs import bootstrap, sentence_statistics, valid_metric
     from user_dir.tools.sdma.redundancy import attention_redundancy
 
     ratio = ratio_stats(ratios)
@@ -293,18 +361,22 @@ def main(argv=None):
     results = {
         "updates": updates, "minutes": None if args.updates_given else args.minutes, "segments": rounds,
         "log_interval": log_interval,
-        "segment_bounds": bounds, "data": str(data_bin), "idle_minutes_estimate": planned / 60,
+        "segment_bounds": bounds, "data": str(data_bin), "idle_minutes_estimate": idle / 60,
+        "load_probe_seconds": probe_seconds, "load_factor": load, "planned_minutes": planned / 60,
         "train_words_per_second_ratio": ratio,
         "segment_runs": [{"round": i + 1, "model": name, **{k: v for k, v in seg.items() if k != "log"}}
                          for i in range(rounds) for name in MODELS for seg in [segments[name][i]]],
     }
     post_done = 0.0
+    sentence_stats, valid_bits = {}, {}
     for name, (subdir, _) in MODELS.items():
         ckpt = out / subdir / "checkpoint_last.pt"
         stage_eta(f"decode: fairseq-generate {name} (beam 5) + sacreBLEU", eta.fixed("decode"),
                   eta.after_training() - post_done)
         gen = generate(data_bin, ckpt, out / subdir, extra=["--max-len-a", "0", "--max-len-b", args.gen_max_len])
         bleu = sacrebleu_score(gen["hypotheses"], references)
+        sentence_stats[name] = [sentence_statistics(gen["hypotheses"], references)]
+        valid_bits[name] = valid_metric(segments[name][-1]["log"], "nll_loss")
         post_done += eta.fixed("decode")
         stage_eta(f"analysis: attention redundancy of {name}", eta.fixed("analysis"),
                   eta.after_training() - post_done)
@@ -327,8 +399,10 @@ def main(argv=None):
             **row, "redundancy": redundancy, "generate_sentences_per_second": gen["sentences_per_second"],
             "train_seconds": sum(s["seconds"] for s in segments[name]),
             "train_words_per_second_segments": [s["words_per_second"] for s in segments[name]],
-            "sample_translations": gen["hypotheses"][:5],
+            "sample_translations": gen["hypotheses"][:5], "valid_nll_bits": valid_bits[name],
         }
+    paired = bootstrap(sentence_stats, 1000, seed=1, comparisons=[("SDMA-T", "V-T")])
+    results["bleu_bootstrap"] = paired
 
     stage_eta("figure: clustering probabilities, semantic mask and attention (Fig. 6 style)", eta.fixed("figure"),
               eta.fixed("figure"))
@@ -345,10 +419,11 @@ def main(argv=None):
         print(f"{name:6s} words/s per segment: "
               + ", ".join(f"{s['words_per_second']:,.0f}" for s in segments[name]))
     print(f"SDMA-T / V-T words/s over {rounds} interleaved rounds: min {ratio['min']:.3f}, "
-          f"median {ratio['median']:.3f}, max {ratio['max']:.3f}\n", flush=True)
+          f"median {ratio['median']:.3f}, max {ratio['max']:.3f}", flush=True)
+    print("\n".join(summary_lines(paired, valid_bits, updates)) + "\n", flush=True)
     write_json(out / "results.json", results)
-    stage(f"wrote {out / 'results.json'} and {figure}; {results['wall_minutes']:.1f} min "
-          f"(estimate for an idle machine: {planned / 60:.1f})")
+    stage(f"wrote {out / 'results.json'} and {figure}; {results['wall_minutes']:.1f} min (planned "
+          f"{planned / 60:.1f} at the measured load {load:.2f}x; {idle / 60:.1f} on an idle machine)")
 
 
 if __name__ == "__main__":

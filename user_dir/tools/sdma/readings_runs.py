@@ -27,7 +27,7 @@ import argparse
 import json
 import re
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
@@ -141,9 +141,12 @@ def corpus_bleu_of(stats: np.ndarray) -> float:
     return BLEU()._compute_score_from_stats(stats.sum(0).tolist()).score
 
 
-def bootstrap(stats: Dict[str, List[np.ndarray]], resamples: int, seed: int, level: float = 0.95) -> Dict:
-    """Seed-mean BLEU of each system and of each difference in :data:`COMPARISONS`, with percentile
-    intervals from ``resamples`` resamples of the test sentences shared by every run."""
+def bootstrap(stats: Dict[str, List[np.ndarray]], resamples: int, seed: int, level: float = 0.95,
+              comparisons: Sequence[Tuple[str, str]] = COMPARISONS) -> Dict:
+    """Seed-mean BLEU of each system and of each difference ``a - b`` in ``comparisons``, with percentile
+    intervals from ``resamples`` resamples of the test sentences shared by every run (paired).
+
+    ``stats``: per system, each seed's :func:`sentence_statistics`."""
     rng = np.random.default_rng(seed)
     n = next(iter(stats.values()))[0].shape[0]
     draws = {system: [] for system in stats}
@@ -157,7 +160,7 @@ def bootstrap(stats: Dict[str, List[np.ndarray]], resamples: int, seed: int, lev
         values = np.array(draws[system])
         out["systems"][system] = {"bleu": float(np.mean([corpus_bleu_of(s) for s in runs])),
                                   "interval": [float(np.percentile(values, low)), float(np.percentile(values, high))]}
-    for a, b in COMPARISONS:
+    for a, b in comparisons:
         if a in stats and b in stats:
             diff = np.array(draws[a]) - np.array(draws[b])
             out["comparisons"][f"{a} - {b}"] = {

@@ -60,11 +60,12 @@ def saved_activation_bytes(fn, exclude: List[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def measure_row(name: str, row: BaseRow, model_name: str) -> Dict:
+def measure_row(name: str, row: BaseRow, model_name: str, reading: str = "authors") -> Dict:
     setting = FlopsSetting(src_vocab=row.src_vocab, tgt_vocab=row.tgt_vocab, sentences=row.sentences,
                            src_tokens=row.tokens, tgt_tokens=row.tokens)
     model, criterion, sample = build_with_batch(row.arch, MODELS[model_name], setting,
-                                                ["--share-all-embeddings"] if row.shared else [])
+                                                [*(["--share-all-embeddings"] if row.shared else []),
+                                                 "--sdma-reading", reading])
     model.train()
     params = list(model.parameters())
     n_params = sum(p.numel() for p in params)
@@ -76,7 +77,7 @@ def measure_row(name: str, row: BaseRow, model_name: str) -> Dict:
     model.zero_grad(set_to_none=True)
     ntokens = sample["ntokens"]
     return {
-        "config": name, "model": model_name, "arch": row.arch,
+        "config": name, "model": model_name, "arch": row.arch, "reading": reading,
         "params": n_params, "target_tokens": ntokens, "sentences": row.sentences, "tokens_per_sentence": row.tokens,
         "train_flops_per_target_token": (forward_flops + backward_flops) / ntokens,
         "param_mb": 4 * n_params / 2**20,
@@ -85,9 +86,14 @@ def measure_row(name: str, row: BaseRow, model_name: str) -> Dict:
     }
 
 
-def scale_table() -> List[Dict]:
-    """One row per base configuration and model (see the module docstring)."""
-    return [measure_row(name, row, model) for name, row in BASE_ROWS.items() for model in MODELS]
+def scale_table(reading: str = "authors") -> List[Dict]:
+    """One row per base configuration and model (see the module docstring), SDMA-T in ``reading``; each row's
+    ``activation_ratio`` is its activation memory over V-T's of the same configuration."""
+    rows = [measure_row(name, row, model, reading) for name, row in BASE_ROWS.items() for model in MODELS]
+    vt = {r["config"]: r["activation_mb"] for r in rows if r["model"] == "V-T"}
+    for r in rows:
+        r["activation_ratio"] = r["activation_mb"] / vt[r["config"]]
+    return rows
 
 
 def table_rows(rows: List[Dict]) -> List[Dict]:
@@ -98,4 +104,5 @@ def table_rows(rows: List[Dict]) -> List[Dict]:
         "weights MB": f"{r['param_mb']:.0f}",
         "+grads+Adam MB": f"{r['param_grad_adam_mb']:.0f}",
         "activations MB": f"{r['activation_mb']:.0f}",
+        "vs V-T": f"{r['activation_ratio']:.2f}",
     } for r in rows]

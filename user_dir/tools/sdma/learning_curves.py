@@ -1,0 +1,425 @@
+"""Learning curves of V-T and SDMA-T in both readings (command ``sdma-learning-curves``): when SDMA pays off, and why.
+
+The systems, data, model size and optimisation of ``sdma-readings-runs`` (the demo's: Table I's tiny width,
+2+2 layers, joint 2k sentencepiece, Ding de->en), each trained from ``--seeds`` seeds to ``--updates``
+(default 4,000) in segments of ``--segment`` updates (``fairseq-train --max-update END`` resuming its
+``checkpoint_last.pt``; a resumed run is bit-identical to a continuous one). Recorded:
+
+* every ``--record-every`` updates (fairseq's ``--validate-interval-updates``): validation cross-entropy alone
+  (fairseq's ``nll_loss``: no label smoothing, no regularisers), in bits per target token;
+* at the end of every segment, from its checkpoint:
+
+  - BLEU (sacreBLEU 13a, detokenised) of beam-5 ``fairseq-generate`` hypotheses of the test split, with paired
+    percentile bootstrap intervals of each SDMA-T reading against V-T (one resample of the test sentences shared
+    by every run; a system's BLEU is its seed mean);
+  - per attention type and layer, on the first ``--diagnostic-sentences`` test sentences (teacher-forced,
+    eval mode): the mean entropy of the attention rows (bits), the share of rows with more than 0.9 of their
+    mass on one key (collapse; ``latent_core.redundancy.attention_focus``), LR/HR, and for SDMA-T the mean
+    max_c p(c|z) of the feature GMMs (hardness);
+  - for SDMA-T, the regularisers' share of the gradient on the parameters they share with L_CE (every parameter
+    outside the SDMA cores): over ``--gradient-batches`` training batches in training mode (noise and dropout
+    on, seed fixed), ||g_reg|| / (||g_CE|| + ||g_reg||) with g the gradients of the two parts of eq. (24) as
+    the criterion adds them (``loss_parts``), and their cosine.
+
+Every finished segment is kept (``OUT/<system>/seed<k>/at-<updates>.json``) and reused, so the runs may span
+sessions; ``--plot-only`` redraws the figure and table from the kept JSONs. Output: ``OUT/results.json`` (per run
+and update, and the seed means with the bootstrap intervals), a table, and ``OUT/learning_curves.png``
+(curves per system, the band spans the seeds).
+
+    sdma-learning-curves --out-dir outputs/sdma_learning_curves                 # 3 systems x seeds 1 2, 4,000 updates
+    sdma-learning-curves --out-dir outputs/sdma_learning_curves --seeds 1       # seed 1 only
+    sdma-learning-curves --out-dir outputs/sdma_learning_curves --plot-only     # table and figure of what is there
+"""
+
+import argparse
+import json
+import math
+import re
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+from latent_core.redundancy import ATTENTION_TYPES, COLLAPSE_PEAK
+from latent_core.runs import USER_DIR, console_script, generate, last_num_updates, print_table, run_streaming, stage
+from latent_core.runs import write_json
+from user_dir.tools.sdma import quickstart
+from user_dir.tools.sdma.readings_runs import ARCH, SYSTEMS, bootstrap, corpus_bleu_of, sentence_statistics, slug
+
+VALID_LINE = re.compile(r"\| valid on 'valid' subset \|.*?\| nll_loss ([-+0-9.eE]+|nan|inf) \|.*?\| num_updates (\d+)")
+
+
+class LearningCurvesError(ValueError):
+    """Impossible options or kept results that do not match them."""
+
+
+# ----------------------------------------------------------------------------
+# Training in segments
+# ----------------------------------------------------------------------------
+
+
+def checkpoint_updates(save_dir: Path) -> int:
+    """Updates of ``save_dir/checkpoint_last.pt`` by its training logs (0 when there is none)."""
+    if not (save_dir / "checkpoint_last.pt").exists():
+        return 0
+    logs = sorted(save_dir.glob("train-*.log"), key=lambda p: int(p.stem.split("-")[1]))
+    return max((last_num_updates(p.read_text(errors="replace")) for p in logs), default=0)
+
+
+def train_to(system: str, seed: int, data_bin: Path, save_dir: Path, end: int, record_every: int) -> None:
+    """``fairseq-train`` of ``system`` to update ``end``, resuming ``checkpoint_last.pt``; validation every
+    ``record_every`` updates and at the end only (not at epoch ends), one checkpoint at the end."""
+    start = checkpoint_updates(save_dir)
+    if start >= end:
+        return
+    save_dir.mkdir(parents=True, exist_ok=True)
+    log_path = save_dir / f"train-{len(list(save_dir.glob('train-*.log'))) + 1}.log"
+    cmd = [console_script("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--task", "translation",
+           *ARCH, *SYSTEMS[system], *quickstart.MODEL_SIZE, *quickstart.OPTIMIZATION, "--seed", seed, "--cpu",
+           "--save-dir", save_dir, "--no-epoch-checkpoints", "--save-interval", 1_000_000,
+           "--validate-interval", 1_000_000, "--validate-interval-updates", record_every,
+           "--log-format", "simple", "--log-interval", 50, "--no-progress-bar",
+           "--max-update", end, "--max-epoch", 100_000]
+    stage(f"{system} seed {seed}: fairseq-train {start} -> {end} updates ({log_path})")
+    run = run_streaming(cmd, log_path, echo_filter=r"\| valid \|")
+    reached = last_num_updates(run["log"])
+    if reached != end:
+        raise SystemExit(f"{log_path}: training stopped at update {reached}, expected {end}")
+
+
+def validation_curve(save_dir: Path) -> Dict[int, float]:
+    """``{update: validation nll_loss (bits per target token)}`` of every training log of a run."""
+    curve: Dict[int, float] = {}
+    for log in sorted(save_dir.glob("train-*.log")):
+        for nll, update in VALID_LINE.findall(log.read_text(errors="replace")):
+            curve[int(update)] = float(nll)
+    return dict(sorted(curve.items()))
+
+
+# ----------------------------------------------------------------------------
+# What a checkpoint shows
+# ----------------------------------------------------------------------------
+
+
+def attention_diagnostics(checkpoint: Path, data_bin: Path, sentences: int) -> Dict:
+    """LR/HR, row entropy and collapse per attention type and layer, and the feature GMMs' hardness per layer
+    (SDMA-T), on the first ``sentences`` test sentences."""
+    from user_dir.tools.sdma.analysis import collect_cluster_statistics, select_sentences, subset_batches
+    from user_dir.tools.sdma.analysis import sdma_modules
+    from user_dir.tools.sdma.redundancy import attention_redundancy, load_models
+
+    models, _cfg, task = load_models(checkpoint, str(data_bin), str(USER_DIR))
+    model = models[0]
+    redundancy = attention_redundancy(model, task, subset="test", max_sentences=sentences, device="cpu")
+    out = {"sentences": redundancy["sentences"]}
+    for kind in ATTENTION_TYPES:
+        entry = redundancy[kind]
+        out[kind] = {key: entry[key] for key in ("LR", "HR", "entropy_bits_per_layer", "collapsed_share_per_layer")}
+    if sdma_modules(model):
+        dataset = task.dataset("test")
+        indices = select_sentences(dataset, "encoder_self", sentences)
+        stats = collect_cluster_statistics(model, subset_batches(dataset, indices, 32, "cpu"))
+        for kind, hardness in stats.hardness().items():
+            out[kind]["hardness_per_layer"] = hardness.tolist()
+    return out
+
+
+def gradient_share(checkpoint: Path, data_bin: Path, batches: int, sentences_per_batch: int = 64,
+                   seed: int = 0) -> Optional[Dict]:
+    """The regularisers' share of the gradient on the parameters shared with L_CE (None for a model without
+    regularisers, V-T). Training mode, noise and dropout on, ``torch.manual_seed(seed)``; the first
+    ``batches`` x ``sentences_per_batch`` training sentences."""
+    import torch
+
+    from user_dir.tools.sdma.redundancy import load_models
+
+    models, cfg, task = load_models(checkpoint, str(data_bin), str(USER_DIR))
+    criterion = task.build_criterion(cfg.criterion)
+    if not hasattr(criterion, "loss_parts"):
+        return None
+    model = models[0]
+    model.train()
+    shared = [p for name, p in model.named_parameters() if ".sdma." not in name and p.requires_grad]
+    task.load_dataset("train")
+    dataset = task.dataset("train")
+    torch.manual_seed(seed)
+    ce_sq = reg_sq = dot = 0.0
+    for b in range(batches):
+        indices = range(b * sentences_per_batch, min((b + 1) * sentences_per_batch, len(dataset)))
+        sample = dataset.collater([dataset[i] for i in indices])
+        if not sample:
+            break
+        parts = criterion.loss_parts(model, sample)
+        if not parts.regulariser.requires_grad:  # V-T: SDMA off, no regulariser terms
+            return None
+        g_ce = torch.autograd.grad(parts.ce_loss, shared, retain_graph=True, allow_unused=True)
+        g_reg = torch.autograd.grad(parts.regulariser, shared, allow_unused=True)
+        for a, r in zip(g_ce, g_reg):
+            a = torch.zeros(()) if a is None else a
+            r = torch.zeros(()) if r is None else r
+            ce_sq += float((a * a).sum())
+            reg_sq += float((r * r).sum())
+            dot += float((a * r).sum())
+    ce_norm, reg_norm = math.sqrt(ce_sq), math.sqrt(reg_sq)
+    return {"ce_norm": ce_norm, "reg_norm": reg_norm,
+            "reg_share": reg_norm / (ce_norm + reg_norm) if ce_norm + reg_norm > 0 else float("nan"),
+            "cosine": dot / (ce_norm * reg_norm) if ce_norm * reg_norm > 0 else float("nan"),
+            "batches": batches, "sentences_per_batch": sentences_per_batch}
+
+
+def measure_segment(system: str, seed: int, data_bin: Path, save_dir: Path, updates: int,
+                    references: Sequence[str], args) -> Dict:
+    """BLEU hypotheses, attention diagnostics and the gradient share of ``checkpoint_last.pt`` at ``updates``
+    (kept in ``save_dir/at-<updates>.json``)."""
+    done = save_dir / f"at-{updates}.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    checkpoint = save_dir / "checkpoint_last.pt"
+    stage(f"{system} seed {seed} at {updates}: fairseq-generate (beam 5), attention diagnostics, gradient share")
+    gen = generate(data_bin, checkpoint, save_dir, extra=["--max-len-b", args.gen_max_len])
+    result = {
+        "updates": updates, "system": system, "seed": seed,
+        "bleu": corpus_bleu_of(sentence_statistics(gen["hypotheses"], references)),
+        "hypotheses": gen["hypotheses"],
+        "attention": attention_diagnostics(checkpoint, data_bin, args.diagnostic_sentences),
+        "gradient": gradient_share(checkpoint, data_bin, args.gradient_batches),
+    }
+    write_json(done, result)
+    return result
+
+
+# ----------------------------------------------------------------------------
+# Summary: table, bootstrap, figure
+# ----------------------------------------------------------------------------
+
+
+def load_runs(out: Path, systems: Sequence[str], seeds: Sequence[int]) -> Dict[str, Dict[int, Dict]]:
+    """``{system: {seed: {"valid": {update: bits}, "at": {update: segment JSON}}}}`` of what is kept."""
+    runs: Dict[str, Dict[int, Dict]] = {}
+    for system in systems:
+        for seed in seeds:
+            save_dir = out / slug(system) / f"seed{seed}"
+            at = {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in save_dir.glob("at-*.json")}
+            valid_json = save_dir / "valid.json"
+            valid = validation_curve(save_dir)
+            if valid:
+                write_json(valid_json, {str(k): v for k, v in valid.items()})
+            elif valid_json.exists():  # logs not kept (a copied run): the kept curve
+                valid = {int(k): v for k, v in json.loads(valid_json.read_text()).items()}
+            if at or valid:
+                runs.setdefault(system, {})[seed] = {"valid": valid, "at": dict(sorted(at.items()))}
+    return runs
+
+
+def paired_bleu(runs: Dict[str, Dict[int, Dict]], references: Sequence[str], update: int, resamples: int) -> Dict:
+    """Seed-mean BLEU of every system at ``update`` and each SDMA-T reading - V-T, with paired percentile intervals
+    over test sentences (:func:`readings_runs.bootstrap`)."""
+    stats = {system: [sentence_statistics(r["at"][update]["hypotheses"], references) for r in by_seed.values()]
+             for system, by_seed in runs.items() if all(update in r["at"] for r in by_seed.values())}
+    if not stats:
+        return {}
+    return bootstrap(stats, resamples, seed=1, comparisons=[(system, "V-T") for system in stats if system != "V-T"])
+
+
+def layer_mean(values: Optional[List[float]]) -> float:
+    return float(np.mean(values)) if values else float("nan")
+
+
+def curve_points(by_seed: Dict[int, Dict], value) -> Dict[int, List[float]]:
+    """``{update: [value of each seed that has it]}`` for ``value(segment JSON)``."""
+    points: Dict[int, List[float]] = {}
+    for run in by_seed.values():
+        for update, segment in run["at"].items():
+            v = value(segment)
+            if v is not None and not (isinstance(v, float) and math.isnan(v)):
+                points.setdefault(update, []).append(v)
+    return dict(sorted(points.items()))
+
+
+PANELS = (
+    ("validation cross-entropy (bits/token)", None),
+    ("BLEU (test, beam 5)", lambda s: s["bleu"]),
+    ("encoder self-attention: rows with > 0.9 on one key", lambda s: layer_mean(
+        s["attention"]["encoder_self"]["collapsed_share_per_layer"])),
+    ("encoder self-attention: row entropy (bits)", lambda s: layer_mean(
+        s["attention"]["encoder_self"]["entropy_bits_per_layer"])),
+    ("regularisers' share of the shared gradient", lambda s: None if s["gradient"] is None
+        else s["gradient"]["reg_share"]),
+    ("feature GMM hardness (mean max p(c|z), encoder)", lambda s: layer_mean(
+        s["attention"]["encoder_self"].get("hardness_per_layer"))),
+)
+
+
+def draw(runs: Dict[str, Dict[int, Dict]], path: Path, title: str) -> None:
+    """One panel per measure of :data:`PANELS`; a line per system (seed mean), the band spans the seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {system: f"C{i}" for i, system in enumerate(SYSTEMS)}
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    for ax, (label, value) in zip(axes.flat, PANELS):
+        for system, by_seed in runs.items():
+            if value is None:
+                points: Dict[int, List[float]] = {}
+                for run in by_seed.values():
+                    for update, bits in run["valid"].items():
+                        points.setdefault(update, []).append(bits)
+                points = dict(sorted(points.items()))
+            else:
+                points = curve_points(by_seed, value)
+            if not points:
+                continue
+            x = np.array(list(points))
+            mean = np.array([np.mean(v) for v in points.values()])
+            ax.plot(x, mean, marker="o" if value is not None else None, markersize=3, label=system,
+                    color=colours[system])
+            ax.fill_between(x, [min(v) for v in points.values()], [max(v) for v in points.values()], alpha=0.2,
+                            color=colours[system])
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("updates")
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def summarise(runs: Dict[str, Dict[int, Dict]], references: Sequence[str], resamples: int) -> Dict:
+    """Per update that every run of a system reached: the seed means, and the paired BLEU intervals."""
+    updates = sorted({u for by_seed in runs.values() for r in by_seed.values() for u in r["at"]})
+    table = {}
+    for update in updates:
+        row = {"bleu": paired_bleu(runs, references, update, resamples), "systems": {}}
+        for system, by_seed in runs.items():
+            have = [r for r in by_seed.values() if update in r["at"]]
+            if not have:
+                continue
+            valid = [r["valid"][update] for r in have if update in r["valid"]]
+            entry = {"seeds": len(have), "valid_nll_bits": float(np.mean(valid)) if valid else float("nan")}
+            for label, value in PANELS[2:]:
+                values = [value(r["at"][update]) for r in have]
+                values = [v for v in values if v is not None and not math.isnan(v)]
+                entry[label] = float(np.mean(values)) if values else None
+            row["systems"][system] = entry
+        table[str(update)] = row
+    return table
+
+
+def print_summary(table: Dict) -> None:
+    rows = []
+    for update, row in table.items():
+        for system, entry in row["systems"].items():
+            bleu = row["bleu"].get("systems", {}).get(system)
+            diff = row["bleu"].get("comparisons", {}).get(f"{system} - V-T")
+            rows.append({
+                "updates": int(update), "system": system, "seeds": entry["seeds"],
+                "valid CE bits": entry["valid_nll_bits"],
+                "BLEU": bleu["bleu"] if bleu else float("nan"),
+                "- V-T (95%)": (f"{diff['difference']:+.2f} ({diff['interval'][0]:+.2f} to {diff['interval'][1]:+.2f})"
+                                if diff else "-"),
+                "enc collapsed": entry[PANELS[2][0]], "enc entropy": entry[PANELS[3][0]],
+                "reg share": entry[PANELS[4][0]], "hardness": entry[PANELS[5][0]],
+            })
+    if rows:
+        print_table(rows, list(rows[0]), "SDMA learning curves (seed means; BLEU intervals paired over test sentences)")
+
+
+# ----------------------------------------------------------------------------
+# Command
+# ----------------------------------------------------------------------------
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="sdma-learning-curves", description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out-dir", type=Path, default=Path("outputs") / "sdma_learning_curves")
+    p.add_argument("--updates", type=int, default=4000, help="training updates of every run (default 4000)")
+    p.add_argument("--segment", type=int, default=500,
+                   help="updates between BLEU/diagnostic checkpoints (default 500; must divide --updates)")
+    p.add_argument("--record-every", type=int, default=250, help="updates between validations (default 250)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=["V-T", "SDMA-T authors", "SDMA-T paper"])
+    p.add_argument("--max-words", type=int, default=10, help="keep Ding pairs of at most N words per side")
+    p.add_argument("--vocab-size", type=int, default=2000, help="joint sentencepiece vocabulary")
+    p.add_argument("--valid-size", type=int, default=None, help="Ding validation pairs (default: prepare-ding's)")
+    p.add_argument("--test-size", type=int, default=None, help="Ding test pairs (default: prepare-ding's)")
+    p.add_argument("--gen-max-len", type=int, default=200, help="longest hypothesis, in tokens (fairseq's 200)")
+    p.add_argument("--diagnostic-sentences", type=int, default=500, help="test sentences for the attention "
+                   "diagnostics (default 500)")
+    p.add_argument("--gradient-batches", type=int, default=4, help="training batches of 64 sentences for the "
+                   "gradient share (default 4)")
+    p.add_argument("--bootstrap-resamples", type=int, default=1000)
+    p.add_argument("--plot-only", action="store_true", help="no training: table and figure of the kept runs")
+    args = p.parse_args(argv)
+    positive = ("updates", "segment", "record_every", "gen_max_len", "diagnostic_sentences", "gradient_batches",
+                "bootstrap_resamples")
+    for name in positive:
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if min(args.seeds) < 1:
+        p.error("--seeds must be >= 1")
+    if args.updates % args.segment:
+        p.error(f"--segment {args.segment} must divide --updates {args.updates}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out: Path = args.out_dir
+    sizes = [*(["--valid-size", args.valid_size] if args.valid_size else []),
+             *(["--test-size", args.test_size] if args.test_size else [])]
+    references_path = out / "data" / "raw" / "test.en"
+    if args.plot_only and not references_path.exists():
+        raise SystemExit(f"sdma-learning-curves: error: --plot-only needs the data of an earlier run "
+                         f"({references_path} is missing); run without --plot-only first")
+    data_bin = out / "data" / "prep" / "bin" if args.plot_only else quickstart.prepare_data(
+        out / "data", args.max_words, args.vocab_size, split_sizes=sizes)
+    references = references_path.read_text(encoding="utf-8").splitlines()
+    if not args.plot_only:
+        for seed in args.seeds:  # every system at a seed before the next seed: a partial run already compares
+            for system in args.systems:
+                save_dir = out / slug(system) / f"seed{seed}"
+                for end in range(args.segment, args.updates + 1, args.segment):
+                    if (save_dir / f"at-{end}.json").exists():
+                        continue
+                    train_to(system, seed, data_bin, save_dir, end, args.record_every)
+                    measure_segment(system, seed, data_bin, save_dir, end, references, args)
+    runs = load_runs(out, args.systems, args.seeds)
+    if not runs:
+        raise SystemExit(f"sdma-learning-curves: error: no kept runs in {out}")
+    table = summarise(runs, references, args.bootstrap_resamples)
+    results = {
+        "table": table,
+        "runs": {system: {str(seed): {"valid_nll_bits": {str(k): v for k, v in r["valid"].items()},
+                                      "at": {str(u): {k: v for k, v in s.items() if k != "hypotheses"}
+                                             for u, s in r["at"].items()}}
+                          for seed, r in by_seed.items()} for system, by_seed in runs.items()},
+        "estimators": {
+            "valid_nll_bits": "fairseq's nll_loss on the valid split (cross-entropy without label smoothing or "
+                              "regularisers), bits per target token",
+            "bleu": f"sacreBLEU (13a, detokenised) of beam-5 hypotheses of the {len(references)} test pairs; a "
+                    f"system's BLEU is its seed mean; 95% percentile bootstrap, {args.bootstrap_resamples} "
+                    "resamples of test sentences shared by every run (paired)",
+            "attention": f"first {args.diagnostic_sentences} test sentences, teacher-forced, eval mode: "
+                         f"row entropy (bits) and share of rows with > {COLLAPSE_PEAK} of their mass on one key "
+                         "per layer over real queries and heads; LR/HR (latent_core.redundancy); hardness = mean "
+                         "max_c p(c|z) of the feature GMMs per layer",
+            "gradient": f"{args.gradient_batches} training batches of 64 sentences, training mode, seed 0: "
+                        "||g_reg|| / (||g_CE|| + ||g_reg||) and cos(g_CE, g_reg) on the parameters outside the "
+                        "SDMA cores",
+        },
+    }
+    write_json(out / "results.json", results)
+    print_summary(table)
+    draw(runs, out / "learning_curves.png",
+         f"Ding de->en, tiny 2+2 layers: seeds {', '.join(map(str, args.seeds))} (band: min-max over seeds)")
+    stage(f"wrote {out / 'results.json'} and {out / 'learning_curves.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
