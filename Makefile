@@ -1,7 +1,7 @@
 # Two commands for a newcomer: `make demo` and `make test` (both install first if needed).
 PYTHON_VENV := .venv/bin/python
 STAMP := .venv/.install-stamp
-DEMO_MINUTES ?= 10
+DEMO_MINUTES ?= 11
 PYTEST_ARGS ?=
 # pytest-xdist workers for `make test` (one per core of the 2-core CI machine); each test file
 # runs whole on one worker, so its module fixtures are built once. The unit tier alone gains

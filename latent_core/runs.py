@@ -300,6 +300,12 @@ def last_num_updates(log: str) -> int:
     return int(found[-1]) if found else 0
 
 
+def valid_metric(log: str, name: str) -> float:
+    """``name`` of the last ``valid`` line of a fairseq-train log (NaN when absent)."""
+    found = re.findall(r"\| valid \|.*?\| " + re.escape(name) + r" ([-+0-9.eE]+|nan|inf)", log)
+    return float(found[-1]) if found else float("nan")
+
+
 def model_parameters(log: str) -> int:
     match = re.search(r"num\. shared model params: ([0-9,]+)", log) or re.search(
         r"num\. model params: ([0-9,]+)", log

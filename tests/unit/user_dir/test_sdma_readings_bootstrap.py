@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import sacrebleu
 
-from user_dir.tools.sdma.readings_runs import bootstrap, corpus_bleu_of, sentence_statistics
+from user_dir.tools.sdma.bleu import corpus_bleu_of, paired_bootstrap, sentence_statistics
+from user_dir.tools.sdma.readings_runs import COMPARISONS
 
 REFERENCES = ["the cat sat on the mat", "a dog ran in the park today", "we like green tea very much",
               "it rained all day long", "she reads a book at night", "they walk to school together"] * 5
@@ -20,8 +21,8 @@ def test_sentence_statistics_reproduce_corpus_bleu():
 
 def test_paired_bootstrap_over_seeds():
     good, worse = sentence_statistics(GOOD, REFERENCES), sentence_statistics(WORSE, REFERENCES)
-    out = bootstrap({"V-T": [worse, worse], "SDMA-T paper": [worse, worse], "SDMA-T authors": [good, worse]},
-                    resamples=200, seed=1)
+    out = paired_bootstrap({"V-T": [worse, worse], "SDMA-T paper": [worse, worse],
+                            "SDMA-T authors": [good, worse]}, resamples=200, seed=1, comparisons=COMPARISONS)
     same = out["comparisons"]["SDMA-T paper - V-T"]
     assert same["difference"] == 0.0 and same["interval"] == [0.0, 0.0]
     better = out["comparisons"]["SDMA-T authors - V-T"]

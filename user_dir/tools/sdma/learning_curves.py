@@ -44,7 +44,8 @@ from latent_core.redundancy import ATTENTION_TYPES, COLLAPSE_PEAK
 from latent_core.runs import USER_DIR, console_script, generate, last_num_updates, print_table, run_streaming, stage
 from latent_core.runs import write_json
 from user_dir.tools.sdma import quickstart
-from user_dir.tools.sdma.readings_runs import ARCH, SYSTEMS, bootstrap, corpus_bleu_of, sentence_statistics, slug
+from user_dir.tools.sdma.bleu import corpus_bleu_of, paired_bootstrap, sentence_statistics
+from user_dir.tools.sdma.readings_runs import ARCH, SYSTEMS, slug
 
 VALID_LINE = re.compile(r"\| valid on 'valid' subset \|.*?\| nll_loss ([-+0-9.eE]+|nan|inf) \|.*?\| num_updates (\d+)")
 
@@ -213,12 +214,13 @@ def load_runs(out: Path, systems: Sequence[str], seeds: Sequence[int]) -> Dict[s
 
 def paired_bleu(runs: Dict[str, Dict[int, Dict]], references: Sequence[str], update: int, resamples: int) -> Dict:
     """Seed-mean BLEU of every system at ``update`` and each SDMA-T reading - V-T, with paired percentile intervals
-    over test sentences (:func:`readings_runs.bootstrap`)."""
+    over test sentences (:func:`user_dir.tools.sdma.bleu.paired_bootstrap`)."""
     stats = {system: [sentence_statistics(r["at"][update]["hypotheses"], references) for r in by_seed.values()]
              for system, by_seed in runs.items() if all(update in r["at"] for r in by_seed.values())}
     if not stats:
         return {}
-    return bootstrap(stats, resamples, seed=1, comparisons=[(system, "V-T") for system in stats if system != "V-T"])
+    return paired_bootstrap(stats, resamples, seed=1,
+                            comparisons=[(system, "V-T") for system in stats if system != "V-T"])
 
 
 def layer_mean(values: Optional[List[float]]) -> float:

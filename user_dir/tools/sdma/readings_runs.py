@@ -25,9 +25,8 @@ which other processes used at most 0.25 cores (and over all intervals); per syst
 
 import argparse
 import json
-import re
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict
 
 import numpy as np
 
@@ -43,9 +42,11 @@ from latent_core.runs import (
     stage,
     trained_parameters,
     uncontended_words_per_second,
+    valid_metric,
     write_json,
 )
 from user_dir.tools.sdma import quickstart
+from user_dir.tools.sdma.bleu import corpus_bleu_of, paired_bootstrap, sentence_statistics
 
 SYSTEMS = {
     "V-T": ["--sdma-mode", "none"],
@@ -58,12 +59,6 @@ ARCH = ["--arch", "sdma_transformer_iwslt_de_en_tiny", "--criterion", "sdma_labe
 
 def slug(system: str) -> str:
     return system.replace(" ", "-")
-
-
-def valid_metric(log: str, name: str) -> float:
-    """``name`` of the last ``valid`` line of a fairseq-train log (NaN when absent)."""
-    found = re.findall(r"\| valid \|.*?\| " + re.escape(name) + r" ([-+0-9.eE]+|nan|inf)", log)
-    return float(found[-1]) if found else float("nan")
 
 
 def train(system: str, seed: int, data_bin: Path, save_dir: Path, updates: int) -> Dict:
@@ -125,52 +120,6 @@ def evaluate(system: str, seed: int, data_bin: Path, save_dir: Path, max_sentenc
     return evaluation
 
 
-def sentence_statistics(hypotheses: Sequence[str], references: Sequence[str]) -> np.ndarray:
-    """sacreBLEU's sufficient statistics per sentence, ``[N, 2 + 2 * 4]`` (what its own paired
-    bootstrap resamples)."""
-    from sacrebleu.metrics import BLEU
-
-    if len(hypotheses) != len(references):
-        raise SystemExit(f"{len(hypotheses)} hypotheses for {len(references)} references")
-    return np.asarray(BLEU()._extract_corpus_statistics(list(hypotheses), [list(references)]), dtype=np.int64)
-
-
-def corpus_bleu_of(stats: np.ndarray) -> float:
-    from sacrebleu.metrics import BLEU
-
-    return BLEU()._compute_score_from_stats(stats.sum(0).tolist()).score
-
-
-def bootstrap(stats: Dict[str, List[np.ndarray]], resamples: int, seed: int, level: float = 0.95,
-              comparisons: Sequence[Tuple[str, str]] = COMPARISONS) -> Dict:
-    """Seed-mean BLEU of each system and of each difference ``a - b`` in ``comparisons``, with percentile
-    intervals from ``resamples`` resamples of the test sentences shared by every run (paired).
-
-    ``stats``: per system, each seed's :func:`sentence_statistics`."""
-    rng = np.random.default_rng(seed)
-    n = next(iter(stats.values()))[0].shape[0]
-    draws = {system: [] for system in stats}
-    for _ in range(resamples):
-        index = rng.integers(0, n, n)
-        for system, runs in stats.items():
-            draws[system].append(np.mean([corpus_bleu_of(s[index]) for s in runs]))
-    low, high = 100 * (1 - level) / 2, 100 * (1 + level) / 2
-    out = {"systems": {}, "comparisons": {}, "resamples": resamples, "level": level}
-    for system, runs in stats.items():
-        values = np.array(draws[system])
-        out["systems"][system] = {"bleu": float(np.mean([corpus_bleu_of(s) for s in runs])),
-                                  "interval": [float(np.percentile(values, low)), float(np.percentile(values, high))]}
-    for a, b in comparisons:
-        if a in stats and b in stats:
-            diff = np.array(draws[a]) - np.array(draws[b])
-            out["comparisons"][f"{a} - {b}"] = {
-                "difference": out["systems"][a]["bleu"] - out["systems"][b]["bleu"],
-                "interval": [float(np.percentile(diff, low)), float(np.percentile(diff, high))],
-                "share_of_resamples_above_zero": float((diff > 0).mean()),
-            }
-    return out
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -214,8 +163,8 @@ def main(argv=None) -> int:
             runs[system][seed] = entry
     if args.train_only:
         return 0
-    summary = bootstrap({system: [r["stats"] for r in by_seed.values()] for system, by_seed in runs.items()},
-                        args.bootstrap_resamples, seed=1)
+    summary = paired_bootstrap({system: [r["stats"] for r in by_seed.values()] for system, by_seed in runs.items()},
+                               args.bootstrap_resamples, seed=1, comparisons=COMPARISONS)
     results = {
         "runs": {system: {str(seed): {k: v for k, v in r.items() if k != "stats"} for seed, r in by_seed.items()}
                  for system, by_seed in runs.items()},
