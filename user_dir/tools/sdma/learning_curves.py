@@ -3,7 +3,8 @@
 The systems, data, model size and optimisation of ``sdma-readings-runs`` (the demo's: Table I's tiny width,
 2+2 layers, joint 2k sentencepiece, Ding de->en), each trained from ``--seeds`` seeds to ``--updates``
 (default 4,000) in segments of ``--segment`` updates (``fairseq-train --max-update END`` resuming its
-``checkpoint_last.pt``; a resumed run is bit-identical to a continuous one). Recorded:
+``checkpoint_last.pt``; a resumed run is bit-identical to a continuous one), the systems taking turns segment by
+segment (so wherever the runs stop, a seed's systems have about the same number of updates). Recorded:
 
 * every ``--record-every`` updates (fairseq's ``--validate-interval-updates``): validation cross-entropy alone
   (fairseq's ``nll_loss``: no label smoothing, no regularisers), in bits per target token;
@@ -59,12 +60,16 @@ class LearningCurvesError(ValueError):
 # ----------------------------------------------------------------------------
 
 
+SAVED = re.compile(r"Saved checkpoint \S*checkpoint_(?:last|best)\.pt \(epoch \d+ @ (\d+) updates")
+
+
 def checkpoint_updates(save_dir: Path) -> int:
-    """Updates of ``save_dir/checkpoint_last.pt`` by its training logs (0 when there is none)."""
+    """Updates of ``save_dir/checkpoint_last.pt``: the last save its training logs report (fairseq writes
+    checkpoint_last at every save; a log cut short after it trained further saved nothing more); 0 without one."""
     if not (save_dir / "checkpoint_last.pt").exists():
         return 0
-    logs = sorted(save_dir.glob("train-*.log"), key=lambda p: int(p.stem.split("-")[1]))
-    return max((last_num_updates(p.read_text(errors="replace")) for p in logs), default=0)
+    saves = [int(u) for log in save_dir.glob("train-*.log") for u in SAVED.findall(log.read_text(errors="replace"))]
+    return max(saves, default=0)
 
 
 def train_to(system: str, seed: int, data_bin: Path, save_dir: Path, end: int, record_every: int) -> None:
@@ -382,10 +387,12 @@ def main(argv=None) -> int:
         out / "data", args.max_words, args.vocab_size, split_sizes=sizes)
     references = references_path.read_text(encoding="utf-8").splitlines()
     if not args.plot_only:
-        for seed in args.seeds:  # every system at a seed before the next seed: a partial run already compares
-            for system in args.systems:
-                save_dir = out / slug(system) / f"seed{seed}"
-                for end in range(args.segment, args.updates + 1, args.segment):
+        # the systems take turns segment by segment, seed by seed: wherever the runs stop, the systems of a
+        # seed have (nearly) the same number of updates and compare
+        for seed in args.seeds:
+            for end in range(args.segment, args.updates + 1, args.segment):
+                for system in args.systems:
+                    save_dir = out / slug(system) / f"seed{seed}"
                     if (save_dir / f"at-{end}.json").exists():
                         continue
                     train_to(system, seed, data_bin, save_dir, end, args.record_every)
