@@ -77,6 +77,17 @@ def direct(tensors, mix, allowed, authors):
     return mix_attention_direct(scores, mask, mix, norm_floor=AUTHORS_EPS if authors else 0.0) @ v
 
 
+def assert_values_and_gradients_close(got, got_inputs, want, want_inputs):
+    """Outputs to 1e-9 and the gradients of q, k, v and both responsibilities to 1e-8 (atol: the paper
+    reading's d/dresp divides by masses down to its 1e-6 floor, float64 rounding x 1e6)."""
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    weights = torch.randn_like(want)
+    (want * weights).sum().backward()
+    (got * weights).sum().backward()
+    for name, a, b in zip(("q", "k", "v", "resp_q", "resp_k"), want_inputs, got_inputs):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-8, atol=1e-8, msg=name)
+
+
 def masked_mass(tensors, allowed, authors):
     """sum_j A_ij M_ij of every row, ``[B, H, T]``."""
     q, k, _, resp_q, resp_k = (t.detach() for t in tensors)
@@ -101,13 +112,7 @@ def test_kernel_equals_explicit_in_every_row(kernel, authors, masking):
     reference, fused = stress_inputs(), stress_inputs()
     want = run("explicit", reference, mix, allowed, authors)
     got = run(kernel, fused, mix, allowed, authors)
-    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
-    weights = torch.randn_like(want)
-    (want * weights).sum().backward()
-    (got * weights).sum().backward()
-    for name, a, b in zip(("q", "k", "v", "resp_q", "resp_k"), reference, fused):
-        # atol: the paper reading's d/dresp divides by masses down to its 1e-6 floor (float64 rounding x 1e6)
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-8, atol=1e-8, msg=name)
+    assert_values_and_gradients_close(got, fused, want, reference)
 
 
 @pytest.mark.parametrize("kernel", ["sdpa", "lowrank"])
@@ -137,12 +142,7 @@ def test_the_explicit_row_equals_the_equations_by_hand(authors, masking):
     reference, entry = stress_inputs(), stress_inputs()
     want, got = direct(reference, mix, allowed, authors), run("explicit", entry, mix, allowed, authors)
     assert got.dtype == torch.float64  # float64 inputs are scored in float64, not narrowed to float32
-    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
-    weights = torch.randn_like(want)
-    (want * weights).sum().backward()
-    (got * weights).sum().backward()
-    for name, a, b in zip(("q", "k", "v", "resp_q", "resp_k"), reference, entry):
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-8, atol=1e-8, msg=name)
+    assert_values_and_gradients_close(got, entry, want, reference)
 
 
 @pytest.mark.parametrize("kernel", ["explicit", "sdpa", "lowrank", "auto"])

@@ -107,15 +107,13 @@ def validation_curve(save_dir: Path) -> Dict[int, float]:
 # ----------------------------------------------------------------------------
 
 
-def attention_diagnostics(checkpoint: Path, data_bin: Path, sentences: int) -> Dict:
+def attention_diagnostics(model, task, sentences: int) -> Dict:
     """LR/HR, row entropy and collapse per attention type and layer, and the feature GMMs' hardness per layer
     (SDMA-T), on the first ``sentences`` test sentences."""
     from user_dir.tools.sdma.analysis import collect_cluster_statistics, select_sentences, subset_batches
     from user_dir.tools.sdma.analysis import sdma_modules
-    from user_dir.tools.sdma.redundancy import attention_redundancy, load_models
+    from user_dir.tools.sdma.redundancy import attention_redundancy
 
-    models, _cfg, task = load_models(checkpoint, str(data_bin), str(USER_DIR))
-    model = models[0]
     redundancy = attention_redundancy(model, task, subset="test", max_sentences=sentences, device="cpu")
     out = {"sentences": redundancy["sentences"]}
     for kind in ATTENTION_TYPES:
@@ -130,20 +128,15 @@ def attention_diagnostics(checkpoint: Path, data_bin: Path, sentences: int) -> D
     return out
 
 
-def gradient_share(checkpoint: Path, data_bin: Path, batches: int, sentences_per_batch: int = 64,
-                   seed: int = 0) -> Optional[Dict]:
+def gradient_share(model, cfg, task, batches: int, sentences_per_batch: int = 64, seed: int = 0) -> Optional[Dict]:
     """The regularisers' share of the gradient on the parameters shared with L_CE (None for a model without
     regularisers, V-T). Training mode, noise and dropout on, ``torch.manual_seed(seed)``; the first
     ``batches`` x ``sentences_per_batch`` training sentences."""
     import torch
 
-    from user_dir.tools.sdma.redundancy import load_models
-
-    models, cfg, task = load_models(checkpoint, str(data_bin), str(USER_DIR))
     criterion = task.build_criterion(cfg.criterion)
     if not hasattr(criterion, "loss_parts"):
         return None
-    model = models[0]
     model.train()
     shared = [p for name, p in model.named_parameters() if ".sdma." not in name and p.requires_grad]
     task.load_dataset("train")
@@ -183,12 +176,15 @@ def measure_segment(system: str, seed: int, data_bin: Path, save_dir: Path, upda
     checkpoint = save_dir / "checkpoint_last.pt"
     stage(f"{system} seed {seed} at {updates}: fairseq-generate (beam 5), attention diagnostics, gradient share")
     gen = generate(data_bin, checkpoint, save_dir, extra=["--max-len-b", args.gen_max_len])
+    from user_dir.tools.sdma.redundancy import load_models
+
+    models, cfg, task = load_models(checkpoint, str(data_bin), str(USER_DIR))  # once for both measurements
     result = {
         "updates": updates, "system": system, "seed": seed,
         "bleu": corpus_bleu_of(sentence_statistics(gen["hypotheses"], references)),
         "hypotheses": gen["hypotheses"],
-        "attention": attention_diagnostics(checkpoint, data_bin, args.diagnostic_sentences),
-        "gradient": gradient_share(checkpoint, data_bin, args.gradient_batches),
+        "attention": attention_diagnostics(models[0], task, args.diagnostic_sentences),
+        "gradient": gradient_share(models[0], cfg, task, args.gradient_batches),
     }
     write_json(done, result)
     return result
