@@ -180,7 +180,10 @@ def test_redundancy_script_end_to_end(tiny, script_runs, name):
         assert kind in out
         entry = result[kind]
         assert set(entry) == {"LR", "LR_bits", "HR", "layers", "heads", "HR_matrix", "HR_matrix_labels",
-                              "LR_se", "LR_bits_se", "HR_se"}
+                              "LR_se", "LR_bits_se", "HR_se", "entropy_bits_per_layer", "collapsed_share_per_layer"}
+        assert len(entry["entropy_bits_per_layer"]) == len(entry["collapsed_share_per_layer"]) == 2
+        assert all(0.0 <= share <= 1.0 for share in entry["collapsed_share_per_layer"])
+        assert all(bits >= 0.0 for bits in entry["entropy_bits_per_layer"])
         assert entry["HR_se"] > 0 and entry["LR_se"] == pytest.approx(entry["LR_bits_se"] / 2.0)
         assert 0.0 <= entry["LR"] <= 1.0 and 0.0 <= entry["HR"] <= 1.0
         assert entry["LR_bits"] == pytest.approx(2.0 * entry["LR"])
