@@ -17,10 +17,17 @@ segment (so wherever the runs stop, a seed's systems have about the same number 
     eval mode): the mean entropy of the attention rows (bits), the share of rows with more than 0.9 of their
     mass on one key (collapse; ``latent_core.redundancy.attention_focus``), LR/HR, and for SDMA-T the mean
     max_c p(c|z) of the feature GMMs (hardness);
+  - per encoder layer, the size of the self-attention's scores (eval mode): mean query and key norms and the
+    mean spread (standard deviation over real keys) of a row's scores q.k / sqrt(d_k) (``encoder_query_scale``);
   - for SDMA-T, the regularisers' share of the gradient on the parameters they share with L_CE (every parameter
     outside the SDMA cores): over ``--gradient-batches`` training batches in training mode (noise and dropout
     on, seed fixed), ||g_reg|| / (||g_CE|| + ||g_reg||) with g the gradients of the two parts of eq. (24) as
-    the criterion adds them (``loss_parts``), and their cosine.
+    the criterion adds them (``loss_parts``), and their cosine; and per part of eq. (24) and encoder layer its
+    derivative along a uniform scaling of the query projection, <dL/dW_q, W_q> (``query_pull``: negative where
+    the part grows the queries).
+
+``--systems 'SDMA-T authors no-Dxq'`` adds an ablation (the ``authors`` reading with lambda_x = 0) beside the
+three default systems.
 
 Every finished segment is kept (``OUT/<system>/seed<k>/at-<updates>.json``) and reused, so the runs may span
 sessions; ``--plot-only`` redraws the figure and table from the kept JSONs. Output: ``OUT/results.json`` (per run
@@ -30,6 +37,8 @@ and update, and the seed means with the bootstrap intervals), a table, and ``OUT
     sdma-learning-curves --out-dir outputs/sdma_learning_curves                 # 3 systems x seeds 1 2, 4,000 updates
     sdma-learning-curves --out-dir outputs/sdma_learning_curves --seeds 1       # seed 1 only
     sdma-learning-curves --out-dir outputs/sdma_learning_curves --plot-only     # table and figure of what is there
+    sdma-learning-curves --out-dir outputs/sdma_learning_curves --seeds 1 --updates 1000 \
+        --systems 'SDMA-T authors no-Dxq'                                       # the ablation, 1,000 updates
 """
 
 import argparse
@@ -47,6 +56,13 @@ from latent_core.runs import write_json
 from user_dir.tools.sdma import quickstart
 from user_dir.tools.sdma.bleu import corpus_bleu_of, paired_bootstrap, sentence_statistics
 from user_dir.tools.sdma.readings_runs import ARCH, SYSTEMS, slug
+
+# one change to a reading, to test a reason the default runs suggest (not among the defaults; --systems)
+ABLATIONS = {
+    "SDMA-T authors no-Dxq": ["--sdma-reading", "authors", "--sdma-dxq-weight", "0"],
+}
+RUN_SYSTEMS = {**SYSTEMS, **ABLATIONS}
+DEFAULT_SYSTEMS = ["V-T", "SDMA-T authors", "SDMA-T paper"]
 
 VALID_LINE = re.compile(r"\| valid on 'valid' subset \|.*?\| nll_loss ([-+0-9.eE]+|nan|inf) \|.*?\| num_updates (\d+)")
 
@@ -81,7 +97,7 @@ def train_to(system: str, seed: int, data_bin: Path, save_dir: Path, end: int, r
     save_dir.mkdir(parents=True, exist_ok=True)
     log_path = save_dir / f"train-{len(list(save_dir.glob('train-*.log'))) + 1}.log"
     cmd = [console_script("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--task", "translation",
-           *ARCH, *SYSTEMS[system], *quickstart.MODEL_SIZE, *quickstart.OPTIMIZATION, "--seed", seed, "--cpu",
+           *ARCH, *RUN_SYSTEMS[system], *quickstart.MODEL_SIZE, *quickstart.OPTIMIZATION, "--seed", seed, "--cpu",
            "--save-dir", save_dir, "--no-epoch-checkpoints", "--save-interval", 1_000_000,
            "--validate-interval", 1_000_000, "--validate-interval-updates", record_every,
            "--log-format", "simple", "--log-interval", 50, "--no-progress-bar",
@@ -128,21 +144,79 @@ def attention_diagnostics(model, task, sentences: int) -> Dict:
     return out
 
 
+def encoder_query_scale(model, task, sentences: int) -> Dict[str, List[float]]:
+    """How large the encoder self-attention's scores are, per layer, on the first ``sentences`` test sentences
+    (eval mode, so no sampling noise: q = W_q x / sqrt(d_k), k = W_k x in every system): the mean norm of the
+    queries W_q x + b_q and of the keys, and the mean over query rows and heads of the standard deviation of the
+    row's scores q.k over its real keys. A row's softmax can only put most of its mass on one key when that
+    spread is large."""
+    import torch
+
+    from user_dir.tools.sdma.analysis import select_sentences, subset_batches
+
+    dataset = task.dataset("test")
+    layers = model.encoder.layers
+    inputs: Dict[int, object] = {}
+    hooks = [layer.self_attn.register_forward_pre_hook(
+        lambda module, args, kwargs, n=n: inputs.__setitem__(n, kwargs.get("query", args[0] if args else None)),
+        with_kwargs=True) for n, layer in enumerate(layers)]
+    sums = np.zeros((len(layers), 3))
+    rows = 0
+    model.eval()
+    try:
+        with torch.no_grad():
+            for batch in subset_batches(dataset, select_sentences(dataset, "encoder_self", sentences), 32, "cpu"):
+                src = batch["net_input"]["src_tokens"]
+                real = src.ne(task.source_dictionary.pad())  # [B, S]
+                model.encoder(src, src_lengths=batch["net_input"]["src_lengths"])
+                for n, layer in enumerate(layers):
+                    att, x = layer.self_attn, inputs[n]  # x [S, B, E]
+                    heads, d = att.num_heads, att.head_dim
+                    q = att.q_proj(x).view(x.size(0), x.size(1), heads, d).permute(1, 2, 0, 3)  # [B, H, S, D]
+                    k = att.k_proj(x).view(x.size(0), x.size(1), heads, d).permute(1, 2, 0, 3)
+                    scores = (q @ k.transpose(-1, -2)) * d ** -0.5  # [B, H, S, S]
+                    keys = real[:, None, None, :].to(scores.dtype)
+                    count = keys.sum(-1)
+                    mean = (scores * keys).sum(-1) / count
+                    spread = ((((scores - mean[..., None]) ** 2) * keys).sum(-1) / count).sqrt()  # [B, H, S]
+                    query_rows = real[:, None, :].expand_as(spread)
+                    sums[n] += [float(q.norm(dim=-1)[query_rows].sum()), float(k.norm(dim=-1)[query_rows].sum()),
+                                float(spread[query_rows].sum())]
+                rows += int(real.sum()) * layers[0].self_attn.num_heads
+    finally:
+        for hook in hooks:
+            hook.remove()
+    means = sums / max(rows, 1)
+    return {"query_norm_per_layer": means[:, 0].tolist(), "key_norm_per_layer": means[:, 1].tolist(),
+            "score_spread_per_layer": means[:, 2].tolist()}
+
+
 def gradient_share(model, cfg, task, batches: int, sentences_per_batch: int = 64, seed: int = 0) -> Optional[Dict]:
     """The regularisers' share of the gradient on the parameters shared with L_CE (None for a model without
-    regularisers, V-T). Training mode, noise and dropout on, ``torch.manual_seed(seed)``; the first
-    ``batches`` x ``sentences_per_batch`` training sentences."""
+    regularisers, V-T), and which part of eq. (24) pulls the encoder's queries larger. Training mode, noise
+    and dropout on, ``torch.manual_seed(seed)``; the first ``batches`` x ``sentences_per_batch`` training
+    sentences.
+
+    ``query_pull``: per part (``ce`` and each weighted regulariser term as it enters the loss) and encoder
+    layer, <dL/dW_q, W_q> summed over the batches: the derivative of the part along a uniform scaling of the
+    layer's query projection (negative: the part grows the queries, and with them the score spread)."""
     import torch
+
+    from latent_core.sdma.options import LOSS_WEIGHTS
+    from latent_core.sdma.regularisers import scale_regulariser
 
     criterion = task.build_criterion(cfg.criterion)
     if not hasattr(criterion, "loss_parts"):
         return None
     model.train()
     shared = [p for name, p in model.named_parameters() if ".sdma." not in name and p.requires_grad]
+    query_weights = [layer.self_attn.q_proj.weight for layer in model.encoder.layers]
+    weights = criterion.loss_weights(model)
     task.load_dataset("train")
     dataset = task.dataset("train")
     torch.manual_seed(seed)
     ce_sq = reg_sq = dot = 0.0
+    pull: Dict[str, np.ndarray] = {}
     for b in range(batches):
         indices = range(b * sentences_per_batch, min((b + 1) * sentences_per_batch, len(dataset)))
         sample = dataset.collater([dataset[i] for i in indices])
@@ -151,6 +225,16 @@ def gradient_share(model, cfg, task, batches: int, sentences_per_batch: int = 64
         parts = criterion.loss_parts(model, sample)
         if not parts.regulariser.requires_grad:  # V-T: SDMA off, no regulariser terms
             return None
+        named = {"ce": parts.ce_loss}
+        for option, (_, names, sign) in LOSS_WEIGHTS.items():
+            for name in names:
+                if weights[option] and parts.terms[name].requires_grad:
+                    named[name] = scale_regulariser(sign * weights[option] * parts.terms[name].float(),
+                                                    criterion.regulariser_scale, sample["ntokens"])
+        for name, loss in named.items():
+            grads = torch.autograd.grad(loss, query_weights, retain_graph=True, allow_unused=True)
+            radial = [0.0 if g is None else float((g * w.detach()).sum()) for g, w in zip(grads, query_weights)]
+            pull[name] = pull.get(name, 0.0) + np.array(radial)
         g_ce = torch.autograd.grad(parts.ce_loss, shared, retain_graph=True, allow_unused=True)
         g_reg = torch.autograd.grad(parts.regulariser, shared, allow_unused=True)
         for a, r in zip(g_ce, g_reg):
@@ -163,6 +247,7 @@ def gradient_share(model, cfg, task, batches: int, sentences_per_batch: int = 64
     return {"ce_norm": ce_norm, "reg_norm": reg_norm,
             "reg_share": reg_norm / (ce_norm + reg_norm) if ce_norm + reg_norm > 0 else float("nan"),
             "cosine": dot / (ce_norm * reg_norm) if ce_norm * reg_norm > 0 else float("nan"),
+            "query_pull": {name: values.tolist() for name, values in pull.items()},
             "batches": batches, "sentences_per_batch": sentences_per_batch}
 
 
@@ -184,6 +269,7 @@ def measure_segment(system: str, seed: int, data_bin: Path, save_dir: Path, upda
         "bleu": corpus_bleu_of(sentence_statistics(gen["hypotheses"], references)),
         "hypotheses": gen["hypotheses"],
         "attention": attention_diagnostics(models[0], task, args.diagnostic_sentences),
+        "query_scale": encoder_query_scale(models[0], task, args.diagnostic_sentences),
         "gradient": gradient_share(models[0], cfg, task, args.gradient_batches),
     }
     write_json(done, result)
@@ -250,6 +336,8 @@ PANELS = (
         else s["gradient"]["reg_share"]),
     ("feature GMM hardness (mean max p(c|z), encoder)", lambda s: layer_mean(
         s["attention"]["encoder_self"].get("hardness_per_layer"))),
+    ("encoder self-attention: score spread (std of q.k/sqrt(d) per row)", lambda s: layer_mean(
+        s.get("query_scale", {}).get("score_spread_per_layer"))),
 )
 
 
@@ -260,8 +348,9 @@ def draw(runs: Dict[str, Dict[int, Dict]], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = {system: f"C{i}" for i, system in enumerate(SYSTEMS)}
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    colours = {system: f"C{i}" for i, system in enumerate(RUN_SYSTEMS)}
+    columns = math.ceil(len(PANELS) / 2)
+    fig, axes = plt.subplots(2, columns, figsize=(5 * columns, 8))
     for ax, (label, value) in zip(axes.flat, PANELS):
         for system, by_seed in runs.items():
             if value is None:
@@ -283,6 +372,8 @@ def draw(runs: Dict[str, Dict[int, Dict]], path: Path, title: str) -> None:
         ax.set_title(label, fontsize=10)
         ax.set_xlabel("updates")
         ax.grid(alpha=0.3)
+    for ax in axes.flat[len(PANELS):]:
+        ax.axis("off")
     axes.flat[0].legend(fontsize=8)
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
@@ -326,6 +417,7 @@ def print_summary(table: Dict) -> None:
                                 if diff else "-"),
                 "enc collapsed": entry[PANELS[2][0]], "enc entropy": entry[PANELS[3][0]],
                 "reg share": entry[PANELS[4][0]], "hardness": entry[PANELS[5][0]],
+                "enc score spread": entry[PANELS[6][0]],
             })
     if rows:
         print_table(rows, list(rows[0]), "SDMA learning curves (seed means; BLEU intervals paired over test sentences)")
@@ -345,7 +437,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="updates between BLEU/diagnostic checkpoints (default 500; must divide --updates)")
     p.add_argument("--record-every", type=int, default=250, help="updates between validations (default 250)")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=["V-T", "SDMA-T authors", "SDMA-T paper"])
+    p.add_argument("--systems", nargs="+", choices=list(RUN_SYSTEMS), default=DEFAULT_SYSTEMS,
+                   help=f"default: {' '.join(repr(s) for s in DEFAULT_SYSTEMS)}; 'SDMA-T authors no-Dxq' is the "
+                        "authors reading with lambda_x = 0 (--sdma-dxq-weight 0), the test of what grows its "
+                        "queries")
     p.add_argument("--max-words", type=int, default=10, help="keep Ding pairs of at most N words per side")
     p.add_argument("--vocab-size", type=int, default=2000, help="joint sentencepiece vocabulary")
     p.add_argument("--valid-size", type=int, default=None, help="Ding validation pairs (default: prepare-ding's)")
