@@ -37,8 +37,7 @@ and update, and the seed means with the bootstrap intervals), a table, and ``OUT
     sdma-learning-curves --out-dir outputs/sdma_learning_curves                 # 3 systems x seeds 1 2, 4,000 updates
     sdma-learning-curves --out-dir outputs/sdma_learning_curves --seeds 1       # seed 1 only
     sdma-learning-curves --out-dir outputs/sdma_learning_curves --plot-only     # table and figure of what is there
-    sdma-learning-curves --out-dir outputs/sdma_learning_curves --seeds 1 --updates 1000 \
-        --systems 'SDMA-T authors no-Dxq'                                       # the ablation, 1,000 updates
+    sdma-learning-curves --out-dir outputs/sdma_learning_curves --seeds 1 --updates 1000 --systems 'SDMA-T authors no-Dxq'
 """
 
 import argparse
