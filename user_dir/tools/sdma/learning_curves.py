@@ -26,8 +26,8 @@ segment (so wherever the runs stop, a seed's systems have about the same number 
     derivative along a uniform scaling of the query projection, <dL/dW_q, W_q> (``query_pull``: negative where
     the part grows the queries).
 
-``--systems 'SDMA-T authors no-Dxq'`` adds an ablation (the ``authors`` reading with lambda_x = 0) beside the
-three default systems.
+``--systems`` also takes two ablations of the ``authors`` reading, beside the three default systems:
+``'SDMA-T authors no-Dxq'`` (lambda_x = 0) and ``'SDMA-T authors no-noise'`` (``--sdma-noise-var 0``).
 
 Every finished segment is kept (``OUT/<system>/seed<k>/at-<updates>.json``) and reused, so the runs may span
 sessions; ``--plot-only`` redraws the figure and table from the kept JSONs. Output: ``OUT/results.json`` (per run
@@ -59,6 +59,7 @@ from user_dir.tools.sdma.readings_runs import ARCH, SYSTEMS, slug
 # one change to a reading, to test a reason the default runs suggest (not among the defaults; --systems)
 ABLATIONS = {
     "SDMA-T authors no-Dxq": ["--sdma-reading", "authors", "--sdma-dxq-weight", "0"],
+    "SDMA-T authors no-noise": ["--sdma-reading", "authors", "--sdma-noise-var", "0"],
 }
 RUN_SYSTEMS = {**SYSTEMS, **ABLATIONS}
 DEFAULT_SYSTEMS = ["V-T", "SDMA-T authors", "SDMA-T paper"]
@@ -437,9 +438,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--record-every", type=int, default=250, help="updates between validations (default 250)")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     p.add_argument("--systems", nargs="+", choices=list(RUN_SYSTEMS), default=DEFAULT_SYSTEMS,
-                   help=f"default: {' '.join(repr(s) for s in DEFAULT_SYSTEMS)}; 'SDMA-T authors no-Dxq' is the "
-                        "authors reading with lambda_x = 0 (--sdma-dxq-weight 0), the test of what grows its "
-                        "queries")
+                   help=f"default: {' '.join(repr(s) for s in DEFAULT_SYSTEMS)}; the ablations that test what grows the "
+                        "authors reading's queries: 'SDMA-T authors no-Dxq' (lambda_x = 0, --sdma-dxq-weight 0), "
+                        "'SDMA-T authors no-noise' (no sampling noise, --sdma-noise-var 0: neither eq. (8)'s draw "
+                        "nor their second one on the queries)")
     p.add_argument("--max-words", type=int, default=10, help="keep Ding pairs of at most N words per side")
     p.add_argument("--vocab-size", type=int, default=2000, help="joint sentencepiece vocabulary")
     p.add_argument("--valid-size", type=int, default=None, help="Ding validation pairs (default: prepare-ding's)")
