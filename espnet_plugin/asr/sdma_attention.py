@@ -140,18 +140,21 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         on the four projections and every GMM parameter, gain 0.01 on the variance heads, biases as
         ``nn.Linear`` draws them. ESPnet's ``initialize`` (the ``init:`` key) calls it after its own
         pass, so a global ``init: xavier_uniform`` cannot give the variance heads gain-1 weights (a
-        noise variance of exp(+-several)). Only in the ``authors`` reading."""
+        noise variance of exp(+-several)). The projections and heads only in the ``authors`` reading; the
+        GMMs where ``gmm_init`` is ``authors`` (the reading's by default)."""
         core = self.sdma
-        if not core.options.authors or core.options.mode == "none":
+        if core.options.mode == "none":
             return
-        for proj in (self.linear_q, self.linear_k, self.linear_v, self.linear_out):
-            authors_linear_init(proj, gain=1.0)
-        for head in (core.noise_log_var, core.key_noise_log_var, core.query_noise_log_var):
-            if head is not None:
-                authors_linear_init(head, gain=0.01)
-        for gmm in (core.feature_gmm, core.query_gmm):
-            if gmm is not None:
-                gmm.reset_parameters_as_authors()
+        if core.options.authors:
+            for proj in (self.linear_q, self.linear_k, self.linear_v, self.linear_out):
+                authors_linear_init(proj, gain=1.0)
+            for head in (core.noise_log_var, core.key_noise_log_var, core.query_noise_log_var):
+                if head is not None:
+                    authors_linear_init(head, gain=0.01)
+        if core.options.gmm_initialisation == "authors":
+            for gmm in (core.feature_gmm, core.query_gmm):
+                if gmm is not None:
+                    gmm.reset_parameters_as_authors()
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor],
                 expand_kv: bool = False) -> Tensor:

@@ -37,11 +37,11 @@ class SDMACore(nn.Module):
         self.num_heads = num_heads
         self.head_dim = embed_dim // num_heads
         self.feature_gmm = GaussianMixture(
-            num_heads, options.num_clusters, self.head_dim, options.centroid_grad_scale, init=options.reading
+            num_heads, options.num_clusters, self.head_dim, options.centroid_grad_scale, init=options.gmm_initialisation
         )
         self.query_gmm = (
             GaussianMixture(1, options.num_query_clusters, self.head_dim, options.centroid_grad_scale,
-                            init=options.reading)
+                            init=options.gmm_initialisation)
             if options.mode == "sdma"
             else None
         )

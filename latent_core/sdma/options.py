@@ -78,6 +78,10 @@ class SDMAOptions:
         None, "variance sigma_tilde^2 of q(z|x) and q(q|x) in the KL of eq. (20) (default: the reading's: "
               f"authors = {AUTHORS_POSTERIOR_VAR}, their code; paper = {PAPER_POSTERIOR_VAR}, Section IV-A3)",
         metavar="S2")
+    gmm_init: Optional[str] = _option(
+        None, "how both GMMs start: authors = their code's xavier_normal_ on every GMM parameter (means near "
+              "the origin, soft clusters at step 0); paper = means N(0, 1), unit variances, a uniform prior "
+              "(near-hard clusters at step 0); default: the reading's", choices=READINGS)
     diversity_alpha: float = _option(1.25, "alpha of the diversity mask, eq. (23)", metavar="A")
     diversity_beta: float = _option(0.75, "beta of the diversity mask, eq. (23)", metavar="B")
     attention_kernel: str = _option(
@@ -122,6 +126,8 @@ class SDMAOptions:
             )
         if self.reading not in READINGS:
             raise SDMAConfigError(f"{opt('reading')}={self.reading!r} is not one of {', '.join(READINGS)}")
+        if self.gmm_init is not None and self.gmm_init not in READINGS:
+            raise SDMAConfigError(f"{opt('gmm_init')}={self.gmm_init!r} is not one of {', '.join(READINGS)}")
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise SDMAConfigError(f"{opt('attention_kernel')}={self.attention_kernel!r} is not one of "
                                   f"{', '.join(ATTENTION_KERNELS)}")
@@ -154,6 +160,11 @@ class SDMAOptions:
     @property
     def authors(self) -> bool:
         return self.reading == "authors"
+
+    @property
+    def gmm_initialisation(self) -> str:
+        """``gmm_init``, else the reading's."""
+        return self.gmm_init or self.reading
 
     @property
     def kl_posterior_var(self) -> float:

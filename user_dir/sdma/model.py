@@ -113,6 +113,7 @@ class SDMATransformerConfig(TransformerFields):
     sdma_centroid_grad_scale: float = core_field(SDMAOptions, "centroid_grad_scale")
     sdma_noise_var: float = core_field(SDMAOptions, "noise_var")
     sdma_posterior_var: Optional[float] = core_field(SDMAOptions, "posterior_var")
+    sdma_gmm_init: Optional[str] = core_field(SDMAOptions, "gmm_init")
     sdma_diversity_alpha: float = core_field(SDMAOptions, "diversity_alpha")
     sdma_diversity_beta: float = core_field(SDMAOptions, "diversity_beta")
     sdma_attention_kernel: ChoiceEnum(ATTENTION_KERNELS) = core_field(SDMAOptions, "attention_kernel")

@@ -32,7 +32,7 @@ class SDMATransformerEncoder(TransformerEncoder):
         sdma_conf: SDMA options, keyed by the option names of
             :class:`latent_core.sdma.SDMAOptions` (``mode``: ``sdma`` / ``sma`` / ``none``
             = ESPnet's plain attention, ``clusters``, ``query_clusters``, ``mix_max``,
-            ``mix_rate``, ``centroid_grad_scale``, ``noise_var``, ``posterior_var``,
+            ``mix_rate``, ``centroid_grad_scale``, ``noise_var``, ``posterior_var``, ``gmm_init``,
             ``diversity_alpha``, ``diversity_beta``, ``mask_at_inference``); documented and
             defaulted there, on top of ``AISHELL_ENCODER_PRESET`` (the authors' Aishell-1 run:
             8 feature and 8 query clusters, c_g = 5). Unknown keys are refused by name.

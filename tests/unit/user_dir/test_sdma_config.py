@@ -149,6 +149,7 @@ def test_boolean_defaults(data):
     ("sdma_transformer", ["--sdma-decoder-query-clusters", "-1"], SDMAConfigError, "--sdma-decoder-query-clusters=-1"),
     ("sdma_transformer_wmt_en_de", ["--encoder-attention-heads", "3"], SDMAConfigError, "--encoder-attention-heads=3"),
     ("sdma_transformer", ["--sdma-dxq-weight", "-1"], SDMAConfigError, "--sdma-dxq-weight=-1"),
+    ("sdma_transformer", ["--sdma-gmm-init", "xavier"], SDMAConfigError, "--sdma-gmm-init='xavier' is not one of"),
     ("bert_fused_transformer_tiny", ["--bert-dropnet", "1.5"], BertFusedConfigError, "--bert-dropnet=1.5"),
     ("bert_fused_transformer", [], BertFusedConfigError, "--bert-dir is required"),
 ])
@@ -182,3 +183,22 @@ def test_the_criterion_overrides_every_loss_weight():
 
     overrides = {f.name: f.default for f in fields(SDMACriterionConfig) if f.name.endswith("_weight")}
     assert overrides == {name: None for name in SDMALossWeights().as_options()}
+
+
+@pytest.mark.parametrize("reading, gmm_init, expected", [("authors", None, "authors"), ("paper", None, "paper"),
+                                                         ("authors", "paper", "paper"), ("paper", "authors", "authors")])
+def test_gmm_init_chooses_how_both_gmms_start(data, reading, gmm_init, expected):
+    """``--sdma-gmm-init``: the reading's by default; it changes the GMMs only (the authors' projections stay)."""
+    import torch
+
+    torch.manual_seed(0)
+    extra = ["--sdma-reading", reading, *(["--sdma-gmm-init", gmm_init] if gmm_init else [])]
+    model, _ = build_like_fairseq_train(command(data, "sdma_transformer_iwslt_de_en_tiny", *TINY, *extra))
+    core = model.encoder.layers[0].self_attn.sdma
+    assert core.options.gmm_initialisation == expected
+    for gmm in (core.feature_gmm, core.query_gmm):
+        spread = float(gmm.means.std())
+        if expected == "paper":  # N(0, 1) means, unit variances, uniform prior
+            assert 0.8 < spread < 1.2 and not gmm.log_vars.any() and not gmm.prior_logits.any()
+        else:  # xavier_normal_: std sqrt(2 / ((G + C) d)) on the means
+            assert spread < 0.5 and gmm.log_vars.std() > 0

@@ -27,7 +27,8 @@ segment (so wherever the runs stop, a seed's systems have about the same number 
     the part grows the queries).
 
 ``--systems`` also takes two ablations of the ``authors`` reading, beside the three default systems:
-``'SDMA-T authors no-Dxq'`` (lambda_x = 0) and ``'SDMA-T authors no-noise'`` (``--sdma-noise-var 0``).
+``'SDMA-T authors no-Dxq'`` (lambda_x = 0), ``'SDMA-T authors no-noise'`` (``--sdma-noise-var 0``) and
+``'SDMA-T authors paper-GMM-init'`` (``--sdma-gmm-init paper``).
 
 Every finished segment is kept (``OUT/<system>/seed<k>/at-<updates>.json``) and reused, so the runs may span
 sessions; ``--plot-only`` redraws the figure and table from the kept JSONs. Output: ``OUT/results.json`` (per run
@@ -60,6 +61,7 @@ from user_dir.tools.sdma.readings_runs import ARCH, SYSTEMS, slug
 ABLATIONS = {
     "SDMA-T authors no-Dxq": ["--sdma-reading", "authors", "--sdma-dxq-weight", "0"],
     "SDMA-T authors no-noise": ["--sdma-reading", "authors", "--sdma-noise-var", "0"],
+    "SDMA-T authors paper-GMM-init": ["--sdma-reading", "authors", "--sdma-gmm-init", "paper"],
 }
 RUN_SYSTEMS = {**SYSTEMS, **ABLATIONS}
 DEFAULT_SYSTEMS = ["V-T", "SDMA-T authors", "SDMA-T paper"]
@@ -441,7 +443,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"default: {' '.join(repr(s) for s in DEFAULT_SYSTEMS)}; the ablations that test what grows the "
                         "authors reading's queries: 'SDMA-T authors no-Dxq' (lambda_x = 0, --sdma-dxq-weight 0), "
                         "'SDMA-T authors no-noise' (no sampling noise, --sdma-noise-var 0: neither eq. (8)'s draw "
-                        "nor their second one on the queries)")
+                        "nor their second one on the queries), 'SDMA-T authors paper-GMM-init' (both GMMs start "
+                        "as the paper reading's, --sdma-gmm-init paper)")
     p.add_argument("--max-words", type=int, default=10, help="keep Ding pairs of at most N words per side")
     p.add_argument("--vocab-size", type=int, default=2000, help="joint sentencepiece vocabulary")
     p.add_argument("--valid-size", type=int, default=None, help="Ding validation pairs (default: prepare-ding's)")
