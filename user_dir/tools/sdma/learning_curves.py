@@ -520,7 +520,8 @@ def main(argv=None) -> int:
     write_json(out / "results.json", results)
     print_summary(table)
     draw(runs, out / "learning_curves.png",
-         f"Ding de->en, tiny 2+2 layers: seeds {', '.join(map(str, args.seeds))} (band: min-max over seeds)")
+         f"Ding de->en, tiny 2+2 layers: seeds {', '.join(map(str, sorted({k for r in runs.values() for k in r})))} "
+         "(band: min-max over seeds)")
     stage(f"wrote {out / 'results.json'} and {out / 'learning_curves.png'}")
     return 0
 
