@@ -11,8 +11,9 @@ exactly where it stopped (fairseq restores ``num_updates``).
   Optimus Section 4.3: 10 cycles, 0.5/0.25/0.25): TOTAL_STEPS (default: fairseq's
   ``--max-update``) are cut into N_CYCLES periods; in each, beta is 0 for the first ZERO
   fraction, rises linearly to BETA_MAX (default 1) over the next INCREASE fraction and stays
-  there for the last CONSTANT fraction. After TOTAL_STEPS beta stays at BETA_MAX (as the
-  array of Optimus' ``frange_cycle_zero_linear`` is filled).
+  there for the last CONSTANT fraction, element for element as the array of Optimus'
+  ``frange_cycle_zero_linear`` (:meth:`CyclicalSchedule.__call__`). After TOTAL_STEPS beta
+  stays at BETA_MAX.
 
 ``--beta-schedule`` holds comma-separated entries ``[LATENT=]SCHEDULE``; an entry without a
 latent name is the default of every latent not named, e.g.
@@ -21,6 +22,7 @@ latent name is the default of every latent not named, e.g.
 (the schedule is not shifted).
 """
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
@@ -108,15 +110,70 @@ class CyclicalSchedule:
         _check_beta("beta_max", self.beta_max)
 
     def __call__(self, num_updates: int) -> float:
-        if num_updates >= self.total_steps:
+        """Element ``num_updates`` of Optimus' ``frange_cycle_zero_linear(total_steps, 0, beta_max,
+        n_cycles, increase_ratio, zero_ratio)`` array (their ``utils.py``), without building it.
+
+        Their loop, per cycle c: for i = 0, 1, ... while v <= beta_max, write L[int(i + c * period)] = 0
+        while i < period * zero_ratio, else v, then v += step (v from 0, step = beta_max / (period *
+        increase_ratio)); every element no cycle writes keeps beta_max, and a later cycle overwrites an
+        earlier one. Hence, where the period is not a whole number of steps, a cycle starts at
+        int(c * period) and its ramp starts with one 0, on their accumulated v (exact up to ramps of
+        ``EXACT_RAMP_LIMIT`` values, k * step beyond). After ``total_steps``: beta_max (their pre-training
+        script gives 1.0, the same at their beta = 1). beta_max = 0 (their loop never ends) is 0;
+        increase_ratio = 0 (their division by zero) jumps to beta_max after the zero phase.
+        """
+        t = max(int(num_updates), 0)
+        if t >= self.total_steps or self.beta_max == 0:
             return float(self.beta_max)
         period = self.total_steps / self.n_cycles
-        phase = (max(num_updates, 0) % period) / period  # position within the cycle, [0, 1)
-        if phase < self.zero_ratio:
-            return 0.0
-        if self.increase_ratio == 0:
-            return float(self.beta_max)
-        return self.beta_max * min(1.0, (phase - self.zero_ratio) / self.increase_ratio)
+        zeros = max(math.ceil(period * self.zero_ratio), 0)  # i < period * zero_ratio
+        ramp = _optimus_ramp(period, self.increase_ratio, float(self.beta_max))
+        length = zeros + len(ramp)  # elements one cycle writes
+        for c in range(min(self.n_cycles - 1, int(t // period) + 1), -1, -1):
+            base = c * period
+            if int(base) + length + 1 < t:
+                break  # this cycle and every earlier one stop before t
+            for i in (t - int(base) + 1, t - int(base), t - int(base) - 1):  # the last write wins
+                if 0 <= i < length and int(i + base) == t:
+                    return 0.0 if i < zeros else ramp[i - zeros]
+        return float(self.beta_max)
+
+
+EXACT_RAMP_LIMIT = 1_000_000
+
+
+@functools.lru_cache(maxsize=16)
+def _optimus_ramp(period: float, increase_ratio: float, beta_max: float) -> "_Ramp":
+    """The values one cycle of ``frange_cycle_zero_linear`` writes after its zeros: v = 0, step, 2 step, ...
+    while v <= beta_max, v accumulated as their loop does (``v += step``)."""
+    if increase_ratio == 0:
+        return _Ramp(beta_max, 0.0, 0, ())
+    step = beta_max / (period * increase_ratio)
+    count = math.floor(beta_max / step) + 2  # an upper bound of the loop's length
+    if count > EXACT_RAMP_LIMIT:
+        return _Ramp(beta_max, step, math.floor(beta_max / step) + 1, ())
+    values, v = [], 0.0
+    while v <= beta_max:
+        values.append(v)
+        v += step
+    return _Ramp(beta_max, step, len(values), tuple(values))
+
+
+@dataclass(frozen=True)
+class _Ramp:
+    """Indexable ramp: the accumulated values where they were computed, else ``k * step``; with
+    ``step = 0`` (increase_ratio 0) no ramp element (beta_max follows the zeros)."""
+
+    beta_max: float
+    step: float
+    length: int
+    values: tuple
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, k: int) -> float:
+        return self.values[k] if self.values else k * self.step
 
 
 Schedule = Callable[[int], float]

@@ -170,8 +170,9 @@ def test_cyclical_schedule_boundaries():
                 100: 0.0, 149: 0.0, 160: 0.4, 975: 1.0, 999: 1.0, 1000: 1.0, 5000: 1.0}
     assert {t: s(t) for t in expected} == pytest.approx(expected)
     assert CyclicalSchedule(10, 1000, beta_max=0.5)(60) == pytest.approx(0.2)
-    uneven = CyclicalSchedule(3, 100)  # period 33.33: step 17 is 0.51 of a period, 34 is 0.02
-    assert uneven(17) == pytest.approx(0.04) and uneven(34) == 0.0
+    uneven = CyclicalSchedule(3, 100)  # period 33.33: zeros 0-16, the ramp from 17
+    assert uneven(17) == 0.0 and uneven(18) == pytest.approx(0.12) and uneven(33) == 0.0  # as Optimus: a cycle at
+    # int(c * period), its ramp from one 0 (tests/unit/latent_core/test_optimus_schedule.py)
 
 
 def test_constant_and_autoencoder_phase():
