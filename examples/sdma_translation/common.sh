@@ -7,7 +7,8 @@
 #   --save-dir DIR           checkpoints                                [SAVE_DIR]
 #   -- ARGS...               passed to fairseq-train unchanged (e.g. --max-update 100 --cpu)
 # Further environment overrides: MAX_UPDATE WARMUP LR MAX_TOKENS UPDATE_FREQ DROPOUT
-# WEIGHT_DECAY SEED FAIRSEQ_TRAIN.
+# WEIGHT_DECAY SEED FAIRSEQ_TRAIN, and FP16 (auto: --fp16 where torch sees a CUDA GPU, as the
+# authors' scripts train; 1: always; 0: never).
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 SIZE=${SIZE:-base}
@@ -61,14 +62,22 @@ fairseq_cli() {
 run_fairseq_train() {
     local src=$1 tgt=$2 arch=$3
     shift 3
-    local dropout=()
+    local dropout=() fp16=()
     if [[ -n "${DROPOUT:-}" ]]; then dropout=(--dropout "$DROPOUT"); fi
+    case ${FP16:-auto} in
+        1) fp16=(--fp16) ;;
+        0) ;;
+        auto) if "$ROOT/.venv/bin/python" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+                  fp16=(--fp16)
+              fi ;;
+        *) echo "error: FP16 must be auto, 1 or 0, not '$FP16'" >&2; exit 2 ;;
+    esac
     mkdir -p "$SAVE_DIR"
     set -x
     "${FAIRSEQ_TRAIN:-$(fairseq_cli train)}" "$DATA_BIN" \
         --user-dir "$ROOT/user_dir" \
         --task translation --source-lang "$src" --target-lang "$tgt" \
-        --arch "$arch" --sdma-mode "$MODE" "${dropout[@]}" \
+        --arch "$arch" --sdma-mode "$MODE" "${dropout[@]}" "${fp16[@]}" \
         --criterion sdma_label_smoothed_cross_entropy --label-smoothing 0.1 \
         --optimizer adam --adam-betas '(0.9, 0.98)' --clip-norm 0.0 \
         --lr "${LR:-5e-4}" --lr-scheduler inverse_sqrt --warmup-updates "$WARMUP" \

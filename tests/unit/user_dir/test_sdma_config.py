@@ -3,6 +3,8 @@ model of the recipe's fairseq-train command, every architecture is its row of Ta
 options take a value and impossible values raise the named errors."""
 
 import argparse
+import os
+import subprocess
 from dataclasses import fields
 
 import pytest
@@ -63,14 +65,23 @@ def model_fields(model, config=SDMATransformerConfig):
     return {f.name: getattr(model.args, f.name) for f in config_fields(config)}
 
 
-def test_hydra_yaml_builds_the_model_of_the_recipe_command(data):
-    """iwslt14_de_en.yaml is train_iwslt14_de_en.sh --size base --mode sdma."""
+def recipe_command(data, tmp_path, *args, env=None) -> list:
+    """The fairseq-train arguments ``train_iwslt14_de_en.sh ARGS`` runs (through its FAIRSEQ_TRAIN hook)."""
+    stub, out = tmp_path / "fairseq-train", tmp_path / "argv"
+    stub.write_text(f'#!/usr/bin/env bash\nprintf "%s\\0" "$@" > {out}\n')
+    stub.chmod(0o755)
+    subprocess.run(["bash", str(REPO / "examples" / "sdma_translation" / "train_iwslt14_de_en.sh"), "--data", str(data),
+                    "--save-dir", str(tmp_path / "save"), *args], check=True, capture_output=True,
+                   env={**os.environ, "FAIRSEQ_TRAIN": str(stub), "FP16": "0", **(env or {})})
+    return out.read_bytes().decode().split("\0")[:-1]
+
+
+def test_hydra_yaml_builds_the_model_of_the_recipe_command(data, tmp_path):
+    """iwslt14_de_en.yaml is train_iwslt14_de_en.sh --size base --mode sdma (the command the recipe runs)."""
     hydra, hydra_cfg = build_from_yaml(data)
-    plain, plain_cfg = build_like_fairseq_train(command(
-        data, "sdma_transformer_iwslt_de_en", "--sdma-mode", "sdma", "--dropout", "0.3", "--label-smoothing", "0.1",
-        "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--weight-decay", "0.0001", "--clip-norm", "0.0",
-        "--lr", "5e-4", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4000", "--max-update", "55000",
-        "--max-tokens", "4096", "--seed", "1"))
+    argv = recipe_command(data, tmp_path, "--size", "base", "--mode", "sdma")
+    assert argv[argv.index("--warmup-updates") + 1] == "8000"  # the authors' IWSLT script
+    plain, plain_cfg = build_like_fairseq_train(argv)
     assert model_fields(hydra) == model_fields(plain)
     assert_same_model(hydra, plain)
     for section, name in [("criterion", "label_smoothing"), ("optimizer", "adam_betas"), ("optimizer", "weight_decay"),
@@ -202,3 +213,9 @@ def test_gmm_init_chooses_how_both_gmms_start(data, reading, gmm_init, expected)
             assert 0.8 < spread < 1.2 and not gmm.log_vars.any() and not gmm.prior_logits.any()
         else:  # xavier_normal_: std sqrt(2 / ((G + C) d)) on the means
             assert spread < 0.5 and gmm.log_vars.std() > 0
+
+
+@pytest.mark.parametrize("fp16, expected", [("1", True), ("0", False)])
+def test_recipe_fp16_switch(data, tmp_path, fp16, expected):
+    """FP16=1 / 0 (the default, auto, adds --fp16 where torch sees a CUDA GPU, as the authors' scripts train)."""
+    assert ("--fp16" in recipe_command(data, tmp_path, env={"FP16": fp16})) is expected
