@@ -38,6 +38,7 @@ export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
     --lang zh \
     --audio_format wav \
     --feats_type raw \
+    --speed_perturb_factors "0.9 1.0 1.1" \
     --token_type char \
     --use_lm false \
     --asr_tag "${system}_transformer_paper" \
