@@ -32,6 +32,7 @@ from conftest import REPO, english_phrases, venv_bin
 from user_dir.sentence_vae import decoding
 from user_dir.tools.sentence_vae import evaluate, generate
 from user_dir.sentence_vae.checkpoint import load_sentence_vae
+from latent_core.errors import PluginConfigError
 from user_dir.sentence_vae.criterion import SentenceVAECriterion
 from latent_core.vae import DiagonalGaussian, VAEConfigError
 
@@ -155,6 +156,42 @@ def test_task_pairs_sentence_with_itself(corpus):
         prev = sample["net_input"]["prev_output_tokens"][row, :length].tolist()
         assert prev == [d.eos()] + src[:length - 1].tolist()
     assert sample["ntokens"] == sum(len(lines[i].split()) + 1 for i in sample["id"].tolist())
+
+
+QKVAE_TINY_ARGS = ["--encoder-embed-dim", "32", "--decoder-embed-dim", "32", "--encoder-ffn-embed-dim", "64",
+                   "--decoder-ffn-embed-dim", "64", "--encoder-layers", "2", "--decoder-layers", "2",
+                   "--posterior-layers", "2", "--syn-latent-dim", "8", "--num-latent-slots", "4",
+                   "--slot-latent-dim", "4"]
+
+
+@pytest.mark.parametrize("arch, extra, start", [
+    ("test_gru_vae", [], "eos"), ("test_gru_vae", ["--decoder-start", "bos"], "bos"),
+    ("qkvae_small", [], "bos"),  # the authors reading: <s>, as their qkv_train.py
+    ("qkvae_small", ["--qkvae-reading", "paper"], "eos"), ("qkvae_small", ["--decoder-start", "eos"], "eos"),
+])
+def test_decoder_start_in_training_and_generation(corpus, arch, extra, start):
+    arch_args = ["--arch", arch, *(QKVAE_TINY_ARGS if arch.startswith("qkvae") else [])]
+    task, model, _, _ = build(corpus / "bin", *extra, arch_args=arch_args)
+    d = task.target_dictionary
+    expected = d.bos() if start == "bos" else d.eos()
+    sample = first_batch(task)
+    prev, target = sample["net_input"]["prev_output_tokens"], sample["target"]
+    words = target[:, :-1].ne(d.pad()) & target[:, :-1].ne(d.eos())
+    assert prev[:, 0].eq(expected).all() and torch.equal(prev[:, 1:][words], target[:, :-1][words])
+    calls = {}
+
+    class Generator:
+        def generate(self, models, sample, **kwargs):
+            calls.update(kwargs)
+            return []
+
+    task.inference_step(Generator(), [model], sample)
+    assert calls["bos_token"] == expected
+
+
+def test_unknown_decoder_start_is_refused(corpus):
+    with pytest.raises(PluginConfigError, match="--decoder-start='sos': choose from auto, bos, eos"):
+        build(corpus / "bin", "--decoder-start", "sos")
 
 
 def test_missing_or_empty_split_and_dictionary_are_named(corpus, tmp_path):

@@ -32,37 +32,20 @@ from typing import Optional
 import numpy as np
 import torch
 from fairseq import utils
-from fairseq.data import BaseWrapperDataset, Dictionary, LanguagePairDataset, data_utils
+from fairseq.data import Dictionary, LanguagePairDataset, data_utils
 from fairseq.tasks import register_task
 
 from latent_core.data.optimus_text import SOURCE_LANG, TARGET_LANG
 from latent_core.errors import PluginConfigError
-from user_dir.sentence_vae.task import SentenceVAEConfig, SentenceVAETask, require_data
+from user_dir.sentence_vae.task import DecoderStartDataset, SentenceVAEConfig, SentenceVAETask, require_data
 
 logger = logging.getLogger(__name__)
 
-DECODER_STARTS = ("bos", "eos")
 PREPARE_HINT = "prepare it with `prepare-optimus-data --out-dir DIR --train TXT --bert-dir BERT --gpt2-dir GPT2`"
 
 
 class OptimusBinaryDataError(PluginConfigError):
     """Binarised data that do not fit the dictionaries or each other (the message names the file)."""
-
-
-class DecoderStartDataset(BaseWrapperDataset):
-    """A :class:`LanguagePairDataset` whose ``prev_output_tokens`` start with ``start`` (``<s>``)
-    instead of fairseq's ``</s>``: targets are right-padded, so the start is column 0."""
-
-    def __init__(self, dataset: LanguagePairDataset, start: int):
-        super().__init__(dataset)
-        self.start = start
-
-    def collater(self, samples):
-        batch = self.dataset.collater(samples)
-        prev = batch.get("net_input", {}).get("prev_output_tokens")
-        if prev is not None:
-            prev[:, 0] = self.start
-        return batch
 
 
 @dataclass
@@ -75,7 +58,7 @@ class OptimusLMConfig(SentenceVAEConfig):
     decoder_start: str = field(
         default="bos",
         metadata={"help": "first decoder input: 'bos' = <s> (the Optimus authors' <BOS>; default) or "
-                          "'eos' = </s> (fairseq's convention)"},
+                          "'eos' = </s> (fairseq's convention); 'auto' = the model's (</s>)"},
     )
 
 
@@ -103,8 +86,6 @@ class OptimusLMTask(SentenceVAETask):
 
     def __init__(self, cfg: OptimusLMConfig, src_dict: Dictionary, tgt_dict: Dictionary):
         super().__init__(cfg, tgt_dict)
-        if cfg.decoder_start not in DECODER_STARTS:
-            raise PluginConfigError(f"--decoder-start={cfg.decoder_start!r}: choose from {DECODER_STARTS}")
         self.src_dict, self.tgt_dict = src_dict, tgt_dict
 
     @classmethod
@@ -151,21 +132,11 @@ class OptimusLMTask(SentenceVAETask):
             tgt_dict=self.tgt_dict, left_pad_source=self.cfg.left_pad_source, left_pad_target=False,
             shuffle=shuffle, input_feeding=True,
         )
-        return DecoderStartDataset(pair, self.decoder_start_index) if tgt is not None else pair
+        return DecoderStartDataset(pair, lambda: self.decoder_start_index) if tgt is not None else pair
 
     def build_dataset_for_inference(self, src_tokens, src_lengths, constraints=None):
         return LanguagePairDataset(src_tokens, src_lengths, self.src_dict, tgt_dict=self.tgt_dict,
                                    left_pad_source=self.cfg.left_pad_source, shuffle=False)
-
-    @property
-    def decoder_start_index(self) -> int:
-        return self.tgt_dict.bos() if self.cfg.decoder_start == "bos" else self.tgt_dict.eos()
-
-    def inference_step(self, generator, models, sample, prefix_tokens=None, constraints=None):
-        """fairseq's generator, started from the decoder-start symbol (``--decoder-start``)."""
-        with torch.no_grad():
-            return generator.generate(models, sample, prefix_tokens=prefix_tokens, constraints=constraints,
-                                      bos_token=self.decoder_start_index)
 
     @property
     def source_dictionary(self):

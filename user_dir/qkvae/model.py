@@ -199,6 +199,9 @@ class LatentAttentionVAE(FairseqEncoderDecoderModel):
                                      reading=cls.reading(args))
         decoder = cls.build_latent_decoder(cfg, args, tgt_dict, embed_tokens)
         model = cls(args, encoder, decoder)
+        # the sentence_vae task's --decoder-start auto: the authors' qkv_train.py feeds text[..., :-1],
+        # which starts with <s>; the paper reading keeps fairseq's </s>
+        model.default_decoder_start = "bos" if cls.reading(args) == "authors" else "eos"
         if getattr(args, "bart_dir", None):
             model.bart_parameter_map = initialise_from_bart(model, args.bart_dir)
         return model

@@ -6,7 +6,11 @@ Data: one directory made by ``fairseq-preprocess --only-source`` (``dict.txt`` a
 * source ``src_tokens`` = sentence + EOS (right-padded by default, ``--left-pad-source`` to
   left-pad; the encoders get ``src_lengths`` and mask padding);
 * target = sentence + EOS;
-* ``prev_output_tokens`` = EOS + sentence (fairseq's input feeding: EOS starts decoding).
+* ``prev_output_tokens`` = START + sentence, START chosen by ``--decoder-start``: ``eos``
+  (fairseq's input feeding, EOS starts decoding), ``bos`` (``<s>``), or ``auto`` (default): the
+  model's ``default_decoder_start`` (``<s>`` for QKVAE's ``authors`` reading, whose
+  ``qkv_train.py`` feeds ``text[..., :-1]``, which starts with ``<s>``; EOS otherwise). The
+  generator starts from the same symbol.
 
 ``fairseq-preprocess`` already ends every binarized line with EOS; data binarized without it
 get EOS appended here. Works with ``fairseq-train``, ``fairseq-validate`` and fairseq's
@@ -23,11 +27,11 @@ import logging
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 from fairseq import utils
-from fairseq.data import AppendTokenDataset, Dictionary, LanguagePairDataset, data_utils
+from fairseq.data import AppendTokenDataset, BaseWrapperDataset, Dictionary, LanguagePairDataset, data_utils
 from fairseq.dataclass import FairseqDataclass
 from fairseq.tasks import FairseqTask, register_task
 from omegaconf import II
@@ -73,6 +77,26 @@ def reset_optimizer_state(optimizer, update_num: int) -> None:
     inner.state.clear()
 
 
+DECODER_STARTS = ("auto", "bos", "eos")
+
+
+class DecoderStartDataset(BaseWrapperDataset):
+    """A :class:`LanguagePairDataset` whose ``prev_output_tokens`` start with ``start()`` (asked at
+    collation, so a task can learn it from the model it builds after loading the validation data)
+    instead of fairseq's ``</s>``: targets are right-padded, so the start is column 0."""
+
+    def __init__(self, dataset: LanguagePairDataset, start: Callable[[], int]):
+        super().__init__(dataset)
+        self.start = start
+
+    def collater(self, samples):
+        batch = self.dataset.collater(samples)
+        prev = batch.get("net_input", {}).get("prev_output_tokens")
+        if prev is not None:
+            prev[:, 0] = self.start()
+        return batch
+
+
 @dataclass
 class SentenceVAEConfig(FairseqDataclass):
     data: str = field(
@@ -86,6 +110,12 @@ class SentenceVAEConfig(FairseqDataclass):
     )
     left_pad_source: bool = field(
         default=False, metadata={"help": "left-pad the source (default: right padding)"}
+    )
+    decoder_start: str = field(
+        default="auto",
+        metadata={"help": "first decoder input, in training and generation: 'bos' = <s>, 'eos' = </s> "
+                          "(fairseq's convention), 'auto' = the model's (<s> for QKVAE's authors reading, as "
+                          "their qkv_train.py; </s> otherwise)"},
     )
     dataset_impl: Optional[str] = II("dataset.dataset_impl")
     train_subset: str = II("dataset.train_subset")
@@ -103,8 +133,11 @@ class SentenceVAETask(FairseqTask):
 
     def __init__(self, cfg: SentenceVAEConfig, dictionary: Dictionary):
         super().__init__(cfg)
+        if cfg.decoder_start not in DECODER_STARTS:
+            raise PluginConfigError(f"--decoder-start={cfg.decoder_start!r}: choose from {', '.join(DECODER_STARTS)}")
         self.dictionary = dictionary
         self.latent_sizes: Optional[Dict[str, int]] = None  # set by build_model
+        self.model_decoder_start = "eos"  # 'auto': the built model's default_decoder_start
 
     @classmethod
     def setup_task(cls, cfg: SentenceVAEConfig, **kwargs):
@@ -152,12 +185,28 @@ class SentenceVAETask(FairseqTask):
         return AppendTokenDataset(dataset, self.dictionary.eos())
 
     def _pair_dataset(self, dataset, sizes, shuffle=True, constraints=None):
-        return LanguagePairDataset(
+        pair = LanguagePairDataset(
             dataset, sizes, self.dictionary,
             tgt=dataset, tgt_sizes=sizes, tgt_dict=self.dictionary,
             left_pad_source=self.cfg.left_pad_source, left_pad_target=False,
             shuffle=shuffle, input_feeding=True, constraints=constraints,
         )
+        return DecoderStartDataset(pair, lambda: self.decoder_start_index)
+
+    @property
+    def decoder_start(self) -> str:
+        """``bos`` or ``eos``: ``--decoder-start``, or with ``auto`` the built model's."""
+        return self.model_decoder_start if self.cfg.decoder_start == "auto" else self.cfg.decoder_start
+
+    @property
+    def decoder_start_index(self) -> int:
+        return self.target_dictionary.bos() if self.decoder_start == "bos" else self.target_dictionary.eos()
+
+    def inference_step(self, generator, models, sample, prefix_tokens=None, constraints=None):
+        """fairseq's generator, started from the decoder-start symbol (``--decoder-start``)."""
+        with torch.no_grad():
+            return generator.generate(models, sample, prefix_tokens=prefix_tokens, constraints=constraints,
+                                      bos_token=self.decoder_start_index)
 
     def build_dataset_for_inference(self, src_tokens, src_lengths, constraints=None):
         """Sentences (each ending with EOS) to reconstruct, as for ``fairseq-interactive``."""
@@ -177,6 +226,7 @@ class SentenceVAETask(FairseqTask):
             )
         self.latent_sizes = OrderedDict(sizes)
         self.default_kl_variant = getattr(model, "default_kl_variant", None)  # for the criterion
+        self.model_decoder_start = getattr(model, "default_decoder_start", "eos")
         model.add_module(COUNTER_ATTRIBUTE, UpdateCounter())
         return model
 
