@@ -165,3 +165,34 @@ def test_an_unknown_reading_is_refused_on_every_path(small_vae_bin):
     task = argparse.Namespace(source_dictionary=dictionary, target_dictionary=dictionary)
     with pytest.raises(VAEConfigError, match="--qkvae-reading='theirs' must be one of authors, paper"):
         QKVAEModel.build_model(args, task)
+
+
+def test_the_authors_recipe_script_is_their_qkv_train(small_vae_bin, tmp_path):
+    """examples/sentence_vae/train_qkvae_authors.sh passes their qkv_train.py's settings: fairseq's Adafactor as
+    transformers' Adafactor(lr=2e-4, relative_step=False), a fixed LR, clip 100, their thresholds and windows."""
+    import os
+    import subprocess
+
+    import torch
+    from fairseq import optim
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from transformers.optimization import Adafactor
+
+    stub, out = tmp_path / "fairseq-train", tmp_path / "argv"
+    stub.write_text(f'#!/usr/bin/env bash\nprintf "%s\\0" "$@" > {out}\n')
+    stub.chmod(0o755)
+    subprocess.run(["bash", str(REPO / "examples" / "sentence_vae" / "train_qkvae_authors.sh"), str(small_vae_bin),
+                    str(tmp_path / "bart"), str(tmp_path / "save"), "--", "--seed", "3"], check=True,
+                   env={**os.environ, "FAIRSEQ_TRAIN": str(stub)})
+    argv = out.read_bytes().decode().split("\0")[:-1]
+    args = options.parse_args_and_arch(options.get_training_parser(), argv)
+    cfg = convert_namespace_to_omegaconf(args)
+    assert (args.arch, args.qkvae_reading, args.decoder_start, args.seed) == ("qkvae_bart_base", "authors", "auto", 3)
+    assert (args.kl_variant, args.kl_threshold, args.ae_steps) == ("free_bits", "0.01", 3000)
+    assert args.beta_schedule == "z_sem=linear:3000:6000:0.6,z_syn=linear:7000:20000:0.3"
+    assert (args.lr_scheduler, args.lr, args.clip_norm, args.batch_size, args.max_epoch) == \
+        ("fixed", [2e-4], 100.0, 64, 40)
+    params = [torch.nn.Parameter(torch.zeros(3, 2))]
+    ours = optim.build_optimizer(cfg.optimizer, params).optimizer.defaults
+    theirs = Adafactor([torch.nn.Parameter(torch.zeros(3, 2))], lr=2e-4, relative_step=False).defaults
+    assert {k: ours[k] for k in theirs} == theirs
