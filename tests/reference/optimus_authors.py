@@ -21,8 +21,9 @@ unused here and absent from the environment), and ``VAE.reparameterize``, which 
 fixed eps instead of ``normal_()`` (same arithmetic: mu + eps * exp(0.5 logvar)). Their tokenizers
 are replaced by stand-ins that map ``</s>`` / ``<pad>`` to the fairseq indices.
 
-Ids: their GPT-2 reads ``labels = <BOS> x <EOS>`` with ``</s>`` as both (our decoder's
-``prev = </s> x``, ``target = x </s>``), on the same vocabulary. Their BERT treats id 0 as padding
+Ids: their GPT-2 reads ``labels = <BOS> x <EOS>`` with ``<s>`` as ``<BOS>`` and ``</s>`` as ``<EOS>`` (our
+decoder's ``prev = <s> x``, ``optimus_lm``'s ``--decoder-start bos``, and ``target = x </s>``), on the same
+vocabulary. Their BERT treats id 0 as padding
 (``attention_mask = (inputs > 0)``, ``padding_idx=0``) while fairseq's ``<s>`` (our [CLS]) is index
 0 and ``<pad>`` index 1, so their BERT ids swap 0 and 1 and so do the rows of their word-embedding
 table (weights ours -> theirs, gradients back); every other parameter is copied as is. Their
@@ -136,8 +137,7 @@ def run_authors(d):
 
     bos = torch.full((data["src"].size(0), 1), d.bos())
     bert_inputs = swap_01(torch.arange(len(d)))[torch.cat([bos, data["src"]], 1)]  # <s> x </s>, ids 0 <-> 1
-    eos = torch.full((data["src"].size(0), 1), d.eos())
-    labels = torch.cat([eos, data["src"]], 1)  # <BOS> x <EOS>, </s> as both
+    labels = torch.cat([bos, data["src"]], 1)  # <BOS> x <EOS>: <s> and </s>, as our --decoder-start bos
     if bool((bert_inputs == 0).any()) or bool((labels == d.pad()).any()):
         raise RuntimeError("the case must not contain padding")
     loss_rec, loss_kl, loss = vae(bert_inputs, labels)

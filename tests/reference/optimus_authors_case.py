@@ -7,8 +7,8 @@ defaults for it: KL hinge, loss averaged over sentences).
 
 Float64, no dropout (evaluation mode). Three sentences of equal length (no padding). Ids: our
 encoder reads ``<s> x </s>`` (fairseq indices, ``<s>`` as [CLS] and ``</s>`` as [SEP]) and the
-decoder ``</s> x`` -> ``x </s>``; the authors' GPT-2 reads ``<BOS> x <EOS>`` with ``</s>`` as
-both, so both sides see the same ids (their BERT reserves id 0 for padding, which the generator
+decoder ``<s> x`` -> ``x </s>`` (``optimus_lm``'s ``--decoder-start bos``); the authors' GPT-2 reads
+``<BOS> x <EOS>`` with ``<s>`` as ``<BOS>`` and ``</s>`` as ``<EOS>``, so both sides see the same ids (their BERT reserves id 0 for padding, which the generator
 handles by swapping two rows of the embedding table, see there).
 """
 
@@ -75,8 +75,11 @@ def build_model(d: Dictionary) -> OptimusModel:
 
 
 def inputs(d: Dictionary) -> Dict[str, torch.Tensor]:
-    """The token batch (:func:`token_batch`) and the noise eps."""
+    """The token batch (:func:`token_batch`) with the decoder started from ``<s>`` (``optimus_lm``'s default
+    ``--decoder-start bos``, their ``<BOS>``), and the noise eps."""
     data = token_batch(d, SENTENCES)
+    data["prev"] = data["prev"].clone()
+    data["prev"][:, 0] = d.bos()
     g = torch.Generator().manual_seed(5)
     data["eps"] = torch.randn(len(SENTENCES), LATENT, generator=g, dtype=torch.float64)
     return data
