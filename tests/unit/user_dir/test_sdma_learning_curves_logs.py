@@ -25,3 +25,27 @@ def test_validation_curve_of_every_log(tmp_path):
     (tmp_path / "train-1.log").write_text(VALID.format(nll=6.409, updates=250) + VALID.format(nll=5.137, updates=500))
     (tmp_path / "train-2.log").write_text(TRAIN.format(updates=600) + VALID.format(nll=4.9, updates=750))
     assert validation_curve(tmp_path) == {250: 6.409, 500: 5.137, 750: 4.9}
+
+
+def test_a_difference_to_vt_is_over_the_seeds_both_reached():
+    """V-T has seeds 1 and 2 at update 500, SDMA-T seed 1 only: SDMA-T - V-T is seed 1's difference, V-T's own
+    BLEU the mean of its two seeds."""
+    import pytest
+
+    from user_dir.tools.sdma.bleu import corpus_bleu_of, sentence_statistics
+    from user_dir.tools.sdma.learning_curves import paired_bleu
+
+    references = ["the cat sat on the mat today", "a dog ran in the park", "we like green tea a lot"] * 4
+    hypotheses = {("V-T", 1): ["the cat sat on a mat today", "a dog ran in a park", "we like tea a lot"] * 4,
+                  ("V-T", 2): ["the cat sat on the mat", "the dog ran in the park", "we like green tea"] * 4,
+                  ("SDMA-T", 1): ["a cat sat on the mat today", "a dog ran in the park", "we like green tea"] * 4}
+    runs = {}
+    for (system, seed), hyps in hypotheses.items():
+        runs.setdefault(system, {})[seed] = {"at": {500: {"hypotheses": hyps}}, "valid": {}}
+    out = paired_bleu(runs, references, 500, resamples=50)
+    bleu = {key: corpus_bleu_of(sentence_statistics(h, references)) for key, h in hypotheses.items()}
+    assert out["systems"]["V-T"]["bleu"] == pytest.approx((bleu["V-T", 1] + bleu["V-T", 2]) / 2)
+    assert out["systems"]["V-T"]["seeds"] == [1, 2] and out["systems"]["SDMA-T"]["seeds"] == [1]
+    row = out["comparisons"]["SDMA-T - V-T"]
+    assert row["seeds"] == [1] and row["difference"] == pytest.approx(bleu["SDMA-T", 1] - bleu["V-T", 1])
+    assert row["interval"][0] <= row["difference"] <= row["interval"][1]

@@ -302,14 +302,26 @@ def load_runs(out: Path, systems: Sequence[str], seeds: Sequence[int]) -> Dict[s
 
 
 def paired_bleu(runs: Dict[str, Dict[int, Dict]], references: Sequence[str], update: int, resamples: int) -> Dict:
-    """Seed-mean BLEU of every system at ``update`` and each SDMA-T reading - V-T, with paired percentile intervals
-    over test sentences (:func:`user_dir.tools.sdma.bleu.paired_bootstrap`)."""
-    stats = {system: [sentence_statistics(r["at"][update]["hypotheses"], references) for r in by_seed.values()]
-             for system, by_seed in runs.items() if all(update in r["at"] for r in by_seed.values())}
+    """BLEU at ``update`` of every system (the mean over its seeds that reached it) and each other system - V-T
+    over the seeds both reached (so a seed one of them lacks does not enter the difference), with paired
+    percentile intervals over test sentences (:func:`user_dir.tools.sdma.bleu.paired_bootstrap`)."""
+    stats = {system: {seed: sentence_statistics(r["at"][update]["hypotheses"], references)
+                      for seed, r in by_seed.items() if update in r["at"]}
+             for system, by_seed in runs.items()}
+    stats = {system: by_seed for system, by_seed in stats.items() if by_seed}
     if not stats:
         return {}
-    return paired_bootstrap(stats, resamples, seed=1,
-                            comparisons=[(system, "V-T") for system in stats if system != "V-T"])
+    out = paired_bootstrap({system: list(by_seed.values()) for system, by_seed in stats.items()}, resamples,
+                           seed=1, comparisons=[])
+    for system, by_seed in stats.items():
+        out["systems"][system]["seeds"] = sorted(by_seed)
+        common = sorted(set(by_seed) & set(stats.get("V-T", {})))
+        if system == "V-T" or not common:
+            continue
+        pair = paired_bootstrap({system: [by_seed[k] for k in common], "V-T": [stats["V-T"][k] for k in common]},
+                                resamples, seed=1, comparisons=[(system, "V-T")])
+        out["comparisons"][f"{system} - V-T"] = {**pair["comparisons"][f"{system} - V-T"], "seeds": common}
+    return out
 
 
 def layer_mean(values: Optional[List[float]]) -> float:
@@ -506,7 +518,8 @@ def main(argv=None) -> int:
             "valid_nll_bits": "fairseq's nll_loss on the valid split (cross-entropy without label smoothing or "
                               "regularisers), bits per target token",
             "bleu": f"sacreBLEU (13a, detokenised) of beam-5 hypotheses of the {len(references)} test pairs; a "
-                    f"system's BLEU is its seed mean; 95% percentile bootstrap, {args.bootstrap_resamples} "
+                    f"system's BLEU is the mean over its seeds that reached the update; a difference to V-T is "
+                    f"over the seeds both reached; 95% percentile bootstrap, {args.bootstrap_resamples} "
                     "resamples of test sentences shared by every run (paired)",
             "attention": f"first {args.diagnostic_sentences} test sentences, teacher-forced, eval mode: "
                          f"row entropy (bits) and share of rows with > {COLLAPSE_PEAK} of their mass on one key "
