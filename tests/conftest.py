@@ -154,6 +154,17 @@ def english_phrases(n: int, min_words: int = 4, max_words: int = 10):
     return out
 
 
+def recipe_fairseq_train_argv(script_argv, tmp_path, env=None) -> list:
+    """The fairseq-train arguments a recipe script (``bash`` + ``script_argv``) runs, through its FAIRSEQ_TRAIN
+    hook: a stub that records them instead of training."""
+    stub, out = Path(tmp_path) / "fairseq-train", Path(tmp_path) / "argv"
+    stub.write_text(f'#!/usr/bin/env bash\nprintf "%s\\0" "$@" > {out}\n')
+    stub.chmod(0o755)
+    subprocess.run(["bash", *map(str, script_argv)], check=True, capture_output=True,
+                   env={**os.environ, "FAIRSEQ_TRAIN": str(stub), **(env or {})})
+    return out.read_bytes().decode().split("\0")[:-1]
+
+
 def run_checked(cmd, timeout=600, **kwargs):
     """Run a command (paths allowed); AssertionError with the output's tail when it fails."""
     proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, **kwargs)

@@ -346,11 +346,16 @@ def weighted_regulariser(terms: Dict[str, Tensor], weights: Dict[str, float]) ->
     per sentence (``[B]``, or 0-dim when the terms are).
     """
     total = torch.zeros_like(next(iter(terms.values())), dtype=torch.float32)
-    for option, (_, names, sign) in LOSS_WEIGHTS.items():
-        if weights[option]:
-            for name in names:
-                total = total + sign * weights[option] * terms[name].float()
+    for term in weighted_terms(terms, weights).values():
+        total = total + term
     return total
+
+
+def weighted_terms(terms: Dict[str, Tensor], weights: Dict[str, float]) -> Dict[str, Tensor]:
+    """Each term of eq. (24) as it enters the loss, ``{name: sign * lambda * term}`` (float32; zero-weighted
+    terms left out): the parts :func:`weighted_regulariser` sums."""
+    return {name: sign * weights[option] * terms[name].float()
+            for option, (_, names, sign) in LOSS_WEIGHTS.items() if weights[option] for name in names}
 
 
 def scale_regulariser(per_sentence: Tensor, scale: str, num_tokens: float) -> Tensor:

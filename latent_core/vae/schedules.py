@@ -147,16 +147,16 @@ def _optimus_ramp(period: float, increase_ratio: float, beta_max: float) -> "_Ra
     """The values one cycle of ``frange_cycle_zero_linear`` writes after its zeros: v = 0, step, 2 step, ...
     while v <= beta_max, v accumulated as their loop does (``v += step``)."""
     if increase_ratio == 0:
-        return _Ramp(beta_max, 0.0, 0, ())
+        return _Ramp(0.0, 0, ())
     step = beta_max / (period * increase_ratio)
     count = math.floor(beta_max / step) + 2  # an upper bound of the loop's length
     if count > EXACT_RAMP_LIMIT:
-        return _Ramp(beta_max, step, math.floor(beta_max / step) + 1, ())
+        return _Ramp(step, math.floor(beta_max / step) + 1, ())
     values, v = [], 0.0
     while v <= beta_max:
         values.append(v)
         v += step
-    return _Ramp(beta_max, step, len(values), tuple(values))
+    return _Ramp(step, len(values), tuple(values))
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,6 @@ class _Ramp:
     """Indexable ramp: the accumulated values where they were computed, else ``k * step``; with
     ``step = 0`` (increase_ratio 0) no ramp element (beta_max follows the zeros)."""
 
-    beta_max: float
     step: float
     length: int
     values: tuple

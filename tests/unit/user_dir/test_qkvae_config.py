@@ -14,7 +14,7 @@ from fairseq.models import ARCH_CONFIG_REGISTRY
 from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
-from conftest import REPO
+from conftest import REPO, recipe_fairseq_train_argv
 from latent_core.vae import VAEConfigError
 from model_configs import assert_same_model, build_like_fairseq_train, build_like_hydra_train
 from user_dir.model_config import architecture_overrides, config_defaults
@@ -170,21 +170,13 @@ def test_an_unknown_reading_is_refused_on_every_path(small_vae_bin):
 def test_the_authors_recipe_script_is_their_qkv_train(small_vae_bin, tmp_path):
     """examples/sentence_vae/train_qkvae_authors.sh passes their qkv_train.py's settings: fairseq's Adafactor as
     transformers' Adafactor(lr=2e-4, relative_step=False), a fixed LR, clip 100, their thresholds and windows."""
-    import os
-    import subprocess
-
     import torch
     from fairseq import optim
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from transformers.optimization import Adafactor
 
-    stub, out = tmp_path / "fairseq-train", tmp_path / "argv"
-    stub.write_text(f'#!/usr/bin/env bash\nprintf "%s\\0" "$@" > {out}\n')
-    stub.chmod(0o755)
-    subprocess.run(["bash", str(REPO / "examples" / "sentence_vae" / "train_qkvae_authors.sh"), str(small_vae_bin),
-                    str(tmp_path / "bart"), str(tmp_path / "save"), "--", "--seed", "3"], check=True,
-                   env={**os.environ, "FAIRSEQ_TRAIN": str(stub)})
-    argv = out.read_bytes().decode().split("\0")[:-1]
+    argv = recipe_fairseq_train_argv([REPO / "examples" / "sentence_vae" / "train_qkvae_authors.sh", small_vae_bin,
+                                      tmp_path / "bart", tmp_path / "save", "--", "--seed", "3"], tmp_path)
     args = options.parse_args_and_arch(options.get_training_parser(), argv)
     cfg = convert_namespace_to_omegaconf(args)
     assert (args.arch, args.qkvae_reading, args.decoder_start, args.seed) == ("qkvae_bart_base", "authors", "auto", 3)

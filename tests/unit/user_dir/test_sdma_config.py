@@ -3,8 +3,6 @@ model of the recipe's fairseq-train command, every architecture is its row of Ta
 options take a value and impossible values raise the named errors."""
 
 import argparse
-import os
-import subprocess
 from dataclasses import fields
 
 import pytest
@@ -12,7 +10,7 @@ from fairseq import options
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_INV_REGISTRY
 
-from conftest import REPO
+from conftest import REPO, recipe_fairseq_train_argv
 from latent_core.sdma import SDMAConfigError, SDMALossWeights, SDMAOptions, option_name
 from model_configs import USER_DIR, assert_same_model, build_like_fairseq_train, build_like_hydra_train
 from user_dir.model_config import config_defaults, config_fields
@@ -67,13 +65,9 @@ def model_fields(model, config=SDMATransformerConfig):
 
 def recipe_command(data, tmp_path, *args, env=None) -> list:
     """The fairseq-train arguments ``train_iwslt14_de_en.sh ARGS`` runs (through its FAIRSEQ_TRAIN hook)."""
-    stub, out = tmp_path / "fairseq-train", tmp_path / "argv"
-    stub.write_text(f'#!/usr/bin/env bash\nprintf "%s\\0" "$@" > {out}\n')
-    stub.chmod(0o755)
-    subprocess.run(["bash", str(REPO / "examples" / "sdma_translation" / "train_iwslt14_de_en.sh"), "--data", str(data),
-                    "--save-dir", str(tmp_path / "save"), *args], check=True, capture_output=True,
-                   env={**os.environ, "FAIRSEQ_TRAIN": str(stub), "FP16": "0", **(env or {})})
-    return out.read_bytes().decode().split("\0")[:-1]
+    return recipe_fairseq_train_argv(
+        [REPO / "examples" / "sdma_translation" / "train_iwslt14_de_en.sh", "--data", data, "--save-dir",
+         tmp_path / "save", *args], tmp_path, env={"FP16": "0", **(env or {})})
 
 
 def test_hydra_yaml_builds_the_model_of_the_recipe_command(data, tmp_path):

@@ -204,8 +204,7 @@ def gradient_share(model, cfg, task, batches: int, sentences_per_batch: int = 64
     layer's query projection (negative: the part grows the queries, and with them the score spread)."""
     import torch
 
-    from latent_core.sdma.options import LOSS_WEIGHTS
-    from latent_core.sdma.regularisers import scale_regulariser
+    from latent_core.sdma.regularisers import scale_regulariser, weighted_terms
 
     criterion = task.build_criterion(cfg.criterion)
     if not hasattr(criterion, "loss_parts"):
@@ -227,12 +226,9 @@ def gradient_share(model, cfg, task, batches: int, sentences_per_batch: int = 64
         parts = criterion.loss_parts(model, sample)
         if not parts.regulariser.requires_grad:  # V-T: SDMA off, no regulariser terms
             return None
-        named = {"ce": parts.ce_loss}
-        for option, (_, names, sign) in LOSS_WEIGHTS.items():
-            for name in names:
-                if weights[option] and parts.terms[name].requires_grad:
-                    named[name] = scale_regulariser(sign * weights[option] * parts.terms[name].float(),
-                                                    criterion.regulariser_scale, sample["ntokens"])
+        named = {"ce": parts.ce_loss, **{
+            name: scale_regulariser(term, criterion.regulariser_scale, sample["ntokens"])
+            for name, term in weighted_terms(parts.terms, weights).items() if term.requires_grad}}
         for name, loss in named.items():
             grads = torch.autograd.grad(loss, query_weights, retain_graph=True, allow_unused=True)
             radial = [0.0 if g is None else float((g * w.detach()).sum()) for g, w in zip(grads, query_weights)]
