@@ -5,7 +5,9 @@ Runs the case of ``tests/reference/qkvae_authors_case.py`` through the authors' 
 truncated BART for q(z_syn|x) and q(z_sem|x), ``QKVBartTransformerLink`` for p(x|z_syn, z_sem);
 ``components/latent_variables.py``: ``Categorical.rep`` with word dropout for the decoder
 inputs), built on a tiny random BART written to a temporary directory, with our parameters
-copied into theirs, and prints the dictionary the tests hold as ``AUTHORS_REFERENCE``. Their code
+copied into theirs, and prints the dictionaries the tests hold as ``AUTHORS_REFERENCE`` (their modules,
+the project's objective) and ``AUTHORS_CRITERION_REFERENCE`` (their modules in training mode with a
+fixed word-dropout draw, scored by their own ``components/criteria.py`` ``ELBo`` at several updates). Their code
 needs its pinned ``transformers==4.6.1`` (with ``huggingface_hub==0.0.8``), installed apart from
 the project's environment; nothing of either is in this repository::
 
@@ -28,8 +30,8 @@ import tempfile
 import torch
 
 from tests.reference.qkvae_authors_case import (
-    EMBED, FFN, HEADS, LAYERS, SLOT_DIM, SLOTS, SYN_DIM, WORD_DROPOUT, authors_objective, build_model, dictionary,
-    inputs, probes, summary,
+    AUTHORS_RECIPE, CRITERION_STEPS, EMBED, FFN, HEADS, LAYERS, SLOT_DIM, SLOTS, SYN_DIM, WORD_DROPOUT,
+    authors_objective, build_model, criterion_summary, dictionary, inputs, probes, summary, word_dropout_keep,
 )
 
 LAYER_PARTS = ("self_attn.k_proj", "self_attn.v_proj", "self_attn.q_proj", "self_attn.out_proj",
@@ -131,7 +133,8 @@ def parameter_map(theirs):
     return mapping, targets_syn, targets_sem
 
 
-def run_authors(d, bart_dir: str):
+def load_theirs(d, bart_dir: str):
+    """Their modules with our parameters copied in: (ours, theirs, mapping, query targets)."""
     ours = build_model(d)
     theirs = authors_modules(d, bart_dir)
     mapping, targets_syn, targets_sem = parameter_map(theirs)
@@ -145,7 +148,23 @@ def run_authors(d, bart_dir: str):
                 param.copy_(to_theirs(our_params[name].detach()))
         targets_syn.copy_(our_params["encoder.latent_queries"][:1])
         targets_sem.copy_(our_params["encoder.latent_queries"][1:])
+    return ours, theirs, mapping, (targets_syn, targets_sem)
 
+
+def their_gradients(ours, mapping, targets):
+    gradients = {}
+    probe = probes(ours)
+    for name in probe:
+        if name == "encoder.latent_queries":
+            gradients[name] = torch.cat([targets[0].grad, targets[1].grad])
+        else:
+            param, _, to_ours = mapping[name]
+            gradients[name] = to_ours(param.grad)
+    return gradients, probe
+
+
+def run_authors(d, bart_dir: str):
+    ours, theirs, mapping, targets = load_theirs(d, bart_dir)
     data = inputs(d)
     embedded = theirs["word_embeddings"](data["src"])
     # their links take {variable name: [B, T, E]} and return parameters expanded over T
@@ -162,15 +181,84 @@ def run_authors(d, bart_dir: str):
     log_px = lprobs.gather(-1, data["target"].unsqueeze(-1)).squeeze(-1).sum(-1)
     objective = authors_objective(log_px, means, sigmas)
     objective["loss"].backward()
-    gradients = {}
-    probe = probes(ours)
-    for name in probe:
-        if name == "encoder.latent_queries":
-            gradients[name] = torch.cat([targets_syn.grad, targets_sem.grad])
-        else:
-            param, _, to_ours = mapping[name]
-            gradients[name] = to_ours(param.grad)
+    gradients, probe = their_gradients(ours, mapping, targets)
     return summary(means, sigmas, log_px, objective, gradients, probe)
+
+
+class FixedWordDropout(torch.nn.Module):
+    """Stands in for their ``Categorical.w_drp`` (an ``nn.Dropout`` applied to a ones tensor, then
+    multiplied by 1 - p): returns the case's keep mask / (1 - p)."""
+
+    def __init__(self, keep: torch.Tensor, p: float):
+        super().__init__()
+        self.keep, self.p = keep, p
+
+    def forward(self, ones):
+        return self.keep.to(ones.dtype) / (1.0 - self.p)
+
+
+def their_elbo(d, logits, target, means, sigmas, step: int):
+    """Their ``components/criteria.py`` ``ELBo.get_loss()`` with qkv_train.py's settings (VAE losses,
+    max_elbo_choice 6, linear annealing 3000-6000 x kl_beta 0.6, zs 7000-20000 x kl_beta_zs 0.3,
+    kl_th 0.01), on their latent-variable objects holding the posteriors (expanded over the target
+    positions, as their links return them) and standard-normal priors, as their Bayesian networks
+    leave them after a forward pass."""
+    from types import SimpleNamespace
+
+    from components.criteria import ELBo
+    from components.latent_variables import Categorical, Gaussian
+
+    cpu = torch.device("cpu")
+    h_params = SimpleNamespace(
+        is_weighted=[], kl_th=AUTHORS_RECIPE["kl_threshold"], anneal_kl=[3000, 6000], anneal_kl_type="linear",
+        kl_beta=0.6, max_elbo=[6, 6.0], zs_anneal_kl=[7000, 20000], zg_anneal_kl=[7000, 10000], kl_beta_zs=0.3,
+        kl_beta_zg=0.1, n_latents=[SLOTS], device=cpu)
+    steps = target.size(1)
+    names = {"z1": "z_sem", "zs": "z_syn"}  # their latent names -> ours
+    infer, gen = {}, {}
+    for theirs, ours in names.items():
+        size = means[ours].size(-1)
+        infer[theirs] = Gaussian(size, theirs, cpu, sequence_lv=True)
+        infer[theirs].post_params = {"loc": means[ours].unsqueeze(1).expand(-1, steps, -1),
+                                     "scale": sigmas[ours].unsqueeze(1).expand(-1, steps, -1)}
+        gen[theirs] = Gaussian(size, theirs, cpu, sequence_lv=True)
+        gen[theirs].post_params = {"loc": torch.zeros_like(infer[theirs].post_params["loc"]),
+                                   "scale": torch.ones_like(infer[theirs].post_params["scale"])}
+    embedding = torch.nn.Embedding(len(d), EMBED)
+    x = Categorical(len(d), "x", cpu, embedding, d.pad())
+    x.post_params = {"logits": logits}
+    x_prev = Categorical(len(d), "x_prev", cpu, embedding, d.pad(), is_placeholder=True)
+    infer_bn = SimpleNamespace(variables=list(infer.values()), parent={}, variables_star={})
+    gen_bn = SimpleNamespace(variables=[*gen.values(), x, x_prev], variables_star={x: target},
+                             parent={x: [*gen.values(), x_prev]}, log_proba={})
+    model = SimpleNamespace(h_params=h_params, infer_bn=infer_bn, gen_bn=gen_bn, generated_v=x, step=step)
+    return ELBo(model, 1).get_loss()
+
+
+def run_authors_criterion(d, bart_dir: str):
+    """Their ELBo at every update of ``CRITERION_STEPS``, in training mode, with the case's word dropout."""
+    results = {}
+    for step in CRITERION_STEPS:
+        ours, theirs, mapping, targets = load_theirs(d, bart_dir)
+        for module in theirs.values():
+            module.train()
+        theirs["x_prev"].w_drp = FixedWordDropout(word_dropout_keep(d), WORD_DROPOUT)
+        data = inputs(d)
+        embedded = theirs["word_embeddings"](data["src"])
+        syn = theirs["x_to_zst"]({"x": embedded})
+        sem = theirs["z_posterior"]({"x": embedded})
+        means = {"z_syn": syn["loc"][:, 0], "z_sem": sem["loc"][:, 0]}
+        sigmas = {"z_syn": syn["scale"][:, 0], "z_sem": sem["scale"][:, 0]}
+        z = {name: means[name] + sigmas[name] * data["eps"][name] for name in means}
+        steps = data["prev"].size(1)
+        x_prev = theirs["x_prev"].rep(data["prev"], step_wise=False)
+        decoded = theirs["decoder"]({"z1": z["z_sem"].unsqueeze(1).expand(-1, steps, -1),
+                                     "zs": z["z_syn"].unsqueeze(1).expand(-1, steps, -1), "x_prev": x_prev})
+        loss = their_elbo(d, decoded["logits"], data["target"], means, sigmas, step)
+        loss.backward()
+        gradients, probe = their_gradients(ours, mapping, targets)
+        results[step] = criterion_summary(loss, gradients, probe)
+    return results
 
 
 def use_their_stack(authors_dir: str, transformers_dir: str) -> None:
@@ -195,7 +283,10 @@ def main(argv=None):
         torch.manual_seed(0)
         tiny_bart(bart_dir, d)
         reference = run_authors(d, bart_dir)
+        criterion = run_authors_criterion(d, bart_dir)
     pprint.pprint(reference, width=110, sort_dicts=False)
+    print("AUTHORS_CRITERION_REFERENCE = ")
+    pprint.pprint(criterion, width=110, sort_dicts=False)
 
 
 if __name__ == "__main__":

@@ -124,3 +124,55 @@ def summary(means, sigmas, log_px, objective, gradients, probe) -> Dict:
         "loss": float(objective["loss"].detach()),
         "gradients": {name: float((gradients[name] * probe[name]).sum()) for name in probe},
     }
+
+
+# -- the case scored by the authors' criterion (components/criteria.py ELBo) -------------------------
+# qkv_train.py's defaults, as examples/sentence_vae/train_qkvae_authors.sh passes them to ours
+AUTHORS_RECIPE = {"kl_threshold": 0.01, "ae_steps": 3000,
+                  "beta_schedule": "z_sem=linear:3000:6000:0.6,z_syn=linear:7000:20000:0.3"}
+# updates: the AE phase, both ends and the middle of each ramp, after both
+CRITERION_STEPS = (0, 2999, 3000, 4500, 6000, 7000, 13500, 20000, 30000)
+
+
+def word_dropout_keep(d: Dictionary) -> torch.Tensor:
+    """The training-mode word-dropout draw of the decoder inputs, ``[B, T]`` (True = kept): fixed, so
+    that both sides drop the same words (theirs: ``Categorical.rep``'s dropout of a ones tensor)."""
+    prev = token_batch(d, SENTENCES)["prev"]
+    g = torch.Generator().manual_seed(17)
+    return torch.rand(prev.shape, generator=g, dtype=torch.float64) >= WORD_DROPOUT
+
+
+def criterion_summary(loss: torch.Tensor, gradients: Dict[str, torch.Tensor], probe: Dict) -> Dict:
+    return {"loss": float(loss.detach()),
+            "gradients": {name: float((gradients[name] * probe[name]).sum()) for name in probe}}
+
+
+def run_ours_criterion(model, d: Dictionary, step: int, recipe: Dict = AUTHORS_RECIPE) -> Dict:
+    """The case through our ``sentence_vae`` criterion with the authors' recipe at update ``step``, in
+    training mode with the fixed word dropout (z from the case's noise, passed to the model)."""
+    from user_dir.sentence_vae.criterion import SentenceVAECriterion, SentenceVAECriterionConfig
+
+    data = inputs(d)
+    model.train()
+    for module in model.modules():  # the case's BART has dropout 0 on their side
+        if hasattr(module, "p") and isinstance(getattr(module, "p"), float) and "Dropout" in type(module).__name__:
+            module.p = 0.0
+    model.zero_grad()
+    keep = word_dropout_keep(d)
+    model.decoder.token_embedding_scale = lambda tokens, like: keep.to(like.dtype).unsqueeze(-1)
+    means, logvars = model.encoder.posterior_parameters(data["src"], data["lengths"])
+    latents = {name: means[name] + torch.exp(0.5 * logvars[name]) * data["eps"][name] for name in means}
+    task = argparse.Namespace(target_dictionary=d, source_dictionary=d, latent_sizes=model.latent_sizes)
+    cfg = SentenceVAECriterionConfig(kl_variant="free_bits", kl_threshold=str(recipe["kl_threshold"]),
+                                     ae_steps=recipe["ae_steps"], beta_schedule=recipe["beta_schedule"],
+                                     sentence_avg=False, max_update=0)
+    criterion = SentenceVAECriterion(task, cfg)
+    criterion.set_num_updates(step)
+    sample = {"net_input": {"src_tokens": data["src"], "src_lengths": data["lengths"],
+                            "prev_output_tokens": data["prev"], "latents": latents},
+              "target": data["target"], "ntokens": int(data["target"].ne(d.pad()).sum())}
+    loss, sample_size, _ = criterion(model, sample)
+    (loss / sample_size).backward()
+    params = dict(model.named_parameters())
+    probe = probes(model)
+    return criterion_summary(loss / sample_size, {name: params[name].grad for name in probe}, probe)

@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from tests.reference.sentence_vae_case import ATOL, RTOL, close
-from tests.reference.qkvae_authors_case import build_model, dictionary, run_ours
-from tests.reference.qkvae_authors_reference import AUTHORS_REFERENCE
+from tests.reference.qkvae_authors_case import (
+    AUTHORS_RECIPE, CRITERION_STEPS, build_model, dictionary, run_ours, run_ours_criterion,
+)
+from tests.reference.qkvae_authors_reference import AUTHORS_CRITERION_REFERENCE, AUTHORS_REFERENCE
 
 @pytest.fixture(scope="module")
 def results():
@@ -40,3 +42,29 @@ def test_paper_reading_is_a_different_computation(results):
     mu = torch.tensor(paper["mu_z_sem"]) - torch.tensor(AUTHORS_REFERENCE["mu_z_sem"])
     assert mu.abs().max() > 0.1
     assert abs(paper["loss"] - AUTHORS_REFERENCE["loss"]) > 0.1
+
+
+@pytest.mark.parametrize("step", CRITERION_STEPS)
+def test_our_criterion_with_the_authors_recipe_is_their_elbo(step):
+    """Their ``components/criteria.py`` ELBo (AE phase, annealing, free bits 0.01, one beta per latent)
+    against our ``sentence_vae`` criterion with examples/sentence_vae/train_qkvae_authors.sh's options,
+    in training mode with the same word dropout."""
+    d = dictionary()
+    ours, theirs = run_ours_criterion(build_model(d), d, step), AUTHORS_CRITERION_REFERENCE[step]
+    assert ours["loss"] == pytest.approx(theirs["loss"], rel=RTOL, abs=ATOL)
+    for name, value in theirs["gradients"].items():
+        assert ours["gradients"][name] == pytest.approx(value, rel=RTOL, abs=ATOL), name
+
+
+@pytest.mark.parametrize("defect", [
+    {"kl_threshold": 0.05},  # the project's default lambda instead of their 0.01
+    {"beta_schedule": "z_sem=linear:3000:7000:0.6,z_syn=linear:7000:20000:0.3"},  # z_sem's ramp 1,000 updates long
+    {"beta_schedule": "z_sem=linear:3000:6000:0.6,z_syn=linear:7000:20000:0.6"},  # z_syn's beta of z_sem
+])
+def test_a_planted_recipe_defect_fails_the_criterion_comparison(defect):
+    d = dictionary()
+    failures = 0
+    for step in CRITERION_STEPS:
+        ours = run_ours_criterion(build_model(d), d, step, {**AUTHORS_RECIPE, **defect})
+        failures += ours["loss"] != pytest.approx(AUTHORS_CRITERION_REFERENCE[step]["loss"], rel=RTOL, abs=ATOL)
+    assert failures > 0
