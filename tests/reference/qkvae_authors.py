@@ -30,7 +30,7 @@ import tempfile
 import torch
 
 from tests.reference.qkvae_authors_case import (
-    AUTHORS_RECIPE, CRITERION_STEPS, EMBED, FFN, HEADS, LAYERS, SLOT_DIM, SLOTS, SYN_DIM, WORD_DROPOUT,
+    AUTHORS_RECIPE, CRITERION_STEPS, EMBED, PADDED_SENTENCES, SENTENCES, FFN, HEADS, LAYERS, SLOT_DIM, SLOTS, SYN_DIM, WORD_DROPOUT,
     authors_objective, build_model, criterion_summary, dictionary, inputs, probes, summary, word_dropout_keep,
 )
 
@@ -163,9 +163,14 @@ def their_gradients(ours, mapping, targets):
     return gradients, probe
 
 
-def run_authors(d, bart_dir: str):
+def run_authors(d, bart_dir: str, sentences=SENTENCES, attention_mask: bool = False):
+    """``attention_mask``: hand their BART the padding mask their links never pass (a padded batch)."""
     ours, theirs, mapping, targets = load_theirs(d, bart_dir)
-    data = inputs(d)
+    data = inputs(d, sentences)
+    if attention_mask:
+        bart, mask = theirs["x_to_zst"].transformer, data["src"].ne(d.pad()).long()
+        forward = bart.forward
+        bart.forward = lambda *args, **kwargs: forward(*args, attention_mask=mask, **kwargs)
     embedded = theirs["word_embeddings"](data["src"])
     # their links take {variable name: [B, T, E]} and return parameters expanded over T
     syn = theirs["x_to_zst"]({"x": embedded})
@@ -178,7 +183,8 @@ def run_authors(d, bart_dir: str):
     decoded = theirs["decoder"]({"z1": z["z_sem"].unsqueeze(1).expand(-1, steps, -1),
                                  "zs": z["z_syn"].unsqueeze(1).expand(-1, steps, -1), "x_prev": x_prev})
     lprobs = torch.log_softmax(decoded["logits"], dim=-1)
-    log_px = lprobs.gather(-1, data["target"].unsqueeze(-1)).squeeze(-1).sum(-1)
+    log_px = lprobs.gather(-1, data["target"].unsqueeze(-1)).squeeze(-1)
+    log_px = log_px.masked_fill(data["target"].eq(d.pad()), 0.0).sum(-1)
     objective = authors_objective(log_px, means, sigmas)
     objective["loss"].backward()
     gradients, probe = their_gradients(ours, mapping, targets)
@@ -284,7 +290,11 @@ def main(argv=None):
         tiny_bart(bart_dir, d)
         reference = run_authors(d, bart_dir)
         criterion = run_authors_criterion(d, bart_dir)
+        padded = {"without_mask": run_authors(d, bart_dir, PADDED_SENTENCES),
+                  "with_mask": run_authors(d, bart_dir, PADDED_SENTENCES, attention_mask=True)}
     pprint.pprint(reference, width=110, sort_dicts=False)
+    print("AUTHORS_PADDED_REFERENCE = ")
+    pprint.pprint(padded, width=110, sort_dicts=False)
     print("AUTHORS_CRITERION_REFERENCE = ")
     pprint.pprint(criterion, width=110, sort_dicts=False)
 

@@ -68,11 +68,15 @@ def build_model(d: Dictionary, reading: str = "authors") -> QKVAEModel:
     return model
 
 
-def inputs(d: Dictionary) -> Dict[str, torch.Tensor]:
+# a padded batch (right-padded, as the sentence_vae task collates): the first sentence is the longest
+PADDED_SENTENCES = ["the big dog sat on the mat", "a cat ran", "the small dog sat on rug"]
+
+
+def inputs(d: Dictionary, sentences=SENTENCES) -> Dict[str, torch.Tensor]:
     """The token batch (:func:`token_batch`) and the noise of each latent."""
-    data = token_batch(d, SENTENCES)
+    data = token_batch(d, sentences)
     g = torch.Generator().manual_seed(5)
-    data["eps"] = {name: torch.randn(len(SENTENCES), size, generator=g, dtype=torch.float64)
+    data["eps"] = {name: torch.randn(len(sentences), size, generator=g, dtype=torch.float64)
                    for name, size in (("z_syn", SYN_DIM), ("z_sem", SLOTS * SLOT_DIM))}
     return data
 
@@ -98,15 +102,15 @@ def authors_objective(log_px_given_z: torch.Tensor, means: Dict, sigmas: Dict) -
     return {"loss": (-log_px_given_z.sum() + penalty) / batch, "kl": kl}
 
 
-def run_ours(model, d: Dictionary) -> Dict:
+def run_ours(model, d: Dictionary, sentences=SENTENCES) -> Dict:
     """The case through our model: posteriors, log p(x|z) per sentence, the loss and gradients."""
-    data = inputs(d)
+    data = inputs(d, sentences)
     model.zero_grad()
     means, logvars = model.encoder.posterior_parameters(data["src"], data["lengths"])
     sigmas = {name: torch.exp(0.5 * logvars[name]) for name in means}
     z = {name: means[name] + sigmas[name] * data["eps"][name] for name in means}
     encoder_out = model.encoder(data["src"], data["lengths"], latents=z)
-    log_px = sentence_log_likelihood(model.decoder(data["prev"], encoder_out)[0], data["target"])
+    log_px = sentence_log_likelihood(model.decoder(data["prev"], encoder_out)[0], data["target"], d.pad())
     objective = authors_objective(log_px, means, sigmas)
     objective["loss"].backward()
     params = dict(model.named_parameters())

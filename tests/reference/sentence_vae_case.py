@@ -2,7 +2,7 @@
 ``optimus_authors_case.py``): the word dictionary, parameters drawn from a fixed generator, the
 token batch, the gradient probes, per-sentence log-likelihood and the comparison of numbers."""
 
-from typing import Callable, Dict, List, Sequence
+from typing import Optional, Callable, Dict, List, Sequence
 
 import torch
 from fairseq.data import Dictionary, data_utils
@@ -47,9 +47,12 @@ def gradient_probes(model, names: Sequence[str]) -> Dict[str, torch.Tensor]:
             for name in names if name in params}
 
 
-def sentence_log_likelihood(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """log p(x|z) per sentence, ``[B, T, V], [B, T] -> [B]`` (unpadded targets)."""
-    return torch.log_softmax(logits, dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1).sum(-1)
+def sentence_log_likelihood(logits: torch.Tensor, target: torch.Tensor, pad: Optional[int] = None) -> torch.Tensor:
+    """log p(x|z) per sentence, ``[B, T, V], [B, T] -> [B]`` (positions holding ``pad`` left out)."""
+    token = torch.log_softmax(logits, dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    if pad is not None:
+        token = token.masked_fill(target.eq(pad), 0.0)
+    return token.sum(-1)
 
 
 def as_floats(t: torch.Tensor) -> List[float]:

@@ -12,9 +12,11 @@ import torch
 
 from tests.reference.sentence_vae_case import ATOL, RTOL, close
 from tests.reference.qkvae_authors_case import (
-    AUTHORS_RECIPE, CRITERION_STEPS, build_model, dictionary, run_ours, run_ours_criterion,
+    AUTHORS_RECIPE, CRITERION_STEPS, PADDED_SENTENCES, build_model, dictionary, run_ours, run_ours_criterion,
 )
-from tests.reference.qkvae_authors_reference import AUTHORS_CRITERION_REFERENCE, AUTHORS_REFERENCE
+from tests.reference.qkvae_authors_reference import (
+    AUTHORS_CRITERION_REFERENCE, AUTHORS_PADDED_REFERENCE, AUTHORS_REFERENCE,
+)
 
 @pytest.fixture(scope="module")
 def results():
@@ -68,3 +70,34 @@ def test_a_planted_recipe_defect_fails_the_criterion_comparison(defect):
         ours = run_ours_criterion(build_model(d), d, step, {**AUTHORS_RECIPE, **defect})
         failures += ours["loss"] != pytest.approx(AUTHORS_CRITERION_REFERENCE[step]["loss"], rel=RTOL, abs=ATOL)
     assert failures > 0
+
+
+POSTERIOR_KEYS = ("mu_z_syn", "mu_z_sem", "sigma_z_syn", "sigma_z_sem")
+
+
+def rows(values, width):
+    return torch.tensor(values, dtype=torch.float64).view(-1, width) if width else torch.tensor(values)
+
+
+def test_padded_batch_equals_theirs_with_the_padding_mask_they_omit():
+    """On a padded batch ours equals their modules once their BART gets the padding mask (posteriors,
+    log p(x|z), loss and gradients)."""
+    d = dictionary()
+    ours, theirs = run_ours(build_model(d), d, PADDED_SENTENCES), AUTHORS_PADDED_REFERENCE["with_mask"]
+    for key in POSTERIOR_KEYS + ("log_px_given_z", "kl_z_syn", "kl_z_sem", "loss"):
+        assert close(ours[key], theirs[key]), key
+    for name, value in theirs["gradients"].items():
+        assert ours["gradients"][name] == pytest.approx(value, rel=RTOL, abs=ATOL), name
+
+
+def test_padded_batch_without_their_mask_differs_only_in_padded_sentences():
+    """Their code as it runs lets real tokens attend to padding: the longest (unpadded) sentence is
+    unchanged, the padded ones move (the deliberate difference of the authors reading)."""
+    d = dictionary()
+    ours, theirs = run_ours(build_model(d), d, PADDED_SENTENCES), AUTHORS_PADDED_REFERENCE["without_mask"]
+    width = len(ours["mu_z_sem"]) // len(PADDED_SENTENCES)
+    for key in POSTERIOR_KEYS:
+        ours_rows, their_rows = rows(ours[key], width), rows(theirs[key], width)
+        assert torch.allclose(ours_rows[0], their_rows[0], rtol=RTOL, atol=ATOL), key
+    difference = (torch.tensor(ours["log_px_given_z"]) - torch.tensor(theirs["log_px_given_z"])).abs()
+    assert difference[0] < ATOL and (difference[1:] > 0.1).all()
