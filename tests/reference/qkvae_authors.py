@@ -30,8 +30,8 @@ import tempfile
 import torch
 
 from tests.reference.qkvae_authors_case import (
-    AUTHORS_RECIPE, CRITERION_STEPS, EMBED, PADDED_SENTENCES, SENTENCES, FFN, HEADS, LAYERS, SLOT_DIM, SLOTS, SYN_DIM, WORD_DROPOUT,
-    authors_objective, build_model, criterion_summary, dictionary, inputs, probes, summary, word_dropout_keep,
+    AUTHORS_RECIPE, CRITERION_STEPS, EMBED, GREEDY_LENGTH, PADDED_SENTENCES, SENTENCES, FFN, HEADS, LAYERS, SLOT_DIM, SLOTS, SYN_DIM, WORD_DROPOUT,
+    authors_objective, build_model, criterion_summary, dictionary, greedy_latents, inputs, probes, summary, word_dropout_keep,
 )
 
 LAYER_PARTS = ("self_attn.k_proj", "self_attn.v_proj", "self_attn.q_proj", "self_attn.out_proj",
@@ -241,6 +241,30 @@ def their_elbo(d, logits, target, means, sigmas, step: int):
     return ELBo(model, 1).get_loss()
 
 
+def run_authors_greedy(d, bart_dir: str):
+    """Their greedy decoding (``generate_from_z2`` with beam 1, ``only_z_sampling``, ``mask_unk``): at every
+    step the whole prefix re-decoded, the argmax of the last position's logits times the unk mask,
+    ``gen_len`` steps from <s> (their loop does not stop at </s>)."""
+    _, theirs, _, _ = load_theirs(d, bart_dir)
+    latents = greedy_latents(d)
+    rows = latents["z_syn"].size(0)
+    x_prev = torch.full((rows, 1), d.bos(), dtype=torch.long)
+    scores = []
+    with torch.no_grad():
+        for i in range(GREEDY_LENGTH):
+            rep = theirs["x_prev"].rep(x_prev, step_wise=False)
+            decoded = theirs["decoder"]({"z1": latents["z_sem"].unsqueeze(1).expand(-1, i + 1, -1),
+                                         "zs": latents["z_syn"].unsqueeze(1).expand(-1, i + 1, -1), "x_prev": rep})
+            logits = decoded["logits"][:, -1]
+            unk_mask = torch.ones_like(logits)
+            unk_mask[:, d.unk()] = 0
+            best = torch.argmax(logits * unk_mask, dim=-1)
+            scores.append(torch.log_softmax(logits, dim=-1).gather(-1, best[:, None])[:, 0])
+            x_prev = torch.cat([x_prev, best[:, None]], dim=-1)
+    scores = torch.stack(scores, 1)
+    return [{"tokens": x_prev[row, 1:].tolist(), "scores": scores[row].tolist()} for row in range(rows)]
+
+
 def run_authors_criterion(d, bart_dir: str):
     """Their ELBo at every update of ``CRITERION_STEPS``, in training mode, with the case's word dropout."""
     results = {}
@@ -290,9 +314,12 @@ def main(argv=None):
         tiny_bart(bart_dir, d)
         reference = run_authors(d, bart_dir)
         criterion = run_authors_criterion(d, bart_dir)
+        greedy = run_authors_greedy(d, bart_dir)
         padded = {"without_mask": run_authors(d, bart_dir, PADDED_SENTENCES),
                   "with_mask": run_authors(d, bart_dir, PADDED_SENTENCES, attention_mask=True)}
     pprint.pprint(reference, width=110, sort_dicts=False)
+    print("AUTHORS_GREEDY_REFERENCE = ")
+    pprint.pprint(greedy, width=110, sort_dicts=False)
     print("AUTHORS_PADDED_REFERENCE = ")
     pprint.pprint(padded, width=110, sort_dicts=False)
     print("AUTHORS_CRITERION_REFERENCE = ")

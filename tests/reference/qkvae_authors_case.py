@@ -9,7 +9,7 @@ attention mask, so only unpadded batches compare (padding is masked here, a deli
 """
 
 import argparse
-from typing import Dict
+from typing import Dict, List
 
 import torch
 from fairseq.data import Dictionary
@@ -180,3 +180,36 @@ def run_ours_criterion(model, d: Dictionary, step: int, recipe: Dict = AUTHORS_R
     params = dict(model.named_parameters())
     probe = probes(model)
     return criterion_summary(loss / sample_size, {name: params[name].grad for name in probe}, probe)
+
+
+# -- greedy generation from fixed latents (their DisentanglementTransformerVAE.generate_from_z2, beam 1) ----------
+GREEDY_LENGTH = 8  # their gen_len: decoding steps after <s> (their loop does not stop at </s>)
+
+
+def greedy_latents(d: Dictionary) -> Dict[str, torch.Tensor]:
+    """z_syn and z_sem ``[3, 16]`` drawn from the prior (the case's noise)."""
+    return {name: eps.clone() for name, eps in inputs(d)["eps"].items()}
+
+
+def run_ours_greedy(model, d: Dictionary) -> List[Dict]:
+    """Their greedy rule (argmax of the logits times the unk mask, ``GREEDY_LENGTH`` steps from <s>) on our
+    decoder's incremental path, the one fairseq's generator drives (one new token per call, cached
+    self-attention, keys and values from the latents): tokens and each chosen token's log-probability."""
+    model.eval()
+    latents = greedy_latents(d)
+    rows = latents["z_syn"].size(0)
+    encoder_out = model.encoder(torch.empty(rows, 0, dtype=torch.long), torch.zeros(rows, dtype=torch.long),
+                                latents=latents)
+    tokens = torch.full((rows, 1), d.bos(), dtype=torch.long)
+    incremental_state: Dict = {}
+    scores = []
+    with torch.no_grad():
+        for _ in range(GREEDY_LENGTH):
+            logits = model.decoder(tokens, encoder_out, incremental_state=incremental_state)[0][:, -1]
+            unk_mask = torch.ones_like(logits)
+            unk_mask[:, d.unk()] = 0
+            best = torch.argmax(logits * unk_mask, dim=-1)
+            scores.append(torch.log_softmax(logits, dim=-1).gather(-1, best[:, None])[:, 0])
+            tokens = torch.cat([tokens, best[:, None]], dim=-1)
+    scores = torch.stack(scores, 1)
+    return [{"tokens": tokens[row, 1:].tolist(), "scores": scores[row].tolist()} for row in range(rows)]

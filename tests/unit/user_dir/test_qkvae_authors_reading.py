@@ -12,10 +12,10 @@ import torch
 
 from tests.reference.sentence_vae_case import ATOL, RTOL, close
 from tests.reference.qkvae_authors_case import (
-    AUTHORS_RECIPE, CRITERION_STEPS, PADDED_SENTENCES, build_model, dictionary, run_ours, run_ours_criterion,
+    AUTHORS_RECIPE, CRITERION_STEPS, PADDED_SENTENCES, build_model, dictionary, run_ours, run_ours_criterion, run_ours_greedy,
 )
 from tests.reference.qkvae_authors_reference import (
-    AUTHORS_CRITERION_REFERENCE, AUTHORS_PADDED_REFERENCE, AUTHORS_REFERENCE,
+    AUTHORS_CRITERION_REFERENCE, AUTHORS_GREEDY_REFERENCE, AUTHORS_PADDED_REFERENCE, AUTHORS_REFERENCE,
 )
 
 @pytest.fixture(scope="module")
@@ -101,3 +101,22 @@ def test_padded_batch_without_their_mask_differs_only_in_padded_sentences():
         assert torch.allclose(ours_rows[0], their_rows[0], rtol=RTOL, atol=ATOL), key
     difference = (torch.tensor(ours["log_px_given_z"]) - torch.tensor(theirs["log_px_given_z"])).abs()
     assert difference[0] < ATOL and (difference[1:] > 0.1).all()
+
+
+def greedy_matches(ours, theirs) -> bool:
+    return all(o["tokens"] == t["tokens"] and o["scores"] == pytest.approx(t["scores"], rel=RTOL, abs=ATOL)
+               for o, t in zip(ours, theirs, strict=True))
+
+
+def test_greedy_generation_from_fixed_latents_is_theirs():
+    """Our incremental decoder under their greedy rule equals their full re-decoding, token and score."""
+    d = dictionary()
+    assert greedy_matches(run_ours_greedy(build_model(d), d), AUTHORS_GREEDY_REFERENCE)
+
+
+def test_greedy_comparison_fails_without_the_evaluation_word_dropout_scale():
+    """Planted defect: decoder inputs not scaled by 1 - p at inference (their Categorical.rep does)."""
+    d = dictionary()
+    model = build_model(d)
+    model.decoder.token_embedding_scale = lambda tokens, like: None
+    assert not greedy_matches(run_ours_greedy(model, d), AUTHORS_GREEDY_REFERENCE)
