@@ -38,8 +38,8 @@ import types
 import torch
 
 from tests.reference.optimus_authors_case import (
-    BERT_FFN, BETA, GPT2_FFN, HEADS, HIDDEN, LATENT, LAYERS, POSITIONS, THRESHOLD, build_model, dictionary,
-    inputs, probes, summary,
+    BERT_FFN, BETA, GPT2_FFN, GREEDY_LENGTH, HEADS, HIDDEN, LATENT, LAYERS, POSITIONS, THRESHOLD, build_model,
+    dictionary, greedy_latents, inputs, probes, summary,
 )
 
 BERT_WORDS = "encoder.bert.embeddings.word_embeddings.weight"
@@ -121,10 +121,10 @@ def parameter_map(vae):
     return mapping
 
 
-def run_authors(d):
+def load_theirs(d, eps):
+    """Their VAE with our parameters copied in: (ours, vae, recorded, mapping)."""
     ours = build_model(d)
-    data = inputs(d)
-    vae, recorded = authors_model(d, data["eps"])
+    vae, recorded = authors_model(d, eps)
     mapping = parameter_map(vae)
     our_params = dict(ours.named_parameters())
     if set(our_params) != set(mapping):
@@ -134,7 +134,12 @@ def run_authors(d):
             if param.shape != our_params[name].shape:
                 raise RuntimeError(f"{name}: ours {tuple(our_params[name].shape)}, theirs {tuple(param.shape)}")
             param.copy_(to_theirs(our_params[name].detach()))
+    return ours, vae, recorded, mapping
 
+
+def run_authors(d):
+    data = inputs(d)
+    ours, vae, recorded, mapping = load_theirs(d, data["eps"])
     bos = torch.full((data["src"].size(0), 1), d.bos())
     bert_inputs = swap_01(torch.arange(len(d)))[torch.cat([bos, data["src"]], 1)]  # <s> x </s>, ids 0 <-> 1
     labels = torch.cat([bos, data["src"]], 1)  # <BOS> x <EOS>: <s> and </s>, as our --decoder-start bos
@@ -150,6 +155,27 @@ def run_authors(d):
     return summary(recorded["mu"], recorded["logvar"], -loss_rec, loss_kl, loss.mean(), gradients, probe)
 
 
+def run_authors_greedy(d):
+    """Their ``text_from_latent_code`` / ``sample_sequence_conditional`` (run_latent_generation.py) with
+    ``top_k=1``: the decoder re-run on the whole prefix with ``past = z`` at every step, the top-1 token
+    kept (their multinomial over one token), until ``<EOS>`` or ``GREEDY_LENGTH`` tokens."""
+    _, vae, _, _ = load_theirs(d, inputs(d)["eps"])
+    out = []
+    with torch.no_grad():
+        for z in greedy_latents():
+            generated = torch.full((1, 1), d.bos(), dtype=torch.long)
+            scores = []
+            for _ in range(GREEDY_LENGTH):
+                logits = vae.decoder(input_ids=generated, past=z[None])[0][0, -1, :]
+                best = int(torch.argmax(logits))
+                scores.append(float(torch.log_softmax(logits, dim=-1)[best]))
+                generated = torch.cat([generated, torch.tensor([[best]])], dim=1)
+                if best == d.eos():
+                    break
+            out.append({"tokens": generated[0, 1:].tolist(), "scores": scores})
+    return out
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--authors-dir", required=True, help="an extracted checkout of ChunyuanLI/Optimus")
@@ -157,6 +183,8 @@ def main(argv=None):
     use_their_code(args.authors_dir)
     reference = run_authors(dictionary())
     pprint.pprint(reference, width=110, sort_dicts=False)
+    print("AUTHORS_GREEDY_REFERENCE = ")
+    pprint.pprint(run_authors_greedy(dictionary()), width=110, sort_dicts=False)
 
 
 if __name__ == "__main__":

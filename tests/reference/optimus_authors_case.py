@@ -13,7 +13,7 @@ handles by swapping two rows of the embedding table, see there).
 """
 
 import argparse
-from typing import Dict
+from typing import Dict, List
 
 import torch
 from fairseq.data import Dictionary
@@ -133,3 +133,37 @@ def summary(mean, logvar, log_px, kl, loss, gradients, probe) -> Dict:
         "kl_hinge": values(kl), "loss": float(loss.detach()),
         "gradients": {name: float((gradients[name] * probe[name]).sum()) for name in probe},
     }
+
+
+# -- greedy generation from fixed latents (their run_latent_generation.py text_from_latent_code, top_k 1) --------
+GREEDY_LENGTH = 8  # a cap on their loop, which runs until <EOS>
+
+
+def greedy_latents() -> torch.Tensor:
+    """z ``[3, LATENT]`` from the prior, three times the case's noise (a sharper decoder input)."""
+    g = torch.Generator().manual_seed(23)
+    return 3.0 * torch.randn(len(SENTENCES), LATENT, generator=g, dtype=torch.float64)
+
+
+def run_ours_greedy(model, d: Dictionary) -> List[Dict]:
+    """Their greedy rule (argmax of the last position's logits, from <s>, until </s> or ``GREEDY_LENGTH``
+    tokens) on our decoder's incremental path (one new token per call, as fairseq's generator drives
+    it): tokens and each chosen token's log-probability, per latent row."""
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for z in greedy_latents():
+            encoder_out = model.encoder(torch.empty(1, 0, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                                        latents={"z": z[None]})
+            tokens = torch.full((1, 1), d.bos(), dtype=torch.long)
+            incremental_state: Dict = {}
+            scores = []
+            for _ in range(GREEDY_LENGTH):
+                logits = model.decoder(tokens, encoder_out, incremental_state=incremental_state)[0][0, -1]
+                best = int(torch.argmax(logits))
+                scores.append(float(torch.log_softmax(logits, dim=-1)[best]))
+                tokens = torch.cat([tokens, torch.tensor([[best]])], dim=-1)
+                if best == d.eos():
+                    break
+            out.append({"tokens": tokens[0, 1:].tolist(), "scores": scores})
+    return out

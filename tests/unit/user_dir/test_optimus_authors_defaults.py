@@ -18,9 +18,9 @@ import torch
 from latent_core.vae import DiagonalGaussian
 from tests.reference.sentence_vae_case import ATOL, RTOL, close
 from tests.reference.optimus_authors_case import (
-    BETA, LATENT, THRESHOLD, build_model, dictionary, inputs, posterior_and_likelihood, run_ours,
+    BETA, LATENT, THRESHOLD, build_model, dictionary, inputs, posterior_and_likelihood, run_ours, run_ours_greedy,
 )
-from tests.reference.optimus_authors_reference import AUTHORS_REFERENCE
+from tests.reference.optimus_authors_reference import AUTHORS_GREEDY_REFERENCE, AUTHORS_REFERENCE
 from user_dir.sentence_vae.criterion import SentenceVAECriterion, SentenceVAECriterionConfig
 
 @pytest.fixture(scope="module")
@@ -88,3 +88,24 @@ def test_the_criterion_defaults_for_optimus_give_their_loss(d):
     assert sample_size == len(AUTHORS_REFERENCE["log_px_given_z"])  # sentences, not tokens
     assert float(loss) / sample_size == pytest.approx(AUTHORS_REFERENCE["loss"], rel=RTOL, abs=ATOL)
     assert float(log["kl_penalty_z"]) == pytest.approx(sum(AUTHORS_REFERENCE["kl_hinge"]), rel=RTOL, abs=ATOL)
+
+
+def greedy_matches(ours, theirs) -> bool:
+    return all(o["tokens"] == t["tokens"] and o["scores"] == pytest.approx(t["scores"], rel=RTOL, abs=ATOL)
+               for o, t in zip(ours, theirs, strict=True))
+
+
+def test_greedy_generation_from_fixed_latents_is_theirs():
+    """Our incremental decoder (z as GPT-2 memory and embedding) under their top-1 rule equals their
+    generation loop, which re-runs the whole prefix with past = z: tokens and scores."""
+    d = dictionary()
+    assert greedy_matches(run_ours_greedy(build_model(d), d), AUTHORS_GREEDY_REFERENCE)
+
+
+def test_greedy_comparison_fails_without_the_latent_embedding():
+    """Planted defect: z not added to the token embeddings (their latent_as_gpt_emb) while decoding."""
+    d = dictionary()
+    model = build_model(d)
+    with torch.no_grad():
+        model.decoder.embed_proj.weight.zero_()
+    assert not greedy_matches(run_ours_greedy(model, d), AUTHORS_GREEDY_REFERENCE)
