@@ -27,7 +27,7 @@ import torch
 
 from tests.reference.sdma_espnet_model_case import (
     CTC_WEIGHT, FEATURES, LSM_WEIGHT, NUM_UPDATES, PREFIX, TERMS, TOKENS, NoiseStream, authors_argv, authors_name,
-    batch, gradients_of, our_name, weight,
+    batch, gradients_of, our_name, pack_gradients, weight,
 )
 
 BACKEND = "ASR/ESPNet/espnet/nets/pytorch_backend"
@@ -174,6 +174,8 @@ def main(argv=None):
     e2e, attention_class = load_authors(args.authors_dir)
     values, gradients, noise_shapes = run_terms(e2e, attention_class)
     steps = run_decoder_steps(e2e, attention_class)
+    # their regularisers are float32 arithmetic: each term's gradients are stored as one float32 vector
+    gradients = pack_gradients(gradients)
     reference = {"values": values, "gradients": gradients, "noise_shapes": noise_shapes, "decoder_steps": steps,
                  "command": "python -m tests.reference.sdma_espnet_model --authors-dir <checkout of "
                             "NYCU-MLLab/Disentangled-Mask-Attention-in-Transformers @ ce68dee>"}

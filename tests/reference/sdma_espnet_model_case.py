@@ -15,7 +15,7 @@ from typing import Dict, List
 
 import torch
 
-from tests.reference.sdma_model_case import NoiseStream  # noqa: F401  (the same noise, [B, H, L, d_k] draws)
+from tests.reference.sdma_model_case import NoiseStream, pack_gradients, unpack_gradients  # noqa: F401  (shared)
 
 FEATURES, WIDTH, HEADS, UNITS, BLOCKS, CLUSTERS = 20, 8, 2, 16, 2, 3
 TOKENS = ["<blank>", "<unk>"] + [f"t{i}" for i in range(10)] + ["<sos/eos>"]

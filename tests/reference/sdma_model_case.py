@@ -130,3 +130,19 @@ def gradient_reference(named_parameters) -> Dict[str, torch.Tensor]:
     """Gradients by parameter name, as stored (float64; zeros where a term does not reach a parameter)."""
     return {name: torch.zeros_like(p, dtype=torch.float64) if p.grad is None else p.grad.detach().double().clone()
             for name, p in named_parameters if p.requires_grad}
+
+
+def pack_gradients(gradients: Dict[str, Dict[str, torch.Tensor]]) -> Dict:
+    """{term: {name: gradient}} -> one float32 vector per term, with the names and shapes once."""
+    first = next(iter(gradients.values()))
+    return {"names": list(first), "shapes": [list(g.shape) for g in first.values()],
+            "terms": {term: torch.cat([named[name].flatten() for name in first]).float()
+                      for term, named in gradients.items()}}
+
+
+def unpack_gradients(packed: Dict) -> Dict[str, Dict[str, torch.Tensor]]:
+    """The inverse of :func:`pack_gradients`, in float64."""
+    sizes = [int(torch.Size(shape).numel()) for shape in packed["shapes"]]
+    return {term: {name: part.double().view(shape) for name, shape, part in
+                   zip(packed["names"], packed["shapes"], flat.split(sizes))}
+            for term, flat in packed["terms"].items()}

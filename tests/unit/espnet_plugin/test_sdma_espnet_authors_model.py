@@ -24,10 +24,11 @@ from espnet2.asr.espnet_model import ESPnetASRModel  # noqa: E402
 from espnet_plugin.tasks.sdma_asr import SDMAASRTask  # noqa: E402
 from latent_core.sdma import SDMACore, collect_sdma_losses, recording  # noqa: E402
 from tests.reference.sdma_espnet_model_case import (  # noqa: E402
-    CTC_WEIGHT, NUM_UPDATES, PREFIX, TERMS, NoiseStream, batch, gradients_of, our_args, weight,
+    CTC_WEIGHT, NUM_UPDATES, PREFIX, TERMS, NoiseStream, batch, gradients_of, our_args, unpack_gradients, weight,
 )
 
 REFERENCE = torch.load(Path(__file__).parents[2] / "reference" / "sdma_espnet_model_reference.pt", weights_only=True)
+REFERENCE["gradients"] = unpack_gradients(REFERENCE["gradients"])
 RTOL, ATOL = 5e-5, 2e-5  # ATOL relative to each parameter's largest gradient entry
 
 
@@ -105,7 +106,7 @@ def assert_matches(ours, theirs):
         assert ours["values"][term] == pytest.approx(theirs["values"][term], rel=1e-5, abs=1e-6), term
         assert set(ours["gradients"][term]) == set(theirs["gradients"][term])
         for name, reference in theirs["gradients"][term].items():
-            scale = max(reference.abs().max().item(), 1e-8)
+                scale = max(reference.abs().max().item(), 1e-8)
             torch.testing.assert_close(ours["gradients"][term][name], reference, rtol=RTOL, atol=ATOL * scale,
                                        msg=lambda m: f"{term}: gradient of {name}: {m}")
     for step, (our_step, their_step) in enumerate(zip(ours["decoder_steps"], theirs["decoder_steps"], strict=True)):

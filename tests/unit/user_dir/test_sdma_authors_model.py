@@ -19,11 +19,12 @@ from fairseq.sequence_generator import SequenceGenerator
 
 from tests.reference.sdma_model_case import (
     BEAM, EMBED, HEAD_DIM, HEADS, MAX_LEN, NUM_UPDATES, TERMS, NoiseStream, batch, gradient_reference,
-    our_fairseq_argv, weight, write_dictionaries,
+    our_fairseq_argv, unpack_gradients, weight, write_dictionaries,
 )
 from user_dir.sdma.fairseq_attention import SDMAMultiheadAttention
 
 REFERENCE = torch.load(Path(__file__).parents[2] / "reference" / "sdma_model_reference.pt", weights_only=True)
+REFERENCE["gradients"] = unpack_gradients(REFERENCE["gradients"])
 RTOL, ATOL = 2e-5, 2e-6  # relative to each parameter's largest gradient entry (see assert_gradients_match)
 
 
