@@ -106,7 +106,7 @@ def assert_matches(ours, theirs):
         assert ours["values"][term] == pytest.approx(theirs["values"][term], rel=1e-5, abs=1e-6), term
         assert set(ours["gradients"][term]) == set(theirs["gradients"][term])
         for name, reference in theirs["gradients"][term].items():
-                scale = max(reference.abs().max().item(), 1e-8)
+            scale = max(reference.abs().max().item(), 1e-8)
             torch.testing.assert_close(ours["gradients"][term][name], reference, rtol=RTOL, atol=ATOL * scale,
                                        msg=lambda m: f"{term}: gradient of {name}: {m}")
     for step, (our_step, their_step) in enumerate(zip(ours["decoder_steps"], theirs["decoder_steps"], strict=True)):
