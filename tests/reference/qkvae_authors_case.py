@@ -5,7 +5,9 @@ and ``tests/unit/user_dir/test_qkvae_authors_reading.py`` through ours (``--qkva
 
 Float64, evaluation mode (dropout off; the authors' word dropout then scales every decoder-input
 embedding by 1 - p = 0.6). Three sentences of equal length: the authors call BART without an
-attention mask, so only unpadded batches compare (padding is masked here, a deliberate fix).
+attention mask, so an unpadded batch compares directly; :data:`PADDED_SENTENCES` is compared with their
+modules given the mask, and as they run (padding is masked here, a deliberate fix). Further cases: their
+``criteria.py`` ELBo in training mode (:data:`CRITERION_STEPS`) and greedy generation from fixed latents.
 """
 
 import argparse
