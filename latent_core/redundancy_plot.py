@@ -8,7 +8,7 @@ heads k = layer * n_h + head of one attention type, averaged over sentences; the
 mean of the matrix is that type's HR.  Axis labels are ``L<layer>H<head>``, 0-based.
 
 Reads the JSON of ``sdma-redundancy`` (fairseq, :mod:`user_dir.tools.sdma.redundancy`) or
-``sdma-espnet-redundancy`` (:mod:`espnet_plugin.asr.redundancy`) written with ``--hr-matrix``
+``sdma-espnet-redundancy`` (:mod:`espnet_plugin.tools.redundancy`) written with ``--hr-matrix``
 (or ``--heatmap``); several files are drawn side by side on one shared colour scale,
 e.g. V-T next to SDMA-T as in the paper::
 

@@ -41,7 +41,7 @@ from fairseq.models import BaseFairseqModel, register_model
 from omegaconf import OmegaConf
 from torch import Tensor, nn
 
-from latent_core.data.bert_source import PADDING_OFFSET_POSITIONS
+from pipelines.data.bert_source import PADDING_OFFSET_POSITIONS
 from latent_core.errors import PluginConfigError
 from ..hf_pretrained import inspect_hf_directory
 from ..model_config import add_config_args, config_defaults, fill_unset

@@ -58,7 +58,7 @@ from fairseq.models.transformer import TransformerConfig
 from fairseq.modules.multihead_attention import MultiheadAttention
 from torch import Tensor
 
-from latent_core.data.bert_source import load_tokenizer, max_source_pieces
+from pipelines.data.bert_source import load_tokenizer, max_source_pieces
 from latent_core.errors import PluginConfigError, parse_bool
 from latent_core.sdma import real_queries
 from ..hf_pretrained import inspect_hf_directory

@@ -124,7 +124,7 @@ class BertFeatures:
     def __init__(self, bert_dir: Path):
         from transformers import AutoModel
 
-        from latent_core.data.bert_source import load_tokenizer
+        from pipelines.data.bert_source import load_tokenizer
 
         self.tokenizer = load_tokenizer(bert_dir, "--bert-dir")
         self.model = self.module = AutoModel.from_pretrained(str(bert_dir), local_files_only=True)

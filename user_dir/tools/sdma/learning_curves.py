@@ -51,8 +51,8 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from latent_core.redundancy import ATTENTION_TYPES, COLLAPSE_PEAK
-from latent_core.runs import USER_DIR, console_script, generate, last_num_updates, print_table, run_streaming, stage
-from latent_core.runs import write_json
+from pipelines.runs import USER_DIR, console_script, generate, last_num_updates, print_table, run_streaming, stage
+from pipelines.runs import write_json
 from user_dir.tools.sdma import quickstart
 from user_dir.tools.sdma.bleu import corpus_bleu_of, paired_bootstrap, sentence_statistics
 from user_dir.tools.sdma.readings_runs import ARCH, SYSTEMS, slug

@@ -31,7 +31,7 @@ from typing import Dict
 import numpy as np
 
 from latent_core.redundancy import ATTENTION_TYPES
-from latent_core.runs import (
+from pipelines.runs import (
     USER_DIR,
     console_script,
     generate,

@@ -30,7 +30,7 @@ import statistics
 from pathlib import Path
 from typing import Dict, List
 
-from latent_core.runs import USER_DIR, console_script, print_table, run_streaming, stage, write_json
+from pipelines.runs import USER_DIR, console_script, print_table, run_streaming, stage, write_json
 from user_dir.tools.sdma.quickstart import MODEL_SIZE, OPTIMIZATION, prepare_data
 
 SCALES = ("sentence", "batch", "token")

