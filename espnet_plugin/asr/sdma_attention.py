@@ -312,8 +312,8 @@ def _heads_first(resp: Tensor) -> Tensor:
 # The authors' Aishell-1 setting (what ESPnet's encoder and decoder change in the core defaults of
 # latent_core.sdma.SDMAOptions): c_g = 5; 8 clusters for both GMMs of the encoder, 4 for both of the
 # decoder; the decoder self-attention drops its semantic mask at test time (the paper).
-AISHELL_ENCODER_PRESET = {"centroid_grad_scale": 5.0}
-AISHELL_DECODER_PRESET = {"centroid_grad_scale": 5.0, "num_clusters": 4, "num_query_clusters": 4,
+AISHELL_ENCODER_PRESET = {"centroid_grad_scale": 5.0, "clusters": 8, "query_clusters": 8}
+AISHELL_DECODER_PRESET = {"centroid_grad_scale": 5.0, "clusters": 4, "query_clusters": 4,
                           "mask_at_inference": False}
 
 

@@ -37,10 +37,10 @@ class SDMACore(nn.Module):
         self.num_heads = num_heads
         self.head_dim = embed_dim // num_heads
         self.feature_gmm = GaussianMixture(
-            num_heads, options.num_clusters, self.head_dim, options.centroid_grad_scale, init=options.gmm_initialisation
+            num_heads, options.clusters, self.head_dim, options.centroid_grad_scale, init=options.gmm_initialisation
         )
         self.query_gmm = (
-            GaussianMixture(1, options.num_query_clusters, self.head_dim, options.centroid_grad_scale,
+            GaussianMixture(1, options.query_clusters, self.head_dim, options.centroid_grad_scale,
                             init=options.gmm_initialisation)
             if options.mode == "sdma"
             else None
@@ -187,6 +187,6 @@ class SDMACore(nn.Module):
     def extra_repr(self) -> str:
         o = self.options
         return (
-            f"mode={o.mode}, reading={o.reading}, heads={self.num_heads}, clusters={o.num_clusters}, "
-            f"query_clusters={o.num_query_clusters}, nu={o.mix_max}, c_g={o.centroid_grad_scale}"
+            f"mode={o.mode}, reading={o.reading}, heads={self.num_heads}, clusters={o.clusters}, "
+            f"query_clusters={o.query_clusters}, nu={o.mix_max}, c_g={o.centroid_grad_scale}"
         )
