@@ -48,11 +48,11 @@ import torch
 import torch.nn.functional as F
 from fairseq import utils
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
-from fairseq.models import FairseqEncoderDecoderModel, FairseqIncrementalDecoder, register_model
+from fairseq.models import FairseqIncrementalDecoder, register_model
 from torch import Tensor, nn
 
 from user_dir.model_config import add_config_args, register_architecture
-from user_dir.sentence_vae.base import SentenceVAEEncoder, decoder_extra
+from user_dir.sentence_vae.base import SentenceVAEEncoder, SentenceVAEModel, decoder_extra
 
 from .pretrained import (
     OptimusConfigError,
@@ -339,18 +339,16 @@ class OptimusDecoder(FairseqIncrementalDecoder):
 
 
 @register_model("optimus", dataclass=OptimusConfig)
-class OptimusModel(FairseqEncoderDecoderModel):
+class OptimusModel(SentenceVAEModel):
     """Optimus (Li et al., 2020): BERT encoder, latent z (``latent_sizes = {"z": P}``), GPT-2 decoder."""
 
     def __init__(self, args, encoder: OptimusEncoder, decoder: OptimusDecoder):
-        super().__init__(encoder, decoder)
+        # what the authors' run computes: the KL hinge mask of their code (``--kl-variant free_bits``
+        # gives the paper's eq. 9) and the loss averaged over sentences (their loss_rec + beta *
+        # loss_kl, .mean() over the batch)
+        super().__init__(encoder, decoder, OrderedDict([(LATENT, encoder.latent_dim)]),
+                         default_kl_variant="hinge", sentence_average_loss=True)
         self.args = args
-        self.latent_sizes = OrderedDict([(LATENT, encoder.latent_dim)])
-        # what the authors' run computes (read by the sentence_vae criterion): the KL hinge mask
-        # of their code (``--kl-variant free_bits`` gives the paper's eq. 9) and the loss
-        # averaged over sentences (their loss_rec + beta * loss_kl, .mean() over the batch)
-        self.default_kl_variant = "hinge"
-        self.sentence_average_loss = True
 
     @classmethod
     def hub_models(cls):

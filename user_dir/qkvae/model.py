@@ -46,13 +46,14 @@ from dataclasses import dataclass, field, make_dataclass
 from typing import Dict, List, Optional, Tuple
 
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
-from fairseq.models import MODEL_REGISTRY, FairseqEncoderDecoderModel, register_model
+from fairseq.models import MODEL_REGISTRY, register_model
 from fairseq.models.transformer import TransformerConfig
 from fairseq.models.transformer.transformer_base import Embedding
 
 from latent_core.vae import VAEConfigError
 from user_dir.model_config import (add_config_args, config_namespace, fill_unset, flat_transformer_fields,
                                    register_architecture)
+from user_dir.sentence_vae.base import SentenceVAEModel
 
 from .bart_init import initialise_from_bart
 from .decoder import ADVAEDecoder, QKVDecoder
@@ -127,23 +128,23 @@ class ADVAEConfig(LatentAttentionVAEConfig):
         default=None, metadata={"help": "layers of Enc in y = Cat(d; z) -> Enc(y) (default: --encoder-layers)"})
 
 
-class LatentAttentionVAE(FairseqEncoderDecoderModel):
+class LatentAttentionVAE(SentenceVAEModel):
     """Common part of QKVAE and ADVAE: argument handling, the shared embedding, the encoder,
     ``latent_sizes`` ``{name: D}`` and ``latent_slots`` ``{name: (L, d)}`` (D = L * d)."""
 
     def __init__(self, args, encoder: LatentQueryEncoder, decoder):
-        super().__init__(encoder, decoder)
+        # the authors' training (QKVAE reading "authors"): the decoder starts with <s> (qkv_train.py feeds
+        # text[..., :-1]; the paper reading keeps fairseq's </s>), the loss is averaged over sentences
+        # (their criteria.py sums tokens, means sentences) and the optimizer is re-created when the
+        # auto-encoding phase ends (qkv_train.py)
+        authors = encoder.reading == "authors"
+        super().__init__(encoder, decoder, OrderedDict((g.name, g.size) for g in encoder.groups),
+                         default_decoder_start="bos" if authors else "eos", sentence_average_loss=authors,
+                         reset_optimizer_after_ae=authors)
         self.args = args
         self.latent_slots: "OrderedDict[str, Tuple[int, int]]" = OrderedDict(
             (g.name, (g.slots, g.slot_dim)) for g in encoder.groups
         )
-        self.latent_sizes: "OrderedDict[str, int]" = OrderedDict((g.name, g.size) for g in encoder.groups)
-        # the authors' training (QKVAE reading "authors"): loss averaged over sentences (their
-        # criteria.py sums tokens, means sentences) and the optimizer re-created when the
-        # auto-encoding phase ends (qkv_train.py); read by the sentence_vae criterion and task
-        authors = encoder.reading == "authors"
-        self.sentence_average_loss = authors
-        self.reset_optimizer_after_ae = authors
 
     @classmethod
     def hub_models(cls):
@@ -199,9 +200,6 @@ class LatentAttentionVAE(FairseqEncoderDecoderModel):
                                      reading=cls.reading(args))
         decoder = cls.build_latent_decoder(cfg, args, tgt_dict, embed_tokens)
         model = cls(args, encoder, decoder)
-        # the sentence_vae task's --decoder-start auto: the authors' qkv_train.py feeds text[..., :-1],
-        # which starts with <s>; the paper reading keeps fairseq's </s>
-        model.default_decoder_start = "bos" if cls.reading(args) == "authors" else "eos"
         if getattr(args, "bart_dir", None):
             model.bart_parameter_map = initialise_from_bart(model, args.bart_dir)
         return model
