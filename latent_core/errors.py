@@ -61,6 +61,15 @@ def report(error: BaseException) -> str:
     return f"{program_name()}: error: {message}"
 
 
+def command_error(prog: str, error) -> int:
+    """How a command reports an error it caught, as argparse reports a usage error:
+    ``<prog>: error: <error>`` on stderr (after what stdout holds); returns the exit status (2) for the
+    command to ``return`` or pass to ``sys.exit``."""
+    sys.stdout.flush()
+    print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
+    return EXIT_STATUS
+
+
 def _plugin_excepthook(exc_type: Type[BaseException], exc: BaseException,
                        tb: Optional[types.TracebackType]) -> None:
     if isinstance(exc, PluginConfigError):

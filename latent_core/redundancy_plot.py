@@ -39,6 +39,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from latent_core.redundancy import ATTENTION_TYPES, RedundancyError, head_labels, report  # noqa: E402
+from latent_core.errors import command_error
 
 Panel = Tuple[str, np.ndarray, List[str]]  # (title, matrix [K, K], K axis labels)
 
@@ -141,8 +142,7 @@ def main(argv=None) -> int:
             named.append((name, json.loads(Path(path).read_text())))
         plot_results(named, [args.kind], args.out, title=args.title, dpi=args.dpi)
     except (FileNotFoundError, RedundancyError, json.JSONDecodeError) as error:
-        print(f"{prog}: error: {error}", file=sys.stderr)
-        return 2
+        return command_error(prog, error)
     print(f"wrote {args.out}")
     return 0
 

@@ -83,6 +83,7 @@ from latent_core.redundancy import (
     RedundancyError,
 )
 from latent_core.redundancy_plot import add_output_arguments, write_outputs
+from latent_core.errors import command_error
 
 # attribute of each decoder layer that holds the attention of each decoder type
 _DECODER_ATTRIBUTES = {"decoder_self": "self_attn", "decoder_cross": "src_attn"}
@@ -424,8 +425,7 @@ def main(argv=None) -> int:
         )
         write_outputs(result, args, str(Path(Path(args.asr_model_file).parent.name, Path(args.asr_model_file).name)))
     except (FileNotFoundError, RedundancyError) as error:
-        print(f"{prog}: error: {error}", file=sys.stderr)
-        return 2
+        return command_error(prog, error)
     return 0
 
 

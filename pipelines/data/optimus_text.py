@@ -46,6 +46,7 @@ from pipelines.data.bert_source import (
     write_dictionary,
 )
 from pipelines.data.registry import DataError
+from latent_core.errors import command_error
 
 PROG = "prepare-optimus-data"
 SOURCE_LANG, TARGET_LANG = "bert", "gpt2"
@@ -301,8 +302,7 @@ def main(argv=None) -> int:
         summary = prepare(args.out_dir, texts, args.bert_dir, gpt2_dir, args.skip_too_long,
                           args.gpt2_max_positions, args.workers)
     except DataError as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr)
-        return 2
+        return command_error(PROG, error)
     print(json.dumps(summary, indent=2))
     return 0
 

@@ -69,6 +69,7 @@ from pathlib import Path
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from pipelines.data import bert_source
+from latent_core.errors import command_error
 
 PROG = "prepare-translation"
 SPLITS = ("train", "valid", "test")
@@ -664,8 +665,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     try:
         bin_dir = prepare(args)
     except PrepareError as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        raise SystemExit(command_error(PROG, error)) from None
     stage(f"done: {bin_dir}")
 
 

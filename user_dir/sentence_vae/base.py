@@ -134,6 +134,14 @@ class UpdateCounter(torch.nn.Module):
         self.num_updates = int(num_updates)
 
 
+class AutoEncodingPhase:
+    """A criterion whose KL weights are zero for its first ``ae_steps`` updates (the ``sentence_vae``
+    criterion's ``--ae-steps``); the task resets the optimizer where that phase ends for a model with
+    ``reset_optimizer_after_ae``."""
+
+    ae_steps: int = 0
+
+
 class SentenceVAEModel(FairseqEncoderDecoderModel):
     """Base of every sentence VAE (QKVAE, ADVAE, Optimus): what the ``sentence_vae`` / ``optimus_lm``
     tasks and the ``sentence_vae`` criterion read of a model, set once by the constructor.

@@ -66,7 +66,7 @@ from latent_core.vae import (
 from latent_core.vae.kl import DEFAULT_KL_THRESHOLD, THRESHOLD_OPTION, parse_kl_thresholds
 from user_dir.model_wrappers import unwrap_model
 
-from .base import posteriors_of, sentence_vae_model
+from .base import AutoEncodingPhase, posteriors_of, sentence_vae_model
 from .task import SentenceVAETask, model_num_updates
 
 DEFAULT_KL_VARIANT = "free_bits"  # QKVAE's (and Optimus' eq. 9); a model may name another
@@ -115,7 +115,7 @@ class SentenceVAECriterionConfig(FairseqDataclass):
 
 
 @register_criterion("sentence_vae", dataclass=SentenceVAECriterionConfig)
-class SentenceVAECriterion(FairseqCriterion):
+class SentenceVAECriterion(FairseqCriterion, AutoEncodingPhase):
     def __init__(self, task, cfg: SentenceVAECriterionConfig):
         super().__init__(task)
         self.cfg = cfg
@@ -130,6 +130,7 @@ class SentenceVAECriterion(FairseqCriterion):
         # Fail at start-up, before any data is read: every schedule and threshold must parse.
         if isinstance(cfg.ae_steps, bool) or not isinstance(cfg.ae_steps, int) or cfg.ae_steps < 0:
             raise VAEConfigError(f"--ae-steps={cfg.ae_steps} must be an integer number of updates >= 0")
+        self.ae_steps = cfg.ae_steps
         for entry in cfg.beta_schedule.split(","):
             parse_schedule(entry.rpartition("=")[2], self.total_updates)
         self.thresholds = parse_kl_thresholds(cfg.kl_threshold)

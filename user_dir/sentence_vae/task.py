@@ -40,7 +40,7 @@ from latent_core.errors import PluginConfigError
 from user_dir.exact_resume import batches_made_as_at_epoch_one
 from user_dir.model_wrappers import unwrap_model
 
-from .base import SentenceVAEModel, UpdateCounter, sentence_vae_model
+from .base import AutoEncodingPhase, SentenceVAEModel, UpdateCounter, sentence_vae_model
 
 logger = logging.getLogger(__name__)
 
@@ -226,11 +226,9 @@ class SentenceVAETask(FairseqTask):
         the counter is advanced to ``update_num + 1``, the trainer's count once this update is
         applied, so validation inside ``fairseq-train`` uses the same beta as ``fairseq-validate``
         on the checkpoint saved at that update. The next train step sets it again."""
-        from .criterion import SentenceVAECriterion  # the criterion module imports this one
-
         vae = sentence_vae_model(model, type(self).__name__)
-        if vae.reset_optimizer_after_ae and isinstance(criterion, SentenceVAECriterion):
-            if criterion.cfg.ae_steps and update_num == criterion.cfg.ae_steps:
+        if vae.reset_optimizer_after_ae and isinstance(criterion, AutoEncodingPhase):
+            if criterion.ae_steps and update_num == criterion.ae_steps:
                 reset_optimizer_state(optimizer, update_num)
         result = super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad)
         if vae.update_counter is not None:

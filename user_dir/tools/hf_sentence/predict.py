@@ -21,6 +21,7 @@ from fairseq import checkpoint_utils, utils
 import user_dir  # noqa: F401  (registers the task, criterion and model)
 from user_dir.hf_sentence.metrics import compute_metrics, metric_names
 from user_dir.hf_sentence.task import HFSentencePredictionTask
+from latent_core.errors import command_error
 
 
 def parse_args(argv=None):
@@ -115,8 +116,7 @@ def main(argv=None) -> int:
     try:
         run(args)
     except (ValueError, OSError) as error:  # bad option, data or checkpoint
-        print(f"glue-predict: error: {error}", file=sys.stderr)
-        return 2
+        return command_error("glue-predict", error)
     return 0
 
 

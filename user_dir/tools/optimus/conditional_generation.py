@@ -43,6 +43,7 @@ from latent_core.vae import VAEConfigError
 
 from user_dir.sentence_vae.decoding import LatentDecoder, generation_args
 from user_dir.tools.optimus.low_resource import OptimusEncoderFeatures, encode_all, read_labelled
+from latent_core.errors import command_error
 
 
 class LatentCGAN(nn.Module):
@@ -209,8 +210,7 @@ def main(argv=None) -> int:
     try:
         result = run(args)
     except VAEConfigError as error:
-        print(f"optimus-cond-gen: error: {error}", file=sys.stderr)
-        return 2
+        return command_error("optimus-cond-gen", error)
     print(f"accuracy {result['accuracy']:.3f}  BLEU {result['bleu']:.2f}  G-score {result['g_score']:.3f}  "
           f"Self-BLEU {result['self_bleu']:.2f}  (judge test accuracy {result['classifier_test_accuracy']:.3f})")
     for label, entry in result["per_label"].items():

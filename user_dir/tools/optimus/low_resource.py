@@ -43,6 +43,7 @@ from torch import nn
 from latent_core.vae import VAEConfigError
 
 from user_dir.sentence_vae.checkpoint import load_sentence_vae
+from latent_core.errors import command_error
 
 LABELS_PER_CLASS = (1, 10, 100, 1000)
 BATCH = 16
@@ -322,8 +323,7 @@ def main(argv=None) -> int:
     try:
         table = run(args)
     except VAEConfigError as error:
-        print(f"optimus-low-resource: error: {error}", file=sys.stderr)
-        return 2
+        return command_error("optimus-low-resource", error)
     for system, by_n in table.items():
         print(f"{system:18s} " + "  ".join(f"{n}/class {acc:.3f}" for n, acc in by_n.items()))
     return 0

