@@ -26,6 +26,11 @@ class PluginConfigError(ValueError):
     """An option, configuration key or input file the user has to fix (message says which and how)."""
 
 
+def option_flag(name: str) -> str:
+    """The command-line spelling of a config field: ``sdma_kl_weight`` -> ``--sdma-kl-weight``."""
+    return "--" + name.replace("_", "-")
+
+
 def check_positive_int(option: str, value, error: Type[Exception] = ValueError, meaning: str = "") -> int:
     """``value`` when it is an integer >= 1 (``True`` is not); otherwise ``error`` naming ``option``
     and, when given, what the number means: ``--sdma-clusters=0: the number of GMM clusters must be

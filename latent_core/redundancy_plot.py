@@ -38,8 +38,8 @@ logging.getLogger("matplotlib").setLevel(logging.WARNING)  # fairseq sets the ro
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from latent_core.redundancy import ATTENTION_TYPES, RedundancyError, head_labels, report  # noqa: E402
 from latent_core.errors import command_error
+from latent_core.redundancy import ATTENTION_TYPES, RedundancyError, head_labels, report  # noqa: E402
 
 Panel = Tuple[str, np.ndarray, List[str]]  # (title, matrix [K, K], K axis labels)
 

@@ -23,7 +23,8 @@ from fairseq.models import MODEL_DATACLASS_REGISTRY, register_model_architecture
 from fairseq.models.transformer import TransformerConfig
 from omegaconf import OmegaConf
 
-from latent_core.errors import parse_bool
+from latent_core.errors import option_flag, parse_bool
+
 
 # arch name -> (model name, {field: value}), for documentation and the hydra tests
 ARCHITECTURE_OVERRIDES: Dict[str, Tuple[str, Dict[str, Any]]] = {}
@@ -60,7 +61,7 @@ def add_config_args(parser, config_cls: Type[FairseqDataclass]) -> None:
     ``store_true`` cannot be switched off on the command line once an architecture sets it)."""
     for f in config_fields(config_cls):
         if interpret_dc_type(f.type) is bool:
-            parser.add_argument("--" + f.name.replace("_", "-"), type=parse_bool, nargs="?", const=True,
+            parser.add_argument(option_flag(f.name), type=parse_bool, nargs="?", const=True,
                                 metavar="BOOL", help=f"{f.metadata.get('help', '')} (true/false)")
     # the booleans above are already there: fairseq skips an option that exists (ArgumentError)
     gen_parser_from_dataclass(parser, config_cls(), delete_default=True)

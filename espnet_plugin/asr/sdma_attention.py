@@ -199,8 +199,8 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         q = q / math.sqrt(D)
 
         blocked = None if mask is None else mask.unsqueeze(1).eq(0)  # (B, 1, T1 or 1, T2)
-        x, weights = self._attend(q, k, v, _heads_first(log_resp_z.exp()).view(B, H, T1, -1),
-                                  _heads_first(log_resp_k.exp()).view(B, H, k.size(2), -1), blocked)
+        x, weights = self._attend(q, k, v, SDMACore.heads_first(log_resp_z.exp(), batch_first=True).view(B, H, T1, -1),
+                                  SDMACore.heads_first(log_resp_k.exp(), batch_first=True).view(B, H, k.size(2), -1), blocked)
         x = x.transpose(1, 2).reshape(B, T1, H * D)
 
         record = None
@@ -254,8 +254,8 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         else:
             allowed = None
         blocked = None if allowed is None else ~allowed.unsqueeze(1)
-        x, weights = self._attend(q, k, v, _heads_first(log_resp_z.exp()).view(B, H, T1, -1),
-                                  _heads_first(key_resp.exp()).view(B, H, T2, -1), blocked, authors=True)
+        x, weights = self._attend(q, k, v, SDMACore.heads_first(log_resp_z.exp(), batch_first=True).view(B, H, T1, -1),
+                                  SDMACore.heads_first(key_resp.exp(), batch_first=True).view(B, H, T2, -1), blocked, authors=True)
         x = x.transpose(1, 2).reshape(B, T1, H * D)
 
         record = None
@@ -301,12 +301,6 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
 
     def set_num_updates(self, num_updates: int) -> None:
         self.sdma.set_num_updates(num_updates)
-
-
-def _heads_first(resp: Tensor) -> Tensor:
-    """(B, T, H, C) -> (B * H, T, C)."""
-    B, T, H, C = resp.shape
-    return resp.permute(0, 2, 1, 3).contiguous().view(B * H, T, C)  # contiguous for bmm, see SDMACore
 
 
 # The authors' Aishell-1 setting (what ESPnet's encoder and decoder change in the core defaults of

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Sequence
 
+from latent_core.errors import option_flag
 from pipelines import kaldi_data as kaldi  # the Kaldi data-directory reader (toolkit-free)
 from pipelines.runs import REPO_ROOT, run_streaming
 
@@ -261,7 +262,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     for name in ("num_sentences", "speakers_per_sentence", "jobs"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+            parser.error(f"{option_flag(name)} must be >= 1")
     if args.use_amp and args.ngpu == 0:
         parser.error("--use-amp needs --ngpu 1 (ESPnet's mixed precision runs on CUDA)")
     if args.max_epoch is not None and args.max_epoch < 1:

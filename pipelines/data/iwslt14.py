@@ -34,6 +34,7 @@ import re
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
+
 from latent_core.errors import command_error
 
 LANGS = ("de", "en")

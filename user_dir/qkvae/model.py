@@ -50,6 +50,7 @@ from fairseq.models import MODEL_REGISTRY, register_model
 from fairseq.models.transformer import TransformerConfig
 from fairseq.models.transformer.transformer_base import Embedding
 
+from latent_core.errors import option_flag
 from latent_core.vae import VAEConfigError
 from user_dir.model_config import (add_config_args, config_namespace, fill_unset, flat_transformer_fields,
                                    register_architecture)
@@ -61,7 +62,7 @@ from .encoder import READINGS, LatentGroup, LatentQueryEncoder
 
 
 def _option(name: str) -> str:
-    return "--" + name.replace("_", "-")
+    return option_flag(name)
 
 
 # -- options ----------------------------------------------------------------------------------

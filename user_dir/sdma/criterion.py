@@ -31,6 +31,7 @@ from fairseq.logging import metrics
 from fairseq.dataclass import ChoiceEnum
 from torch import Tensor
 
+from latent_core.errors import option_flag
 from latent_core.sdma import (
     DIAGNOSTIC_SUMS,
     LOSS_NAMES,
@@ -103,7 +104,7 @@ class SDMALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion)
         }
         for name, value in self.weight_overrides.items():
             if value is not None:
-                check_loss_weight(name, value, "--" + name.replace("_", "-"))
+                check_loss_weight(name, value, option_flag(name))
 
     def loss_weights(self, model):
         model_defaults = getattr(unwrap_model(model), "sdma_loss_weights", {})

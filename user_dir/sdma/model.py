@@ -31,7 +31,7 @@ from fairseq.models.transformer.transformer_encoder import module_name_fordropou
 from fairseq.modules import FairseqDropout
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 
-from latent_core.errors import check_positive_int
+from latent_core.errors import check_positive_int, option_flag
 from latent_core.sdma import (
     ATTENTION_KERNELS,
     READINGS,
@@ -371,7 +371,7 @@ def validate_sdma_args(args) -> None:
                 "--cross-self-attention is not implemented for SMA/SDMA attention (the decoder self-attention "
                 "would attend over encoder states clustered by the decoder's GMM); drop it, or --sdma-mode none")
     for name in LOSS_WEIGHT_ARGS:
-        check_loss_weight(name, getattr(args, name), "--" + name.replace("_", "-"))
+        check_loss_weight(name, getattr(args, name), option_flag(name))
     for flag, value in (("--sdma-encoder-clusters", getattr(args, "sdma_encoder_clusters", None)),
                         ("--sdma-encoder-query-clusters", getattr(args, "sdma_encoder_query_clusters", None)),
                         ("--sdma-decoder-clusters", getattr(args, "sdma_decoder_clusters", None)),

@@ -35,9 +35,9 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from latent_core.errors import command_error
 from user_dir.hf_sentence.data import Examples, HFSentenceDataset, tsv_rows
 from user_dir.tools.hf_sentence.predict import load, predict_dataset  # (also registers the task and models)
-from latent_core.errors import command_error
 
 ENTAILMENT, NON_ENTAILMENT = "entailment", "non-entailment"
 GOLD_LABELS = (ENTAILMENT, NON_ENTAILMENT)

@@ -18,10 +18,10 @@ import numpy as np
 import torch
 from fairseq import checkpoint_utils, utils
 
+from latent_core.errors import command_error
 import user_dir  # noqa: F401  (registers the task, criterion and model)
 from user_dir.hf_sentence.metrics import compute_metrics, metric_names
 from user_dir.hf_sentence.task import HFSentencePredictionTask
-from latent_core.errors import command_error
 
 
 def parse_args(argv=None):

@@ -39,11 +39,11 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from latent_core.errors import command_error, option_flag
 from latent_core.vae import VAEConfigError
 
 from user_dir.sentence_vae.decoding import LatentDecoder, generation_args
 from user_dir.tools.optimus.low_resource import OptimusEncoderFeatures, encode_all, read_labelled
-from latent_core.errors import command_error
 
 
 class LatentCGAN(nn.Module):
@@ -146,7 +146,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     for name in ("samples_per_label", "gan_steps", "gan_batch", "noise_dim", "hidden", "max_len", "max_references"):
         if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+            p.error(f"{option_flag(name)} must be >= 1")
     return args
 
 

@@ -40,10 +40,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from latent_core.errors import command_error
 from latent_core.vae import VAEConfigError
 
 from user_dir.sentence_vae.checkpoint import load_sentence_vae
-from latent_core.errors import command_error
 
 LABELS_PER_CLASS = (1, 10, 100, 1000)
 BATCH = 16

@@ -37,10 +37,10 @@ from fairseq import checkpoint_utils
 from fairseq.data import Dictionary, data_utils
 from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
 
+from latent_core.errors import command_error
 import user_dir  # noqa: F401  (registers the models; allow-lists checkpoint types)
 from latent_core.safe_loading import model_config
 from user_dir.sentence_vae.base import SentenceVAEModel
-from latent_core.errors import command_error
 
 Triplet = Tuple[str, str, str]
 FIELDS = ("target", "semantic source", "syntactic source")

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+
 from latent_core.errors import command_error
 
 TOKENIZERS = ("auto", "moses", "zh", "none")

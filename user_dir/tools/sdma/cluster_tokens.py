@@ -31,10 +31,10 @@ import os
 import sys
 from typing import Dict, List
 
+from latent_core.errors import command_error
 from latent_core.redundancy import RedundancyError
 from user_dir.tools.sdma import analysis
 from user_dir.tools.sdma.redundancy import check_subset, load_models
-from latent_core.errors import command_error
 
 DEFAULT_TOP_TOKENS = 15
 

@@ -50,6 +50,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from latent_core.errors import option_flag
 from latent_core.redundancy import ATTENTION_TYPES, COLLAPSE_PEAK
 from pipelines.runs import USER_DIR, console_script, generate, last_num_updates, print_table, run_streaming, stage
 from pipelines.runs import write_json
@@ -469,7 +470,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                 "bootstrap_resamples")
     for name in positive:
         if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            p.error(f"{option_flag(name)} must be >= 1, got {getattr(args, name)}")
     if min(args.seeds) < 1:
         p.error("--seeds must be >= 1")
     if args.updates % args.segment:

@@ -46,9 +46,9 @@ logging.getLogger("matplotlib").setLevel(logging.WARNING)  # fairseq sets the ro
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+from latent_core.errors import command_error
 from latent_core.redundancy import RedundancyError  # noqa: E402
 from user_dir.tools.sdma.redundancy import force_head_weights, check_subset, load_models  # noqa: E402
-from latent_core.errors import command_error
 
 
 class PlotError(RedundancyError):

@@ -28,10 +28,10 @@ import os
 import sys
 from typing import List, Optional
 
+from latent_core.errors import command_error
 from latent_core.redundancy import RedundancyError
 from user_dir.tools.sdma import analysis
 from user_dir.tools.sdma.redundancy import check_subset, load_models
-from latent_core.errors import command_error
 
 DEFAULT_TSNE_POINTS = 20_000  # Barnes-Hut t-SNE of more points takes minutes on a CPU
 

@@ -53,6 +53,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from latent_core.errors import command_error
 from latent_core.redundancy import (  # re-exported (__all__): the metric, its result and its report
     ATTENTION_TYPES,
     HR_SCALE,
@@ -75,7 +76,6 @@ from latent_core.redundancy import (  # re-exported (__all__): the metric, its r
 )
 from latent_core.redundancy_plot import add_output_arguments, write_outputs
 from user_dir.tools.sdma import analysis
-from latent_core.errors import command_error
 
 __all__ = [
     # the fairseq capture and the command

