@@ -10,7 +10,7 @@ mean over the sentence's tokens, the heads and the layers, eq. 20-23) and, by de
 authors' fairseq criterion does (``.mean((1, 2)).sum()``): the whole loss is extensive in
 the batch, like L_CE, and the lambdas of Table I weigh each sentence's regularisers
 against its summed L_CE. ``batch`` adds the batch mean once instead (~``nsentences``
-times weaker; this plugin's default before issue 13), ``token`` the batch mean times the
+times weaker; this plugin's default in its first versions), ``token`` the batch mean times the
 number of tokens (eq. 24 read with a per-token L_CE). Every logged value is a sum over
 sentences or batches, so ``logging_outputs_can_be_summed()`` holds and DDP reduction is
 exact (2 processes give the same update as one with ``--update-freq 2``); the ``sdma_*``

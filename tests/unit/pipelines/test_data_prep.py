@@ -277,7 +277,7 @@ def test_average_checkpoints(tmp_path):
         average_checkpoints.last_epoch_checkpoints(tmp_path, 5)
 
 
-# ----------------------------------------------------------------------------- bad data named early (issue 14)
+# ----------------------------------------------------------------------------- bad data named early
 
 
 def run_main(module, argv, capsys):

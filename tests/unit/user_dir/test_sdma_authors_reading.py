@@ -1,4 +1,4 @@
-"""The ``authors`` reading of SDMA in fairseq against numbers computed by the authors' own code (issue 29).
+"""The ``authors`` reading of SDMA in fairseq against numbers computed by the authors' own code.
 
 ``AUTHORS_REFERENCE`` (``tests/reference/sdma_authors_reference.py``) holds what their fairseq
 ``DisentangledAttention`` computes on the cases of ``tests/reference/sdma_authors_case.py`` (fixed

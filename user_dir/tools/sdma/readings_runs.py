@@ -1,4 +1,4 @@
-"""The controlled comparison of the two SDMA readings (command ``sdma-readings-runs``, issue 29).
+"""The controlled comparison of the two SDMA readings (command ``sdma-readings-runs``).
 
 V-T, SDMA-T in the ``paper`` reading and SDMA-T in the ``authors`` reading, each trained from
 ``--seeds`` seeds for the same number of updates with the demo's model size and optimisation

@@ -7,7 +7,7 @@ SDMA options and Table I weights) four times for the same number of updates on t
 batches: V-T, and SDMA-T with each ``--sdma-regulariser-scale``:
 
 * ``sentence``: per-sentence regularisers summed over the batch (the authors' criterion, default);
-* ``batch``: their batch mean added once (this plugin's default before issue 13);
+* ``batch``: their batch mean added once (this plugin's default in its first versions);
 * ``token``: the batch mean times the number of target tokens.
 
 Reports the validation perplexity after every ``--validate-every`` updates and, for each
