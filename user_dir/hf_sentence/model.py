@@ -38,11 +38,12 @@ from typing import Dict, Optional, Tuple
 import torch
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.models import BaseFairseqModel, register_model
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 from torch import Tensor, nn
 
-from pipelines.data.bert_source import PADDING_OFFSET_POSITIONS
 from latent_core.errors import PluginConfigError
+from pipelines.data.bert_source import PADDING_OFFSET_POSITIONS
+
 from ..hf_pretrained import inspect_hf_directory
 from ..model_config import add_config_args, config_defaults, fill_unset
 
@@ -77,19 +78,20 @@ class HFSentenceClassifierConfig(FairseqDataclass):
                                         "saved with checkpoints"})
 
 
-def record_option(args, name: str, value) -> None:
-    """``args.<name> = value``, saved with the checkpoints. fairseq builds a model whose ``--arch`` is
-    its name from a merged copy of ``cfg.model`` (``merge_with_parent``); the copy keeps the run's
-    config as its parent, so the value is written into that config's ``model`` as well (the one the
-    trainer saves)."""
+def record_in_config(cfg, values: Dict[str, object]) -> None:
+    """Write options a model set while building (:attr:`HFSentenceClassifier.RECORDED_OPTIONS`) into
+    ``cfg``, the model config the task was handed: the one the trainer saves with every checkpoint
+    (fairseq builds a dataclass model from a merged copy of it, which is not saved)."""
     try:
-        setattr(args, name, value)
-        parent = args._get_parent() if OmegaConf.is_config(args) else None
-        saved = parent.get("model") if parent is not None else None
-        if OmegaConf.is_config(saved) and saved is not args and name in saved:
-            saved[name] = value
-    except (AttributeError, KeyError):  # a read-only config
-        logger.warning("could not record %s in the model arguments", name)
+        if OmegaConf.is_config(cfg):
+            with open_dict(cfg):
+                for name, value in values.items():
+                    cfg[name] = value
+        else:
+            for name, value in values.items():
+                setattr(cfg, name, value)
+    except (AttributeError, KeyError, ValueError):  # a read-only config
+        logger.warning("could not record %s in the model configuration", ", ".join(values))
 
 
 # ---------------------------------------------------------------------------- configs
@@ -215,6 +217,10 @@ class ClassificationHead(nn.Module):
 class HFSentenceClassifier(BaseFairseqModel):
     """Hugging Face encoder + classification head; see the module docstring."""
 
+    # options the model sets while building, which the task writes into the saved config
+    # (record_in_config): the encoder's config, to rebuild it without its weights from a checkpoint
+    RECORDED_OPTIONS = ("hf_backbone_config",)
+
     def __init__(self, args, backbone, head: ClassificationHead, padding_idx: int):
         super().__init__()
         self.args = args
@@ -266,7 +272,7 @@ class HFSentenceClassifier(BaseFairseqModel):
                                         "encoder) or --hf-config JSON_OR_DIR (random initialisation)")
         if getattr(backbone, "pooler", None) is not None:
             backbone.pooler = None  # unused: DDP needs every parameter to receive a gradient
-        record_option(args, "hf_backbone_config", backbone.config.to_json_string(use_diff=False))
+        args.hf_backbone_config = backbone.config.to_json_string(use_diff=False)  # saved: RECORDED_OPTIONS
         return backbone.float()
 
     @classmethod
@@ -307,6 +313,10 @@ class HFSentenceClassifier(BaseFairseqModel):
 
     def max_positions(self) -> int:
         return config_max_positions(self.backbone.config)
+
+    def recorded_options(self) -> Dict[str, object]:
+        """The values of :attr:`RECORDED_OPTIONS` this model was built with."""
+        return {name: getattr(self.args, name) for name in self.RECORDED_OPTIONS}
 
     # ------------------------------------------------------------------- forward
     def padding_mask(self, net_input: Dict[str, Tensor]) -> Tensor:
