@@ -122,6 +122,14 @@ def config_namespace(cfg, config_cls: Optional[Type[FairseqDataclass]] = None) -
     return args
 
 
+def model_options(model_cls, cfg) -> argparse.Namespace:
+    """The first line of every model's ``build_model``: whatever fairseq hands it (an architecture's
+    Namespace, the model's config dataclass, a DictConfig from fairseq-hydra-train or a checkpoint) as
+    a Namespace whose unset options take the defaults of the model's registered config
+    (:func:`config_namespace`; a Namespace is completed in place)."""
+    return config_namespace(cfg, getattr(model_cls, "__dataclass"))
+
+
 def register_architecture(model_name: str, arch_name: str, resolve: Optional[Callable] = None, **overrides):
     """``--arch arch_name``: the config of ``model_name`` with ``overrides`` as its defaults.
 

@@ -45,7 +45,7 @@ from latent_core.errors import PluginConfigError
 from pipelines.data.bert_source import PADDING_OFFSET_POSITIONS
 
 from ..hf_pretrained import inspect_hf_directory
-from ..model_config import add_config_args, config_defaults, fill_unset
+from ..model_config import add_config_args, model_options
 
 logger = logging.getLogger(__name__)
 
@@ -241,12 +241,6 @@ class HFSentenceClassifier(BaseFairseqModel):
         """The model's config dataclass (``register_model`` stores it on the class)."""
         return getattr(cls, "__dataclass")
 
-    @classmethod
-    def fill_unset_options(cls, args) -> None:
-        """Set every option that ``args`` leaves unset (absent or None) to its default: the
-        Namespace of a caller that skips the architecture function, or of an old checkpoint."""
-        fill_unset(args, config_defaults(cls.config_class()))
-
     # ------------------------------------------------------------------ building
     @classmethod
     def build_backbone(cls, args, load_weights: bool = True):
@@ -286,7 +280,6 @@ class HFSentenceClassifier(BaseFairseqModel):
         """Checks the options and the task, builds the encoder (with weights unless
         ``task.building_from_checkpoint``), the :class:`ClassificationHead` over
         :meth:`head_input_size` inputs, and applies ``--freeze-layers``."""
-        cls.fill_unset_options(args)
         for needed in ("tokenizer", "num_classes", "padding_idx"):
             if not hasattr(task, needed):
                 arch = getattr(args, "arch", None) or getattr(args, "_name", None)
@@ -308,6 +301,7 @@ class HFSentenceClassifier(BaseFairseqModel):
 
     @classmethod
     def build_model(cls, args, task):
+        args = model_options(cls, args)
         backbone, head = cls.build_backbone_and_head(args, task)
         return cls(args, backbone, head, task.padding_idx)
 

@@ -52,7 +52,7 @@ from fairseq.models import FairseqIncrementalDecoder, register_model
 from torch import Tensor, nn
 
 from latent_core.errors import option_flag
-from user_dir.model_config import add_config_args, register_architecture
+from user_dir.model_config import add_config_args, model_options, register_architecture
 from user_dir.sentence_vae.base import SentenceVAEEncoder, SentenceVAEModel, decoder_extra
 
 from .pretrained import (
@@ -363,7 +363,7 @@ class OptimusModel(SentenceVAEModel):
     def build_model(cls, args, task):
         """``args``: fairseq-train's Namespace or a config; read and completed in place (the sizes of
         ``--bert-dir`` / ``--gpt2-dir`` are recorded in it)."""
-        optimus_base(args)  # the defaults of anything unset (a bare Namespace)
+        args = model_options(cls, args)
         validate_optimus_args(args)
         src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
         bert_dir = (inspect_pretrained_directory(args.bert_dir, "--bert-dir", "bert")

@@ -52,7 +52,7 @@ from fairseq.models.transformer.transformer_base import Embedding
 
 from latent_core.errors import option_flag
 from latent_core.vae import VAEConfigError
-from user_dir.model_config import (add_config_args, config_namespace, fill_unset, flat_transformer_fields,
+from user_dir.model_config import (add_config_args, fill_unset, flat_transformer_fields, model_options,
                                    register_architecture)
 from user_dir.sentence_vae.base import SentenceVAEModel
 
@@ -188,7 +188,7 @@ class LatentAttentionVAE(SentenceVAEModel):
 
     @classmethod
     def build_model(cls, cfg, task):
-        args = config_namespace(cfg, getattr(cls, "__dataclass"))
+        args = model_options(cls, cfg)
         cls.architecture_defaults(args)
         cls.resolve_defaults(args)
         src_dict, tgt_dict = task.source_dictionary, task.target_dictionary

@@ -64,7 +64,7 @@ from latent_core.errors import PluginConfigError, parse_bool
 from latent_core.sdma import real_queries
 from ..hf_pretrained import inspect_hf_directory
 from ..hf_sentence.model import ENCODER_TYPES, load_pretrained_encoder
-from ..model_config import add_config_args, config_namespace
+from ..model_config import add_config_args, model_options
 from .fairseq_attention import SDMAMultiheadAttention
 from .model import (
     IWSLT_BASE,
@@ -466,7 +466,7 @@ class BertFusedTransformerModel(SDMATransformerModel):
 
     @classmethod
     def build_model(cls, cfg, task):
-        args = config_namespace(cfg, BertFusedTransformerConfig)
+        args = model_options(cls, cfg)
         validate_bert_args(args)
         model = super().build_model(args, task)  # SDMA's checks
         log_parameter_counts(model)

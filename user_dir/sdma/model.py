@@ -43,7 +43,7 @@ from latent_core.sdma import (
     real_queries,
 )
 
-from ..model_config import add_config_args, config_defaults, config_namespace, fill_unset, flat_transformer_fields
+from ..model_config import add_config_args, config_defaults, fill_unset, flat_transformer_fields, model_options
 from .fairseq_attention import SDMAMultiheadAttention
 
 SIDES = ("encoder", "decoder")
@@ -324,7 +324,7 @@ class SDMATransformerModel(TransformerModel):
 
     @classmethod
     def build_model(cls, cfg, task):
-        args = config_namespace(cfg, getattr(cls, "__dataclass"))  # a sparse Namespace builds, as fairseq's
+        args = model_options(cls, cfg)  # a sparse Namespace builds, as fairseq's
         validate_sdma_args(args)
         model = super().build_model(args, task)
         model.sdma_loss_weights = {name: float(getattr(args, name)) for name in LOSS_WEIGHT_ARGS}

@@ -37,7 +37,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from latent_core.errors import check_positive_int
 
 from ..hf_sentence.model import HFSentenceClassifier, HFSentenceClassifierConfig, HFSentenceConfigError
-from ..model_config import register_architecture
+from ..model_config import model_options, register_architecture
 from .head import (AGGREGATIONS, ENCODERS, Aggregation, TPRLayer, check_orthogonality,
                    warn_unreachable_orthogonality)
 from .transfer import ALIASES, PARTS, apply_transfer_options
@@ -109,7 +109,7 @@ class TPRClassifier(HFSentenceClassifier):
 
     @classmethod
     def build_model(cls, args, task):
-        cls.fill_unset_options(args)
+        args = model_options(cls, args)
         validate_tpr_args(args)
         backbone, head = cls.build_backbone_and_head(args, task)
         config = backbone.config
@@ -216,7 +216,7 @@ class BertLSTMClassifier(HFSentenceClassifier):
 
     @classmethod
     def build_model(cls, args, task):
-        cls.fill_unset_options(args)
+        args = model_options(cls, args)
         if args.lstm_hidden is not None:
             check_positive_int("--lstm-hidden", args.lstm_hidden)
         if args.lstm_pooling not in LSTM_POOLINGS:
