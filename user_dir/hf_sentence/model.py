@@ -19,7 +19,8 @@ there once; subclasses extend it). The resolved config is recorded in the model'
 
 Subclasses (e.g. the topic-VQ model) reuse the pieces: :meth:`build_backbone_and_head`
 ``(args, task) -> (backbone, head)`` (checks, encoder, a head over :meth:`head_input_size`
-inputs, --freeze-layers; a subclass's ``build_model`` calls it, then its constructor),
+inputs, --freeze-layers; a subclass's ``build_model`` starts with ``args = model_options(cls, args)``, calls
+it, then its constructor),
 :meth:`build_backbone`, :meth:`encode` ``(net_input) -> (hidden [B, T, H], padding_mask
 [B, T] True at padding)``, :meth:`pool` ``(hidden, net_input) -> [B, H]``,
 :meth:`classify` ``([B, H]) -> [B, C]``, and :meth:`forward` ``(**net_input) -> (logits
