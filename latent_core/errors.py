@@ -40,6 +40,19 @@ def check_positive_int(option: str, value, error: Type[Exception] = ValueError, 
     return value
 
 
+def check_heads_divide(heads_option: str, heads, width_option: str, width: int,
+                       error: Type[Exception] = ValueError) -> int:
+    """``heads`` when it is an integer >= 1 that divides ``width`` (every head gets width / heads
+    dimensions); otherwise ``error`` naming both options and the head counts that would do:
+    ``--decoder-attention-heads=3 must be >= 1 and divide --decoder-embed-dim=256 (choose one of 1, 2, 4,
+    8, 16)``."""
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or width % heads:
+        divisors = ", ".join(str(h) for h in range(1, min(width, 16) + 1) if width % h == 0)
+        raise error(f"{heads_option}={heads!r} must be >= 1 and divide {width_option}={width} (choose one of "
+                    f"{divisors})")
+    return heads
+
+
 def parse_bool(value) -> bool:
     """An option's boolean value: true/false, yes/no, on/off, 1/0 (any case); ValueError otherwise
     (argparse, given it as ``type=``, reports that as an invalid value of the option)."""

@@ -17,7 +17,7 @@ import torch.nn as nn
 from espnet.nets.pytorch_backend.transformer.attention import MultiHeadedAttention
 from torch import Tensor
 
-from latent_core.errors import PluginConfigError, check_positive_int
+from latent_core.errors import PluginConfigError, check_heads_divide, check_positive_int
 from latent_core.sdma import (SDMACore, SDMAOptions, authors_linear_init, compiled, contiguous_inputs,
                               current_real_queries,
                               sdma_attention)
@@ -45,12 +45,7 @@ def check_transformer_conf(conf_name: str, *, width: int, width_key: str, attent
     check_positive_int(f"{conf_name}.attention_heads", attention_heads, ESPnetConfigError)
     check_positive_int(f"{conf_name}.linear_units", linear_units, ESPnetConfigError)
     check_positive_int(f"{conf_name}.num_blocks", num_blocks, ESPnetConfigError)
-    if width % attention_heads != 0:
-        divisors = [h for h in range(1, min(width, 16) + 1) if width % h == 0]
-        raise ESPnetConfigError(
-            f"{conf_name}.attention_heads={attention_heads} does not divide {width_key}={width}: each head "
-            f"gets {width_key} / attention_heads dimensions; choose one of {divisors} (or change {width_key})"
-        )
+    check_heads_divide(f"{conf_name}.attention_heads", attention_heads, width_key, width, ESPnetConfigError)
     for name, rate in dropout_rates.items():
         if not (isinstance(rate, (int, float)) and 0.0 <= rate < 1.0):
             raise ESPnetConfigError(f"{conf_name}.{name}={rate!r} must lie in [0, 1)")

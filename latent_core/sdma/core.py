@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from latent_core.errors import check_heads_divide
 from latent_core.sdma.mixture import GaussianMixture, log_softmax_clusters
 from latent_core.sdma.options import SDMAConfigError, SDMAOptions, mixing_weight
 from latent_core.sdma.records import ClusteringRecord, active_recording
@@ -29,10 +30,7 @@ class SDMACore(nn.Module):
     def __init__(self, embed_dim: int, num_heads: int, options: SDMAOptions):
         super().__init__()
         options.validate()
-        if embed_dim % num_heads != 0:
-            raise SDMAConfigError(
-                f"embedding size {embed_dim} is not divisible by the number of heads {num_heads}"
-            )
+        check_heads_divide("num_heads", num_heads, "embed_dim", embed_dim, SDMAConfigError)
         self.options = options
         self.num_heads = num_heads
         self.head_dim = embed_dim // num_heads

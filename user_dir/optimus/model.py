@@ -51,7 +51,7 @@ from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.models import FairseqIncrementalDecoder, register_model
 from torch import Tensor, nn
 
-from latent_core.errors import option_flag
+from latent_core.errors import check_heads_divide, check_positive_int, option_flag
 from user_dir.model_config import add_config_args, model_options, register_architecture
 from user_dir.sentence_vae.base import SentenceVAEEncoder, SentenceVAEModel, decoder_extra
 
@@ -488,11 +488,9 @@ def validate_optimus_args(args) -> None:
     for side, pretrained in (("encoder", args.bert_dir), ("decoder", args.gpt2_dir)):
         if pretrained:
             continue  # sizes come from the directory
-        dim, heads = getattr(args, f"{side}_embed_dim"), getattr(args, f"{side}_attention_heads")
-        if heads < 1 or dim < 1 or dim % heads != 0:
-            raise OptimusConfigError(
-                f"--{side}-attention-heads={heads} must be >= 1 and divide --{side}-embed-dim={dim}"
-            )
+        check_positive_int(f"--{side}-embed-dim", getattr(args, f"{side}_embed_dim"), OptimusConfigError)
+        check_heads_divide(f"--{side}-attention-heads", getattr(args, f"{side}_attention_heads"),
+                           f"--{side}-embed-dim", getattr(args, f"{side}_embed_dim"), OptimusConfigError)
         for name in (f"{side}_layers", f"{side}_ffn_embed_dim"):
             if getattr(args, name) < 1:
                 raise OptimusConfigError(f"{option_flag(name)}={getattr(args, name)} must be >= 1")

@@ -50,7 +50,7 @@ from fairseq.models import MODEL_REGISTRY, register_model
 from fairseq.models.transformer import TransformerConfig
 from fairseq.models.transformer.transformer_base import Embedding
 
-from latent_core.errors import option_flag
+from latent_core.errors import check_heads_divide, option_flag
 from latent_core.vae import VAEConfigError
 from user_dir.model_config import (add_config_args, fill_unset, flat_transformer_fields, model_options,
                                    register_architecture)
@@ -224,9 +224,8 @@ def validate_latent_vae_args(args, src_dict, tgt_dict) -> None:
             f"{args.decoder_embed_dim} (one shared embedding; the latent queries attend to the encoder)"
         )
     for side in ("encoder", "decoder"):
-        dim, heads = getattr(args, f"{side}_embed_dim"), getattr(args, f"{side}_attention_heads")
-        if heads < 1 or dim % heads != 0:
-            raise VAEConfigError(f"--{side}-attention-heads={heads} must be >= 1 and divide --{side}-embed-dim={dim}")
+        check_heads_divide(f"--{side}-attention-heads", getattr(args, f"{side}_attention_heads"),
+                           f"--{side}-embed-dim", getattr(args, f"{side}_embed_dim"), VAEConfigError)
     for name, minimum in (("encoder_layers", 1), ("decoder_layers", 1), ("posterior_layers", 1),
                           ("num_latent_slots", 1), ("slot_latent_dim", 1)):
         value = getattr(args, name)

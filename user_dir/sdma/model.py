@@ -31,7 +31,7 @@ from fairseq.models.transformer.transformer_encoder import module_name_fordropou
 from fairseq.modules import FairseqDropout
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 
-from latent_core.errors import check_positive_int, option_flag
+from latent_core.errors import check_heads_divide, check_positive_int, option_flag
 from latent_core.sdma import (
     ATTENTION_KERNELS,
     READINGS,
@@ -354,12 +354,8 @@ class SDMATransformerModel(TransformerModel):
 def validate_sdma_args(args) -> None:
     """Early, named errors for impossible SDMA settings."""
     for side in SIDES:
-        dim = getattr(args, f"{side}_embed_dim")
-        heads = getattr(args, f"{side}_attention_heads")
-        if heads < 1 or dim % heads != 0:
-            raise SDMAConfigError(
-                f"--{side}-attention-heads={heads} must be >= 1 and divide --{side}-embed-dim={dim}"
-            )
+        check_heads_divide(f"--{side}-attention-heads", getattr(args, f"{side}_attention_heads"),
+                           f"--{side}-embed-dim", getattr(args, f"{side}_embed_dim"), SDMAConfigError)
     if getattr(args, "sdma_mode", "sdma") != "none":
         if args.encoder_embed_dim != args.decoder_embed_dim:
             raise SDMAConfigError(

@@ -382,9 +382,9 @@ def test_impossible_options_name_the_config_key(overrides, message):
     "overrides, message",
     [
         (dict(encoder_conf=dict(output_size=32, attention_heads=3)),
-         "encoder_conf.attention_heads=3 does not divide encoder_conf.output_size=32"),
+         "encoder_conf.attention_heads=3 must be >= 1 and divide encoder_conf.output_size=32"),
         (dict(encoder_conf=dict(output_size=32, attention_heads=2), decoder_conf=dict(attention_heads=5)),
-         "decoder_conf.attention_heads=5 does not divide encoder_conf.output_size=32"),
+         "decoder_conf.attention_heads=5 must be >= 1 and divide encoder_conf.output_size=32"),
         (dict(encoder_conf=dict(output_size=32, attention_heads=2, dropout_rate=1.5)),
          "encoder_conf.dropout_rate=1.5 must lie in [0, 1)"),
         (dict(encoder_conf=dict(output_size=32, attention_heads=2, num_blocks=2, interctc_layer_idx=[2])),

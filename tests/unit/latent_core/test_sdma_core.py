@@ -210,7 +210,7 @@ def test_bad_options_name_the_option(kwargs, option):
 
 
 def test_heads_must_divide_embedding():
-    with pytest.raises(core.SDMAConfigError, match="not divisible"):
+    with pytest.raises(core.SDMAConfigError, match=r"num_heads=3 must be >= 1 and divide embed_dim=10 \(choose one of 1, 2, 5, 10\)"):
         SDMACore(10, 3, SDMAOptions())
 
 
