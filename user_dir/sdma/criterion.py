@@ -50,6 +50,8 @@ from latent_core.sdma import (
 )
 from user_dir.model_wrappers import unwrap_model
 
+from .model import SDMATransformerModel
+
 FAIRSEQ_ADVICE = ("Lower the learning rate, enable --fp16-scale-tolerance / bf16, or check the input data; "
                   "the last checkpoint is intact.")
 
@@ -107,7 +109,8 @@ class SDMALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion)
                 check_loss_weight(name, value, option_flag(name))
 
     def loss_weights(self, model):
-        model_defaults = getattr(unwrap_model(model), "sdma_loss_weights", {})
+        inner = unwrap_model(model)
+        model_defaults = inner.sdma_loss_weights if isinstance(inner, SDMATransformerModel) else {}
         weights = {}
         for name in LOSS_WEIGHTS:
             value = self.weight_overrides[name]

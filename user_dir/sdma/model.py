@@ -314,6 +314,11 @@ class SDMATransformerDecoder(TransformerDecoderBase):
 class SDMATransformerModel(TransformerModel):
     """Transformer with semantic and disentangled mask attention (Chien & Huang, 2024)."""
 
+    # set by build_model: the eq. (24) weights of the architecture and options (the criterion's
+    # defaults), and --sdma-mode
+    sdma_loss_weights: Dict[str, float]
+    sdma_mode: str
+
     @classmethod
     def hub_models(cls):
         return {}
