@@ -26,6 +26,11 @@ class PluginConfigError(ValueError):
     """An option, configuration key or input file the user has to fix (message says which and how)."""
 
 
+def option_flag(name: str) -> str:
+    """The command-line spelling of a config field: ``sdma_kl_weight`` -> ``--sdma-kl-weight``."""
+    return "--" + name.replace("_", "-")
+
+
 def check_positive_int(option: str, value, error: Type[Exception] = ValueError, meaning: str = "") -> int:
     """``value`` when it is an integer >= 1 (``True`` is not); otherwise ``error`` naming ``option``
     and, when given, what the number means: ``--sdma-clusters=0: the number of GMM clusters must be
@@ -33,6 +38,19 @@ def check_positive_int(option: str, value, error: Type[Exception] = ValueError, 
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise error(f"{option}={value!r}{': ' + meaning if meaning else ''} must be an integer >= 1")
     return value
+
+
+def check_heads_divide(heads_option: str, heads, width_option: str, width: int,
+                       error: Type[Exception] = ValueError) -> int:
+    """``heads`` when it is an integer >= 1 that divides ``width`` (every head gets width / heads
+    dimensions); otherwise ``error`` naming both options and the head counts that would do:
+    ``--decoder-attention-heads=3 must be >= 1 and divide --decoder-embed-dim=256 (choose one of 1, 2, 4,
+    8, 16)``."""
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or width % heads:
+        divisors = ", ".join(str(h) for h in range(1, min(width, 16) + 1) if width % h == 0)
+        raise error(f"{heads_option}={heads!r} must be >= 1 and divide {width_option}={width} (choose one of "
+                    f"{divisors})")
+    return heads
 
 
 def parse_bool(value) -> bool:
@@ -59,6 +77,15 @@ def report(error: BaseException) -> str:
     """The one line the user sees: ``<program>: error: <message>``."""
     message = " ".join(str(error).split("\n")) if str(error) else type(error).__name__
     return f"{program_name()}: error: {message}"
+
+
+def command_error(prog: str, error) -> int:
+    """How a command reports an error it caught, as argparse reports a usage error:
+    ``<prog>: error: <error>`` on stderr (after what stdout holds); returns the exit status (2) for the
+    command to ``return`` or pass to ``sys.exit``."""
+    sys.stdout.flush()
+    print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
+    return EXIT_STATUS
 
 
 def _plugin_excepthook(exc_type: Type[BaseException], exc: BaseException,

@@ -6,7 +6,7 @@ Figs. 10-11).  Plain PyTorch: the toolkit adapters capture the per-head attentio
 and hand it to :class:`RedundancyAccumulator`; :mod:`user_dir.tools.sdma.redundancy`
 (command ``sdma-redundancy``) for fairseq encoder-decoder checkpoints (the vanilla
 ``transformer`` and ``sdma_transformer``, whose ``SDMAMultiheadAttention`` returns the
-mixed attention A_hat of eq. 11), :mod:`espnet_plugin.asr.redundancy` (command
+mixed attention A_hat of eq. 11), :mod:`espnet_plugin.tools.redundancy` (command
 ``sdma-espnet-redundancy``) for ESPnet2 ASR models.
 
 Definitions (``A^{n,h}_{i,:}`` is row i of the attention matrix of head h in layer n)::

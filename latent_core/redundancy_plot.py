@@ -8,7 +8,7 @@ heads k = layer * n_h + head of one attention type, averaged over sentences; the
 mean of the matrix is that type's HR.  Axis labels are ``L<layer>H<head>``, 0-based.
 
 Reads the JSON of ``sdma-redundancy`` (fairseq, :mod:`user_dir.tools.sdma.redundancy`) or
-``sdma-espnet-redundancy`` (:mod:`espnet_plugin.asr.redundancy`) written with ``--hr-matrix``
+``sdma-espnet-redundancy`` (:mod:`espnet_plugin.tools.redundancy`) written with ``--hr-matrix``
 (or ``--heatmap``); several files are drawn side by side on one shared colour scale,
 e.g. V-T next to SDMA-T as in the paper::
 
@@ -38,6 +38,7 @@ logging.getLogger("matplotlib").setLevel(logging.WARNING)  # fairseq sets the ro
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from latent_core.errors import command_error
 from latent_core.redundancy import ATTENTION_TYPES, RedundancyError, head_labels, report  # noqa: E402
 
 Panel = Tuple[str, np.ndarray, List[str]]  # (title, matrix [K, K], K axis labels)
@@ -141,8 +142,7 @@ def main(argv=None) -> int:
             named.append((name, json.loads(Path(path).read_text())))
         plot_results(named, [args.kind], args.out, title=args.title, dpi=args.dpi)
     except (FileNotFoundError, RedundancyError, json.JSONDecodeError) as error:
-        print(f"{prog}: error: {error}", file=sys.stderr)
-        return 2
+        return command_error(prog, error)
     print(f"wrote {args.out}")
     return 0
 

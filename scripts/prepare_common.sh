@@ -46,8 +46,8 @@ plain_or_sgm() {
     local src_sgm="$raw/$name-$pair-src.$src.sgm" tgt_sgm="$raw/$name-$pair-ref.$tgt.sgm"
     [[ -f "$src_sgm" && -f "$tgt_sgm" ]] || die "neither $raw/$name.{$src,$tgt} nor $src_sgm + $tgt_sgm found"
     mkdir -p "$(dirname "$out")"
-    "$PYTHON" -m latent_core.data.iwslt14 sgm "$src_sgm" "$out.$src" >&2
-    "$PYTHON" -m latent_core.data.iwslt14 sgm "$tgt_sgm" "$out.$tgt" >&2
+    "$PYTHON" -m pipelines.data.iwslt14 sgm "$src_sgm" "$out.$src" >&2
+    "$PYTHON" -m pipelines.data.iwslt14 sgm "$tgt_sgm" "$out.$tgt" >&2
     echo "$out"
 }
 

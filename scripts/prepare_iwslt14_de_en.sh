@@ -22,10 +22,10 @@ if [[ ! -f "$RAW/train.tags.de-en.de" && ! -f "$RAW/de-en/train.tags.de-en.de" ]
     usage_from_header "${BASH_SOURCE[0]}"
 fi
 
-"$PYTHON" -m latent_core.data.iwslt14 iwslt14 "$RAW" "$OUT/raw"
+"$PYTHON" -m pipelines.data.iwslt14 iwslt14 "$RAW" "$OUT/raw"
 lower=()
 if [[ "${LOWERCASE:-1}" == 1 ]]; then lower=(--lowercase); fi
-"$PYTHON" -m latent_core.data.translation \
+"$PYTHON" -m pipelines.data.translation \
     --train-prefix "$OUT/raw/train" --valid-prefix "$OUT/raw/valid" --test-prefix "$OUT/raw/test" \
     --src de --tgt en --out-dir "$OUT" \
     --src-vocab-size "${SRC_VOCAB:-6000}" --tgt-vocab-size "${TGT_VOCAB:-8000}" \

@@ -28,7 +28,7 @@ TEST_PREFIX=${TEST_PREFIX:-$(plain_or_sgm newstest2014 deen en de "$RAW" "$OUT/r
 require_pair "$VALID_PREFIX" en de
 require_pair "$TEST_PREFIX" en de
 
-"$PYTHON" -m latent_core.data.translation \
+"$PYTHON" -m pipelines.data.translation \
     --train-prefix "$TRAIN_PREFIX" --valid-prefix "$VALID_PREFIX" --test-prefix "$TEST_PREFIX" \
     --src en --tgt de --out-dir "$OUT" --joint --vocab-size "${VOCAB:-44000}" \
     --model-type "${MODEL_TYPE:-bpe}" --workers "$WORKERS" "${PREPARE_EXTRA[@]}"

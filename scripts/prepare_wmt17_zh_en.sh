@@ -28,7 +28,7 @@ TEST_PREFIX=${TEST_PREFIX:-$(plain_or_sgm newstest2017 zhen zh en "$RAW" "$OUT/r
 require_pair "$VALID_PREFIX" zh en
 require_pair "$TEST_PREFIX" zh en
 
-"$PYTHON" -m latent_core.data.translation \
+"$PYTHON" -m pipelines.data.translation \
     --train-prefix "$TRAIN_PREFIX" --valid-prefix "$VALID_PREFIX" --test-prefix "$TEST_PREFIX" \
     --src zh --tgt en --out-dir "$OUT" --jieba \
     --src-vocab-size "${SRC_VOCAB:-25000}" --tgt-vocab-size "${TGT_VOCAB:-20000}" \

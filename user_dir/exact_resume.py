@@ -1,4 +1,4 @@
-"""Bit-identical resume of ``fairseq-train`` (issue 14): a cached epoch iterator is always built as at epoch 1.
+"""Bit-identical resume of ``fairseq-train``: a cached epoch iterator is always built as at epoch 1.
 
 **The cause** (fairseq 0.12, ``fairseq/tasks/fairseq_task.py``, ``get_batch_iterator``).
 The batches of a training split are made once per ``EpochBatchIterator``: ``make_batches``

@@ -23,7 +23,8 @@ from fairseq.models import MODEL_DATACLASS_REGISTRY, register_model_architecture
 from fairseq.models.transformer import TransformerConfig
 from omegaconf import OmegaConf
 
-from latent_core.errors import parse_bool
+from latent_core.errors import option_flag, parse_bool
+
 
 # arch name -> (model name, {field: value}), for documentation and the hydra tests
 ARCHITECTURE_OVERRIDES: Dict[str, Tuple[str, Dict[str, Any]]] = {}
@@ -60,7 +61,7 @@ def add_config_args(parser, config_cls: Type[FairseqDataclass]) -> None:
     ``store_true`` cannot be switched off on the command line once an architecture sets it)."""
     for f in config_fields(config_cls):
         if interpret_dc_type(f.type) is bool:
-            parser.add_argument("--" + f.name.replace("_", "-"), type=parse_bool, nargs="?", const=True,
+            parser.add_argument(option_flag(f.name), type=parse_bool, nargs="?", const=True,
                                 metavar="BOOL", help=f"{f.metadata.get('help', '')} (true/false)")
     # the booleans above are already there: fairseq skips an option that exists (ArgumentError)
     gen_parser_from_dataclass(parser, config_cls(), delete_default=True)
@@ -119,6 +120,14 @@ def config_namespace(cfg, config_cls: Optional[Type[FairseqDataclass]] = None) -
         if reference:
             setattr(args, name, getattr(args, reference.group(1)))
     return args
+
+
+def model_options(model_cls, cfg) -> argparse.Namespace:
+    """The first line of every model's ``build_model``: whatever fairseq hands it (an architecture's
+    Namespace, the model's config dataclass, a DictConfig from fairseq-hydra-train or a checkpoint) as
+    a Namespace whose unset options take the defaults of the model's registered config
+    (:func:`config_namespace`; a Namespace is completed in place)."""
+    return config_namespace(cfg, getattr(model_cls, "__dataclass"))
 
 
 def register_architecture(model_name: str, arch_name: str, resolve: Optional[Callable] = None, **overrides):

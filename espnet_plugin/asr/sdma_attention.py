@@ -17,7 +17,7 @@ import torch.nn as nn
 from espnet.nets.pytorch_backend.transformer.attention import MultiHeadedAttention
 from torch import Tensor
 
-from latent_core.errors import PluginConfigError, check_positive_int
+from latent_core.errors import PluginConfigError, check_heads_divide, check_positive_int
 from latent_core.sdma import (SDMACore, SDMAOptions, authors_linear_init, compiled, contiguous_inputs,
                               current_real_queries,
                               sdma_attention)
@@ -45,12 +45,7 @@ def check_transformer_conf(conf_name: str, *, width: int, width_key: str, attent
     check_positive_int(f"{conf_name}.attention_heads", attention_heads, ESPnetConfigError)
     check_positive_int(f"{conf_name}.linear_units", linear_units, ESPnetConfigError)
     check_positive_int(f"{conf_name}.num_blocks", num_blocks, ESPnetConfigError)
-    if width % attention_heads != 0:
-        divisors = [h for h in range(1, min(width, 16) + 1) if width % h == 0]
-        raise ESPnetConfigError(
-            f"{conf_name}.attention_heads={attention_heads} does not divide {width_key}={width}: each head "
-            f"gets {width_key} / attention_heads dimensions; choose one of {divisors} (or change {width_key})"
-        )
+    check_heads_divide(f"{conf_name}.attention_heads", attention_heads, width_key, width, ESPnetConfigError)
     for name, rate in dropout_rates.items():
         if not (isinstance(rate, (int, float)) and 0.0 <= rate < 1.0):
             raise ESPnetConfigError(f"{conf_name}.{name}={rate!r} must lie in [0, 1)")
@@ -199,8 +194,8 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         q = q / math.sqrt(D)
 
         blocked = None if mask is None else mask.unsqueeze(1).eq(0)  # (B, 1, T1 or 1, T2)
-        x, weights = self._attend(q, k, v, _heads_first(log_resp_z.exp()).view(B, H, T1, -1),
-                                  _heads_first(log_resp_k.exp()).view(B, H, k.size(2), -1), blocked)
+        x, weights = self._attend(q, k, v, SDMACore.heads_first(log_resp_z.exp(), batch_first=True).view(B, H, T1, -1),
+                                  SDMACore.heads_first(log_resp_k.exp(), batch_first=True).view(B, H, k.size(2), -1), blocked)
         x = x.transpose(1, 2).reshape(B, T1, H * D)
 
         record = None
@@ -254,8 +249,8 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         else:
             allowed = None
         blocked = None if allowed is None else ~allowed.unsqueeze(1)
-        x, weights = self._attend(q, k, v, _heads_first(log_resp_z.exp()).view(B, H, T1, -1),
-                                  _heads_first(key_resp.exp()).view(B, H, T2, -1), blocked, authors=True)
+        x, weights = self._attend(q, k, v, SDMACore.heads_first(log_resp_z.exp(), batch_first=True).view(B, H, T1, -1),
+                                  SDMACore.heads_first(key_resp.exp(), batch_first=True).view(B, H, T2, -1), blocked, authors=True)
         x = x.transpose(1, 2).reshape(B, T1, H * D)
 
         record = None
@@ -303,17 +298,11 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         self.sdma.set_num_updates(num_updates)
 
 
-def _heads_first(resp: Tensor) -> Tensor:
-    """(B, T, H, C) -> (B * H, T, C)."""
-    B, T, H, C = resp.shape
-    return resp.permute(0, 2, 1, 3).contiguous().view(B * H, T, C)  # contiguous for bmm, see SDMACore
-
-
 # The authors' Aishell-1 setting (what ESPnet's encoder and decoder change in the core defaults of
 # latent_core.sdma.SDMAOptions): c_g = 5; 8 clusters for both GMMs of the encoder, 4 for both of the
 # decoder; the decoder self-attention drops its semantic mask at test time (the paper).
-AISHELL_ENCODER_PRESET = {"centroid_grad_scale": 5.0}
-AISHELL_DECODER_PRESET = {"centroid_grad_scale": 5.0, "num_clusters": 4, "num_query_clusters": 4,
+AISHELL_ENCODER_PRESET = {"centroid_grad_scale": 5.0, "clusters": 8, "query_clusters": 8}
+AISHELL_DECODER_PRESET = {"centroid_grad_scale": 5.0, "clusters": 4, "query_clusters": 4,
                           "mask_at_inference": False}
 
 

@@ -4,7 +4,7 @@ ESPnet's ``asr.sh`` and Kaldi's ``utils/`` are not in the pip wheel, so this dri
 the same stages through ESPnet's own Python entry points (``espnet2.bin.*``, via the
 plugin's launchers), one subprocess per stage as ``asr.sh`` does:
 
-1. ``data``    synthetic Mandarin corpus (``latent_core.data.mandarin_synth``: real
+1. ``data``    synthetic Mandarin corpus (``pipelines.data.mandarin_synth``: real
                Chinese UI-translation sentences spoken by espeak-ng, several voices,
                speeds and pitches, 16 kHz; train/dev/test split by sentence), as
                Kaldi-style data directories (wav.scp, text, utt2spk, spk2utt)
@@ -32,8 +32,9 @@ import time
 from pathlib import Path
 from typing import Dict, List, Sequence
 
-from latent_core import kaldi_data as kaldi  # the Kaldi data-directory reader (toolkit-free)
-from latent_core.runs import REPO_ROOT, run_streaming
+from latent_core.errors import option_flag
+from pipelines import kaldi_data as kaldi  # the Kaldi data-directory reader (toolkit-free)
+from pipelines.runs import REPO_ROOT, run_streaming
 
 RECIPE = REPO_ROOT / "examples" / "aishell_sdma" / "asr1"  # its conf/synthetic/*.yaml are the defaults
 STAGES = ("data", "tokens", "stats", "train", "decode", "score")
@@ -121,7 +122,7 @@ def data_args(data: Path, split: str, prefix: str) -> List[str]:
 
 
 def stage_data(args, work: Path) -> Dict[str, int]:
-    from latent_core.data import mandarin_synth
+    from pipelines.data import mandarin_synth
 
     mandarin_synth.build_corpus(work / "corpus", num_sentences=args.num_sentences,
                                 speakers_per_sentence=args.speakers_per_sentence, seed=args.seed,
@@ -261,7 +262,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     for name in ("num_sentences", "speakers_per_sentence", "jobs"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+            parser.error(f"{option_flag(name)} must be >= 1")
     if args.use_amp and args.ngpu == 0:
         parser.error("--use-amp needs --ngpu 1 (ESPnet's mixed precision runs on CUDA)")
     if args.max_epoch is not None and args.max_epoch < 1:

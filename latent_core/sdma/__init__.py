@@ -56,7 +56,6 @@ variant is one function of :class:`AttentionInputs` and one row of :data:`KERNEL
 from latent_core.sdma.options import (  # noqa: F401
     ATTENTION_KERNELS, AUTHORS_EPS, AUTHORS_POSTERIOR_VAR, LOSS_NAMES, LOSS_WEIGHTS, PAPER_POSTERIOR_VAR, READINGS,
     REGULARISER_SCALES, SDMA_MODES, SDMAConfigError, SDMALossWeights, SDMAOptions, check_loss_weight, mixing_weight,
-    option_name,
 )
 from latent_core.sdma.mixture import (  # noqa: F401
     GaussianMixture, authors_linear_init, clusters_first, log_prior, log_softmax_clusters, trace_precision,

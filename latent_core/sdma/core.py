@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from latent_core.errors import check_heads_divide
 from latent_core.sdma.mixture import GaussianMixture, log_softmax_clusters
 from latent_core.sdma.options import SDMAConfigError, SDMAOptions, mixing_weight
 from latent_core.sdma.records import ClusteringRecord, active_recording
@@ -29,18 +30,15 @@ class SDMACore(nn.Module):
     def __init__(self, embed_dim: int, num_heads: int, options: SDMAOptions):
         super().__init__()
         options.validate()
-        if embed_dim % num_heads != 0:
-            raise SDMAConfigError(
-                f"embedding size {embed_dim} is not divisible by the number of heads {num_heads}"
-            )
+        check_heads_divide("num_heads", num_heads, "embed_dim", embed_dim, SDMAConfigError)
         self.options = options
         self.num_heads = num_heads
         self.head_dim = embed_dim // num_heads
         self.feature_gmm = GaussianMixture(
-            num_heads, options.num_clusters, self.head_dim, options.centroid_grad_scale, init=options.gmm_initialisation
+            num_heads, options.clusters, self.head_dim, options.centroid_grad_scale, init=options.gmm_initialisation
         )
         self.query_gmm = (
-            GaussianMixture(1, options.num_query_clusters, self.head_dim, options.centroid_grad_scale,
+            GaussianMixture(1, options.query_clusters, self.head_dim, options.centroid_grad_scale,
                             init=options.gmm_initialisation)
             if options.mode == "sdma"
             else None
@@ -144,8 +142,11 @@ class SDMACore(nn.Module):
         return log_joint, log_softmax_clusters(log_joint)
 
     @staticmethod
-    def heads_first(resp: Tensor) -> Tensor:
-        """``[T, B, n_h, C]`` -> ``[B * n_h, T, C]`` (the layout of the attention scores)."""
+    def heads_first(resp: Tensor, batch_first: bool = False) -> Tensor:
+        """``[T, B, n_h, C]`` (``[B, T, n_h, C]`` with ``batch_first``, ESPnet's layout) ->
+        ``[B * n_h, T, C]`` (the layout of the attention scores)."""
+        if batch_first:
+            resp = resp.transpose(0, 1)
         T, B, H, C = resp.shape
         # contiguous: a clusters-first input would otherwise stay a strided view, on which
         # bmm falls back to one matrix product per batch entry
@@ -187,6 +188,6 @@ class SDMACore(nn.Module):
     def extra_repr(self) -> str:
         o = self.options
         return (
-            f"mode={o.mode}, reading={o.reading}, heads={self.num_heads}, clusters={o.num_clusters}, "
-            f"query_clusters={o.num_query_clusters}, nu={o.mix_max}, c_g={o.centroid_grad_scale}"
+            f"mode={o.mode}, reading={o.reading}, heads={self.num_heads}, clusters={o.clusters}, "
+            f"query_clusters={o.query_clusters}, nu={o.mix_max}, c_g={o.centroid_grad_scale}"
         )

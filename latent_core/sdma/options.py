@@ -52,10 +52,10 @@ class SDMAOptions:
     """Hyper-parameters of one SDMA attention module: the one place their defaults and
     documentation are written (paper Section IV-A3 and Table I).
 
-    The toolkits spell each field as an option without the ``num_`` prefix
-    (:func:`option_name`): fairseq ``--sdma-clusters`` (``user_dir/sdma/model.py`` generates its
-    flags from these fields), ESPnet ``encoder_conf: {sdma_conf: {clusters: 8}}``
-    (:meth:`from_conf`). Presets (a Table I row, the Aishell-1 run) override only what differs.
+    Each field is one option under one name in both toolkits: fairseq ``--sdma-<field>`` (the
+    ``sdma_<field>`` fields of ``user_dir/sdma/model.py``, which take these defaults and help texts),
+    ESPnet ``encoder_conf: {sdma_conf: {<field>: ...}}`` (:meth:`from_conf`). Presets (a Table I row,
+    the Aishell-1 run) override only what differs.
     """
 
     mode: str = _option("sdma", "sdma: SDMA-T; sma: SMA-T (no head disentanglement); none: vanilla attention",
@@ -65,9 +65,12 @@ class SDMAOptions:
                    "numbers (second noise draw on the queries, clean k/v, their KL, diversity and L_Dqq "
                    "forms, padded-length averages, their initialisation); paper: the equations as printed "
                    "(see the README's table of the two readings)", choices=READINGS)
-    num_clusters: int = _option(8, "n_c of the feature GMM theta_z, eq. (5)/(9) (Table I: 8; Tables II-IV: 4)",
-                                metavar="N")
-    num_query_clusters: int = _option(8, "n_c of the query GMM theta_q, eq. (18)", metavar="N")
+    # Tables II-IV fix n_c = 4 (Section IV-C1; Table V's n_c = 4 row is Table II's SDMA-T base, and the
+    # authors' IWSLT script passes --clusters 4) although Table I lists 8/8 for IWSLT'14 base
+    clusters: int = _option(4, "n_c of the feature GMM theta_z, eq. (5)/(9) (Tables II-IV: 4; Table I lists 8)",
+                            metavar="N")
+    query_clusters: int = _option(4, "n_c of the query GMM theta_q, eq. (18) (Tables II-IV: 4; Table I lists 8)",
+                                  metavar="N")
     mix_max: float = _option(0.9, "nu, upper bound of the mixing weight of eq. (11), in (0, 1]", metavar="NU")
     mix_rate: float = _option(5e-4, "R of the annealed mixing weight g = 1 - max(1 - nu, exp(-R * num_updates)), "
                                     "eq. (11)", metavar="R")
@@ -106,19 +109,19 @@ class SDMAOptions:
         """Validated options from a mapping of option names (``{"clusters": 8, ...}``) on top of
         ``preset`` (field names -> values); errors name ``where`` + the key, e.g.
         ``encoder_conf.sdma_conf.clusters=0: ...``."""
-        names = {option_name(f.name): f.name for f in fields(cls)}
+        names = [f.name for f in fields(cls)]
         values = dict(preset or {})
         for key, value in dict(conf or {}).items():
             if key not in names:
                 raise SDMAConfigError(f"{where}.{key}: unknown SDMA option; the options are {', '.join(names)}")
-            values[names[key]] = value
+            values[key] = value
         return cls(**values).validate(prefix=f"{where}.", word_sep="_")
 
     def validate(self, prefix: str = "--sdma-", word_sep: str = "-") -> "SDMAOptions":
         """Raise :class:`SDMAConfigError` naming the option (``prefix`` + name) that is wrong."""
 
         def opt(name):
-            return prefix + option_name(name).replace("_", word_sep)
+            return prefix + name.replace("_", word_sep)
 
         if self.mode not in SDMA_MODES:
             raise SDMAConfigError(
@@ -131,7 +134,7 @@ class SDMAOptions:
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise SDMAConfigError(f"{opt('attention_kernel')}={self.attention_kernel!r} is not one of "
                                   f"{', '.join(ATTENTION_KERNELS)}")
-        for name in ("num_clusters", "num_query_clusters"):
+        for name in ("clusters", "query_clusters"):
             value = getattr(self, name)
             check_positive_int(opt(name), value, SDMAConfigError, "the number of GMM clusters")
         for name in ("mix_max", "mix_rate", "centroid_grad_scale", "noise_var", "posterior_var",
@@ -172,11 +175,6 @@ class SDMAOptions:
         if self.posterior_var is not None:
             return float(self.posterior_var)
         return AUTHORS_POSTERIOR_VAR if self.authors else PAPER_POSTERIOR_VAR
-
-
-def option_name(field_name: str) -> str:
-    """The option spelling of an :class:`SDMAOptions` field: ``num_clusters`` -> ``clusters``."""
-    return field_name[len("num_"):] if field_name.startswith("num_") else field_name
 
 
 @dataclass

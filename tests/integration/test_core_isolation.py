@@ -1,8 +1,10 @@
-"""The toolkit-free core stays toolkit-free, and the ESPnet plugin does not pull in fairseq.
+"""The layers: ``latent_core`` is mathematics that knows no toolkit, ``pipelines`` imports no toolkit at
+module level, and the ESPnet plugin does not pull in fairseq.
 
-Each check runs in a fresh interpreter: this test process has imported everything already.
+Each import check runs in a fresh interpreter: this test process has imported everything already.
 """
 
+import ast
 import json
 import subprocess
 import sys
@@ -20,13 +22,14 @@ def loaded_after(statement: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-# the toolkit-free tools and data preparation (named, so that a module
-# that disappears fails here instead of being skipped by the walk below)
-CORE_TOOLS = ("latent_core.redundancy", "latent_core.redundancy_plot", "latent_core.runs", "latent_core.peak_rss",
-              "latent_core.op_counts",
-              "latent_core.data.registry", "latent_core.data.ding", "latent_core.data.english_vae",
-              "latent_core.data.lee_sts", "latent_core.data.pattern3", "latent_core.data.iwslt14",
-              "latent_core.data.translation", "latent_core.data.mandarin_synth")
+# named, so that a module that disappears fails here instead of being skipped by the walks below
+CORE_TOOLS = ("latent_core.redundancy", "latent_core.redundancy_plot", "latent_core.peak_rss", "latent_core.op_counts")
+PIPELINES = ("pipelines.runs", "pipelines.kaldi_data", "pipelines.data.registry", "pipelines.data.ding",
+             "pipelines.data.english_vae", "pipelines.data.lee_sts", "pipelines.data.pattern3",
+             "pipelines.data.iwslt14", "pipelines.data.translation", "pipelines.data.mandarin_synth",
+             "pipelines.data.bert_source", "pipelines.data.optimus_text")
+# what latent_core may not import anywhere, inside functions included
+NOT_IN_CORE = TOOLKITS + ("user_dir", "espnet_plugin", "pipelines")
 
 
 def test_core_imports_no_toolkit():
@@ -44,8 +47,32 @@ def test_every_core_module_imports_no_toolkit():
     assert not any(loaded[m] for m in TOOLKITS + ("user_dir",)), loaded
 
 
+def test_core_source_imports_no_toolkit_and_no_project_package_anywhere():
+    """Every import statement of every latent_core file, also those inside functions (which the
+    import checks above cannot see): the core is mathematics only."""
+    offenders = []
+    for path in sorted((REPO / "latent_core").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                continue
+            offenders += [f"{path.relative_to(REPO)}:{node.lineno} {n}" for n in names
+                          if n.split(".")[0] in NOT_IN_CORE]
+    assert not offenders, offenders
+
+
+def test_pipelines_import_no_toolkit_at_module_level():
+    loaded = loaded_after(f"import importlib, pkgutil, pipelines; [importlib.import_module(m) for m in "
+                          f"{list(PIPELINES)!r}]; [importlib.import_module(m.name) for m in "
+                          f"pkgutil.walk_packages(pipelines.__path__, 'pipelines.')]")
+    assert not any(loaded[m] for m in TOOLKITS + ("user_dir",)), loaded
+
+
 def test_espnet_plugin_does_not_import_fairseq_or_the_fairseq_plugin():
-    loaded = loaded_after("import espnet_plugin, espnet_plugin.asr.redundancy, espnet_plugin.recipes.synthetic")
+    loaded = loaded_after("import espnet_plugin, espnet_plugin.tools.redundancy, espnet_plugin.recipes.synthetic")
     assert loaded["espnet2"] and loaded["latent_core"]
     assert not loaded["fairseq"] and not loaded["user_dir"], loaded
 

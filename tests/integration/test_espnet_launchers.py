@@ -46,7 +46,7 @@ def test_configuration_errors_reach_the_user_as_one_line(tmp_path):
     assert out.returncode == 2, out.stderr[-2000:]
     assert "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith(
-        "asr_train: error: encoder_conf.attention_heads=3 does not divide encoder_conf.output_size=32")
+        "asr_train: error: encoder_conf.attention_heads=3 must be >= 1 and divide encoder_conf.output_size=32")
 
 
 def test_python_shim_runs_espnet_tools_with_the_plugin():

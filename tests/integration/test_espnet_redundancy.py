@@ -1,4 +1,4 @@
-"""espnet_plugin.asr.redundancy (sdma-espnet-redundancy): LR / HR of an ESPnet2 ASR model.
+"""espnet_plugin.tools.redundancy (sdma-espnet-redundancy): LR / HR of an ESPnet2 ASR model.
 
 A tiny vanilla transformer ASR model (2 blocks, 2 heads, d=32, random weights with
 sharpened attention) is built through ESPnet's own ``ASRTask`` and saved as

@@ -1,4 +1,4 @@
-"""Resume is bit-identical (issue 14): N updates in one run == M updates, stop, resume to N.
+"""Resume is bit-identical: N updates in one run == M updates, stop, resume to N.
 
 For each training stack of the plugin, on CPU, through the real command-line tools and with
 dropout (and SDMA's sampling noise) ON, the checkpoint of the continuous run and that of the

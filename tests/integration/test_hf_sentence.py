@@ -26,6 +26,7 @@ from conftest import BF16_AUTOCAST, REPO, free_port, run_checked, save_tiny_bert
 from user_dir.hf_sentence import metrics as hf_metrics
 from user_dir.hf_sentence.criterion import HFSentencePredictionCriterion, HFSentencePredictionCriterionConfig
 from user_dir.hf_sentence.data import GLUE_TASKS, read_tsv
+from user_dir.model_config import model_options
 from user_dir.hf_sentence.model import HFSentenceClassifier, HFSentenceConfigError
 from user_dir.hf_sentence.task import HFSentencePredictionConfig, HFSentencePredictionTask
 from user_dir.topic_vq.task import TopicSentencePredictionConfig, TopicSentencePredictionTask
@@ -598,6 +599,7 @@ def test_build_backbone_and_head_hook_for_subclasses(mrpc, tiny):
 
         @classmethod
         def build_model(cls, args, task):
+            args = model_options(cls, args)
             backbone, head = cls.build_backbone_and_head(args, task)
             assert not any(p.requires_grad for p in backbone.embeddings.parameters())  # frozen before __init__
             return cls(args, backbone, head, task.padding_idx)

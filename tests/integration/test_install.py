@@ -21,9 +21,9 @@ def installed(tmp_path_factory):
     root = tmp_path_factory.mktemp("install")
     source = root / "source"
     source.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "setup.py"):
         shutil.copy(REPO / name, source / name)
-    for package in ("latent_core", "user_dir", "espnet_plugin"):
+    for package in ("latent_core", "pipelines", "user_dir", "espnet_plugin"):
         shutil.copytree(REPO / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
     prefix = root / "prefix"
     # --ignore-installed: without it pip uninstalls the environment's own (editable) install first
@@ -58,3 +58,15 @@ def test_console_commands_and_fairseq_user_dir_run_from_the_installed_copy(insta
                       env=installed["env"], cwd=installed["cwd"]).stdout.split()
     assert out[:4] == ["sentence_vae", "qkvae_small", "sentence_vae", "authors"], out
     assert out[4].startswith(user_dir), out
+
+
+def test_setup_py_shim_reports_the_pyproject_version():
+    """``python setup.py --version`` (tools that still call setup.py) reads pyproject.toml."""
+    import re
+    import subprocess
+
+    version = re.search(r'^version = "([^"]+)"', (REPO / "pyproject.toml").read_text(), re.M).group(1)
+    proc = subprocess.run([sys.executable, "setup.py", "--version"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == version

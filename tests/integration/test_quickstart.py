@@ -1,4 +1,4 @@
-"""The SDMA quickstart (``make demo``, ``user_dir.tools.sdma.quickstart``) and the log helpers of ``latent_core.runs``.
+"""The SDMA quickstart (``make demo``, ``user_dir.tools.sdma.quickstart``) and the log helpers of ``pipelines.runs``.
 
 Pure functions first (updates from --minutes, segment boundaries, log parsing of a
 fabricated multi-segment fairseq log, ratio statistics), then the segment runner with a
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from latent_core import runs
+from pipelines import runs
 from user_dir.tools.sdma import quickstart as qs
 
 DING = Path("/usr/share/trans/de-en")
@@ -233,7 +233,7 @@ def test_quickstart_end_to_end_interleaved(tmp_path):
 
     from conftest import run_checked, venv_bin
 
-    from latent_core.data import ding, translation
+    from pipelines.data import ding, translation
 
     out = tmp_path / "qs"
     raw, prep = out / "data" / "raw", out / "data" / "prep"  # where the quickstart reuses its data

@@ -22,7 +22,7 @@ HEADS, HEAD_DIM, CLUSTERS = 4, 3, 5
 
 def _core_with_one_cluster_near_origin():
     """An SDMA core whose feature GMMs put cluster 0 at the origin and the others far away."""
-    core = SDMACore(HEADS * HEAD_DIM, HEADS, SDMAOptions(mode="sma", num_clusters=CLUSTERS))
+    core = SDMACore(HEADS * HEAD_DIM, HEADS, SDMAOptions(mode="sma", clusters=CLUSTERS))
     with torch.no_grad():
         gmm = core.feature_gmm
         gmm.prior_logits.zero_()

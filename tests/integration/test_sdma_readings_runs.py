@@ -1,4 +1,4 @@
-"""sdma-readings-runs end to end on a tiny budget (issue 29's controlled comparison driver)."""
+"""sdma-readings-runs end to end on a tiny budget (the controlled comparison driver)."""
 
 import json
 import math

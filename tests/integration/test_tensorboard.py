@@ -1,4 +1,4 @@
-"""TensorBoard logging through the toolkits' own options (issue 15): fairseq's
+"""TensorBoard logging through the toolkits' own options: fairseq's
 ``--tensorboard-logdir`` writes event files with the plugin's loss terms in them.
 
 * (a) an SDMA translation run (``sdma_transformer_iwslt_de_en_tiny`` shrunk to one layer, 400

@@ -1,5 +1,5 @@
 """``tpr-transfer-runs`` (``user_dir.tools.tpr.transfer_runs``): the HUBERT transfer protocol (Table 2)
-through fairseq-train, and ``prepare-pattern3`` (``latent_core.data.pattern3``: the real sets of
+through fairseq-train, and ``prepare-pattern3`` (``pipelines.data.pattern3``: the real sets of
 the README run)."""
 
 import json
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import REPO, save_tiny_bert, venv_bin
-from latent_core.data import pattern3 as p3
+from pipelines.data import pattern3 as p3
 from user_dir.tools.tpr import transfer_runs as protocol
 
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "a", "and", ".", "cat", "dog", "horse", "bird",

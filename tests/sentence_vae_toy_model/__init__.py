@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 import torch
 from fairseq import utils
 from fairseq.dataclass import FairseqDataclass
-from fairseq.models import FairseqEncoderDecoderModel, FairseqIncrementalDecoder, register_model
+from fairseq.models import FairseqIncrementalDecoder, register_model
 from torch import nn
 
-from user_dir.sentence_vae.base import SentenceVAEEncoder, decoder_extra
+from user_dir.sentence_vae.base import SentenceVAEEncoder, SentenceVAEModel, decoder_extra
 
 ARCH = "test_gru_vae"
 
@@ -105,12 +105,11 @@ class ToyGRUDecoder(FairseqIncrementalDecoder):
 
 
 @register_model(ARCH, dataclass=ToyGRUVAEConfig)
-class ToyGRUVAE(FairseqEncoderDecoderModel):
+class ToyGRUVAE(SentenceVAEModel):
     """TEST DOUBLE sentence VAE (see the module doc)."""
 
     def __init__(self, encoder, decoder, latent_sizes):
-        super().__init__(encoder, decoder)
-        self.latent_sizes = latent_sizes
+        super().__init__(encoder, decoder, latent_sizes)
 
     @classmethod
     def build_model(cls, cfg, task):

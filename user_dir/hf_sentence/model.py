@@ -19,7 +19,8 @@ there once; subclasses extend it). The resolved config is recorded in the model'
 
 Subclasses (e.g. the topic-VQ model) reuse the pieces: :meth:`build_backbone_and_head`
 ``(args, task) -> (backbone, head)`` (checks, encoder, a head over :meth:`head_input_size`
-inputs, --freeze-layers; a subclass's ``build_model`` calls it, then its constructor),
+inputs, --freeze-layers; a subclass's ``build_model`` starts with ``args = model_options(cls, args)``, calls
+it, then its constructor),
 :meth:`build_backbone`, :meth:`encode` ``(net_input) -> (hidden [B, T, H], padding_mask
 [B, T] True at padding)``, :meth:`pool` ``(hidden, net_input) -> [B, H]``,
 :meth:`classify` ``([B, H]) -> [B, C]``, and :meth:`forward` ``(**net_input) -> (logits
@@ -38,13 +39,14 @@ from typing import Dict, Optional, Tuple
 import torch
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.models import BaseFairseqModel, register_model
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 from torch import Tensor, nn
 
-from latent_core.data.bert_source import PADDING_OFFSET_POSITIONS
 from latent_core.errors import PluginConfigError
+from pipelines.data.bert_source import PADDING_OFFSET_POSITIONS
+
 from ..hf_pretrained import inspect_hf_directory
-from ..model_config import add_config_args, config_defaults, fill_unset
+from ..model_config import add_config_args, model_options
 
 logger = logging.getLogger(__name__)
 
@@ -77,19 +79,20 @@ class HFSentenceClassifierConfig(FairseqDataclass):
                                         "saved with checkpoints"})
 
 
-def record_option(args, name: str, value) -> None:
-    """``args.<name> = value``, saved with the checkpoints. fairseq builds a model whose ``--arch`` is
-    its name from a merged copy of ``cfg.model`` (``merge_with_parent``); the copy keeps the run's
-    config as its parent, so the value is written into that config's ``model`` as well (the one the
-    trainer saves)."""
+def record_in_config(cfg, values: Dict[str, object]) -> None:
+    """Write options a model set while building (:attr:`HFSentenceClassifier.RECORDED_OPTIONS`) into
+    ``cfg``, the model config the task was handed: the one the trainer saves with every checkpoint
+    (fairseq builds a dataclass model from a merged copy of it, which is not saved)."""
     try:
-        setattr(args, name, value)
-        parent = args._get_parent() if OmegaConf.is_config(args) else None
-        saved = parent.get("model") if parent is not None else None
-        if OmegaConf.is_config(saved) and saved is not args and name in saved:
-            saved[name] = value
-    except (AttributeError, KeyError):  # a read-only config
-        logger.warning("could not record %s in the model arguments", name)
+        if OmegaConf.is_config(cfg):
+            with open_dict(cfg):
+                for name, value in values.items():
+                    cfg[name] = value
+        else:
+            for name, value in values.items():
+                setattr(cfg, name, value)
+    except (AttributeError, KeyError, ValueError):  # a read-only config
+        logger.warning("could not record %s in the model configuration", ", ".join(values))
 
 
 # ---------------------------------------------------------------------------- configs
@@ -215,6 +218,10 @@ class ClassificationHead(nn.Module):
 class HFSentenceClassifier(BaseFairseqModel):
     """Hugging Face encoder + classification head; see the module docstring."""
 
+    # options the model sets while building, which the task writes into the saved config
+    # (record_in_config): the encoder's config, to rebuild it without its weights from a checkpoint
+    RECORDED_OPTIONS = ("hf_backbone_config",)
+
     def __init__(self, args, backbone, head: ClassificationHead, padding_idx: int):
         super().__init__()
         self.args = args
@@ -234,12 +241,6 @@ class HFSentenceClassifier(BaseFairseqModel):
     def config_class(cls):
         """The model's config dataclass (``register_model`` stores it on the class)."""
         return getattr(cls, "__dataclass")
-
-    @classmethod
-    def fill_unset_options(cls, args) -> None:
-        """Set every option that ``args`` leaves unset (absent or None) to its default: the
-        Namespace of a caller that skips the architecture function, or of an old checkpoint."""
-        fill_unset(args, config_defaults(cls.config_class()))
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -266,7 +267,7 @@ class HFSentenceClassifier(BaseFairseqModel):
                                         "encoder) or --hf-config JSON_OR_DIR (random initialisation)")
         if getattr(backbone, "pooler", None) is not None:
             backbone.pooler = None  # unused: DDP needs every parameter to receive a gradient
-        record_option(args, "hf_backbone_config", backbone.config.to_json_string(use_diff=False))
+        args.hf_backbone_config = backbone.config.to_json_string(use_diff=False)  # saved: RECORDED_OPTIONS
         return backbone.float()
 
     @classmethod
@@ -280,7 +281,6 @@ class HFSentenceClassifier(BaseFairseqModel):
         """Checks the options and the task, builds the encoder (with weights unless
         ``task.building_from_checkpoint``), the :class:`ClassificationHead` over
         :meth:`head_input_size` inputs, and applies ``--freeze-layers``."""
-        cls.fill_unset_options(args)
         for needed in ("tokenizer", "num_classes", "padding_idx"):
             if not hasattr(task, needed):
                 arch = getattr(args, "arch", None) or getattr(args, "_name", None)
@@ -302,11 +302,16 @@ class HFSentenceClassifier(BaseFairseqModel):
 
     @classmethod
     def build_model(cls, args, task):
+        args = model_options(cls, args)
         backbone, head = cls.build_backbone_and_head(args, task)
         return cls(args, backbone, head, task.padding_idx)
 
     def max_positions(self) -> int:
         return config_max_positions(self.backbone.config)
+
+    def recorded_options(self) -> Dict[str, object]:
+        """The values of :attr:`RECORDED_OPTIONS` this model was built with."""
+        return {name: getattr(self.args, name) for name in self.RECORDED_OPTIONS}
 
     # ------------------------------------------------------------------- forward
     def padding_mask(self, net_input: Dict[str, Tensor]) -> Tensor:

@@ -31,6 +31,7 @@ from fairseq.tasks import FairseqTask, register_task
 from omegaconf import II
 
 from ..exact_resume import batches_made_as_at_epoch_one
+from .model import HFSentenceClassifier, record_in_config
 from .data import (
     GLUE_TASKS,
     TASK_CHOICES,
@@ -292,9 +293,12 @@ class HFSentencePredictionTask(FairseqTask):
         pre-trained weights that the checkpoint's replace (nor copying a transfer's source again)."""
         self.building_from_checkpoint = from_checkpoint
         try:
-            return super().build_model(cfg, from_checkpoint)
+            model = super().build_model(cfg, from_checkpoint)
         finally:
             self.building_from_checkpoint = False
+        if isinstance(model, HFSentenceClassifier):
+            record_in_config(cfg, model.recorded_options())
+        return model
 
     def load_dataset(self, split: str, epoch: int = 1, combine: bool = False, **kwargs):
         if split_file(split) == "train.tsv" and self._train_cache is not None:

@@ -48,11 +48,12 @@ import torch
 import torch.nn.functional as F
 from fairseq import utils
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
-from fairseq.models import FairseqEncoderDecoderModel, FairseqIncrementalDecoder, register_model
+from fairseq.models import FairseqIncrementalDecoder, register_model
 from torch import Tensor, nn
 
-from user_dir.model_config import add_config_args, register_architecture
-from user_dir.sentence_vae.base import SentenceVAEEncoder, decoder_extra
+from latent_core.errors import check_heads_divide, check_positive_int, option_flag
+from user_dir.model_config import add_config_args, model_options, register_architecture
+from user_dir.sentence_vae.base import SentenceVAEEncoder, SentenceVAEModel, decoder_extra
 
 from .pretrained import (
     OptimusConfigError,
@@ -339,18 +340,16 @@ class OptimusDecoder(FairseqIncrementalDecoder):
 
 
 @register_model("optimus", dataclass=OptimusConfig)
-class OptimusModel(FairseqEncoderDecoderModel):
+class OptimusModel(SentenceVAEModel):
     """Optimus (Li et al., 2020): BERT encoder, latent z (``latent_sizes = {"z": P}``), GPT-2 decoder."""
 
     def __init__(self, args, encoder: OptimusEncoder, decoder: OptimusDecoder):
-        super().__init__(encoder, decoder)
+        # what the authors' run computes: the KL hinge mask of their code (``--kl-variant free_bits``
+        # gives the paper's eq. 9) and the loss averaged over sentences (their loss_rec + beta *
+        # loss_kl, .mean() over the batch)
+        super().__init__(encoder, decoder, OrderedDict([(LATENT, encoder.latent_dim)]),
+                         default_kl_variant="hinge", sentence_average_loss=True)
         self.args = args
-        self.latent_sizes = OrderedDict([(LATENT, encoder.latent_dim)])
-        # what the authors' run computes (read by the sentence_vae criterion): the KL hinge mask
-        # of their code (``--kl-variant free_bits`` gives the paper's eq. 9) and the loss
-        # averaged over sentences (their loss_rec + beta * loss_kl, .mean() over the batch)
-        self.default_kl_variant = "hinge"
-        self.sentence_average_loss = True
 
     @classmethod
     def hub_models(cls):
@@ -364,7 +363,7 @@ class OptimusModel(FairseqEncoderDecoderModel):
     def build_model(cls, args, task):
         """``args``: fairseq-train's Namespace or a config; read and completed in place (the sizes of
         ``--bert-dir`` / ``--gpt2-dir`` are recorded in it)."""
-        optimus_base(args)  # the defaults of anything unset (a bare Namespace)
+        args = model_options(cls, args)
         validate_optimus_args(args)
         src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
         bert_dir = (inspect_pretrained_directory(args.bert_dir, "--bert-dir", "bert")
@@ -400,7 +399,7 @@ def _adopt_pretrained_sizes(args, directory: PretrainedDirectory, sizes) -> None
         if real is None:
             continue
         if getattr(args, arg, None) != real:
-            differing.append(f"--{arg.replace('_', '-')} {getattr(args, arg, None)} -> {key} {real}")
+            differing.append(f"{option_flag(arg)} {getattr(args, arg, None)} -> {key} {real}")
         setattr(args, arg, real)
     if differing:
         logger.warning("%s %s: the sizes come from its config.json, not from the architecture flags: %s",
@@ -482,21 +481,19 @@ def validate_optimus_args(args) -> None:
     for name, choices in (("optimus_cls_pooling", POOLINGS), ("latent_injection", INJECTIONS),
                           ("optimus_memory_kv", MEMORY_KV)):
         if getattr(args, name) not in choices:
-            raise OptimusConfigError(f"--{name.replace('_', '-')}={getattr(args, name)!r}: choose from {choices}")
+            raise OptimusConfigError(f"{option_flag(name)}={getattr(args, name)!r}: choose from {choices}")
     for name in ("dropout", "attention_dropout"):
         if not 0.0 <= getattr(args, name) < 1.0:
-            raise OptimusConfigError(f"--{name.replace('_', '-')}={getattr(args, name)} must be in [0, 1)")
+            raise OptimusConfigError(f"{option_flag(name)}={getattr(args, name)} must be in [0, 1)")
     for side, pretrained in (("encoder", args.bert_dir), ("decoder", args.gpt2_dir)):
         if pretrained:
             continue  # sizes come from the directory
-        dim, heads = getattr(args, f"{side}_embed_dim"), getattr(args, f"{side}_attention_heads")
-        if heads < 1 or dim < 1 or dim % heads != 0:
-            raise OptimusConfigError(
-                f"--{side}-attention-heads={heads} must be >= 1 and divide --{side}-embed-dim={dim}"
-            )
+        check_positive_int(f"--{side}-embed-dim", getattr(args, f"{side}_embed_dim"), OptimusConfigError)
+        check_heads_divide(f"--{side}-attention-heads", getattr(args, f"{side}_attention_heads"),
+                           f"--{side}-embed-dim", getattr(args, f"{side}_embed_dim"), OptimusConfigError)
         for name in (f"{side}_layers", f"{side}_ffn_embed_dim"):
             if getattr(args, name) < 1:
-                raise OptimusConfigError(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+                raise OptimusConfigError(f"{option_flag(name)}={getattr(args, name)} must be >= 1")
         positions = getattr(args, f"max_{side}_positions")
         if positions < 2:
             raise OptimusConfigError(f"--max-{side}-positions={positions} must be >= 2")

@@ -2,7 +2,7 @@
 
 Optimus reads a sentence into BERT as WordPiece and scores it from GPT-2 as BPE (Li et al., EMNLP 2020,
 Sec. 4.2, "Tokenization"). Data come from ``prepare-optimus-data``
-(:mod:`latent_core.data.optimus_text`): a fairseq language pair ``bert -> gpt2`` with the two
+(:mod:`pipelines.data.optimus_text`): a fairseq language pair ``bert -> gpt2`` with the two
 vocabularies as dictionaries (``dict.bert.txt``, ``dict.gpt2.txt``) and the two tokenizers
 saved beside them (``bert_tokenizer/``, ``gpt2_tokenizer/``). Every example is a
 :class:`LanguagePairDataset` pair:
@@ -35,7 +35,7 @@ from fairseq import utils
 from fairseq.data import Dictionary, LanguagePairDataset, data_utils
 from fairseq.tasks import register_task
 
-from latent_core.data.optimus_text import SOURCE_LANG, TARGET_LANG
+from pipelines.data.optimus_text import SOURCE_LANG, TARGET_LANG
 from latent_core.errors import PluginConfigError
 from user_dir.sentence_vae.task import DecoderStartDataset, SentenceVAEConfig, SentenceVAETask, require_data
 
@@ -150,10 +150,10 @@ class OptimusLMTask(SentenceVAETask):
     def _tokenizer(self, name: str):
         directory = os.path.join(utils.split_paths(require_data(self.cfg.data))[0], name)
         if name == "gpt2_tokenizer":
-            from latent_core.data.optimus_text import load_gpt2_tokenizer
+            from pipelines.data.optimus_text import load_gpt2_tokenizer
 
             return load_gpt2_tokenizer(directory, f"{name}/ of the data directory")
-        from latent_core.data.bert_source import load_tokenizer
+        from pipelines.data.bert_source import load_tokenizer
 
         return load_tokenizer(directory, f"{name}/ of the data directory")
 

@@ -43,6 +43,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from latent_core.errors import option_flag
 from latent_core.vae import VAEConfigError
 
 from ..hf_pretrained import inspect_hf_directory
@@ -135,7 +136,7 @@ def check_bart_architecture(config: dict, args, dictionary, bart_dir: str) -> No
     max_pos = _bart_field(config, "max_position_embeddings")
     for option in ("max_source_positions", "max_target_positions"):
         if getattr(args, option) > max_pos:
-            mismatch("max_position_embeddings", max_pos, "--" + option.replace("_", "-"), getattr(args, option))
+            mismatch("max_position_embeddings", max_pos, option_flag(option), getattr(args, option))
 
 
 def bart_parameter_map(model, config: dict) -> Dict[str, str]:

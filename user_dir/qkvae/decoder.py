@@ -30,6 +30,7 @@ from fairseq.modules import FairseqDropout, LayerNorm
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 from torch import Tensor, nn
 
+from latent_core.errors import check_heads_divide
 from user_dir.sentence_vae.base import posteriors_of, word_dropout
 
 
@@ -45,8 +46,7 @@ class QKVAttention(nn.Module):
 
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0):
         super().__init__()
-        if embed_dim % num_heads != 0:
-            raise ValueError(f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}")
+        check_heads_divide("num_heads", num_heads, "embed_dim", embed_dim)
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.head_dim = embed_dim // num_heads

@@ -46,13 +46,15 @@ from dataclasses import dataclass, field, make_dataclass
 from typing import Dict, List, Optional, Tuple
 
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
-from fairseq.models import MODEL_REGISTRY, FairseqEncoderDecoderModel, register_model
+from fairseq.models import MODEL_REGISTRY, register_model
 from fairseq.models.transformer import TransformerConfig
 from fairseq.models.transformer.transformer_base import Embedding
 
+from latent_core.errors import check_heads_divide, option_flag
 from latent_core.vae import VAEConfigError
-from user_dir.model_config import (add_config_args, config_namespace, fill_unset, flat_transformer_fields,
+from user_dir.model_config import (add_config_args, fill_unset, flat_transformer_fields, model_options,
                                    register_architecture)
+from user_dir.sentence_vae.base import SentenceVAEModel
 
 from .bart_init import initialise_from_bart
 from .decoder import ADVAEDecoder, QKVDecoder
@@ -60,7 +62,7 @@ from .encoder import READINGS, LatentGroup, LatentQueryEncoder
 
 
 def _option(name: str) -> str:
-    return "--" + name.replace("_", "-")
+    return option_flag(name)
 
 
 # -- options ----------------------------------------------------------------------------------
@@ -127,23 +129,23 @@ class ADVAEConfig(LatentAttentionVAEConfig):
         default=None, metadata={"help": "layers of Enc in y = Cat(d; z) -> Enc(y) (default: --encoder-layers)"})
 
 
-class LatentAttentionVAE(FairseqEncoderDecoderModel):
+class LatentAttentionVAE(SentenceVAEModel):
     """Common part of QKVAE and ADVAE: argument handling, the shared embedding, the encoder,
     ``latent_sizes`` ``{name: D}`` and ``latent_slots`` ``{name: (L, d)}`` (D = L * d)."""
 
     def __init__(self, args, encoder: LatentQueryEncoder, decoder):
-        super().__init__(encoder, decoder)
+        # the authors' training (QKVAE reading "authors"): the decoder starts with <s> (qkv_train.py feeds
+        # text[..., :-1]; the paper reading keeps fairseq's </s>), the loss is averaged over sentences
+        # (their criteria.py sums tokens, means sentences) and the optimizer is re-created when the
+        # auto-encoding phase ends (qkv_train.py)
+        authors = encoder.reading == "authors"
+        super().__init__(encoder, decoder, OrderedDict((g.name, g.size) for g in encoder.groups),
+                         default_decoder_start="bos" if authors else "eos", sentence_average_loss=authors,
+                         reset_optimizer_after_ae=authors)
         self.args = args
         self.latent_slots: "OrderedDict[str, Tuple[int, int]]" = OrderedDict(
             (g.name, (g.slots, g.slot_dim)) for g in encoder.groups
         )
-        self.latent_sizes: "OrderedDict[str, int]" = OrderedDict((g.name, g.size) for g in encoder.groups)
-        # the authors' training (QKVAE reading "authors"): loss averaged over sentences (their
-        # criteria.py sums tokens, means sentences) and the optimizer re-created when the
-        # auto-encoding phase ends (qkv_train.py); read by the sentence_vae criterion and task
-        authors = encoder.reading == "authors"
-        self.sentence_average_loss = authors
-        self.reset_optimizer_after_ae = authors
 
     @classmethod
     def hub_models(cls):
@@ -186,7 +188,7 @@ class LatentAttentionVAE(FairseqEncoderDecoderModel):
 
     @classmethod
     def build_model(cls, cfg, task):
-        args = config_namespace(cfg, getattr(cls, "__dataclass"))
+        args = model_options(cls, cfg)
         cls.architecture_defaults(args)
         cls.resolve_defaults(args)
         src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
@@ -199,9 +201,6 @@ class LatentAttentionVAE(FairseqEncoderDecoderModel):
                                      reading=cls.reading(args))
         decoder = cls.build_latent_decoder(cfg, args, tgt_dict, embed_tokens)
         model = cls(args, encoder, decoder)
-        # the sentence_vae task's --decoder-start auto: the authors' qkv_train.py feeds text[..., :-1],
-        # which starts with <s>; the paper reading keeps fairseq's </s>
-        model.default_decoder_start = "bos" if cls.reading(args) == "authors" else "eos"
         if getattr(args, "bart_dir", None):
             model.bart_parameter_map = initialise_from_bart(model, args.bart_dir)
         return model
@@ -225,9 +224,8 @@ def validate_latent_vae_args(args, src_dict, tgt_dict) -> None:
             f"{args.decoder_embed_dim} (one shared embedding; the latent queries attend to the encoder)"
         )
     for side in ("encoder", "decoder"):
-        dim, heads = getattr(args, f"{side}_embed_dim"), getattr(args, f"{side}_attention_heads")
-        if heads < 1 or dim % heads != 0:
-            raise VAEConfigError(f"--{side}-attention-heads={heads} must be >= 1 and divide --{side}-embed-dim={dim}")
+        check_heads_divide(f"--{side}-attention-heads", getattr(args, f"{side}_attention_heads"),
+                           f"--{side}-embed-dim", getattr(args, f"{side}_embed_dim"), VAEConfigError)
     for name, minimum in (("encoder_layers", 1), ("decoder_layers", 1), ("posterior_layers", 1),
                           ("num_latent_slots", 1), ("slot_latent_dim", 1)):
         value = getattr(args, name)

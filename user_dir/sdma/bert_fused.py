@@ -43,6 +43,7 @@ refused: the model's ``max_positions()`` says so to fairseq, which stops with it
 """
 
 import contextlib
+import contextvars
 import functools
 import hashlib
 import logging
@@ -58,12 +59,12 @@ from fairseq.models.transformer import TransformerConfig
 from fairseq.modules.multihead_attention import MultiheadAttention
 from torch import Tensor
 
-from latent_core.data.bert_source import load_tokenizer, max_source_pieces
+from pipelines.data.bert_source import load_tokenizer, max_source_pieces
 from latent_core.errors import PluginConfigError, parse_bool
 from latent_core.sdma import real_queries
 from ..hf_pretrained import inspect_hf_directory
 from ..hf_sentence.model import ENCODER_TYPES, load_pretrained_encoder
-from ..model_config import add_config_args, config_namespace
+from ..model_config import add_config_args, model_options
 from .fairseq_attention import SDMAMultiheadAttention
 from .model import (
     IWSLT_BASE,
@@ -252,13 +253,29 @@ def dropnet_weights(p_net: float, training: bool) -> Tuple[float, float]:
     return 0.5, 0.5
 
 
+# BERT's output H_B (``[S, B, E]``) and its padding mask (``[B, S]``) for the forward pass under way
+_BERT_OUTPUT: contextvars.ContextVar[Tuple[Optional[Tensor], Optional[Tensor]]] = contextvars.ContextVar(
+    "bert_fused_output", default=(None, None))
+
+
+@contextlib.contextmanager
+def bert_output(states: Tensor, padding_mask: Optional[Tensor]) -> Iterator[None]:
+    """Every :class:`BertFusedAttention` called inside this scope attends to ``states`` (set by the
+    encoder and the decoder around their layers; nested scopes restore the outer one)."""
+    token = _BERT_OUTPUT.set((states, padding_mask))
+    try:
+        yield
+    finally:
+        _BERT_OUTPUT.reset(token)
+
+
 class BertFusedAttention(nn.Module):
     """A layer's attention fused with an attention over BERT's output (Zhu et al., eq. 3/4).
 
     Called exactly like fairseq's ``MultiheadAttention`` by fairseq's own layers; returns
     ``(w_a attention(x) + w_b attention_B(x, H_B), attention(x)'s weights)`` with
     ``(w_a, w_b)`` from :func:`dropnet_weights`. ``H_B`` (``[S, B, E]``) and its padding mask
-    (``[B, S]``) are set by the encoder/decoder for one forward pass (:meth:`bert_input`).
+    (``[B, S]``) are set by the encoder/decoder for one forward pass (:func:`bert_output`).
     Both inner modules keep their own incremental state, so decoding step by step equals
     the full pass and beam reordering reaches both.
     """
@@ -268,26 +285,17 @@ class BertFusedAttention(nn.Module):
         self.attention = attention
         self.bert_attention = bert_attention
         self.p_net = float(p_net)
-        self.bert_states: Optional[Tensor] = None
-        self.bert_padding_mask: Optional[Tensor] = None
-
-    @contextlib.contextmanager
-    def bert_input(self, states: Tensor, padding_mask: Optional[Tensor]) -> Iterator[None]:
-        self.bert_states, self.bert_padding_mask = states, padding_mask
-        try:
-            yield
-        finally:
-            self.bert_states = self.bert_padding_mask = None
 
     def recompute_context(self):
-        """:meth:`bert_input` with this forward pass's BERT output, for activation checkpointing's
+        """:func:`bert_output` with this forward pass's BERT output, for activation checkpointing's
         recomputation in backward (``model.regulariser_preserving_checkpoint``)."""
-        return functools.partial(self.bert_input, self.bert_states, self.bert_padding_mask)
+        return functools.partial(bert_output, *_BERT_OUTPUT.get())
 
     def forward(self, query, key, value, key_padding_mask=None, incremental_state=None, need_weights=True,
                 static_kv=False, attn_mask=None, before_softmax=False, need_head_weights=False):
-        if self.bert_states is None:
-            raise RuntimeError("BertFusedAttention called outside bert_input(): the encoder/decoder sets "
+        bert_states, bert_padding_mask = _BERT_OUTPUT.get()
+        if bert_states is None:
+            raise RuntimeError("BertFusedAttention called outside bert_output(): the encoder/decoder sets "
                                "BERT's output for each forward pass")
         # the queries of the attention over BERT's output are this layer's positions: in the
         # encoder they are the keys of the self-attention; the decoder layer sets its own
@@ -302,8 +310,8 @@ class BertFusedAttention(nn.Module):
             if before_softmax:
                 return out, weights
             bert_out, _ = self.bert_attention(
-                query=query, key=self.bert_states, value=self.bert_states,
-                key_padding_mask=self.bert_padding_mask, incremental_state=incremental_state,
+                query=query, key=bert_states, value=bert_states,
+                key_padding_mask=bert_padding_mask, incremental_state=incremental_state,
                 need_weights=False, static_kv=True)
         own, bert = dropnet_weights(self.p_net, self.training)
         return own * out + bert * bert_out, weights
@@ -338,14 +346,6 @@ class BertFusedDecoderLayer(SDMADecoderLayer):
 
 def fused_attentions(layers) -> List[BertFusedAttention]:
     return [m for layer in layers for m in layer.modules() if isinstance(m, BertFusedAttention)]
-
-
-@contextlib.contextmanager
-def bert_inputs(modules: List[BertFusedAttention], states: Tensor, padding_mask: Optional[Tensor]):
-    with contextlib.ExitStack() as stack:
-        for module in modules:
-            stack.enter_context(module.bert_input(states, padding_mask))
-        yield
 
 
 # --------------------------------------------------------------------- encoder / decoder
@@ -384,7 +384,7 @@ class BertFusedEncoder(SDMATransformerEncoder):
         if self.fusion == "embed":
             return self.forward_scriptable(src_tokens, src_lengths, return_all_hiddens, states)
         bert_out, padding_mask = states.transpose(0, 1), src_tokens.eq(self.padding_idx)
-        with bert_inputs(self.fused, bert_out, padding_mask):
+        with bert_output(bert_out, padding_mask):
             out = self.forward_scriptable(src_tokens, src_lengths, return_all_hiddens, token_embeddings)
         out["bert_out"] = [bert_out]
         out["bert_padding_mask"] = [padding_mask]
@@ -425,13 +425,12 @@ class BertFusedDecoder(SDMATransformerDecoder):
     def extract_features(self, prev_output_tokens, encoder_out=None, incremental_state=None,
                          full_context_alignment: bool = False, alignment_layer: Optional[int] = None,
                          alignment_heads: Optional[int] = None):
-        modules = self.fused
-        if not modules:
+        if not self.fused:
             return super().extract_features(prev_output_tokens, encoder_out, incremental_state,
                                             full_context_alignment, alignment_layer, alignment_heads)
         if not encoder_out or not encoder_out.get("bert_out"):
             raise RuntimeError("the attention-fusion decoder needs encoder_out['bert_out'] from BertFusedEncoder")
-        with bert_inputs(modules, encoder_out["bert_out"][0], encoder_out["bert_padding_mask"][0]):
+        with bert_output(encoder_out["bert_out"][0], encoder_out["bert_padding_mask"][0]):
             return super().extract_features(prev_output_tokens, encoder_out, incremental_state,
                                             full_context_alignment, alignment_layer, alignment_heads)
 
@@ -467,7 +466,7 @@ class BertFusedTransformerModel(SDMATransformerModel):
 
     @classmethod
     def build_model(cls, cfg, task):
-        args = config_namespace(cfg, BertFusedTransformerConfig)
+        args = model_options(cls, cfg)
         validate_bert_args(args)
         model = super().build_model(args, task)  # SDMA's checks
         log_parameter_counts(model)

@@ -10,7 +10,7 @@ mean over the sentence's tokens, the heads and the layers, eq. 20-23) and, by de
 authors' fairseq criterion does (``.mean((1, 2)).sum()``): the whole loss is extensive in
 the batch, like L_CE, and the lambdas of Table I weigh each sentence's regularisers
 against its summed L_CE. ``batch`` adds the batch mean once instead (~``nsentences``
-times weaker; this plugin's default before issue 13), ``token`` the batch mean times the
+times weaker; this plugin's default in its first versions), ``token`` the batch mean times the
 number of tokens (eq. 24 read with a per-token L_CE). Every logged value is a sum over
 sentences or batches, so ``logging_outputs_can_be_summed()`` holds and DDP reduction is
 exact (2 processes give the same update as one with ``--update-freq 2``); the ``sdma_*``
@@ -31,6 +31,7 @@ from fairseq.logging import metrics
 from fairseq.dataclass import ChoiceEnum
 from torch import Tensor
 
+from latent_core.errors import option_flag
 from latent_core.sdma import (
     DIAGNOSTIC_SUMS,
     LOSS_NAMES,
@@ -48,6 +49,8 @@ from latent_core.sdma import (
     weighted_regulariser,
 )
 from user_dir.model_wrappers import unwrap_model
+
+from .model import SDMATransformerModel
 
 FAIRSEQ_ADVICE = ("Lower the learning rate, enable --fp16-scale-tolerance / bf16, or check the input data; "
                   "the last checkpoint is intact.")
@@ -103,10 +106,11 @@ class SDMALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion)
         }
         for name, value in self.weight_overrides.items():
             if value is not None:
-                check_loss_weight(name, value, "--" + name.replace("_", "-"))
+                check_loss_weight(name, value, option_flag(name))
 
     def loss_weights(self, model):
-        model_defaults = getattr(unwrap_model(model), "sdma_loss_weights", {})
+        inner = unwrap_model(model)
+        model_defaults = inner.sdma_loss_weights if isinstance(inner, SDMATransformerModel) else {}
         weights = {}
         for name in LOSS_WEIGHTS:
             value = self.weight_overrides[name]

@@ -31,7 +31,7 @@ from fairseq.models.transformer.transformer_encoder import module_name_fordropou
 from fairseq.modules import FairseqDropout
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 
-from latent_core.errors import check_positive_int
+from latent_core.errors import check_heads_divide, check_positive_int, option_flag
 from latent_core.sdma import (
     ATTENTION_KERNELS,
     READINGS,
@@ -40,15 +40,13 @@ from latent_core.sdma import (
     SDMALossWeights,
     SDMAOptions,
     check_loss_weight,
-    option_name,
     real_queries,
 )
 
-from ..model_config import add_config_args, config_defaults, config_namespace, fill_unset, flat_transformer_fields
+from ..model_config import add_config_args, config_defaults, fill_unset, flat_transformer_fields, model_options
 from .fairseq_attention import SDMAMultiheadAttention
 
 SIDES = ("encoder", "decoder")
-PER_SIDE = ("num_clusters", "num_query_clusters")  # the SDMAOptions fields one side may override
 LOSS_WEIGHT_ARGS = tuple(SDMALossWeights().as_options())  # lambda_k, lambda_q, lambda_x, lambda_d of eq. (24)
 
 
@@ -104,10 +102,8 @@ class SDMATransformerConfig(TransformerFields):
 
     sdma_mode: ChoiceEnum(SDMA_MODES) = core_field(SDMAOptions, "mode")
     sdma_reading: ChoiceEnum(READINGS) = core_field(SDMAOptions, "reading")
-    # Tables II-IV fix n_c = 4 (Section IV-C1; Table V's n_c = 4 row is Table II's SDMA-T base, the
-    # authors' IWSLT script passes --clusters 4); Table I's 8/8 is --sdma-clusters 8 --sdma-query-clusters 8
-    sdma_clusters: int = core_field(SDMAOptions, "num_clusters", default=4)
-    sdma_query_clusters: int = core_field(SDMAOptions, "num_query_clusters", default=4)
+    sdma_clusters: int = core_field(SDMAOptions, "clusters")  # Table I's 8/8: --sdma-clusters 8 --sdma-query-clusters 8
+    sdma_query_clusters: int = core_field(SDMAOptions, "query_clusters")
     sdma_mix_max: float = core_field(SDMAOptions, "mix_max")
     sdma_mix_rate: float = core_field(SDMAOptions, "mix_rate")
     sdma_centroid_grad_scale: float = core_field(SDMAOptions, "centroid_grad_scale")
@@ -137,14 +133,29 @@ class SDMATransformerConfig(TransformerFields):
 
 
 def sdma_options(cfg, side: str, mask_at_inference: bool = True) -> SDMAOptions:
-    """Options of one side (``encoder`` / ``decoder``) from the flat model config."""
-    values = {f.name: getattr(cfg, "sdma_" + option_name(f.name)) for f in fields(SDMAOptions)
-              if f.name != "mask_at_inference"}
-    for name in PER_SIDE:
-        per_side = getattr(cfg, f"sdma_{side}_{option_name(name)}", None)
-        if per_side is not None:
-            values[name] = per_side
-    return SDMAOptions(**values, mask_at_inference=mask_at_inference)
+    """Options of one side (``encoder`` / ``decoder``) from the flat model config: ``--sdma-<option>``,
+    with ``--sdma-<side>-clusters`` / ``--sdma-<side>-query-clusters`` where given."""
+    if side == "encoder":
+        clusters, query_clusters = getattr(cfg, "sdma_encoder_clusters", None), getattr(cfg, "sdma_encoder_query_clusters", None)
+    else:
+        clusters, query_clusters = getattr(cfg, "sdma_decoder_clusters", None), getattr(cfg, "sdma_decoder_query_clusters", None)
+    return SDMAOptions(
+        mode=cfg.sdma_mode,
+        reading=cfg.sdma_reading,
+        clusters=cfg.sdma_clusters if clusters is None else clusters,
+        query_clusters=cfg.sdma_query_clusters if query_clusters is None else query_clusters,
+        mix_max=cfg.sdma_mix_max,
+        mix_rate=cfg.sdma_mix_rate,
+        centroid_grad_scale=cfg.sdma_centroid_grad_scale,
+        noise_var=cfg.sdma_noise_var,
+        posterior_var=cfg.sdma_posterior_var,
+        gmm_init=cfg.sdma_gmm_init,
+        diversity_alpha=cfg.sdma_diversity_alpha,
+        diversity_beta=cfg.sdma_diversity_beta,
+        attention_kernel=cfg.sdma_attention_kernel,
+        compile=cfg.sdma_compile,
+        mask_at_inference=mask_at_inference,
+    )
 
 
 def attention_kwargs(layer, cfg):
@@ -303,6 +314,11 @@ class SDMATransformerDecoder(TransformerDecoderBase):
 class SDMATransformerModel(TransformerModel):
     """Transformer with semantic and disentangled mask attention (Chien & Huang, 2024)."""
 
+    # set by build_model: the eq. (24) weights of the architecture and options (the criterion's
+    # defaults), and --sdma-mode
+    sdma_loss_weights: Dict[str, float]
+    sdma_mode: str
+
     @classmethod
     def hub_models(cls):
         return {}
@@ -313,7 +329,7 @@ class SDMATransformerModel(TransformerModel):
 
     @classmethod
     def build_model(cls, cfg, task):
-        args = config_namespace(cfg, getattr(cls, "__dataclass"))  # a sparse Namespace builds, as fairseq's
+        args = model_options(cls, cfg)  # a sparse Namespace builds, as fairseq's
         validate_sdma_args(args)
         model = super().build_model(args, task)
         model.sdma_loss_weights = {name: float(getattr(args, name)) for name in LOSS_WEIGHT_ARGS}
@@ -343,12 +359,8 @@ class SDMATransformerModel(TransformerModel):
 def validate_sdma_args(args) -> None:
     """Early, named errors for impossible SDMA settings."""
     for side in SIDES:
-        dim = getattr(args, f"{side}_embed_dim")
-        heads = getattr(args, f"{side}_attention_heads")
-        if heads < 1 or dim % heads != 0:
-            raise SDMAConfigError(
-                f"--{side}-attention-heads={heads} must be >= 1 and divide --{side}-embed-dim={dim}"
-            )
+        check_heads_divide(f"--{side}-attention-heads", getattr(args, f"{side}_attention_heads"),
+                           f"--{side}-embed-dim", getattr(args, f"{side}_embed_dim"), SDMAConfigError)
     if getattr(args, "sdma_mode", "sdma") != "none":
         if args.encoder_embed_dim != args.decoder_embed_dim:
             raise SDMAConfigError(
@@ -360,13 +372,14 @@ def validate_sdma_args(args) -> None:
                 "--cross-self-attention is not implemented for SMA/SDMA attention (the decoder self-attention "
                 "would attend over encoder states clustered by the decoder's GMM); drop it, or --sdma-mode none")
     for name in LOSS_WEIGHT_ARGS:
-        check_loss_weight(name, getattr(args, name), "--" + name.replace("_", "-"))
+        check_loss_weight(name, getattr(args, name), option_flag(name))
+    for flag, value in (("--sdma-encoder-clusters", getattr(args, "sdma_encoder_clusters", None)),
+                        ("--sdma-encoder-query-clusters", getattr(args, "sdma_encoder_query_clusters", None)),
+                        ("--sdma-decoder-clusters", getattr(args, "sdma_decoder_clusters", None)),
+                        ("--sdma-decoder-query-clusters", getattr(args, "sdma_decoder_query_clusters", None))):
+        if value is not None:
+            check_positive_int(flag, value, SDMAConfigError, "the number of GMM clusters")
     for side in SIDES:
-        for option in map(option_name, PER_SIDE):
-            value = getattr(args, f"sdma_{side}_{option}", None)
-            if value is not None:
-                check_positive_int(f"--sdma-{side}-{option.replace('_', '-')}", value, SDMAConfigError,
-                                   "the number of GMM clusters")
         sdma_options(args, side).validate()
 
 

@@ -25,14 +25,18 @@ A sentence VAE is a ``FairseqEncoderDecoderModel`` whose
   :func:`decoder_extra` builds both entries.
   Incremental decoding must equal full scoring (tests check it for every model).
 
-Latent names and sizes are given by ``model.latent_sizes`` (an ordered ``{name: D}``).
+* **model** (:class:`SentenceVAEModel`) declares what the ``sentence_vae`` task and criterion read of
+  it: ``latent_sizes`` (an ordered ``{name: D}``) and its training defaults.
 """
 
+from collections import OrderedDict
 from typing import Dict, Mapping, Optional
 
 import torch
-from fairseq.models import FairseqEncoder
+from fairseq.models import FairseqEncoder, FairseqEncoderDecoderModel
 from torch import Tensor
+
+from user_dir.model_wrappers import unwrap_model
 
 from latent_core.vae import DiagonalGaussian
 
@@ -114,3 +118,73 @@ def word_dropout(prev_output_tokens: Tensor, p: float, unk: int, keep_first: boo
     if keep_first:
         drop[:, 0] = False
     return prev_output_tokens.masked_fill(drop, unk)
+
+
+class UpdateCounter(torch.nn.Module):
+    """Remembers fairseq's update counter (``BaseFairseqModel.set_num_updates`` reaches every
+    submodule that has ``set_num_updates``); the ``sentence_vae`` task attaches one to the model it
+    builds (``SentenceVAEModel.update_counter``). No parameters or buffers: the state dict of the
+    model is unchanged, so checkpoints load with or without it."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_updates = 0
+
+    def set_num_updates(self, num_updates: int) -> None:
+        self.num_updates = int(num_updates)
+
+
+class AutoEncodingPhase:
+    """A criterion whose KL weights are zero for its first ``ae_steps`` updates (the ``sentence_vae``
+    criterion's ``--ae-steps``); the task resets the optimizer where that phase ends for a model with
+    ``reset_optimizer_after_ae``."""
+
+    ae_steps: int = 0
+
+
+class SentenceVAEModel(FairseqEncoderDecoderModel):
+    """Base of every sentence VAE (QKVAE, ADVAE, Optimus): what the ``sentence_vae`` / ``optimus_lm``
+    tasks and the ``sentence_vae`` criterion read of a model, set once by the constructor.
+
+    Args:
+        latent_sizes: ``{latent name: D}``, in the order of the latents.
+        default_kl_variant: the ``--kl-variant`` the model trains with when none is given
+            (``free_bits``: QKVAE's code and Optimus' eq. 9; ``hinge``: Optimus' code).
+        default_decoder_start: the first decoder input under ``--decoder-start auto``
+            (``bos`` = ``<s>``, ``eos`` = fairseq's ``</s>``).
+        sentence_average_loss: the loss is averaged over sentences (sample size = sentences), as the
+            authors' QKVAE and Optimus code do, not over target tokens.
+        reset_optimizer_after_ae: the optimizer state is cleared when the auto-encoding phase
+            (``--ae-steps``) ends (QKVAE's ``qkv_train.py``).
+
+    ``update_counter`` is the task's :class:`UpdateCounter` (``None`` for a model built outside the
+    ``sentence_vae`` task, whose criterion then counts with ``set_num_updates``).
+    """
+
+    latent_sizes: "OrderedDict[str, int]"
+    default_kl_variant: str
+    default_decoder_start: str
+    sentence_average_loss: bool
+    reset_optimizer_after_ae: bool
+    update_counter: Optional[UpdateCounter]
+
+    def __init__(self, encoder, decoder, latent_sizes: Mapping[str, int], *, default_kl_variant: str = "free_bits",
+                 default_decoder_start: str = "eos", sentence_average_loss: bool = False,
+                 reset_optimizer_after_ae: bool = False):
+        super().__init__(encoder, decoder)
+        self.latent_sizes = OrderedDict(latent_sizes)
+        self.default_kl_variant = default_kl_variant
+        self.default_decoder_start = default_decoder_start
+        self.sentence_average_loss = sentence_average_loss
+        self.reset_optimizer_after_ae = reset_optimizer_after_ae
+        self.update_counter = None
+
+
+def sentence_vae_model(model, user: str) -> SentenceVAEModel:
+    """``model`` (a fairseq wrapper unwrapped) as a :class:`SentenceVAEModel`, or a TypeError naming
+    ``user`` (the task or criterion that needs one)."""
+    inner = unwrap_model(model)
+    if not isinstance(inner, SentenceVAEModel):
+        raise TypeError(f"{user} needs a sentence-VAE model (a user_dir.sentence_vae.base.SentenceVAEModel: "
+                        f"--arch qkvae*, advae*, optimus*); {type(inner).__name__} is not one")
+    return inner

@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 from fairseq import checkpoint_utils
 
-from .base import SentenceVAEEncoder
+from .base import SentenceVAEModel
 
 
 def load_sentence_vae(path: str, data: Optional[str] = None, cpu: bool = False):
@@ -20,7 +20,7 @@ def load_sentence_vae(path: str, data: Optional[str] = None, cpu: bool = False):
     except FileNotFoundError as err:
         raise FileNotFoundError(f"loading {path}: {err}") from err
     model = models[0]
-    if not isinstance(getattr(model, "encoder", None), SentenceVAEEncoder) or not getattr(model, "latent_sizes", None):
+    if not isinstance(model, SentenceVAEModel):
         raise TypeError(f"{path} holds a {type(model).__name__}, not a sentence VAE "
                         "(see user_dir/sentence_vae/base.py)")
     device = torch.device("cuda" if torch.cuda.is_available() and not cpu else "cpu")

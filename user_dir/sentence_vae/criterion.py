@@ -18,7 +18,7 @@ does a model whose ``sentence_average_loss`` is true (QKVAE's ``--qkvae-reading 
 **Where t comes from.** fairseq passes the update count to models only, never to criterions:
 ``task.train_step`` calls ``model.set_num_updates(update_num)``, and so do checkpoint resume
 (``Trainer.load_checkpoint``) and ``checkpoint_utils.load_model_ensemble_and_task``. The
-``sentence_vae`` task attaches an :class:`~user_dir.sentence_vae.task.UpdateCounter` to its
+``sentence_vae`` task attaches an :class:`~user_dir.sentence_vae.base.UpdateCounter` to its
 models, and this criterion reads t from it, so a resumed run continues its schedule and
 ``fairseq-validate`` uses the checkpoint's beta. For a model not built by the task, t is the
 value given to :meth:`SentenceVAECriterion.set_num_updates` (0 by default).
@@ -66,8 +66,8 @@ from latent_core.vae import (
 from latent_core.vae.kl import DEFAULT_KL_THRESHOLD, THRESHOLD_OPTION, parse_kl_thresholds
 from user_dir.model_wrappers import unwrap_model
 
-from .base import posteriors_of
-from .task import model_num_updates
+from .base import AutoEncodingPhase, posteriors_of, sentence_vae_model
+from .task import SentenceVAETask, model_num_updates
 
 DEFAULT_KL_VARIANT = "free_bits"  # QKVAE's (and Optimus' eq. 9); a model may name another
 
@@ -115,7 +115,7 @@ class SentenceVAECriterionConfig(FairseqDataclass):
 
 
 @register_criterion("sentence_vae", dataclass=SentenceVAECriterionConfig)
-class SentenceVAECriterion(FairseqCriterion):
+class SentenceVAECriterion(FairseqCriterion, AutoEncodingPhase):
     def __init__(self, task, cfg: SentenceVAECriterionConfig):
         super().__init__(task)
         self.cfg = cfg
@@ -130,20 +130,21 @@ class SentenceVAECriterion(FairseqCriterion):
         # Fail at start-up, before any data is read: every schedule and threshold must parse.
         if isinstance(cfg.ae_steps, bool) or not isinstance(cfg.ae_steps, int) or cfg.ae_steps < 0:
             raise VAEConfigError(f"--ae-steps={cfg.ae_steps} must be an integer number of updates >= 0")
+        self.ae_steps = cfg.ae_steps
         for entry in cfg.beta_schedule.split(","):
             parse_schedule(entry.rpartition("=")[2], self.total_updates)
         self.thresholds = parse_kl_thresholds(cfg.kl_threshold)
-        # --kl-variant, else the model's default_kl_variant (known here when the model was built first)
-        self.kl_variant = cfg.kl_variant or getattr(task, "default_kl_variant", None) or DEFAULT_KL_VARIANT
+        # --kl-variant, else the model's default_kl_variant (known here when the task built the model first)
+        built = task.built_model_defaults if isinstance(task, SentenceVAETask) else None
+        self.kl_variant = cfg.kl_variant or (built.default_kl_variant if built else DEFAULT_KL_VARIANT)
         for latent, value in self.thresholds.items():
             KLRegularizer(self.kl_variant, value, cfg.kl_scope, cfg.kl_granularity)
         self.num_updates = 0
         self._latents: Optional[tuple] = None
         self.schedules: Dict[str, object] = {}
         self.regularizers: Dict[str, KLRegularizer] = {}
-        latent_sizes = getattr(task, "latent_sizes", None)  # known when the model was built first
-        if latent_sizes:
-            self.configure_latents(tuple(latent_sizes))
+        if built:
+            self.configure_latents(tuple(built.latent_sizes))
 
     # ------------------------------------------------------------ configuration
     def configure_latents(self, latents: Sequence[str], kl_variant: Optional[str] = None) -> None:
@@ -197,8 +198,8 @@ class SentenceVAECriterion(FairseqCriterion):
 
     def forward(self, model, sample, reduce=True):
         """-> (loss, sample_size, logging_output); loss is summed over the batch."""
-        inner = unwrap_model(model)
-        self.configure_latents(tuple(inner.latent_sizes), getattr(inner, "default_kl_variant", None))
+        inner = sentence_vae_model(model, "the sentence_vae criterion")
+        self.configure_latents(tuple(inner.latent_sizes), inner.default_kl_variant)
         net_output = self.net_output(model, sample)
         lprobs = model.get_normalized_probs(net_output, log_probs=True)
         target = model.get_targets(sample, net_output)
@@ -212,7 +213,7 @@ class SentenceVAECriterion(FairseqCriterion):
         kl_loss, terms = self.kl_terms(posteriors, betas, num_updates)
         loss = rec_loss + kl_loss
         nsentences = sample["target"].size(0)
-        sentence_avg = self.sentence_avg or getattr(inner, "sentence_average_loss", False)
+        sentence_avg = self.sentence_avg or inner.sentence_average_loss
         sample_size = nsentences if sentence_avg else sample["ntokens"]
         kl_total = sum(term.kl.sum() for term in terms.values())
         logging_output = {

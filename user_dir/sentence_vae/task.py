@@ -17,7 +17,7 @@ get EOS appended here. Works with ``fairseq-train``, ``fairseq-validate`` and fa
 ``SequenceGenerator`` (``build_generator``/``inference_step``; ``net_input`` may carry a
 ``latents`` dict, see :mod:`user_dir.sentence_vae.base`).
 
-The task also attaches an :class:`UpdateCounter` to every model it builds: fairseq passes the
+The task also attaches an :class:`~.base.UpdateCounter` to every model it builds: fairseq passes the
 update count to models only (``model.set_num_updates`` in ``task.train_step``, at checkpoint
 resume and in ``load_model_ensemble_and_task``), never to criterions, and the
 ``sentence_vae`` criterion reads its beta schedules' clock from this counter.
@@ -27,7 +27,7 @@ import logging
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, NamedTuple, Optional
 
 import torch
 from fairseq import utils
@@ -40,29 +40,24 @@ from latent_core.errors import PluginConfigError
 from user_dir.exact_resume import batches_made_as_at_epoch_one
 from user_dir.model_wrappers import unwrap_model
 
+from .base import AutoEncodingPhase, SentenceVAEModel, UpdateCounter, sentence_vae_model
+
 logger = logging.getLogger(__name__)
-
-
-class UpdateCounter(torch.nn.Module):
-    """Remembers fairseq's update counter (``BaseFairseqModel.set_num_updates`` reaches every
-    submodule that has ``set_num_updates``). No parameters or buffers: the state dict of the
-    model is unchanged, so checkpoints load with or without it."""
-
-    def __init__(self):
-        super().__init__()
-        self.num_updates = 0
-
-    def set_num_updates(self, num_updates: int) -> None:
-        self.num_updates = int(num_updates)
-
-
-COUNTER_ATTRIBUTE = "sentence_vae_update_counter"
 
 
 def model_num_updates(model) -> Optional[int]:
     """The update count the task's counter saw, or None for a model not built by the task."""
-    counter = getattr(unwrap_model(model), COUNTER_ATTRIBUTE, None)
+    vae = unwrap_model(model)
+    counter = vae.update_counter if isinstance(vae, SentenceVAEModel) else None
     return None if counter is None else counter.num_updates
+
+
+class BuiltModelDefaults(NamedTuple):
+    """What the task keeps of the sentence VAE it built (:class:`~.base.SentenceVAEModel`), for the
+    criterion fairseq builds next (its schedules and thresholds are checked against the latents)."""
+    latent_sizes: "OrderedDict[str, int]"
+    default_kl_variant: str
+    default_decoder_start: str
 
 
 def reset_optimizer_state(optimizer, update_num: int) -> None:
@@ -136,8 +131,8 @@ class SentenceVAETask(FairseqTask):
         if cfg.decoder_start not in DECODER_STARTS:
             raise PluginConfigError(f"--decoder-start={cfg.decoder_start!r}: choose from {', '.join(DECODER_STARTS)}")
         self.dictionary = dictionary
-        self.latent_sizes: Optional[Dict[str, int]] = None  # set by build_model
-        self.model_decoder_start = "eos"  # 'auto': the built model's default_decoder_start
+        # the model this task built (build_model): its latents and defaults, for the criterion built next
+        self.built_model_defaults: Optional[BuiltModelDefaults] = None
 
     @classmethod
     def setup_task(cls, cfg: SentenceVAEConfig, **kwargs):
@@ -196,7 +191,9 @@ class SentenceVAETask(FairseqTask):
     @property
     def decoder_start(self) -> str:
         """``bos`` or ``eos``: ``--decoder-start``, or with ``auto`` the built model's."""
-        return self.model_decoder_start if self.cfg.decoder_start == "auto" else self.cfg.decoder_start
+        if self.cfg.decoder_start != "auto":
+            return self.cfg.decoder_start
+        return self.built_model_defaults.default_decoder_start if self.built_model_defaults else "eos"
 
     @property
     def decoder_start_index(self) -> int:
@@ -218,16 +215,10 @@ class SentenceVAETask(FairseqTask):
     # ---------------------------------------------------------------- model
     def build_model(self, cfg, from_checkpoint=False):
         model = super().build_model(cfg, from_checkpoint)
-        sizes = getattr(model, "latent_sizes", None)
-        if not sizes:
-            raise TypeError(
-                f"--task sentence_vae needs a sentence-VAE model with a `latent_sizes` attribute "
-                f"(see user_dir/sentence_vae/base.py); {type(model).__name__} has none"
-            )
-        self.latent_sizes = OrderedDict(sizes)
-        self.default_kl_variant = getattr(model, "default_kl_variant", None)  # for the criterion
-        self.model_decoder_start = getattr(model, "default_decoder_start", "eos")
-        model.add_module(COUNTER_ATTRIBUTE, UpdateCounter())
+        vae = sentence_vae_model(model, f"{type(self).__name__}")
+        self.built_model_defaults = BuiltModelDefaults(OrderedDict(vae.latent_sizes), vae.default_kl_variant,
+                                                       vae.default_decoder_start)
+        vae.update_counter = UpdateCounter()
         return model
 
     def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
@@ -235,14 +226,13 @@ class SentenceVAETask(FairseqTask):
         the counter is advanced to ``update_num + 1``, the trainer's count once this update is
         applied, so validation inside ``fairseq-train`` uses the same beta as ``fairseq-validate``
         on the checkpoint saved at that update. The next train step sets it again."""
-        if getattr(unwrap_model(model), "reset_optimizer_after_ae", False):
-            ae_steps = getattr(getattr(criterion, "cfg", None), "ae_steps", 0)
-            if ae_steps and update_num == ae_steps:
+        vae = sentence_vae_model(model, type(self).__name__)
+        if vae.reset_optimizer_after_ae and isinstance(criterion, AutoEncodingPhase):
+            if criterion.ae_steps and update_num == criterion.ae_steps:
                 reset_optimizer_state(optimizer, update_num)
         result = super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad)
-        counter = getattr(unwrap_model(model), COUNTER_ATTRIBUTE, None)
-        if counter is not None:
-            counter.set_num_updates(update_num + 1)
+        if vae.update_counter is not None:
+            vae.update_counter.set_num_updates(update_num + 1)
         return result
 
     def build_generator(self, models, args, *rest, **kwargs):

@@ -19,7 +19,7 @@ import statistics
 from pathlib import Path
 from typing import Dict, List
 
-from latent_core.runs import USER_DIR, console_script, fairseq_train, print_table, ratio_stats, run_streaming, \
+from pipelines.runs import USER_DIR, console_script, fairseq_train, print_table, ratio_stats, run_streaming, \
     write_json
 
 TINY_TRANSFORMER = ["--arch", "transformer", "--encoder-layers", "1", "--decoder-layers", "1",

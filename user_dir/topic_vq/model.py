@@ -38,6 +38,7 @@ from torch import Tensor
 from latent_core.errors import check_positive_int
 
 from ..hf_sentence.model import HFSentenceClassifier, HFSentenceClassifierConfig, HFSentenceConfigError
+from ..model_config import model_options
 from .ntm import NeuralTopicModel
 from .semantic_attention import (
     OutputEnhancement,
@@ -115,7 +116,7 @@ class TopicVQSTSModel(HFSentenceClassifier):
     # ----------------------------------------------------------------- building
     @classmethod
     def build_model(cls, args, task):
-        cls.fill_unset_options(args)
+        args = model_options(cls, args)
         vocabulary = getattr(task, "topic_vocabulary", None)
         if vocabulary is None:
             raise HFSentenceConfigError("--arch topic_vq_sts needs the task's topic features: add --topic-features "

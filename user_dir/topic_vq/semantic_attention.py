@@ -36,6 +36,7 @@ its parameters would be unused.
 """
 
 import contextlib
+import contextvars
 import math
 from typing import Dict, Iterator, List, Optional, Sequence, Union
 
@@ -150,6 +151,13 @@ class OutputEnhancement(nn.Module):
         return torch.cat([pooled, (enhanced * keep).sum(1) / keep.sum(1).clamp_min(1.0)], dim=-1)
 
 
+# the bias of the forward pass under way, a context variable as SDMA's recording scope: nested scopes
+# restore the outer bias, threads running a backbone each see their own, and no model holds it (a
+# model stays deep-copyable and picklable)
+_SEMANTIC_BIAS: contextvars.ContextVar[Optional[Tensor]] = contextvars.ContextVar("semantic_attention_bias",
+                                                                                  default=None)
+
+
 class SemanticAttentionContext:
     """The score bias ``[B, 1, T, T]`` of the forward pass under way, read by every hooked layer.
 
@@ -159,18 +167,20 @@ class SemanticAttentionContext:
     same bias set until backward is done.
     """
 
-    def __init__(self):
-        self.bias: Optional[Tensor] = None
+    @property
+    def bias(self) -> Optional[Tensor]:
+        """The bias of the innermost :meth:`use` scope, or None outside any."""
+        return _SEMANTIC_BIAS.get()
 
     @contextlib.contextmanager
     def use(self, bias: Tensor) -> Iterator["SemanticAttentionContext"]:
         if bias.dim() != 4 or bias.size(1) != 1 or bias.size(2) != bias.size(3):
             raise ValueError(f"the semantic attention bias must be [B, 1, T, T], got {tuple(bias.shape)}")
-        previous, self.bias = self.bias, bias
+        token = _SEMANTIC_BIAS.set(bias)
         try:
             yield self
         finally:
-            self.bias = previous
+            _SEMANTIC_BIAS.reset(token)
 
 
 def parse_semantic_attention_layers(spec: str, num_layers: int) -> List[int]:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from latent_core.errors import check_positive_int
+from latent_core.errors import check_heads_divide, check_positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -163,8 +163,7 @@ class TPRLayer(nn.Module):
         self.R = nn.Parameter(nn.init.orthogonal_(torch.empty(d_role, n_roles)))
         self.scale = nn.Parameter(torch.tensor(float(scale)))
         if encoder == "transformer":
-            if input_size % heads:
-                raise ValueError(f"--tpr-heads {heads} must divide the encoder's hidden size {input_size}")
+            check_heads_divide("--tpr-heads", heads, "the encoder's hidden size", input_size)
             ffn = ffn_dim or 4 * input_size
 
             def layer():

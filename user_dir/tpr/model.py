@@ -36,8 +36,8 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from latent_core.errors import check_positive_int
 
-from ..hf_sentence.model import HFSentenceClassifier, HFSentenceClassifierConfig, HFSentenceConfigError, record_option
-from ..model_config import register_architecture
+from ..hf_sentence.model import HFSentenceClassifier, HFSentenceClassifierConfig, HFSentenceConfigError
+from ..model_config import model_options, register_architecture
 from .head import (AGGREGATIONS, ENCODERS, Aggregation, TPRLayer, check_orthogonality,
                    warn_unreachable_orthogonality)
 from .transfer import ALIASES, PARTS, apply_transfer_options
@@ -89,6 +89,10 @@ class TPRClassifierConfig(HFSentenceClassifierConfig):
 class TPRClassifier(HFSentenceClassifier):
     """Encoder -> TPR layer -> aggregation -> classification head (module docstring)."""
 
+    # the transfer (--tpr-transfer) sets tpr_transferred while building: saved, so that a checkpoint
+    # of the transferred model does not copy the source's parameters again
+    RECORDED_OPTIONS = HFSentenceClassifier.RECORDED_OPTIONS + ("tpr_transferred",)
+
     def __init__(self, args, backbone, head, padding_idx: int, tpr: TPRLayer, aggregate: Aggregation,
                  extra_layer: Optional[nn.Module] = None):
         super().__init__(args, backbone, head, padding_idx)
@@ -105,7 +109,7 @@ class TPRClassifier(HFSentenceClassifier):
 
     @classmethod
     def build_model(cls, args, task):
-        cls.fill_unset_options(args)
+        args = model_options(cls, args)
         validate_tpr_args(args)
         backbone, head = cls.build_backbone_and_head(args, task)
         config = backbone.config
@@ -127,8 +131,6 @@ class TPRClassifier(HFSentenceClassifier):
                 dropout, batch_first=True)
         model = cls(args, backbone, head, task.padding_idx, tpr, aggregate, extra_layer)
         apply_transfer_options(model, args, getattr(task, "building_from_checkpoint", False))
-        if args.tpr_transferred:  # set just now by the transfer: into the config saved with checkpoints too
-            record_option(args, "tpr_transferred", args.tpr_transferred)
         logger.info("TPR head: %s paths, n_S %d, n_R %d, d_S %d, d_R %d, T %g, %s aggregation, lambda %g, "
                     "extra layer %s", args.tpr_encoder, args.tpr_symbols, args.tpr_roles, args.tpr_symbol_dim,
                     args.tpr_role_dim, args.tpr_temperature, args.tpr_aggregation, args.tpr_orthogonality,
@@ -214,7 +216,7 @@ class BertLSTMClassifier(HFSentenceClassifier):
 
     @classmethod
     def build_model(cls, args, task):
-        cls.fill_unset_options(args)
+        args = model_options(cls, args)
         if args.lstm_hidden is not None:
             check_positive_int("--lstm-hidden", args.lstm_hidden)
         if args.lstm_pooling not in LSTM_POOLINGS:

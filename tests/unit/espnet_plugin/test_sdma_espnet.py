@@ -58,7 +58,7 @@ def tiny_batch(seed=0):
 
 def attention_pair(group="encoder_self", mix_updates=10_000, mask_at_inference=True, seed=0):
     torch.manual_seed(seed)
-    sdma = SDMAMultiHeadedAttention(2, 16, 0.0, sdma=SDMAOptions(num_clusters=3, num_query_clusters=2,
+    sdma = SDMAMultiHeadedAttention(2, 16, 0.0, sdma=SDMAOptions(clusters=3, query_clusters=2,
                                                                  mask_at_inference=mask_at_inference),
                                     group=group)
     sdma.set_num_updates(mix_updates)
@@ -86,7 +86,7 @@ def test_decoder_and_encoder_build_from_standard_arguments_alone():
     assert decoder.decoders[0].self_attn.sdma.options.mask_at_inference is False
     encoder = SDMATransformerEncoder(input_size=80)
     core = encoder.encoders[0].self_attn.sdma
-    assert (encoder.output_size(), core.options.num_clusters, core.options.num_query_clusters) == (256, 8, 8)
+    assert (encoder.output_size(), core.options.clusters, core.options.query_clusters) == (256, 8, 8)
     assert core.options.centroid_grad_scale == 5.0
 
 
@@ -382,9 +382,9 @@ def test_impossible_options_name_the_config_key(overrides, message):
     "overrides, message",
     [
         (dict(encoder_conf=dict(output_size=32, attention_heads=3)),
-         "encoder_conf.attention_heads=3 does not divide encoder_conf.output_size=32"),
+         "encoder_conf.attention_heads=3 must be >= 1 and divide encoder_conf.output_size=32"),
         (dict(encoder_conf=dict(output_size=32, attention_heads=2), decoder_conf=dict(attention_heads=5)),
-         "decoder_conf.attention_heads=5 does not divide encoder_conf.output_size=32"),
+         "decoder_conf.attention_heads=5 must be >= 1 and divide encoder_conf.output_size=32"),
         (dict(encoder_conf=dict(output_size=32, attention_heads=2, dropout_rate=1.5)),
          "encoder_conf.dropout_rate=1.5 must lie in [0, 1)"),
         (dict(encoder_conf=dict(output_size=32, attention_heads=2, num_blocks=2, interctc_layer_idx=[2])),

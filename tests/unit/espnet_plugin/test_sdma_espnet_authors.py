@@ -31,7 +31,7 @@ def run_ours(name):
     attention = ESPNET_CASES[name]
     module = SDMAMultiHeadedAttention(
         HEADS, EMBED, 0.0, group=GROUPS[attention],
-        sdma=SDMAOptions(num_clusters=CLUSTERS, num_query_clusters=CLUSTERS,
+        sdma=SDMAOptions(clusters=CLUSTERS, query_clusters=CLUSTERS,
                          centroid_grad_scale=case["centroid_grad_scale"])).double()
     core = module.sdma
     with torch.no_grad():
@@ -78,7 +78,7 @@ def test_espnet_authors_initialisation():
     variance heads, whose biases (nn.Linear's) start the noise variance near exp(0) = 1."""
     torch.manual_seed(0)
     E = 256
-    module = SDMAMultiHeadedAttention(4, E, 0.0, sdma=SDMAOptions(num_clusters=8), group="decoder_cross")
+    module = SDMAMultiHeadedAttention(4, E, 0.0, sdma=SDMAOptions(clusters=8), group="decoder_cross")
     assert module.linear_q.weight.std().item() == pytest.approx((1 / E) ** 0.5, rel=0.05)
     heads = [module.sdma.noise_log_var, module.sdma.key_noise_log_var, module.sdma.query_noise_log_var]
     for head in heads:
@@ -96,7 +96,7 @@ def test_espnet_global_init_keeps_the_authors_attention_init():
 
     torch.manual_seed(0)
     E = 256
-    module = SDMAMultiHeadedAttention(4, E, 0.0, sdma=SDMAOptions(), group="encoder_self")
+    module = SDMAMultiHeadedAttention(4, E, 0.0, sdma=SDMAOptions(clusters=8), group="encoder_self")
     initialize(module, "xavier_uniform")
     assert module.sdma.noise_log_var.weight.std().item() < 0.01  # gain 0.01, not xavier_uniform's gain 1
     assert module.sdma.feature_gmm.means.std().item() == pytest.approx((2 / ((4 + 8) * 64)) ** 0.5, rel=0.1)

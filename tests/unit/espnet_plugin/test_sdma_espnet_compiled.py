@@ -41,7 +41,7 @@ def test_compiled_equals_eager_and_does_not_recompile(group):
     def build(compile):  # the same seed: the same weights
         torch.manual_seed(0)
         return SDMAMultiHeadedAttention(HEADS, WIDTH, 0.1, group=group,
-                                        sdma=SDMAOptions(num_clusters=4, num_query_clusters=4, compile=compile))
+                                        sdma=SDMAOptions(clusters=4, query_clusters=4, compile=compile))
 
     eager, compiled = build(False), build(True)
     if group == "decoder_cross":

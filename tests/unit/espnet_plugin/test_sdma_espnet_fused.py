@@ -12,7 +12,7 @@ from latent_core.sdma import SDMAOptions, recording, sdma_losses
 def attention(kernel, group="encoder_self", reading="authors"):
     torch.manual_seed(0)
     module = SDMAMultiHeadedAttention(2, 16, 0.0, group=group, sdma=SDMAOptions(
-        num_clusters=3, num_query_clusters=2, noise_var=0.0, attention_kernel=kernel, reading=reading))
+        clusters=3, query_clusters=2, noise_var=0.0, attention_kernel=kernel, reading=reading))
     module.sdma.perturb = lambda x, training, log_var=None: x  # no noise (the authors' variance is learned)
     module.set_num_updates(2000)
     return module.train()

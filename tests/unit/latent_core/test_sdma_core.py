@@ -155,7 +155,7 @@ def test_centroid_gradient_multiplier():
 
 
 def test_collapsed_cluster_and_low_precision_stay_finite():
-    core_mod = SDMACore(16, 2, SDMAOptions(num_clusters=3, num_query_clusters=3))
+    core_mod = SDMACore(16, 2, SDMAOptions(clusters=3, query_clusters=3))
     with torch.no_grad():
         core_mod.feature_gmm.means[:, 0] = 1e4  # a cluster nobody belongs to
         core_mod.feature_gmm.prior_logits[:, 1] = -1e4  # and one with no prior mass
@@ -176,7 +176,7 @@ def test_collapsed_cluster_and_low_precision_stay_finite():
 
 def test_gradients_reach_both_gmms_and_inputs():
     torch.manual_seed(0)
-    core_mod = SDMACore(16, 2, SDMAOptions(num_clusters=3, num_query_clusters=3))
+    core_mod = SDMACore(16, 2, SDMAOptions(clusters=3, query_clusters=3))
     x = torch.randn(5, 2, 16, requires_grad=True)
     q = torch.randn(5, 2, 2, 8, requires_grad=True)
     lj, lr = core_mod.cluster(x)
@@ -196,8 +196,8 @@ def test_sma_mode_has_no_query_gmm():
 @pytest.mark.parametrize(
     "kwargs, option",
     [
-        (dict(num_clusters=0), "--sdma-clusters"),
-        (dict(num_query_clusters=-2), "--sdma-query-clusters"),
+        (dict(clusters=0), "--sdma-clusters"),
+        (dict(query_clusters=-2), "--sdma-query-clusters"),
         (dict(mix_max=0.0), "--sdma-mix-max"),
         (dict(mix_max=1.5), "--sdma-mix-max"),
         (dict(noise_var=-1.0), "--sdma-noise-var"),
@@ -210,13 +210,13 @@ def test_bad_options_name_the_option(kwargs, option):
 
 
 def test_heads_must_divide_embedding():
-    with pytest.raises(core.SDMAConfigError, match="not divisible"):
+    with pytest.raises(core.SDMAConfigError, match=r"num_heads=3 must be >= 1 and divide embed_dim=10 \(choose one of 1, 2, 5, 10\)"):
         SDMACore(10, 3, SDMAOptions())
 
 
 def test_layer_batched_losses_equal_the_mean_of_per_layer_losses():
     torch.manual_seed(0)
-    cores = [SDMACore(16, 2, SDMAOptions(num_clusters=3, num_query_clusters=3)) for _ in range(3)]
+    cores = [SDMACore(16, 2, SDMAOptions(clusters=3, query_clusters=3)) for _ in range(3)]
     valid = torch.ones(5, 2)
     valid[3:, 1] = 0
     inputs = []
@@ -303,7 +303,7 @@ def test_joint_clustering_equals_clustering_each_input():
     """A cross-attention's queries [T, B, E] and keys [S, B, E] clustered in one density evaluation
     give each one's log-joint and log p(c|z), and the same gradients, as two separate calls."""
     torch.manual_seed(0)
-    module = SDMACore(12, 3, SDMAOptions(num_clusters=4))
+    module = SDMACore(12, 3, SDMAOptions(clusters=4))
     with torch.no_grad():
         module.feature_gmm.log_vars.normal_(0, 0.3)
     queries, keys = torch.randn(5, 2, 12, requires_grad=True), torch.randn(7, 2, 12, requires_grad=True)
@@ -457,11 +457,11 @@ def test_an_input_scale_is_folded_into_the_density(gmm, path, monkeypatch):
 
 def test_the_authors_clean_clustering_input_is_clustered_at_a_tenth():
     """Authors reading with c_g <= 1: the clean x, clustered as x / 10 (their grad_multiplier == 1 branch)."""
-    core = SDMACore(8, 2, SDMAOptions(num_clusters=3, reading="authors", centroid_grad_scale=1.0, noise_var=0.5))
+    core = SDMACore(8, 2, SDMAOptions(clusters=3, reading="authors", centroid_grad_scale=1.0, noise_var=0.5))
     x = torch.randn(5, 2, 8)
     cluster_input, z = core.sample(x, training=True)
     assert cluster_input is x and not torch.equal(z, x) and core.clustering_scale == 0.1
     torch.testing.assert_close(core.cluster(x, scale=core.clustering_scale)[0], core.cluster(x / 10)[0],
                                rtol=1e-5, atol=1e-5)
-    for options in (SDMAOptions(num_clusters=3, reading="authors"), SDMAOptions(num_clusters=3, reading="paper")):
+    for options in (SDMAOptions(clusters=3, reading="authors"), SDMAOptions(clusters=3, reading="paper")):
         assert SDMACore(8, 2, options).clustering_scale == 1.0

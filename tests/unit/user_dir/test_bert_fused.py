@@ -8,7 +8,7 @@ import torch
 from fairseq import options, tasks
 from fairseq.sequence_generator import SequenceGenerator
 
-from latent_core.data import bert_source
+from pipelines.data import bert_source
 from latent_core.sdma import SDMACore, collect_sdma_losses, recording
 from user_dir.sdma.bert_fused import (
     BertFusedAttention,

@@ -63,7 +63,7 @@ def assert_cuda(*tensors):
 def fairseq_attention(group, reading, kernel):
     torch.manual_seed(0)
     module = SDMAMultiheadAttention(
-        E, H, sdma=SDMAOptions(num_clusters=3, num_query_clusters=2, reading=reading, attention_kernel=kernel),
+        E, H, sdma=SDMAOptions(clusters=3, query_clusters=2, reading=reading, attention_kernel=kernel),
         group=group, self_attention=group != "decoder_cross", encoder_decoder_attention=group == "decoder_cross")
     module.set_num_updates(1000)
     return module
@@ -114,7 +114,7 @@ def test_fairseq_incremental_decoding_step_stays_on_the_device(reading):
 def test_espnet_sdma_attention_stays_on_the_device(group, reading):
     torch.manual_seed(0)
     module = SDMAMultiHeadedAttention(2, 16, 0.1, group=group, sdma=SDMAOptions(
-        num_clusters=3, num_query_clusters=2, reading=reading))
+        clusters=3, query_clusters=2, reading=reading))
     module.set_num_updates(1000)
     mode = FakeTensorMode()
     on_fake_cuda(mode, module.train())

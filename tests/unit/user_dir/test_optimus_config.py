@@ -15,7 +15,7 @@ from omegaconf.errors import ValidationError
 from transformers import BertConfig, BertModel
 
 from conftest import REPO, english_phrases, save_tiny_bert
-from latent_core.data.optimus_text import prepare, train_gpt2_tokenizer
+from pipelines.data.optimus_text import prepare, train_gpt2_tokenizer
 from model_configs import assert_same_model, build_like_fairseq_train, build_like_hydra_train
 from test_qkvae_config import SECTIONS, readme_command
 from user_dir.model_config import architecture_overrides, config_defaults

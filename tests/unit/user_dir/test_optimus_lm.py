@@ -1,5 +1,5 @@
 """``optimus_lm``: one sentence as BERT WordPiece (encoder input) and GPT-2 byte-level BPE
-(decoder target) -- preparation (latent_core/data/optimus_text.py), the task
+(decoder target) -- preparation (pipelines/data/optimus_text.py), the task
 (user_dir/optimus/task.py) and the Optimus model built over it, on tiny saved BERT and GPT-2
 directories (random weights, real tokenizers) and real English Ding phrases."""
 
@@ -13,7 +13,7 @@ from fairseq import options, tasks
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
 
-from latent_core.data.optimus_text import (
+from pipelines.data.optimus_text import (
     OptimusDataError,
     gpt2_pieces,
     load_gpt2_tokenizer,

@@ -1,4 +1,4 @@
-"""``--qkvae-reading authors`` reproduces the authors' QKVAE computation (issue 31).
+"""``--qkvae-reading authors`` reproduces the authors' QKVAE computation.
 
 ``AUTHORS_REFERENCE`` (``tests/reference/qkvae_authors_reference.py``) holds what their modules
 (ghazi-f/QKVAE on transformers 4.6.1) computed on the case of

@@ -1,4 +1,4 @@
-"""The ``authors`` reading of SDMA in fairseq against numbers computed by the authors' own code (issue 29).
+"""The ``authors`` reading of SDMA in fairseq against numbers computed by the authors' own code.
 
 ``AUTHORS_REFERENCE`` (``tests/reference/sdma_authors_reference.py``) holds what their fairseq
 ``DisentangledAttention`` computes on the cases of ``tests/reference/sdma_authors_case.py`` (fixed
@@ -30,7 +30,7 @@ def our_module(case, reading="authors", **options):
     attention = case["attention"]
     module = SDMAMultiheadAttention(
         EMBED, HEADS, self_attention=attention != "cross", encoder_decoder_attention=attention == "cross",
-        sdma=SDMAOptions(num_clusters=CLUSTERS, num_query_clusters=CLUSTERS, reading=reading,
+        sdma=SDMAOptions(clusters=CLUSTERS, query_clusters=CLUSTERS, reading=reading,
                          centroid_grad_scale=case["centroid_grad_scale"], **options),
         group=GROUPS[attention], dropout=0.0).double()
     with torch.no_grad():
@@ -99,8 +99,8 @@ def test_authors_initialisation():
     torch.manual_seed(0)
     E, H, C = 512, 4, 4
     d = E // H
-    authors = SDMAMultiheadAttention(E, H, self_attention=True, sdma=SDMAOptions(num_clusters=C), group="encoder_self")
-    paper = SDMAMultiheadAttention(E, H, self_attention=True, sdma=SDMAOptions(num_clusters=C, reading="paper"),
+    authors = SDMAMultiheadAttention(E, H, self_attention=True, sdma=SDMAOptions(clusters=C), group="encoder_self")
+    paper = SDMAMultiheadAttention(E, H, self_attention=True, sdma=SDMAOptions(clusters=C, reading="paper"),
                                    group="encoder_self")
     means = authors.sdma.feature_gmm.means
     assert means.std().item() == pytest.approx(math.sqrt(2 / ((H + C) * d)), rel=0.1)  # ~0.044

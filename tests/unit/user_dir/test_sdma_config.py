@@ -11,7 +11,7 @@ from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_INV_REGISTRY
 
 from conftest import REPO, recipe_fairseq_train_argv
-from latent_core.sdma import SDMAConfigError, SDMALossWeights, SDMAOptions, option_name
+from latent_core.sdma import SDMAConfigError, SDMALossWeights, SDMAOptions
 from model_configs import USER_DIR, assert_same_model, build_like_fairseq_train, build_like_hydra_train
 from user_dir.model_config import config_defaults, config_fields
 from user_dir.sdma.bert_fused import BertFusedConfigError, BertFusedTransformerConfig
@@ -179,7 +179,7 @@ def test_impossible_values_in_the_hydra_yaml_raise_the_named_error(data):
 def test_every_core_option_is_a_field():
     """The fields are written out in the config; sdma_options() reads one per SDMAOptions field."""
     names = {f.name for f in config_fields(SDMATransformerConfig)}
-    core = {"sdma_" + option_name(f.name) for f in fields(SDMAOptions) if f.name != "mask_at_inference"}
+    core = {"sdma_" + f.name for f in fields(SDMAOptions) if f.name != "mask_at_inference"}
     assert core | set(SDMALossWeights().as_options()) <= names
 
 

@@ -19,7 +19,7 @@ E, H, T, B = 32, 4, 7, 3
 def attention(kernel, group="encoder_self", reading="authors", **kwargs):
     torch.manual_seed(0)
     module = SDMAMultiheadAttention(
-        E, H, sdma=SDMAOptions(num_clusters=3, num_query_clusters=2, noise_var=0.0, attention_kernel=kernel,
+        E, H, sdma=SDMAOptions(clusters=3, query_clusters=2, noise_var=0.0, attention_kernel=kernel,
                                reading=reading),
         group=group, self_attention=group != "decoder_cross", encoder_decoder_attention=group == "decoder_cross",
         **kwargs)

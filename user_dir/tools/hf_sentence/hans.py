@@ -35,6 +35,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from latent_core.errors import command_error
 from user_dir.hf_sentence.data import Examples, HFSentenceDataset, tsv_rows
 from user_dir.tools.hf_sentence.predict import load, predict_dataset  # (also registers the task and models)
 
@@ -261,8 +262,7 @@ def main(argv=None) -> int:
     try:
         run(args)
     except (ValueError, OSError) as error:  # bad option, file or checkpoint
-        print(f"hans-eval: error: {error}", file=sys.stderr)
-        return 2
+        return command_error("hans-eval", error)
     return 0
 
 

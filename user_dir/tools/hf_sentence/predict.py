@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from fairseq import checkpoint_utils, utils
 
+from latent_core.errors import command_error
 import user_dir  # noqa: F401  (registers the task, criterion and model)
 from user_dir.hf_sentence.metrics import compute_metrics, metric_names
 from user_dir.hf_sentence.task import HFSentencePredictionTask
@@ -115,8 +116,7 @@ def main(argv=None) -> int:
     try:
         run(args)
     except (ValueError, OSError) as error:  # bad option, data or checkpoint
-        print(f"glue-predict: error: {error}", file=sys.stderr)
-        return 2
+        return command_error("glue-predict", error)
     return 0
 
 

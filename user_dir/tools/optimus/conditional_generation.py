@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from latent_core.errors import command_error, option_flag
 from latent_core.vae import VAEConfigError
 
 from user_dir.sentence_vae.decoding import LatentDecoder, generation_args
@@ -145,7 +146,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     for name in ("samples_per_label", "gan_steps", "gan_batch", "noise_dim", "hidden", "max_len", "max_references"):
         if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+            p.error(f"{option_flag(name)} must be >= 1")
     return args
 
 
@@ -209,8 +210,7 @@ def main(argv=None) -> int:
     try:
         result = run(args)
     except VAEConfigError as error:
-        print(f"optimus-cond-gen: error: {error}", file=sys.stderr)
-        return 2
+        return command_error("optimus-cond-gen", error)
     print(f"accuracy {result['accuracy']:.3f}  BLEU {result['bleu']:.2f}  G-score {result['g_score']:.3f}  "
           f"Self-BLEU {result['self_bleu']:.2f}  (judge test accuracy {result['classifier_test_accuracy']:.3f})")
     for label, entry in result["per_label"].items():

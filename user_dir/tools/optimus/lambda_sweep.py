@@ -37,7 +37,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from latent_core.runs import (
+from pipelines.runs import (
     USER_DIR,
     console_script,
     finished,

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from latent_core.errors import command_error
 from latent_core.vae import VAEConfigError
 
 from user_dir.sentence_vae.checkpoint import load_sentence_vae
@@ -124,7 +125,7 @@ class BertFeatures:
     def __init__(self, bert_dir: Path):
         from transformers import AutoModel
 
-        from latent_core.data.bert_source import load_tokenizer
+        from pipelines.data.bert_source import load_tokenizer
 
         self.tokenizer = load_tokenizer(bert_dir, "--bert-dir")
         self.model = self.module = AutoModel.from_pretrained(str(bert_dir), local_files_only=True)
@@ -322,8 +323,7 @@ def main(argv=None) -> int:
     try:
         table = run(args)
     except VAEConfigError as error:
-        print(f"optimus-low-resource: error: {error}", file=sys.stderr)
-        return 2
+        return command_error("optimus-low-resource", error)
     for system, by_n in table.items():
         print(f"{system:18s} " + "  ".join(f"{n}/class {acc:.3f}" for n, acc in by_n.items()))
     return 0

@@ -32,7 +32,7 @@ from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from transformers import GPT2LMHeadModel
 
 from latent_core.op_counts import count_flops
-from latent_core.runs import USER_DIR, print_table, write_json
+from pipelines.runs import USER_DIR, print_table, write_json
 
 DECODER_4x256 = ["--decoder-layers", "4", "--decoder-embed-dim", "256", "--decoder-attention-heads", "4",
                  "--decoder-ffn-embed-dim", "1024"]

@@ -37,8 +37,10 @@ from fairseq import checkpoint_utils
 from fairseq.data import Dictionary, data_utils
 from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
 
+from latent_core.errors import command_error
 import user_dir  # noqa: F401  (registers the models; allow-lists checkpoint types)
 from latent_core.safe_loading import model_config
+from user_dir.sentence_vae.base import SentenceVAEModel
 
 Triplet = Tuple[str, str, str]
 FIELDS = ("target", "semantic source", "syntactic source")
@@ -109,8 +111,8 @@ def load_model(checkpoint: str, dictionary: Dictionary, device: str = "cpu"):
     ARCH_CONFIG_REGISTRY[arch](args)
     task = Namespace(source_dictionary=dictionary, target_dictionary=dictionary)
     model = ARCH_MODEL_REGISTRY[arch].build_model(args, task)
-    if not getattr(model, "latent_sizes", None):
-        raise ValueError(f"{checkpoint}: architecture {arch!r} is not a sentence VAE (no latent_sizes)")
+    if not isinstance(model, SentenceVAEModel):
+        raise ValueError(f"{checkpoint}: architecture {arch!r} is not a sentence VAE")
     model.load_state_dict(state["model"], strict=True, model_cfg=args)
     return model.to(device).eval()
 
@@ -274,8 +276,7 @@ def main(argv=None) -> int:
     try:
         run(args)
     except (TripletFormatError, FileNotFoundError, ValueError) as err:
-        print(f"qkvae_probe: error: {err}", file=sys.stderr)
-        return 2
+        return command_error("qkvae_probe", err)
     return 0
 
 

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from latent_core.runs import (
+from pipelines.runs import (
     USER_DIR,
     console_script,
     generate,

@@ -29,9 +29,9 @@ import math
 from pathlib import Path
 from typing import Dict, List
 
-from latent_core.data import ding, translation
+from pipelines.data import ding, translation
 from latent_core.redundancy import ATTENTION_TYPES
-from latent_core.runs import (
+from pipelines.runs import (
     USER_DIR,
     console_script,
     generate,

@@ -37,6 +37,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from latent_core.errors import command_error
+
 TOKENIZERS = ("auto", "moses", "zh", "none")
 _COMPOUND = re.compile(r"(\S)-(\S)")
 PAPER_LABEL = "tokenized BLEU (fairseq-style, as the paper's Tables II-IV)"
@@ -290,8 +292,7 @@ def main(argv=None) -> int:
         tokenized = {}
         paper = tokenized_bleu(hyps, refs, args.lang, args.tokenizer, args.compound_split, tokenized)
     except (BLEUInputError, BLEUDependencyError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return command_error("sdma-bleu", error)
     sacre_line = f"{SACREBLEU_LABEL.format(tokenize=sacre_tok)}: {sacre.score:.2f}  ({sacre})"
     paper_line = f"{PAPER_LABEL}: {paper.score:.2f}  ({paper.fairseq_string()}; {paper.describe()})"
     print(sacre_line)

@@ -31,6 +31,7 @@ import os
 import sys
 from typing import Dict, List
 
+from latent_core.errors import command_error
 from latent_core.redundancy import RedundancyError
 from user_dir.tools.sdma import analysis
 from user_dir.tools.sdma.redundancy import check_subset, load_models
@@ -124,8 +125,7 @@ def main(argv=None) -> int:
     try:
         report = cluster_report(args.path, args)
     except (FileNotFoundError, analysis.AnalysisError, RedundancyError) as error:
-        print(f"{prog}: error: {error}", file=sys.stderr)
-        return 2
+        return command_error(prog, error)
     print(format_clusters(report))
     print(format_usage(report["cluster_usage"], report["cluster_usage_num_clusters"]))
     if args.json:

@@ -50,9 +50,10 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from latent_core.errors import option_flag
 from latent_core.redundancy import ATTENTION_TYPES, COLLAPSE_PEAK
-from latent_core.runs import USER_DIR, console_script, generate, last_num_updates, print_table, run_streaming, stage
-from latent_core.runs import write_json
+from pipelines.runs import USER_DIR, console_script, generate, last_num_updates, print_table, run_streaming, stage
+from pipelines.runs import write_json
 from user_dir.tools.sdma import quickstart
 from user_dir.tools.sdma.bleu import corpus_bleu_of, paired_bootstrap, sentence_statistics
 from user_dir.tools.sdma.readings_runs import ARCH, SYSTEMS, slug
@@ -469,7 +470,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                 "bootstrap_resamples")
     for name in positive:
         if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            p.error(f"{option_flag(name)} must be >= 1, got {getattr(args, name)}")
     if min(args.seeds) < 1:
         p.error("--seeds must be >= 1")
     if args.updates % args.segment:

@@ -46,6 +46,7 @@ logging.getLogger("matplotlib").setLevel(logging.WARNING)  # fairseq sets the ro
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+from latent_core.errors import command_error
 from latent_core.redundancy import RedundancyError  # noqa: E402
 from user_dir.tools.sdma.redundancy import force_head_weights, check_subset, load_models  # noqa: E402
 
@@ -256,8 +257,7 @@ def main(argv=None) -> int:
                  f"head {sdma['head']} (of {sdma['heads']}), 0-based")
         draw(labels, sdma, vanilla, args.out, mixed=args.mixed, title=title, dpi=args.dpi)
     except (FileNotFoundError, RedundancyError) as error:
-        print(f"{prog}: error: {error}", file=sys.stderr)
-        return 2
+        return command_error(prog, error)
     print(f"wrote {args.out}")
     return 0
 

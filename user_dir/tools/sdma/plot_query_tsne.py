@@ -28,6 +28,7 @@ import os
 import sys
 from typing import List, Optional
 
+from latent_core.errors import command_error
 from latent_core.redundancy import RedundancyError
 from user_dir.tools.sdma import analysis
 from user_dir.tools.sdma.redundancy import check_subset, load_models
@@ -133,8 +134,7 @@ def main(argv=None) -> int:
     try:
         result = run(args)
     except (FileNotFoundError, analysis.AnalysisError, RedundancyError) as error:
-        print(f"{prog}: error: {error}", file=sys.stderr)
-        return 2
+        return command_error(prog, error)
     print(format_table(result["checkpoints"]))
     print(f"wrote {args.out}")
     if args.json:

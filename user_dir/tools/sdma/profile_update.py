@@ -39,7 +39,7 @@ from torch.profiler import ProfilerActivity, profile
 import torch._inductor.config as inductor_config
 
 from latent_core.op_counts import count_launches, count_traffic
-from latent_core.runs import print_table, write_json
+from pipelines.runs import print_table, write_json
 from latent_core.sdma import READINGS, compile_seconds
 from user_dir.tools.sdma.step_timing import (MODELS, STEP_CONFIGS, VARIANTS, StepSetting, build_for_updates,
                                              forward_backward, training_update)

@@ -3,9 +3,9 @@
 Stages (one ``[sdma]`` line each, with its estimated duration and finish time):
 
 1. German-English sentence pairs from the Ding dictionary (Debian ``trans-de-en``),
-   deterministic train/valid/test split (``prepare-ding``, ``latent_core.data.ding``);
+   deterministic train/valid/test split (``prepare-ding``, ``pipelines.data.ding``);
 2. a joint sentencepiece vocabulary and ``fairseq-preprocess``
-   (``prepare-translation``, ``latent_core.data.translation``);
+   (``prepare-translation``, ``pipelines.data.translation``);
 3. a vanilla fairseq ``transformer`` (V-T) and SDMA-T of identical size, trained for the
    same fixed number of updates on the same batches, interleaved: each model runs in
    ``--segments`` segments (``fairseq-train --max-update END`` resuming its own
@@ -34,8 +34,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from latent_core.data import ding, translation
-from latent_core.runs import (
+from pipelines.data import ding, translation
+from pipelines.runs import (
     USER_DIR,
     console_script,
     generate,

@@ -1,4 +1,4 @@
-"""The controlled comparison of the two SDMA readings (command ``sdma-readings-runs``, issue 29).
+"""The controlled comparison of the two SDMA readings (command ``sdma-readings-runs``).
 
 V-T, SDMA-T in the ``paper`` reading and SDMA-T in the ``authors`` reading, each trained from
 ``--seeds`` seeds for the same number of updates with the demo's model size and optimisation
@@ -31,7 +31,7 @@ from typing import Dict
 import numpy as np
 
 from latent_core.redundancy import ATTENTION_TYPES
-from latent_core.runs import (
+from pipelines.runs import (
     USER_DIR,
     console_script,
     generate,

@@ -53,6 +53,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from latent_core.errors import command_error
 from latent_core.redundancy import (  # re-exported (__all__): the metric, its result and its report
     ATTENTION_TYPES,
     HR_SCALE,
@@ -355,8 +356,7 @@ def main(argv=None) -> int:
         )
         write_outputs(result, args, str(Path(Path(args.path).parent.name, Path(args.path).name)))
     except (FileNotFoundError, RedundancyError) as error:
-        print(f"{prog}: error: {error}", file=sys.stderr)
-        return 2
+        return command_error(prog, error)
     return 0
 
 

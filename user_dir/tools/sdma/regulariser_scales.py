@@ -7,7 +7,7 @@ SDMA options and Table I weights) four times for the same number of updates on t
 batches: V-T, and SDMA-T with each ``--sdma-regulariser-scale``:
 
 * ``sentence``: per-sentence regularisers summed over the batch (the authors' criterion, default);
-* ``batch``: their batch mean added once (this plugin's default before issue 13);
+* ``batch``: their batch mean added once (this plugin's default in its first versions);
 * ``token``: the batch mean times the number of target tokens.
 
 Reports the validation perplexity after every ``--validate-every`` updates and, for each
@@ -30,7 +30,7 @@ import statistics
 from pathlib import Path
 from typing import Dict, List
 
-from latent_core.runs import USER_DIR, console_script, print_table, run_streaming, stage, write_json
+from pipelines.runs import USER_DIR, console_script, print_table, run_streaming, stage, write_json
 from user_dir.tools.sdma.quickstart import MODEL_SIZE, OPTIMIZATION, prepare_data
 
 SCALES = ("sentence", "batch", "token")

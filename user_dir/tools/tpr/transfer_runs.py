@@ -44,7 +44,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from latent_core.runs import USER_DIR, fairseq_train, finished, test_scores
+from pipelines.runs import USER_DIR, fairseq_train, finished, test_scores
 
 PARTS = ("encoder", "roles", "fillers")
 COMBOS = [c for n in range(1, 4) for c in itertools.combinations(PARTS, n)]  # the 7 of Table 2

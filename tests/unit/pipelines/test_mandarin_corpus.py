@@ -1,4 +1,4 @@
-"""Tests for latent_core.data.mandarin_synth (synth-mandarin-corpus: synthetic Mandarin ASR corpus)."""
+"""Tests for pipelines.data.mandarin_synth (synth-mandarin-corpus: synthetic Mandarin ASR corpus)."""
 
 import re
 import shutil
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import soundfile
 
-from latent_core.data import mandarin_synth as smc
+from pipelines.data import mandarin_synth as smc
 
 TTS_MISSING = shutil.which("espeak-ng") is None or shutil.which("sox") is None
 TTS_REASON = "espeak-ng and sox are needed to synthesise speech (apt-get install espeak-ng sox)"

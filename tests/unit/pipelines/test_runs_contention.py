@@ -1,4 +1,4 @@
-"""latent_core.runs: the CPU-contention monitor and words/s over uncontended intervals."""
+"""pipelines.runs: the CPU-contention monitor and words/s over uncontended intervals."""
 
 import math
 import subprocess
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from latent_core.runs import CpuContentionMonitor, uncontended_words_per_second
+from pipelines.runs import CpuContentionMonitor, uncontended_words_per_second
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc (Linux)")
 

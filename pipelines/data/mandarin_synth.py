@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from latent_core import kaldi_data as kaldi  # the Kaldi data-directory reader (toolkit-free)
+from pipelines import kaldi_data as kaldi  # the Kaldi data-directory reader (toolkit-free)
 
 LOCALE_DIR = Path("/usr/share/locale/zh_CN/LC_MESSAGES")
 SAMPLE_RATE = 16000
@@ -306,7 +306,7 @@ def _write_lines(path: Path, lines: Sequence[str]) -> None:
 
 def write_data_dir(data_dir: Path, utterances: Sequence[Utterance], wav_dir: Path) -> None:
     """Write wav.scp, text, utt2spk and spk2utt, sorted by id in C-locale (code point) order,
-    and read wav.scp, text and utt2spk back as ESPnet will (``latent_core/kaldi_data.py``):
+    and read wav.scp, text and utt2spk back as ESPnet will (``pipelines/kaldi_data.py``):
     a KaldiDataDirError (a ValueError) if they do not hold exactly what was meant."""
     data_dir.mkdir(parents=True, exist_ok=True)
     utts = sorted(utterances, key=lambda u: u.id)

@@ -41,18 +41,18 @@ with BERT's vocabulary as the fairseq source dictionary (``fairseq-preprocess --
 written to ``OUT/spm/dict.bert.{src}.txt``); the target keeps its sentencepiece model
 (``--tgt-vocab-size``). The source length limit is then also BERT's: at most
 ``max_position_embeddings - 1`` pieces with ``</s>`` (``[CLS]`` takes one position), under the
-same refuse / --truncate / --skip rule (``latent_core.data.bert_source``).
+same refuse / --truncate / --skip rule (``pipelines.data.bert_source``).
 
 Paper settings (SDMA, Table I):  IWSLT'14 De-En ``--src-vocab-size 6000
 --tgt-vocab-size 8000``; WMT'14 En-De ``--joint --vocab-size 44000`` (train with
 ``--share-all-embeddings``); WMT'17 Zh-En ``--jieba --src-vocab-size 25000
 --tgt-vocab-size 20000``.
 
-Command ``prepare-translation`` (``python -m latent_core.data.translation`` is the same).
+Command ``prepare-translation`` (``python -m pipelines.data.translation`` is the same).
 
 Python API::
 
-    from latent_core.data.translation import parse_args, prepare
+    from pipelines.data.translation import parse_args, prepare
     bin_dir = prepare(parse_args(["--train-prefix", "raw/train", ..., "--out-dir", "data"]))
 """
 
@@ -68,7 +68,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
-from latent_core.data import bert_source
+from latent_core.errors import command_error
+from pipelines.data import bert_source
 
 PROG = "prepare-translation"
 SPLITS = ("train", "valid", "test")
@@ -664,8 +665,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     try:
         bin_dir = prepare(args)
     except PrepareError as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        raise SystemExit(command_error(PROG, error)) from None
     stage(f"done: {bin_dir}")
 
 

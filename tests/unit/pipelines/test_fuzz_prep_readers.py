@@ -1,4 +1,4 @@
-"""Property-based tests (hypothesis) of the readers of user data files in latent_core.data.
+"""Property-based tests (hypothesis) of the readers of user data files in pipelines.data.
 
 For every reader: any input either parses or raises the module's named error (never another
 exception or a hang), and well-formed rows built by a strategy come back unchanged, in order,
@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from latent_core.data import ding, english_vae as vae, lee_sts as lee, pattern3 as p3, translation as pt
+from pipelines.data import ding, english_vae as vae, lee_sts as lee, pattern3 as p3, translation as pt
 
 FUZZ = settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 ROUND_TRIP = settings(max_examples=100, deadline=None, database=None,

@@ -1,4 +1,4 @@
-"""latent_core.data.lee_sts (prepare-lee-sts) and latent_core.data.registry: folds, layout, errors."""
+"""pipelines.data.lee_sts (prepare-lee-sts) and pipelines.data.registry: folds, layout, errors."""
 
 import csv
 import io
@@ -8,7 +8,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from latent_core.data import lee_sts as prep, registry
+from pipelines.data import lee_sts as prep, registry
 
 
 def write_corpus(tmp_path, num_docs=6):

@@ -1,6 +1,6 @@
 """The source side of a translation corpus in a BERT's own tokenization (BV-T / BSDMA-T).
 
-Used by ``prepare-translation --src-bert-dir DIR`` (:mod:`latent_core.data.translation`) and
+Used by ``prepare-translation --src-bert-dir DIR`` (:mod:`pipelines.data.translation`) and
 read back by the ``bert_fused_transformer`` model (``user_dir/sdma/bert_fused.py``):
 
 * :func:`load_tokenizer`: the tokenizer of a local Hugging Face directory (never a download);

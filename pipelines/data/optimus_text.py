@@ -36,7 +36,8 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from latent_core.data.bert_source import (
+from latent_core.errors import command_error
+from pipelines.data.bert_source import (
     FAIRSEQ_SPECIALS,
     BertSourceError,
     encode_pieces,
@@ -45,7 +46,7 @@ from latent_core.data.bert_source import (
     read_config,
     write_dictionary,
 )
-from latent_core.data.registry import DataError
+from pipelines.data.registry import DataError
 
 PROG = "prepare-optimus-data"
 SOURCE_LANG, TARGET_LANG = "bert", "gpt2"
@@ -301,8 +302,7 @@ def main(argv=None) -> int:
         summary = prepare(args.out_dir, texts, args.bert_dir, gpt2_dir, args.skip_too_long,
                           args.gpt2_max_positions, args.workers)
     except DataError as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr)
-        return 2
+        return command_error(PROG, error)
     print(json.dumps(summary, indent=2))
     return 0
 

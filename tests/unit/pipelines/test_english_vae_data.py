@@ -1,10 +1,10 @@
-"""latent_core.data.english_vae (prepare-english-vae-data): OANC reading, splits, binarization, probe triplets."""
+"""pipelines.data.english_vae (prepare-english-vae-data): OANC reading, splits, binarization, probe triplets."""
 
 import random
 
 import pytest
 
-from latent_core.data import english_vae as prep
+from pipelines.data import english_vae as prep
 
 WORDS = {"DT": ["the", "a", "this", "that"], "NN": ["dog", "cat", "house", "tree", "car", "bird", "river"],
          "VBD": ["saw", "liked", "found", "left"], "JJ": ["red", "old", "big", "small"], "IN": ["near", "under"]}
@@ -136,7 +136,7 @@ Es regnet. :: It is raining here.; It is raining/pouring here.
 def test_ding_paraphrase_groups_are_real_alternatives_that_pass_the_sentence_filters():
     from collections import Counter
 
-    from latent_core.data import ding
+    from pipelines.data import ding
 
     stats = Counter()
     groups = ding.english_paraphrase_groups(DING.splitlines(), stats)
@@ -163,7 +163,7 @@ def test_most_frequent_tagger_learns_tags_and_suffixes(tmp_path):
 
 
 def test_paraphrase_triplets_pair_a_target_with_its_paraphrase_and_a_structural_twin(tmp_path):
-    from latent_core.data import ding
+    from pipelines.data import ding
 
     pool = prep.read_oanc(tagged_corpus(tmp_path / "oanc.txt", n=120))
     groups = ding.english_paraphrase_groups(DING.splitlines())

@@ -17,14 +17,14 @@ IWSLT 2014 release (``RAW`` is that folder or its parent):
   ``IWSLT14.TED.tst2010``, ``tst2011``, ``tst2012`` (in fairseq's order, 6750 lines),
   with ``’`` replaced by ``'`` as fairseq does.
 
-No tokenisation or lowercasing happens here (``prepare-translation``, ``latent_core.data.translation``, does
+No tokenisation or lowercasing happens here (``prepare-translation``, ``pipelines.data.translation``, does
 sentencepiece and, with ``--lowercase``, lowercasing).  Writes
 ``OUT/{train,valid,test}.{de,en}``.
 
 ``sgm IN OUT`` writes the ``<seg>`` contents of one SGML/XML file (e.g. WMT's
 ``newstest2017-zhen-ref.en.sgm``), one per line.
 
-Command ``extract-iwslt14`` (``python -m latent_core.data.iwslt14`` is the same).
+Command ``extract-iwslt14`` (``python -m pipelines.data.iwslt14`` is the same).
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ import re
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
+
+from latent_core.errors import command_error
 
 LANGS = ("de", "en")
 TEST_SETS = ("IWSLT14.TED.dev2010", "IWSLT14.TEDX.dev2012", "IWSLT14.TED.tst2010",
@@ -187,8 +189,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             args.output.write_text("".join(segment + "\n" for segment in segments), encoding="utf-8")
             print(f"[extract] sgm: {len(segments)} segments {args.input} -> {args.output}")
     except (ExtractError, UnicodeDecodeError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(command_error("extract-iwslt14", error)) from None
 
 
 if __name__ == "__main__":

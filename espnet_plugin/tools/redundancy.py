@@ -41,7 +41,7 @@ sound files readable by soundfile at the frontend's sampling rate; relative
 paths are relative to the working directory) and ``text`` (``uttid transcript``).
 The utterances of ``text`` are evaluated in its order (the first N with
 ``--max-utterances``). Both files (and ``utt2spk`` when present) are read by
-``latent_core.kaldi_data`` (ESPnet's parsing, errors naming ``file:line``) and
+``pipelines.kaldi_data`` (ESPnet's parsing, errors naming ``file:line``) and
 must hold the same utterance ids.
 
 Usage::
@@ -54,11 +54,11 @@ Usage::
 ``LR`` is on the paper's [0, 1] scale (``LR_bits``: the printed formula, in bits);
 the paper's Table VII values are encoder self-attention numbers (see
 ``latent_core.redundancy``'s docstring and the JSON's ``notes``).
-``python -m espnet_plugin.asr.redundancy`` is the same command.
+``python -m espnet_plugin.tools.redundancy`` is the same command.
 
 Python::
 
-    from espnet_plugin.asr.redundancy import espnet_attention_redundancy
+    from espnet_plugin.tools.redundancy import espnet_attention_redundancy
     result = espnet_attention_redundancy("config.yaml", "model.pth", "data/test")
 """
 
@@ -77,6 +77,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from latent_core.errors import command_error
 from latent_core.redundancy import (
     ATTENTION_TYPES,
     RedundancyAccumulator,
@@ -113,7 +114,7 @@ def read_data_dir(data_dir: str, max_utterances: Optional[int] = None) -> List[U
     for path in (wav_scp, text):
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found (a Kaldi data directory needs wav.scp and text)")
-    from latent_core.kaldi_data import KaldiDataDirError, read_data_dir as read_kaldi_data_dir
+    from pipelines.kaldi_data import KaldiDataDirError, read_data_dir as read_kaldi_data_dir
 
     try:  # the plugin's reader: ESPnet's parsing, file:line errors, the same ids in every file
         kaldi = read_kaldi_data_dir(root)
@@ -424,8 +425,7 @@ def main(argv=None) -> int:
         )
         write_outputs(result, args, str(Path(Path(args.asr_model_file).parent.name, Path(args.asr_model_file).name)))
     except (FileNotFoundError, RedundancyError) as error:
-        print(f"{prog}: error: {error}", file=sys.stderr)
-        return 2
+        return command_error(prog, error)
     return 0
 
 

@@ -36,7 +36,8 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-from latent_core.data.registry import DataError, fetch_members
+from latent_core.errors import command_error
+from pipelines.data.registry import DataError, fetch_members
 
 PROG = "prepare-lee-sts"
 GENSIM = "gensim==4.4.0"
@@ -171,8 +172,7 @@ def main(argv=None) -> int:
         summary = prepare(args.out_dir, args.folds, args.dev_fraction, args.seed,
                           documents=args.documents, ratings=args.ratings)
     except DataError as err:
-        print(f"prepare-lee-sts: error: {err}", file=sys.stderr)
-        return 2
+        return command_error("prepare-lee-sts", err)
     print(f"{summary['documents']} documents, {summary['pairs']} rated pairs -> {len(summary['folds'])} folds "
           f"(train/dev/test {summary['folds'][0]['train']}/{summary['folds'][0]['dev']}/{summary['folds'][0]['test']}) "
           f"in {args.out_dir}")

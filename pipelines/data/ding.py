@@ -40,7 +40,7 @@ Usage::
 
 Python API::
 
-    from latent_core.data.ding import build_corpus
+    from pipelines.data.ding import build_corpus
     counts = build_corpus(out_dir="data/ding_de_en", max_words=15)
 """
 
@@ -53,6 +53,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+from latent_core.errors import command_error, option_flag
 
 PROG = "prepare-ding"
 DEFAULT_SOURCE = Path("/usr/share/trans/de-en")
@@ -348,15 +350,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--max-words must be >= {MIN_WORDS} (the minimum sentence length)")
     for option in ("valid_size", "test_size"):
         if getattr(args, option) < 1:
-            parser.error(f"--{option.replace('_', '-')} must be >= 1: an empty split would reach "
+            parser.error(f"{option_flag(option)} must be >= 1: an empty split would reach "
                          f"fairseq-preprocess, which writes an empty (unusable) binary file")
     stats: Counter = Counter()
     try:
         pairs = read_pairs(args.source, max_words=args.max_words, stats=stats)
         counts = write_split(split_pairs(pairs, args.valid_size, args.test_size, args.seed), args.out_dir)
     except (MissingSourceError, DingDataError) as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+        raise SystemExit(command_error(PROG, error)) from None
     total = sum(counts.values())
     print(f"[prepare_ding] pairs: {total} (train {counts['train']}, valid {counts['valid']}, "
           f"test {counts['test']}) -> {args.out_dir}")
