@@ -163,6 +163,22 @@ def their_gradients(ours, mapping, targets):
     return gradients, probe
 
 
+def their_forward(theirs, data):
+    """Their posteriors and the decoder's logits on the case's tokens with its noise: (means, sigmas,
+    logits [B, T, V]). Their links take {variable name: [B, T, E]} and return parameters expanded over T."""
+    embedded = theirs["word_embeddings"](data["src"])
+    syn = theirs["x_to_zst"]({"x": embedded})
+    sem = theirs["z_posterior"]({"x": embedded})
+    means = {"z_syn": syn["loc"][:, 0], "z_sem": sem["loc"][:, 0]}
+    sigmas = {"z_syn": syn["scale"][:, 0], "z_sem": sem["scale"][:, 0]}
+    z = {name: means[name] + sigmas[name] * data["eps"][name] for name in means}
+    steps = data["prev"].size(1)
+    x_prev = theirs["x_prev"].rep(data["prev"], step_wise=False)
+    decoded = theirs["decoder"]({"z1": z["z_sem"].unsqueeze(1).expand(-1, steps, -1),
+                                 "zs": z["z_syn"].unsqueeze(1).expand(-1, steps, -1), "x_prev": x_prev})
+    return means, sigmas, decoded["logits"]
+
+
 def run_authors(d, bart_dir: str, sentences=SENTENCES, attention_mask: bool = False):
     """``attention_mask``: hand their BART the padding mask their links never pass (a padded batch)."""
     ours, theirs, mapping, targets = load_theirs(d, bart_dir)
@@ -171,18 +187,8 @@ def run_authors(d, bart_dir: str, sentences=SENTENCES, attention_mask: bool = Fa
         bart, mask = theirs["x_to_zst"].transformer, data["src"].ne(d.pad()).long()
         forward = bart.forward
         bart.forward = lambda *args, **kwargs: forward(*args, attention_mask=mask, **kwargs)
-    embedded = theirs["word_embeddings"](data["src"])
-    # their links take {variable name: [B, T, E]} and return parameters expanded over T
-    syn = theirs["x_to_zst"]({"x": embedded})
-    sem = theirs["z_posterior"]({"x": embedded})
-    means = {"z_syn": syn["loc"][:, 0], "z_sem": sem["loc"][:, 0]}
-    sigmas = {"z_syn": syn["scale"][:, 0], "z_sem": sem["scale"][:, 0]}
-    z = {name: means[name] + sigmas[name] * data["eps"][name] for name in means}
-    steps = data["prev"].size(1)
-    x_prev = theirs["x_prev"].rep(data["prev"], step_wise=False)  # word dropout: x 0.6 in evaluation
-    decoded = theirs["decoder"]({"z1": z["z_sem"].unsqueeze(1).expand(-1, steps, -1),
-                                 "zs": z["z_syn"].unsqueeze(1).expand(-1, steps, -1), "x_prev": x_prev})
-    lprobs = torch.log_softmax(decoded["logits"], dim=-1)
+    means, sigmas, logits = their_forward(theirs, data)  # word dropout: x 0.6 in evaluation
+    lprobs = torch.log_softmax(logits, dim=-1)
     log_px = lprobs.gather(-1, data["target"].unsqueeze(-1)).squeeze(-1)
     log_px = log_px.masked_fill(data["target"].eq(d.pad()), 0.0).sum(-1)
     objective = authors_objective(log_px, means, sigmas)
@@ -274,17 +280,8 @@ def run_authors_criterion(d, bart_dir: str):
             module.train()
         theirs["x_prev"].w_drp = FixedWordDropout(word_dropout_keep(d), WORD_DROPOUT)
         data = inputs(d)
-        embedded = theirs["word_embeddings"](data["src"])
-        syn = theirs["x_to_zst"]({"x": embedded})
-        sem = theirs["z_posterior"]({"x": embedded})
-        means = {"z_syn": syn["loc"][:, 0], "z_sem": sem["loc"][:, 0]}
-        sigmas = {"z_syn": syn["scale"][:, 0], "z_sem": sem["scale"][:, 0]}
-        z = {name: means[name] + sigmas[name] * data["eps"][name] for name in means}
-        steps = data["prev"].size(1)
-        x_prev = theirs["x_prev"].rep(data["prev"], step_wise=False)
-        decoded = theirs["decoder"]({"z1": z["z_sem"].unsqueeze(1).expand(-1, steps, -1),
-                                     "zs": z["z_syn"].unsqueeze(1).expand(-1, steps, -1), "x_prev": x_prev})
-        loss = their_elbo(d, decoded["logits"], data["target"], means, sigmas, step)
+        means, sigmas, logits = their_forward(theirs, data)
+        loss = their_elbo(d, logits, data["target"], means, sigmas, step)
         loss.backward()
         gradients, probe = their_gradients(ours, mapping, targets)
         results[step] = criterion_summary(loss, gradients, probe)

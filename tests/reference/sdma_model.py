@@ -28,7 +28,7 @@ import torch
 
 from tests.reference.sdma_model_case import (
     BEAM, LABEL_SMOOTHING, MAX_LEN, NUM_UPDATES, TERMS, WORDS, NoiseStream, authors_argv, authors_name, batch,
-    gradient_reference, pack_gradients, weight,
+    gradient_reference, our_name, pack_gradients, weight,
 )
 
 PLUGIN = "MT/Fairseq/examples/translation/disentangled_transformer"
@@ -69,19 +69,6 @@ def load_authors(authors_dir: Path):
     model = importlib.import_module(PACKAGE + ".models.disentangled_transformer")
     criterion = importlib.import_module(PACKAGE + ".criterions.disentangled_label_smoothed_cross_entropy")
     return model, criterion
-
-
-def our_name(theirs: str) -> str:
-    for ours_part, their_part in [
-        (".q_proj.", ".attn.linear_query."), (".k_proj.", ".attn.linear_key."),
-        (".v_proj.", ".attn.linear_value."), (".out_proj.", ".attn.linear_output."),
-        (".sdma.feature_gmm.means", ".attn.tok_mu"), (".sdma.feature_gmm.log_vars", ".attn.tok_log_var"),
-        (".sdma.feature_gmm.prior_logits", ".attn.tok_log_prior"),
-        (".sdma.query_gmm.means", ".attn.head_mu"), (".sdma.query_gmm.log_vars", ".attn.head_log_var"),
-        (".sdma.query_gmm.prior_logits", ".attn.head_log_prior"),
-    ]:
-        theirs = theirs.replace(their_part, ours_part)
-    return theirs
 
 
 def build_authors_model(model_module):

@@ -77,20 +77,29 @@ def batch(pad: int = 1, eos: int = 2) -> Dict[str, torch.Tensor]:
     }
 
 
+# our name part -> theirs: their attention wraps a DisentangledAttention as ``.attn`` with its own
+# projection names and ``tok_*`` / ``head_*`` mixtures
+AUTHORS_PARTS = [
+    (".q_proj.", ".attn.linear_query."), (".k_proj.", ".attn.linear_key."),
+    (".v_proj.", ".attn.linear_value."), (".out_proj.", ".attn.linear_output."),
+    (".sdma.feature_gmm.means", ".attn.tok_mu"), (".sdma.feature_gmm.log_vars", ".attn.tok_log_var"),
+    (".sdma.feature_gmm.prior_logits", ".attn.tok_log_prior"),
+    (".sdma.query_gmm.means", ".attn.head_mu"), (".sdma.query_gmm.log_vars", ".attn.head_log_var"),
+    (".sdma.query_gmm.prior_logits", ".attn.head_log_prior"),
+]
+
+
 def authors_name(ours: str) -> str:
-    """The authors' parameter name of one of ours (their attention wraps a ``DisentangledAttention``
-    as ``.attn`` with its own projection names and ``tok_*`` / ``head_*`` mixtures)."""
-    replacements = [
-        (".q_proj.", ".attn.linear_query."), (".k_proj.", ".attn.linear_key."),
-        (".v_proj.", ".attn.linear_value."), (".out_proj.", ".attn.linear_output."),
-        (".sdma.feature_gmm.means", ".attn.tok_mu"), (".sdma.feature_gmm.log_vars", ".attn.tok_log_var"),
-        (".sdma.feature_gmm.prior_logits", ".attn.tok_log_prior"),
-        (".sdma.query_gmm.means", ".attn.head_mu"), (".sdma.query_gmm.log_vars", ".attn.head_log_var"),
-        (".sdma.query_gmm.prior_logits", ".attn.head_log_prior"),
-    ]
-    for old, new in replacements:
-        ours = ours.replace(old, new)
+    """The authors' parameter name of one of ours."""
+    for our_part, their_part in AUTHORS_PARTS:
+        ours = ours.replace(our_part, their_part)
     return ours
+
+
+def our_name(theirs: str) -> str:
+    for our_part, their_part in AUTHORS_PARTS:
+        theirs = theirs.replace(their_part, our_part)
+    return theirs
 
 
 def weight(name: str, shape: Tuple[int, ...]) -> torch.Tensor:
