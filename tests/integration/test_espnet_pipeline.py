@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(
     reason="needs espeak-ng and sox (apt-get install espeak-ng sox)",
 )
 
-from espnet_plugin.asr import redundancy  # noqa: E402
+from espnet_plugin.tools import redundancy  # noqa: E402
 from espnet_plugin.recipes import synthetic as driver  # noqa: E402
 
 RECIPE = REPO / "examples" / "aishell_sdma" / "asr1"

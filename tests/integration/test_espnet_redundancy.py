@@ -18,7 +18,7 @@ import yaml
 pytest.importorskip("espnet2")
 soundfile = pytest.importorskip("soundfile")
 
-from espnet_plugin.asr import redundancy as ear  # noqa: E402
+from espnet_plugin.tools import redundancy as ear  # noqa: E402
 
 N_HEADS = 2
 TOKENS = ["<blank>", "<unk>", "a", "b", "c", "<space>", "<sos/eos>"]

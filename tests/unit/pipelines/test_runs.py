@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 import latent_core
-from latent_core import peak_rss, runs
+from latent_core import peak_rss
+from pipelines import runs
 
 
 def test_user_dir_is_the_package_next_to_latent_core():
