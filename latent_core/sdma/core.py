@@ -146,11 +146,14 @@ class SDMACore(nn.Module):
         """``[T, B, n_h, C]`` (``[B, T, n_h, C]`` with ``batch_first``, ESPnet's layout) ->
         ``[B * n_h, T, C]`` (the layout of the attention scores)."""
         if batch_first:
-            resp = resp.transpose(0, 1)
-        T, B, H, C = resp.shape
+            B, T, H, C = resp.shape
+            order = (0, 2, 1, 3)
+        else:
+            T, B, H, C = resp.shape
+            order = (1, 2, 0, 3)
         # contiguous: a clusters-first input would otherwise stay a strided view, on which
         # bmm falls back to one matrix product per batch entry
-        return resp.permute(1, 2, 0, 3).contiguous().view(B * H, T, C)
+        return resp.permute(*order).contiguous().view(B * H, T, C)
 
     # -- regularisers -----------------------------------------------------------
     @staticmethod

@@ -16,6 +16,7 @@ from typing import Dict, List
 import torch
 from fairseq.data import Dictionary
 from fairseq.models import ARCH_CONFIG_REGISTRY
+from fairseq.modules import FairseqDropout
 
 import user_dir  # noqa: F401  (registers the architectures)
 from latent_core.vae import DiagonalGaussian, KLRegularizer
@@ -161,7 +162,7 @@ def run_ours_criterion(model, d: Dictionary, step: int, recipe: Dict = AUTHORS_R
     data = inputs(d)
     model.train()
     for module in model.modules():  # the case's BART has dropout 0 on their side
-        if hasattr(module, "p") and isinstance(getattr(module, "p"), float) and "Dropout" in type(module).__name__:
+        if isinstance(module, (torch.nn.Dropout, FairseqDropout)):
             module.p = 0.0
     model.zero_grad()
     keep = word_dropout_keep(d)

@@ -27,17 +27,12 @@ import torch
 
 from tests.reference.sdma_espnet_model_case import (
     CTC_WEIGHT, FEATURES, LSM_WEIGHT, NUM_UPDATES, PREFIX, TERMS, TOKENS, NoiseStream, authors_argv, authors_name,
-    batch, gradients_of, our_name, pack_gradients, weight,
+    batch, gradient_reference, our_name, pack_gradients, weight,
 )
+from tests.reference.sdma_model import TERM_SCALES, load_separable
 
 BACKEND = "ASR/ESPNet/espnet/nets/pytorch_backend"
 PACKAGE = "espnet.nets.pytorch_backend.disentangled_transformer"
-SEPARABLE = {
-    "mi_loss = -(1 - mi_probs + 1e-6).log().mul(mask).mean((1, 2, 3)) * 10":
-        "mi_loss = -(1 - mi_probs + 1e-6).log().mul(mask).mean((1, 2, 3)) * TERM_SCALES['dqq']",
-    "mi_loss = mi_loss -(F.log_softmax(": "mi_loss = mi_loss - TERM_SCALES['dxq'] * (F.log_softmax(",
-}
-TERM_SCALES = {"dqq": 10.0, "dxq": 1.0}
 
 
 def load_authors(authors_dir: Path):
@@ -52,17 +47,7 @@ def load_authors(authors_dir: Path):
     plot = types.ModuleType(PACKAGE + ".plot")
     plot.PlotAttentionReport = object  # theirs subclasses chainer's reporter, absent here
     sys.modules[plot.__name__] = plot
-    path = root / "disentangled_transformer" / "attention.py"
-    source = path.read_text()
-    for old, new in SEPARABLE.items():
-        if source.count(old) != 1:
-            raise SystemExit(f"their attention.py changed: {old!r} not found once")
-        source = source.replace(old, new)
-    attention = types.ModuleType(PACKAGE + ".attention")
-    attention.__file__ = str(path)
-    attention.TERM_SCALES = TERM_SCALES
-    exec(compile(source, str(path), "exec"), attention.__dict__)
-    sys.modules[attention.__name__] = attention
+    attention = load_separable(root / "disentangled_transformer" / "attention.py", PACKAGE + ".attention")
     spec = importlib.util.spec_from_file_location("authors_e2e", root / "e2e_asr_disentangled_transformer.py")
     e2e = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(e2e)
@@ -140,7 +125,7 @@ def run_terms(e2e, attention_class):
             value = module_term(model, attention_class, "loss_mi") * (1.0 if term == "dqq" else -1.0)
         value.backward()
         values[term] = value.item()
-        gradients[term] = gradients_of((our_name(n), p) for n, p in model.named_parameters()
+        gradients[term] = gradient_reference((our_name(n), p) for n, p in model.named_parameters()
                                        if not n.endswith((".var", ".num_updates")))
         noise_shapes = stream.shapes
     TERM_SCALES.update(dqq=10.0, dxq=1.0)

@@ -15,7 +15,9 @@ from typing import Dict, List
 
 import torch
 
-from tests.reference.sdma_model_case import NoiseStream, pack_gradients, unpack_gradients  # noqa: F401  (shared)
+from tests.reference.sdma_model_case import (  # noqa: F401  (shared with the fairseq case)
+    NoiseStream, gradient_reference, pack_gradients, renamed, unpack_gradients,
+)
 
 FEATURES, WIDTH, HEADS, UNITS, BLOCKS, CLUSTERS = 20, 8, 2, 16, 2, 3
 TOKENS = ["<blank>", "<unk>"] + [f"t{i}" for i in range(10)] + ["<sos/eos>"]
@@ -78,15 +80,11 @@ AUTHORS_PARTS = [
 
 
 def authors_name(ours: str) -> str:
-    for our_part, their_part in AUTHORS_PARTS:
-        ours = ours.replace(our_part, their_part)
-    return ours
+    return renamed(ours, AUTHORS_PARTS)
 
 
 def our_name(theirs: str) -> str:
-    for our_part, their_part in AUTHORS_PARTS:
-        theirs = theirs.replace(their_part, our_part)
-    return theirs
+    return renamed(theirs, AUTHORS_PARTS, to_authors=False)
 
 
 def weight(name: str, shape) -> torch.Tensor:
@@ -109,7 +107,3 @@ def weight(name: str, shape) -> torch.Tensor:
     fan_in = shape[1] * (shape[2] * shape[3] if len(shape) == 4 else 1) if len(shape) > 1 else shape[0]
     return z / fan_in ** 0.5
 
-
-def gradients_of(named_parameters) -> Dict[str, torch.Tensor]:
-    return {name: torch.zeros_like(p, dtype=torch.float64) if p.grad is None else p.grad.detach().double().clone()
-            for name, p in named_parameters if p.requires_grad}

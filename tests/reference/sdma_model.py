@@ -20,6 +20,7 @@ against their file as it is.
 import argparse
 import importlib
 import importlib.util
+import re
 import sys
 import types
 from pathlib import Path
@@ -33,13 +34,29 @@ from tests.reference.sdma_model_case import (
 
 PLUGIN = "MT/Fairseq/examples/translation/disentangled_transformer"
 PACKAGE = "authors_sdma"
-# the two constants of their mi_loss, made settable: 10 * L_Dqq - 1 * L_Dxq
-SEPARABLE = {
-    "mi_loss = -(1 - mi_probs + 1e-6).log().mul(mask).mean((1, 2, 3)) * 10":
-        "mi_loss = -(1 - mi_probs + 1e-6).log().mul(mask).mean((1, 2, 3)) * TERM_SCALES['dqq']",
-    "mi_loss = mi_loss - (F.log_softmax(": "mi_loss = mi_loss - TERM_SCALES['dxq'] * (F.log_softmax(",
-}
+# the two constants of their mi_loss (fairseq and ESPnet files alike), made settable: 10 L_Dqq - 1 L_Dxq
+SEPARABLE = (
+    (r"(mi_loss = -\(1 - mi_probs \+ 1e-6\)\.log\(\)\.mul\(mask\)\.mean\(\(1, 2, 3\)\)) \* 10",
+     r"\1 * TERM_SCALES['dqq']"),
+    (r"mi_loss = mi_loss -\s?\(F\.log_softmax\(", "mi_loss = mi_loss - TERM_SCALES['dxq'] * (F.log_softmax("),
+)
 TERM_SCALES = {"dqq": 10.0, "dxq": 1.0}
+
+
+def load_separable(path: Path, module_name: str) -> types.ModuleType:
+    """Their attention module at ``path`` with the constants of its ``mi_loss`` read from
+    :data:`TERM_SCALES`, registered as ``module_name`` (before anything of theirs imports it)."""
+    source = path.read_text()
+    for pattern, replacement in SEPARABLE:
+        source, count = re.subn(pattern, replacement, source)
+        if count != 1:
+            raise SystemExit(f"{path}: their mi_loss changed ({pattern!r} found {count} times)")
+    module = types.ModuleType(module_name)
+    module.__file__ = str(path)
+    module.TERM_SCALES = TERM_SCALES
+    exec(compile(source, str(path), "exec"), module.__dict__)
+    sys.modules[module_name] = module
+    return module
 
 
 def load_authors(authors_dir: Path):
@@ -55,17 +72,7 @@ def load_authors(authors_dir: Path):
         package = types.ModuleType(PACKAGE + sub)
         package.__path__ = [str(root / sub.lstrip(".").replace(".", "/"))]
         sys.modules[PACKAGE + sub] = package
-    attention_name = PACKAGE + ".modules.disentangled_attention"
-    source = (root / "modules" / "disentangled_attention.py").read_text()
-    for old, new in SEPARABLE.items():
-        if source.count(old) != 1:
-            raise SystemExit(f"their disentangled_attention.py changed: {old!r} not found once")
-        source = source.replace(old, new)
-    attention = types.ModuleType(attention_name)
-    attention.__file__ = str(root / "modules" / "disentangled_attention.py")
-    attention.TERM_SCALES = TERM_SCALES
-    exec(compile(source, attention.__file__, "exec"), attention.__dict__)
-    sys.modules[attention_name] = attention
+    load_separable(root / "modules" / "disentangled_attention.py", PACKAGE + ".modules.disentangled_attention")
     model = importlib.import_module(PACKAGE + ".models.disentangled_transformer")
     criterion = importlib.import_module(PACKAGE + ".criterions.disentangled_label_smoothed_cross_entropy")
     return model, criterion

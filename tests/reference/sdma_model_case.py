@@ -89,17 +89,20 @@ AUTHORS_PARTS = [
 ]
 
 
+def renamed(name: str, parts, to_authors: bool = True) -> str:
+    """``name`` with every (ours, theirs) part of ``parts`` replaced, ours -> theirs or back."""
+    for our_part, their_part in parts:
+        name = name.replace(our_part, their_part) if to_authors else name.replace(their_part, our_part)
+    return name
+
+
 def authors_name(ours: str) -> str:
     """The authors' parameter name of one of ours."""
-    for our_part, their_part in AUTHORS_PARTS:
-        ours = ours.replace(our_part, their_part)
-    return ours
+    return renamed(ours, AUTHORS_PARTS)
 
 
 def our_name(theirs: str) -> str:
-    for our_part, their_part in AUTHORS_PARTS:
-        theirs = theirs.replace(their_part, our_part)
-    return theirs
+    return renamed(theirs, AUTHORS_PARTS, to_authors=False)
 
 
 def weight(name: str, shape: Tuple[int, ...]) -> torch.Tensor:

@@ -215,7 +215,7 @@ class SentenceVAETask(FairseqTask):
     # ---------------------------------------------------------------- model
     def build_model(self, cfg, from_checkpoint=False):
         model = super().build_model(cfg, from_checkpoint)
-        vae = sentence_vae_model(model, f"{type(self).__name__}")
+        vae = sentence_vae_model(model, type(self).__name__)
         self.built_model_defaults = BuiltModelDefaults(OrderedDict(vae.latent_sizes), vae.default_kl_variant,
                                                        vae.default_decoder_start)
         vae.update_counter = UpdateCounter()

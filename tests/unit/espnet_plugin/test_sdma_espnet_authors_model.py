@@ -24,7 +24,7 @@ from espnet2.asr.espnet_model import ESPnetASRModel  # noqa: E402
 from espnet_plugin.tasks.sdma_asr import SDMAASRTask  # noqa: E402
 from latent_core.sdma import SDMACore, collect_sdma_losses, recording  # noqa: E402
 from tests.reference.sdma_espnet_model_case import (  # noqa: E402
-    CTC_WEIGHT, NUM_UPDATES, PREFIX, TERMS, NoiseStream, batch, gradients_of, our_args, unpack_gradients, weight,
+    CTC_WEIGHT, NUM_UPDATES, PREFIX, TERMS, NoiseStream, batch, gradient_reference, our_args, unpack_gradients, weight,
 )
 
 REFERENCE = torch.load(Path(__file__).parents[2] / "reference" / "sdma_espnet_model_reference.pt", weights_only=True)
@@ -84,7 +84,7 @@ def run_ours(defect=None):
         value = model(**data)[0] if term == "loss" else term_value(model, data, term)
         value.backward()
         values[term] = value.item()
-        gradients[term] = gradients_of(model.named_parameters())
+        gradients[term] = gradient_reference(model.named_parameters())
         shapes = stream.shapes
     model.eval()
     model.set_num_updates(NUM_UPDATES)
