@@ -120,7 +120,7 @@ def step_profile(args, out: Path) -> dict:
 
 def step_sdma_bench(args, out: Path) -> dict:
     code = run([console("sdma-bench"), "--gpu", "--fp16", "--config", "base", "--updates",
-                args.sdma_updates, "--repeats", args.repeats, "--skip-scale", "--step-configs", "",
+                args.sdma_updates, "--repeats", args.repeats, "--skip-scale", "--step-configs", "", "--compiled",
                 "--data-dir", out / "data" / "ding", "--out", out / "sdma_bench.json"],
                out / "sdma_bench.log", args.step_timeout)
     result = {"returncode": code}
