@@ -25,7 +25,7 @@ Everything that touches log-densities runs in float32 and in log space, so the
 module is safe under fp16/bf16 autocast and a collapsed cluster (all of its
 responsibilities ~0) never produces NaN.
 
-Two readings (``SDMAOptions.reading``), see :data:`READINGS` and the README's table:
+Two readings (``SDMAOptions.reading``), see :data:`READINGS` and examples/sdma_translation/readings.md:
 
 * ``authors`` (default): the training computation of the authors' fairseq code, which
   produced the paper's tables (``modules/disentangled_attention.py`` of

@@ -64,7 +64,7 @@ class SDMAOptions:
         "authors", "authors: the training computation of the authors' code, which produced the paper's "
                    "numbers (second noise draw on the queries, clean k/v, their KL, diversity and L_Dqq "
                    "forms, padded-length averages, their initialisation); paper: the equations as printed "
-                   "(see the README's table of the two readings)", choices=READINGS)
+                   "(see examples/sdma_translation/readings.md)", choices=READINGS)
     # Tables II-IV fix n_c = 4 (Section IV-C1; Table V's n_c = 4 row is Table II's SDMA-T base, and the
     # authors' IWSLT script passes --clusters 4) although Table I lists 8/8 for IWSLT'14 base
     clusters: int = _option(4, "n_c of the feature GMM theta_z, eq. (5)/(9) (Tables II-IV: 4; Table I lists 8)",

@@ -16,7 +16,7 @@ tokens separated by spaces), then binarized with ``fairseq-preprocess --only-sou
 
 Probes of QKVAE's Table 2 (target, semantic source, syntactic source), without a parser:
 
-* ``paraphrase_dev.tsv`` / ``paraphrase_test.tsv`` (the probe of the README): real paraphrases
+* ``paraphrase_dev.tsv`` / ``paraphrase_test.tsv`` (the probe of examples/sentence_vae/runs_in_detail.md): real paraphrases
   from the Ding dictionary -- the ``;``-separated alternative English translations of one German
   entry ("good to see you again !" / "you are a sight for sore eyes !";
   :func:`pipelines.data.ding.english_paraphrase_groups`: whole sentences of at least 4 words,

@@ -13,6 +13,7 @@ import torch
 
 from conftest import ARCHS
 from latent_core import redundancy_plot as phr
+from user_dir.sdma.attention_outputs import attention_outputs
 from user_dir.tools.sdma import plot_attention as psa
 from user_dir.tools.sdma import redundancy as ar
 
@@ -32,9 +33,10 @@ def test_capture_gives_per_head_weights_of_each_attention_type(loaded):
     model, task = loaded["transformer"]
     sample = _sample(task)
     net = sample["net_input"]
-    with torch.no_grad(), ar.capture_attention(model) as store:
+    with torch.no_grad(), attention_outputs(model) as store:
         _, extra = model(**net, features_only=False)
-        weights = {k: [w.clone() for w in v] for k, v in store.items()}
+        assert model.encoder.layers[0].self_attn.skip_embed_dim_check is False  # nothing switched meanwhile
+        weights = {k: [recorded.weights.clone() for recorded in v] for k, v in store.items()}
     B, S = net["src_tokens"].shape
     T = net["prev_output_tokens"].size(1)
     pad = task.source_dictionary.pad()
@@ -55,7 +57,6 @@ def test_capture_gives_per_head_weights_of_each_attention_type(loaded):
     x = model.encoder.forward_embedding(net["src_tokens"])[0].transpose(0, 1)
     layer = model.encoder.layers[0]
     _, avg = layer.self_attn(x, x, x, key_padding_mask=src_pad, need_weights=True)
-    assert layer.self_attn.skip_embed_dim_check is False  # restored
     rows = ~src_pad  # compare real query rows only
     torch.testing.assert_close(weights["encoder_self"][0].mean(0)[rows], avg[rows], atol=1e-5, rtol=1e-4)
 
@@ -93,12 +94,12 @@ def test_results_do_not_depend_on_padding(loaded):
     sample = ds.collater([ds[i] for i in range(8)])
     net = sample["net_input"]
     pad = task.source_dictionary.pad()
-    with torch.no_grad(), ar.capture_attention(model) as store:
+    with torch.no_grad(), attention_outputs(model) as store:
         model(**net)
-        base = torch.stack(store["encoder_self"])
+        base = torch.stack([recorded.weights for recorded in store["encoder_self"]])
         net2 = dict(net, src_tokens=torch.cat([torch.full_like(net["src_tokens"][:, :1], pad), net["src_tokens"]], 1))
         model(**net2)
-        more = torch.stack(store["encoder_self"])
+        more = torch.stack([recorded.weights for recorded in store["encoder_self"]])
     m1, m2 = net["src_tokens"].ne(pad), net2["src_tokens"].ne(pad)
     torch.testing.assert_close(ar.layer_redundancy(more, m2, m2), ar.layer_redundancy(base, m1, m1))
     torch.testing.assert_close(ar.head_redundancy(more, m2, m2), ar.head_redundancy(base, m1, m1))

@@ -27,6 +27,7 @@ from latent_core.sdma import (
     reading_semantic_mask,
     sdma_attention,
 )
+from user_dir.sdma.attention_outputs import AttentionOutputs, output_sink
 
 
 class SDMAMultiheadAttention(MultiheadAttention):
@@ -58,6 +59,8 @@ class SDMAMultiheadAttention(MultiheadAttention):
                 f"the embedding dim {embed_dim}"
             )
         super().__init__(embed_dim, num_heads, **kwargs)
+        # fairseq's quant-noise (q_noise > 0) is a forward pre-hook on q_proj: then q_proj itself must be called
+        self.fold_query_scaling = not kwargs.get("q_noise", 0.0)
         self.sdma = SDMACore(embed_dim, num_heads, sdma)
         self.sdma.sdma_group = group
         if sdma.authors and sdma.mode != "none":
@@ -98,11 +101,12 @@ class SDMAMultiheadAttention(MultiheadAttention):
                 query, key, value, key_padding_mask, incremental_state, need_weights,
                 static_kv, attn_mask, before_softmax, need_head_weights,
             )
-        # read here, outside the (possibly compiled) body: the recording scope and the decoder's real positions
+        # read here, outside the (possibly compiled) body: the recording scopes and the decoder's real positions
         need_losses = incremental_state is None and core.computes_regularisers()
         real_queries = None if self.self_attention else current_real_queries()
+        sink = output_sink(self) if incremental_state is None and not before_softmax else None
         body = SDMAMultiheadAttention._sdma_forward
-        if core.compiles(self.training) and incremental_state is None and not before_softmax:
+        if core.compiles(self.training) and incremental_state is None and not before_softmax and sink is None:
             body = compiled(body)
             if key_padding_mask is None:  # fairseq leaves it out of batches without padding: one graph for both
                 key_padding_mask = torch.zeros(query.size(1), query.size(0) if key is None else key.size(0),
@@ -111,7 +115,7 @@ class SDMAMultiheadAttention(MultiheadAttention):
                 query, key, value, key_padding_mask, attn_mask)
         attn, weights, record = body(self, query, key, value, key_padding_mask, incremental_state, need_weights,
                                      static_kv, attn_mask, before_softmax, need_head_weights, need_losses,
-                                     real_queries)
+                                     real_queries, sink)
         if record is not None:
             core.record(*record)
         return attn, weights
@@ -119,12 +123,16 @@ class SDMAMultiheadAttention(MultiheadAttention):
     def _sdma_forward(self, query: Tensor, key: Optional[Tensor], value: Optional[Tensor],
                       key_padding_mask: Optional[Tensor], incremental_state, need_weights: bool, static_kv: bool,
                       attn_mask: Optional[Tensor], before_softmax: bool, need_head_weights: bool, need_losses: bool,
-                      real_queries: Optional[Tensor]):
+                      real_queries: Optional[Tensor], sink=None):
         """:meth:`forward` of an active SDMA module: ``(output [T, B, E], weights or None, the arguments of
         :meth:`SDMACore.record` or None)``; with ``before_softmax``, ``(scores, v, None)``. No context variable
-        is read here, so that ``torch.compile`` traces it as one graph (``SDMAOptions.compile``)."""
+        is read here, so that ``torch.compile`` traces it as one graph (``SDMAOptions.compile``). ``sink``:
+        where this call's :class:`~user_dir.sdma.attention_outputs.AttentionOutputs` go (never compiled)."""
         core = self.sdma
         if need_head_weights:
+            need_weights = True
+        caller_needs_weights = need_weights
+        if sink is not None:
             need_weights = True
         tgt_len, bsz, embed_dim = query.size()
         H, D = self.num_heads, self.head_dim
@@ -161,6 +169,7 @@ class SDMAMultiheadAttention(MultiheadAttention):
         # paper reading's q = W_q z + b already carries the sample of eq. (8), the authors'
         # draws a second one
         q_cluster, q = core.sample_queries(q, self.training)
+        queries = q  # [T, B, E], kept for the recorded outputs
         log_joint_q = log_resp_q = None
         if core.query_gmm is not None and need_losses:
             log_joint_q, log_resp_q = core.cluster_queries(q_cluster.view(tgt_len, bsz, H, D), core.clustering_scale)
@@ -182,6 +191,15 @@ class SDMAMultiheadAttention(MultiheadAttention):
         if before_softmax:
             return attn, v, None  # the scores, as fairseq's MultiheadAttention
         attn = self.out_proj(attn)
+        if sink is not None and bsz == kv_bsz:
+            plain = self._plain_attention(q, k, v, resp_query, key_resp, key_padding_mask, attn_mask, bsz)
+            sink(AttentionOutputs(
+                query_input=query.detach().float(), queries=queries.detach().float().view(tgt_len, bsz, H, D),
+                weights=attn_float.detach().view(bsz, H, tgt_len, -1).transpose(0, 1),
+                plain_weights=plain.detach().float().view(bsz, H, tgt_len, -1).transpose(0, 1),
+                query_resp=log_resp_z.detach().exp().float(),
+                key_resp=(clustered[1][1] if cross_keys else log_resp_z).detach().exp().float(),
+                mix_weight=float(core.mix_weight)))
 
         record = None
         if need_losses:
@@ -189,7 +207,7 @@ class SDMAMultiheadAttention(MultiheadAttention):
                       log_joint_q, log_resp_q, log_joint_k, log_resp_k)
 
         weights: Optional[Tensor] = None
-        if need_weights and attn_float is not None:
+        if caller_needs_weights and attn_float is not None:
             weights = attn_float.view(bsz, H, tgt_len, k.size(1)).transpose(1, 0)
             if not need_head_weights:
                 weights = weights.mean(dim=0)
@@ -274,15 +292,10 @@ class SDMAMultiheadAttention(MultiheadAttention):
         tgt_len, src_len = q.size(1), k.size(1)
         dropout_active = self.training and self.dropout_module.p > 0
         if not (self.encoder_decoder_attention and bsz != kv_bsz) and not before_softmax:
-            blocked = None
-            if key_padding_mask is not None:
-                blocked = key_padding_mask.to(torch.bool)[:, None, None, :]  # [B, 1, 1, S]
-            if attn_mask is not None:  # fairseq's future mask: 0 / -inf
-                future = torch.isneginf(attn_mask)[None, None]  # [1, 1, T, S]
-                blocked = future if blocked is None else blocked | future
             attn, weights = sdma_attention(  # eq. (1), (2), (10), (11)
                 *(t.view(bsz, H, -1, t.size(-1)) for t in (q, k, v, resp_query, key_resp)), core.mix_weight,
-                authors=authors, blocked=blocked, kernel=core.options.attention_kernel, need_weights=need_weights,
+                authors=authors, blocked=self._blocked_keys(key_padding_mask, attn_mask),
+                kernel=core.options.attention_kernel, need_weights=need_weights,
                 dropout=self.dropout_module, dropout_p=self.dropout_module.p if dropout_active else 0.0)
             weights = None if weights is None else weights.view(bsz * H, tgt_len, src_len)
             return attn.permute(2, 0, 1, 3).reshape(tgt_len, bsz, H * D), weights
@@ -312,6 +325,29 @@ class SDMAMultiheadAttention(MultiheadAttention):
             v.view((kv_bsz, H) + v.size()[1:]),
         ).reshape(-1, tgt_len, D)
         return attn.transpose(0, 1).contiguous().view(tgt_len, bsz, H * D), attn_float
+
+    @staticmethod
+    def _blocked_keys(key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor]) -> Optional[Tensor]:
+        """True where a query may not attend, broadcastable to ``[B, H, T, S]`` (None when nothing is blocked)."""
+        blocked = None
+        if key_padding_mask is not None:
+            blocked = key_padding_mask.to(torch.bool)[:, None, None, :]  # [B, 1, 1, S]
+        if attn_mask is not None:  # fairseq's future mask: 0 / -inf
+            future = torch.isneginf(attn_mask)[None, None]  # [1, 1, T, S]
+            blocked = future if blocked is None else blocked | future
+        return blocked
+
+    def _plain_attention(self, q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, key_resp: Tensor,
+                         key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor], bsz: int) -> Tensor:
+        """A of eq. (1) for the recorded outputs: the weights of :meth:`_mixed_attention` with g = 0 in eq. (11)
+        (no dropout), ``[B, H, T, S]``."""
+        core, H = self.sdma, self.num_heads
+        _, weights = sdma_attention(
+            *(t.view(bsz, H, -1, t.size(-1)) for t in (q, k, v, resp_query, key_resp)),
+            torch.zeros_like(core.mix_weight), authors=core.options.authors,
+            blocked=self._blocked_keys(key_padding_mask, attn_mask), kernel="explicit", need_weights=True,
+            dropout=lambda a: a, dropout_p=0.0)
+        return weights
 
     def _query_valid(self, query: Tensor, key_padding_mask: Optional[Tensor], real_queries: Optional[Tensor]) -> Tensor:
         """``[T, B]`` float, 1 at real query positions: self-attention's queries are its keys; a
@@ -346,9 +382,9 @@ class SDMAMultiheadAttention(MultiheadAttention):
     def _scaled_query(self, z: Tensor) -> Tensor:
         """``q_proj(z) / sqrt(d_k)``, the scaling folded into W_q and b_q (``[E, E]``) rather than
         applied to the ``[T, B, E]`` output (one pass less forward and backward). With fairseq's
-        quant-noise hook on ``q_proj`` the module itself is called, so the hook still runs."""
+        quant-noise (``q_noise`` > 0) the module itself is called, so its noise hook runs."""
         proj = self.q_proj
-        if proj._forward_pre_hooks or proj._forward_hooks:
+        if not self.fold_query_scaling:
             return proj(z) * self.scaling
         bias = None if proj.bias is None else proj.bias * self.scaling
         return F.linear(z, proj.weight * self.scaling, bias)

@@ -328,14 +328,15 @@ def test_unknown_fusion_is_an_argparse_error(tmp_path, bert_dir, capsys):
 
 def test_redundancy_capture_reads_the_layers_own_attentions_under_fusion(tmp_path, bert_dir):
     """sdma-redundancy's LR/HR measure the paper's three attention types inside the fusion wrappers."""
-    from user_dir.tools.sdma.redundancy import capture_attention, head_weight_modules
+    from user_dir.sdma.attention_outputs import attention_outputs
+    from user_dir.tools.sdma.redundancy import head_weight_modules
 
     model, task, _ = build(tmp_path, bert_dir, "--bert-fusion", "attention")
     model.eval()
     modules = head_weight_modules(model)
     assert not any(isinstance(m, BertFusedAttention) for mods in modules.values() for m in mods)
     src, lengths, prev = batch(task)
-    with torch.no_grad(), capture_attention(model) as store:
+    with torch.no_grad(), attention_outputs(model) as store:
         model(src, lengths, prev)
-    assert [w.shape for w in store["encoder_self"]] == [(4, 3, 7, 7)] * 2
-    assert [w.shape for w in store["decoder_cross"]] == [(4, 3, 6, 7)] * 2
+    assert [recorded.weights.shape for recorded in store["encoder_self"]] == [(4, 3, 7, 7)] * 2
+    assert [recorded.weights.shape for recorded in store["decoder_cross"]] == [(4, 3, 6, 7)] * 2

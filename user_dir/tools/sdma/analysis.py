@@ -36,8 +36,12 @@ import torch
 from torch import Tensor, nn
 
 from latent_core.sdma import SDMACore
-
-ATTENTION_TYPES = ("encoder_self", "decoder_self", "decoder_cross")
+from user_dir.sdma.attention_outputs import (  # noqa: F401 (ATTENTION_TYPES re-exported)
+    ATTENTION_TYPES,
+    AttentionOutputsError,
+    attention_layers,
+    attention_outputs,
+)
 # which side's tokens are the query positions of each attention type
 QUERY_SIDE = {"encoder_self": "source", "decoder_self": "target", "decoder_cross": "target"}
 DEFAULT_BATCH_SIZE = 32
@@ -55,27 +59,12 @@ class AnalysisError(ValueError):
 
 
 def attention_modules(model: nn.Module) -> Dict[str, List[nn.Module]]:
-    """The attention modules of a fairseq encoder-decoder model, per attention type
-    (``encoder_self``, ``decoder_self``, ``decoder_cross``), in layer order; a type the model does
-    not have (``--no-cross-attention``) is left out. In ``bert_fused_transformer``'s attention
-    fusion the layer's own attention inside the wrapper is returned (the extra attentions over
-    BERT's output are not one of the paper's three types)."""
-    encoder = getattr(model, "encoder", None)
-    decoder = getattr(model, "decoder", None)
-    if not hasattr(encoder, "layers") or not hasattr(decoder, "layers"):
-        raise AnalysisError(
-            f"{type(model).__name__} is not a fairseq encoder-decoder model with attention layers "
-            "(expected model.encoder.layers[*].self_attn and model.decoder.layers[*].self_attn / .encoder_attn, "
-            "as in the transformer / sdma_transformer architectures)"
-        )
-    modules = {
-        "encoder_self": [getattr(layer, "self_attn", None) for layer in encoder.layers],
-        "decoder_self": [getattr(layer, "self_attn", None) for layer in decoder.layers],
-        "decoder_cross": [getattr(layer, "encoder_attn", None) for layer in decoder.layers],
-    }
-    modules = {kind: [getattr(m, "attention", m) if hasattr(m, "bert_attention") else m for m in mods]
-               for kind, mods in modules.items()}
-    return {kind: mods for kind, mods in modules.items() if mods and all(m is not None for m in mods)}
+    """The attention modules of a fairseq encoder-decoder model per attention type, in layer order
+    (:func:`user_dir.sdma.attention_outputs.attention_layers`)."""
+    try:
+        return attention_layers(model)
+    except AttentionOutputsError as error:
+        raise AnalysisError(str(error)) from None
 
 
 def resolve_index(index: int, size: int, what: str) -> int:
@@ -194,47 +183,6 @@ def real_positions(per_position: Tensor, valid: Tensor) -> Tensor:
 
 
 @contextlib.contextmanager
-def _explicit_attention_path(modules: Iterable[nn.Module]):
-    """Force fairseq ``MultiheadAttention``'s explicit path for the duration.
-
-    Its fast path (``F.multi_head_attention_forward``) reads ``q_proj.weight`` directly
-    and never calls ``q_proj``; fairseq skips it when ``skip_embed_dim_check`` is set.
-    The explicit path computes the same attention.
-    """
-    modules = list(modules)
-    saved = [m.skip_embed_dim_check for m in modules]
-    try:
-        for m in modules:
-            m.skip_embed_dim_check = True
-        yield
-    finally:
-        for m, flag in zip(modules, saved):
-            m.skip_embed_dim_check = flag
-
-
-@contextlib.contextmanager
-def capture_queries(module: nn.Module) -> Iterator[List[Tensor]]:
-    """Record the scaled queries of every forward pass of an attention module.
-
-    Yields a list that receives, per call, q = q_proj(x) * scaling split into heads,
-    ``[T, B, n_h, d_k]`` (a forward hook on ``q_proj``; fairseq's own and SDMA's modules
-    both compute their queries this way).
-    """
-    records: List[Tensor] = []
-
-    def hook(_proj, _args, output):
-        T, B, _ = output.shape
-        records.append((output.detach() * module.scaling).view(T, B, module.num_heads, module.head_dim))
-
-    handle = module.q_proj.register_forward_hook(hook)
-    try:
-        with _explicit_attention_path([module]):
-            yield records
-    finally:
-        handle.remove()
-
-
-@contextlib.contextmanager
 def capture_inputs(modules: Dict[Tuple[str, int], nn.Module]) -> Iterator[Dict[Tuple[str, int], Tensor]]:
     """Record the query input x ``[T, B, E]`` of each module (keyed like ``modules``) per forward pass."""
     store: Dict[Tuple[str, int], Tensor] = {}
@@ -261,19 +209,20 @@ def collect_queries(model: nn.Module, batches: Iterable[dict], attention_type: s
     Returns ``(queries [N, n_h, d_k], token ids [N])`` (float32, CPU). The model runs in
     eval mode (no dropout, no SDMA sampling noise) on the batches' device.
     """
-    _index, _count, module = select_attention(model, attention_type, layer)
+    index, _count, _module = select_attention(model, attention_type, layer)
     pad = _padding_index(model, attention_type)
     queries, tokens = [], []
-    with _eval(model), torch.no_grad(), capture_queries(module) as records:
+    with _eval(model), torch.no_grad(), attention_outputs(model, only=[(attention_type, index)]) as outputs:
         for sample in batches:
             net_input = sample["net_input"]
-            records.clear()
+            outputs[attention_type][index] = None
             model(**net_input)
-            if len(records) != 1:
-                raise RuntimeError(f"{attention_type}: q_proj ran {len(records)} times in one forward pass")
+            recorded = outputs[attention_type][index]
+            if recorded is None:
+                raise RuntimeError(f"{attention_type} layer {index} was not called in the forward pass")
             ids = query_tokens(net_input, attention_type)
             valid = ids.ne(pad)
-            queries.append(real_positions(records[0], valid).float().cpu())
+            queries.append(real_positions(recorded.queries, valid).float().cpu())
             tokens.append(ids[valid].cpu())
     if not queries:
         raise AnalysisError("no batches to analyse")

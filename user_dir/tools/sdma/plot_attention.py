@@ -32,7 +32,6 @@ dictionary's symbols (sentencepiece / BPE pieces as stored).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import sys
@@ -48,7 +47,8 @@ import torch  # noqa: E402
 
 from latent_core.errors import command_error
 from latent_core.redundancy import RedundancyError  # noqa: E402
-from user_dir.tools.sdma.redundancy import force_head_weights, check_subset, load_models  # noqa: E402
+from user_dir.sdma.attention_outputs import AttentionOutputs, attention_outputs  # noqa: E402
+from user_dir.tools.sdma.redundancy import check_subset, load_models  # noqa: E402
 
 
 class PlotError(RedundancyError):
@@ -73,38 +73,16 @@ def encoder_self_attention(model, layer: int):
     return index, len(layers), module
 
 
-@contextlib.contextmanager
-def _watch(module):
-    """Record the attention input (query) and per-head weights [n_h, B, T, S] of ``module``."""
-    record: Dict[str, torch.Tensor] = {}
-
-    def pre_hook(mod, args, kwargs):
-        args, kwargs = force_head_weights(mod, args, kwargs)
-        record["input"] = (args[0] if args else kwargs["query"]).detach()
-        return args, kwargs
-
-    def hook(mod, args, kwargs, output):
-        record["weights"] = output[1].detach().float()
-
-    saved = module.skip_embed_dim_check
-    module.skip_embed_dim_check = True  # vanilla MHA: explicit path, which returns per-head weights
-    handles = [
-        module.register_forward_pre_hook(pre_hook, with_kwargs=True),
-        module.register_forward_hook(hook, with_kwargs=True),
-    ]
-    try:
-        yield record
-    finally:
-        for handle in handles:
-            handle.remove()
-        module.skip_embed_dim_check = saved
-
-
-def _run_encoder(model, sample):
+def _encoder_outputs(model, sample, layer: int) -> AttentionOutputs:
+    """What encoder layer ``layer``'s self-attention computed for ``sample`` (one encoder forward, eval mode)."""
     net = sample["net_input"]
     model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), attention_outputs(model, only=[("encoder_self", layer)]) as outputs:
         model.encoder(net["src_tokens"], src_lengths=net["src_lengths"])
+    recorded = outputs["encoder_self"][layer]
+    if recorded is None:
+        raise PlotError(f"encoder layer {layer}'s self-attention was not called by the encoder")
+    return recorded
 
 
 def sentence(task, subset: str, index: int):
@@ -133,25 +111,13 @@ def sdma_panels(model, sample, layer: int, head: int, path: str = "checkpoint") 
             "(--sdma-mode sdma or sma)"
         )
     head = _resolve(head, module.num_heads, "--head")
-    with _watch(module) as record:
-        _run_encoder(model, sample)
-        mixed = record["weights"][head, 0]
-        saved = core.mix_weight.clone()
-        try:
-            core.mix_weight.zero_()  # A_hat = (1 - 0) A + 0 A_bar = A (eq. 11)
-            _run_encoder(model, sample)
-        finally:
-            core.mix_weight.copy_(saved)
-        plain = record["weights"][head, 0]
-        x = record["input"]  # [T, 1, E]
-    with torch.no_grad():
-        _, log_resp = core.cluster(x, scale=core.clustering_scale)  # [T, 1, n_h, C]
-        resp = log_resp.exp()[:, 0, head, :]  # [T, C]
-        mask = semantic_mask(resp[None], resp[None])[0]  # [T, T]
+    recorded = _encoder_outputs(model, sample, layer)
+    resp = recorded.query_resp[:, 0, head, :]  # [T, C], eq. (9)
+    mask = semantic_mask(resp[None], resp[None])[0]  # [T, T]
     return {
-        "resp": resp.float(), "mask": mask.float(), "attn": plain, "mixed": mixed,
-        "layer": layer, "layers": n_layers, "head": head, "heads": module.num_heads,
-        "mix_weight": float(saved),
+        "resp": resp, "mask": mask.float(), "attn": recorded.plain_weights[head, 0],
+        "mixed": recorded.weights[head, 0], "layer": layer, "layers": n_layers, "head": head,
+        "heads": module.num_heads, "mix_weight": recorded.mix_weight,
     }
 
 
@@ -159,12 +125,8 @@ def vanilla_attention(model, sample, layer: int, head: int) -> dict:
     """Per-head softmax attention A [T, T] of an encoder layer of any fairseq encoder-decoder model."""
     layer, n_layers, module = encoder_self_attention(model, layer)
     head = _resolve(head, module.num_heads, "--head")
-    with _watch(module) as record:
-        _run_encoder(model, sample)
-    weights = record.get("weights")
-    if weights is None or weights.dim() != 4:
-        raise PlotError(f"encoder layer {layer} did not return per-head attention weights")
-    return {"attn": weights[head, 0], "layer": layer, "layers": n_layers, "head": head, "heads": module.num_heads}
+    return {"attn": _encoder_outputs(model, sample, layer).weights[head, 0], "layer": layer, "layers": n_layers,
+            "head": head, "heads": module.num_heads}
 
 
 def _heatmap(ax, fig, matrix, xlabels, ylabels, title, xlabel, ylabel, fontsize):

@@ -41,10 +41,7 @@ Python::
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
 import glob
-import inspect
 import os
 import sys
 from pathlib import Path
@@ -75,11 +72,12 @@ from latent_core.redundancy import (  # re-exported (__all__): the metric, its r
     report,
 )
 from latent_core.redundancy_plot import add_output_arguments, write_outputs
+from user_dir.sdma.attention_outputs import AttentionOutputsError, attention_layers, attention_outputs
 from user_dir.tools.sdma import analysis
 
 __all__ = [
     # the fairseq capture and the command
-    "head_weight_modules", "capture_attention", "masks_for", "import_user_dir", "load_models", "check_subset",
+    "head_weight_modules", "masks_for", "import_user_dir", "load_models", "check_subset",
     "attention_redundancy", "parse_args", "main",
     # re-exported from latent_core.redundancy
     "ATTENTION_TYPES", "HR_SCALE", "LR_SCALE", "PAPER_COMPARISON", "SINGLE_HEAD_NOTE", "RedundancyAccumulator",
@@ -94,82 +92,19 @@ __all__ = [
 
 
 def head_weight_modules(model) -> Dict[str, List[torch.nn.Module]]:
-    """The attention modules of :func:`user_dir.tools.sdma.analysis.attention_modules`, checked for what
-    capturing their per-head weights needs (fairseq ``MultiheadAttention`` without add_bias_kv /
-    add_zero_attn, no --cross-self-attention, an encoder and a decoder); a type the model does not
-    have is ``[]``."""
-    from fairseq.modules.multihead_attention import MultiheadAttention
-
+    """The attention modules whose per-head weights :func:`attention_redundancy` reads
+    (:func:`user_dir.sdma.attention_outputs.attention_outputs` records them), checked: fairseq
+    ``MultiheadAttention`` without add_bias_kv / add_zero_attn, no --cross-self-attention, an encoder and
+    a decoder; a type the model does not have is ``[]``."""
     try:
-        found = analysis.attention_modules(model)
-    except analysis.AnalysisError as error:
+        with attention_outputs(model):  # the same checks as recording
+            found = attention_layers(model)
+    except AttentionOutputsError as error:
         raise RedundancyError(str(error)) from None
-    if getattr(model.decoder, "cross_self_attention", False):
-        raise RedundancyError("decoders with --cross-self-attention are not supported")
     modules = {kind: found.get(kind, []) for kind in ATTENTION_TYPES}
-    for kind, mods in modules.items():
-        for index, module in enumerate(mods):
-            if not isinstance(module, MultiheadAttention):
-                raise RedundancyError(
-                    f"{kind} attention of layer {index} is {type(module).__name__}, not a fairseq "
-                    "MultiheadAttention: cannot read its per-head attention weights"
-                )
-            if module.bias_k is not None or module.add_zero_attn:
-                raise RedundancyError(f"{kind} layer {index}: add_bias_kv / add_zero_attn are not supported")
     if not modules["encoder_self"] or not modules["decoder_self"]:
         raise RedundancyError("the model has no encoder or no decoder layers")
     return modules
-
-
-def force_head_weights(module, args, kwargs):
-    """forward pre-hook: call with ``need_weights=True, need_head_weights=True``."""
-    signature = getattr(module, "_redundancy_signature", None)
-    if signature is None:
-        signature = inspect.signature(module.forward)
-        module._redundancy_signature = signature
-    bound = signature.bind(*args, **kwargs)
-    bound.arguments["need_weights"] = True
-    bound.arguments["need_head_weights"] = True
-    return bound.args, bound.kwargs
-
-
-def _record(store: List[Optional[Tensor]], index: int, kind: str, module, args, output):
-    weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
-    if weights is None or weights.dim() != 4 or weights.size(0) != module.num_heads:
-        shape = None if weights is None else tuple(weights.shape)
-        raise RuntimeError(
-            f"{kind} layer {index}: expected per-head attention weights [n_h, B, T, S], got {shape}"
-        )
-    store[index] = weights.detach().float()
-
-
-@contextlib.contextmanager
-def capture_attention(model) -> Iterator[Dict[str, List[Optional[Tensor]]]]:
-    """Record every attention type's per-head weights during forward passes of ``model``.
-
-    Yields ``{type: [weights of layer 0, layer 1, ...]}`` with each entry ``[n_h, B, T, S]``,
-    overwritten by every forward pass. fairseq's layers call their attentions with
-    ``need_weights=False``; forward pre-hooks force ``need_weights=need_head_weights=True``
-    and ``skip_embed_dim_check=True`` is set for the duration, so that the vanilla
-    ``MultiheadAttention`` takes its explicit path (the ``F.multi_head_attention_forward``
-    fast path ignores ``need_head_weights``).
-    """
-    modules = head_weight_modules(model)
-    store: Dict[str, List[Optional[Tensor]]] = {kind: [None] * len(mods) for kind, mods in modules.items()}
-    handles, saved = [], []
-    try:
-        for kind, mods in modules.items():
-            for index, module in enumerate(mods):
-                saved.append((module, module.skip_embed_dim_check))
-                module.skip_embed_dim_check = True
-                handles.append(module.register_forward_pre_hook(force_head_weights, with_kwargs=True))
-                handles.append(module.register_forward_hook(functools.partial(_record, store[kind], index, kind)))
-        yield store
-    finally:
-        for handle in handles:
-            handle.remove()
-        for module, flag in saved:
-            module.skip_embed_dim_check = flag
 
 
 def masks_for(sample: dict, pad: int) -> Dict[str, Tuple[Tensor, Tensor]]:
@@ -308,19 +243,19 @@ def attention_redundancy(
 
     accumulator = RedundancyAccumulator(return_matrices)
     try:
-        with torch.no_grad(), capture_attention(model) as store:
+        with torch.no_grad(), attention_outputs(model) as store:
             for batch in _batches(dataset, range(n), batch_size):
                 sample = dataset.collater([dataset[i] for i in batch])
                 net_input = {k: v.to(device) if torch.is_tensor(v) else v for k, v in sample["net_input"].items()}
                 sample["net_input"] = net_input
                 model(**net_input)
                 for kind, (query_mask, key_mask) in masks_for(sample, pad).items():
-                    layers = store[kind]
+                    layers = store.get(kind)
                     if not layers:
                         continue
-                    if any(w is None for w in layers):
+                    if any(recorded is None for recorded in layers):
                         raise RuntimeError(f"{kind}: not every layer's attention was called in the forward pass")
-                    attn = torch.stack(layers)  # [N, n_h, B, T, S]
+                    attn = torch.stack([recorded.weights for recorded in layers])  # [N, n_h, B, T, S]
                     for i in range(len(layers)):
                         layers[i] = None
                     accumulator.add(kind, attn, query_mask, key_mask)
