@@ -67,6 +67,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import inspect
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -87,8 +89,6 @@ from latent_core.redundancy_plot import add_output_arguments, write_outputs
 
 # attribute of each decoder layer that holds the attention of each decoder type
 _DECODER_ATTRIBUTES = {"decoder_self": "self_attn", "decoder_cross": "src_attn"}
-# MultiHeadedAttention paths that do not store the attention probabilities in .attn
-_FAST_PATH_FLAGS = ("use_sdpa", "use_flash_attn")
 
 
 @dataclass(frozen=True)
@@ -247,9 +247,29 @@ def _clear_attn(module, args):
     module.attn = None
 
 
-def _record(store: List[Optional[Tensor]], index: int, path: str, module, args, output):
-    """forward hook: store ``module.attn`` ``(B, n_head, T, S)`` as ``(n_head, B, T, S)``."""
+def softmax_attention(module, query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor]) -> Tensor:
+    """ESPnet ``MultiHeadedAttention``'s probabilities ``(B, n_head, T, S)`` as its explicit path computes them
+    (``forward_qkv``, then the masked softmax of ``forward_attention``): for a call that took a fast path
+    (``use_sdpa``, ``use_flash_attn``), which keeps no ``.attn``."""
+    q, k, _ = module.forward_qkv(query, key, value)
+    scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(module.d_k)
+    if mask is None:
+        return torch.softmax(scores, dim=-1)
+    blocked = mask.unsqueeze(1).eq(0)  # (B, 1, *, S)
+    scores = scores.masked_fill(blocked, torch.finfo(scores.dtype).min)
+    return torch.softmax(scores, dim=-1).masked_fill(blocked, 0.0)
+
+
+def _record(store: List[Optional[Tensor]], index: int, path: str, module, args, kwargs, output):
+    """forward hook: store the call's probabilities ``(B, n_head, T, S)`` as ``(n_head, B, T, S)``: ESPnet's
+    ``.attn`` (what its explicit path and the SDMA attention keep), else recomputed from the call's inputs."""
+    from espnet.nets.pytorch_backend.transformer.attention import MultiHeadedAttention
+
     attn = module.attn
+    if attn is None and type(module).forward is MultiHeadedAttention.forward:
+        call = inspect.signature(MultiHeadedAttention.forward).bind(module, *args, **kwargs).arguments
+        with torch.no_grad():
+            attn = softmax_attention(module, call["query"], call["key"], call["value"], call["mask"])
     if attn is None or attn.dim() != 4 or attn.size(1) != module.h:
         shape = None if attn is None else tuple(attn.shape)
         raise RedundancyError(f"{path}: expected attention probabilities (B, {module.h}, T, S) in .attn "
@@ -262,26 +282,22 @@ def capture_attention(modules: Dict[str, List[Tuple[str, torch.nn.Module]]]) -> 
     """Record each attention type's per-head probabilities during forward passes.
 
     Yields ``{type: [layer 0, layer 1, ...]}``, each entry ``(n_head, B, T, S)`` from
-    the latest forward of that module.  The fast paths (``use_sdpa``,
-    ``use_flash_attn``) are off meanwhile and restored on exit.
+    the latest forward of that module: ESPnet's ``.attn`` (cleared before each call, so that a stale
+    value is never read), or, after a fast path that keeps none (``use_sdpa``, ``use_flash_attn``),
+    :func:`softmax_attention` of the call's inputs. Nothing in the model is switched.
     """
     store = {kind: [None] * len(entries) for kind, entries in modules.items()}
-    handles, saved_flags = [], []
+    handles = []
     try:
         for kind, entries in modules.items():
             for index, (path, module) in enumerate(entries):
-                for flag in _FAST_PATH_FLAGS:
-                    if hasattr(module, flag):
-                        saved_flags.append((module, flag, getattr(module, flag)))
-                        setattr(module, flag, False)
                 handles.append(module.register_forward_pre_hook(_clear_attn))
-                handles.append(module.register_forward_hook(functools.partial(_record, store[kind], index, path)))
+                handles.append(module.register_forward_hook(functools.partial(_record, store[kind], index, path),
+                                                            with_kwargs=True))
         yield store
     finally:
         for handle in handles:
             handle.remove()
-        for module, flag, value in saved_flags:
-            setattr(module, flag, value)
 
 
 def teacher_forced_forward(model, wavs: List[np.ndarray], token_ids: List[List[int]],
