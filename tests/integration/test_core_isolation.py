@@ -83,3 +83,12 @@ def test_fairseq_plugin_import_leaves_transformers_and_espnet_to_the_models_that
     loaded = loaded_after("import user_dir")
     assert loaded["user_dir"] and loaded["fairseq"]
     assert not any(loaded[m] for m in ("transformers", "espnet", "espnet2")), loaded
+
+
+def test_transformers_plugin_imports_neither_toolkit():
+    """The third adapter is for Hugging Face users: every module of it imports neither fairseq nor ESPnet
+    (nor the other adapters)."""
+    loaded = loaded_after("import importlib, pkgutil, transformers_plugin; [importlib.import_module(m.name) for m "
+                          "in pkgutil.walk_packages(transformers_plugin.__path__, 'transformers_plugin.')]")
+    assert loaded["transformers"] and loaded["latent_core"]
+    assert not any(loaded[m] for m in ("fairseq", "espnet", "espnet2", "user_dir")), loaded
