@@ -22,8 +22,8 @@ DIR=.gpu-offline
 PURE="Unidecode antlr4-python3-runtime ci-sdr defusedxml espnet espnet-g2p-en espnet_tts_frontend fast-bss-eval
 humanfriendly hydra-core inflect jaconv jamo jaraco.functools kaldiio librosa more-itertools nltk omegaconf
 soundfile tensorboardX torch-complex typeguard audioread pooch decorator platformdirs pycparser ConfigArgParse
-pytest-timeout pytest-xdist execnet"
-BINARY="fairseq-fixed bitarray soxr cffi editdistance"
+pytest-timeout pytest-xdist execnet accelerate"
+BINARY="fairseq-fixed bitarray soxr cffi editdistance psutil"
 
 pinned() {  # NAME==VERSION from constraints.txt, or NAME
   local pattern
