@@ -16,5 +16,6 @@ from transformers_plugin.attention import (  # noqa: F401
     attach_sdma,
     from_pretrained_with_sdma,
     sdma_loss,
+    sdma_records,
     set_sdma_updates,
 )

@@ -174,6 +174,17 @@ def sdma_loss(model: nn.Module, weights: Optional[Dict[str, float]] = None) -> T
     return weighted_regulariser(terms, weights).mean()
 
 
+def sdma_records(model: nn.Module) -> Dict[str, object]:
+    """The clustering each SDMA attention recorded in the model's latest forward (the inputs of its regularisers):
+    ``{module name: latent_core.sdma.ClusteringRecord}``, with p(c|z) of eq. (9) as ``log_resp_z`` ``[T, B, n_h, C]``
+    and the real query positions as ``valid`` ``[T, B]``. Empty where no attention applied its mask."""
+    records = _RECORDS.get(model)
+    if records is None:
+        raise SDMAConfigError("sdma_records: no forward of this model with SDMA has run yet")
+    return {name: records.get(module.sdma) for name, module in model.named_modules()
+            if isinstance(getattr(module, "sdma", None), SDMACore) and records.get(module.sdma) is not None}
+
+
 def _open_recording(model, _args):
     stack = contextlib.ExitStack()
     _RECORDS[model] = stack.enter_context(recording())

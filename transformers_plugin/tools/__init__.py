@@ -1,0 +1,1 @@
+"""Commands of the transformers adapter: the fine-tuning runs of its page."""
