@@ -223,6 +223,8 @@ def sdma_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value:
     core = getattr(module, "sdma", None)
     drawn = _SAMPLES.pop(module, None)
     if core is None or drawn is None or not core.active(module.training):
+        if kwargs.get("output_attentions"):  # transformers' sdpa returns no weights
+            return _softmax_attention(module, query, key, value, attention_mask, scaling, dropout)
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
     x, cluster_input, z = drawn
@@ -259,6 +261,19 @@ def sdma_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value:
                                                                                        core.clustering_scale))
         valid = _real_queries(attention_mask, B, T, q.device)
         core.record(log_joint_z.transpose(0, 1), log_resp_z.transpose(0, 1), valid.t(), log_joint_q, log_resp_q)
+    return out.transpose(1, 2).contiguous(), weights
+
+
+def _softmax_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+                       scaling: Optional[float], dropout: float) -> Tuple[Tensor, Tensor]:
+    """Plain softmax attention (eq. 1) with its weights, for an attention without SDMA in this pass asked for
+    ``output_attentions``: the boolean mask as transformers' eager functions apply an additive one."""
+    scores = torch.matmul(query, key.transpose(-1, -2)).float() * (query.size(-1) ** -0.5 if scaling is None
+                                                                   else scaling)
+    if attention_mask is not None:
+        scores = scores.masked_fill(~attention_mask.to(torch.bool), torch.finfo(scores.dtype).min)
+    weights = torch.softmax(scores, dim=-1).to(value.dtype)
+    out = torch.matmul(F.dropout(weights, dropout, training=module.training), value)
     return out.transpose(1, 2).contiguous(), weights
 
 

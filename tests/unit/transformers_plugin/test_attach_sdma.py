@@ -199,3 +199,17 @@ def test_the_cores_follow_the_model_to_a_device_and_dtype():
     with torch.no_grad():
         out = model(**batch()).last_hidden_state
     assert out.dtype == torch.float64 and torch.isfinite(out).all()
+
+
+def test_attentions_are_returned_where_sdma_is_off():
+    """An attention without SDMA in the pass (mode none here) asked for ``output_attentions`` returns the unmodified
+    model's eager weights (transformers' sdpa returns none)."""
+    base = bert()
+    base.set_attn_implementation("eager")
+    model = attach_sdma(bert(), mode="none")
+    with torch.no_grad():
+        want = base(**batch(), output_attentions=True).attentions
+        got = model(**batch(), output_attentions=True).attentions
+    assert len(got) == 2
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

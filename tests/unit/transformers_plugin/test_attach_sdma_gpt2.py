@@ -156,3 +156,4 @@ def test_save_pretrained_and_reload(tmp_path):
     gpt2().save_pretrained(plain)
     with pytest.raises(SDMAConfigError, match="no 'sdma' entry"):
         from_pretrained_with_sdma(GPT2LMHeadModel, plain)
+
