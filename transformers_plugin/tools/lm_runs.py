@@ -31,7 +31,7 @@ import torch
 
 from latent_core.errors import command_error
 from latent_core.redundancy import RedundancyAccumulator
-from transformers_plugin.tools.sts_runs import seed_interval
+from transformers_plugin.tools.sts_runs import run_missing, seed_interval
 
 SYSTEMS = ("vanilla", "SDMA")
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
@@ -184,15 +184,8 @@ def main(argv=None) -> int:
     results_path = args.out_dir / "results.json"
     results = json.loads(results_path.read_text()) if results_path.is_file() else {"runs": []}
     results["data"] = {name: len(part) for name, part in data.items()} | {"vocabulary": len(vocabulary)}
-    done = {(r["system"], r["seed"]) for r in results["runs"]}
-    for system in args.systems:
-        for seed in args.seeds:
-            if (system, seed) in done:
-                continue
-            print(f"[transformers-sdma-lm] {system} seed {seed}: {args.updates} updates", flush=True)
-            results["runs"].append(run_one(args, system, seed, data, vocabulary))
-            results_path.parent.mkdir(parents=True, exist_ok=True)
-            results_path.write_text(json.dumps(results, indent=2) + "\n")
+    run_missing(results, results_path, args.systems, args.seeds, "transformers-sdma-lm",
+                lambda system, seed: run_one(args, system, seed, data, vocabulary))
     summary = {}
     for system in SYSTEMS:
         runs = [r for r in results["runs"] if r["system"] == system]

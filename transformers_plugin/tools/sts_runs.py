@@ -102,6 +102,20 @@ def seed_interval(values: List[float]) -> Dict[str, object]:
     return {"mean": mean, "ci95": [mean - half, mean + half], "n": len(values)}
 
 
+def run_missing(results: dict, results_path: Path, systems, seeds, prog: str, run) -> None:
+    """``run(system, seed)`` for every pair ``results["runs"]`` lacks, appending its result and writing
+    ``results_path`` after each (finished runs are kept across calls)."""
+    done = {(r["system"], r["seed"]) for r in results["runs"]}
+    for system in systems:
+        for seed in seeds:
+            if (system, seed) in done:
+                continue
+            print(f"[{prog}] {system} seed {seed}", flush=True)
+            results["runs"].append(run(system, seed))
+            results_path.parent.mkdir(parents=True, exist_ok=True)
+            results_path.write_text(json.dumps(results, indent=2) + "\n")
+
+
 def predict_and_attend(model, dataset, collator, batch_size: int):
     """Predictions on ``dataset`` and the LR/HR of its heads from the model's own ``output_attentions`` (a model on
     transformers' sdpa attention, which returns no weights, is switched to its eager attention, the same numbers)."""
@@ -238,7 +252,6 @@ def main(argv=None) -> int:
         return command_error("transformers-sdma-sts", f"--fold {args.fold}: {data_dir} has no train.tsv")
     results_path = args.out_dir / "results.json"
     results = json.loads(results_path.read_text()) if results_path.is_file() else {"runs": []}
-    done = {(r["system"], r["seed"]) for r in results["runs"]}
     from transformers import AutoTokenizer, BertForSequenceClassification, DataCollatorWithPadding
 
     if "before" not in results:  # the pretrained model's heads, on the same test pairs
@@ -246,15 +259,8 @@ def main(argv=None) -> int:
         model = BertForSequenceClassification.from_pretrained(args.model_dir, num_labels=1, attn_implementation="sdpa")
         test = PairDataset(tokenizer, read_pairs(data_dir / "test.tsv", args.max_pairs), args.max_length)
         results["before"] = predict_and_attend(model, test, DataCollatorWithPadding(tokenizer), args.batch_size)[1]
-    for system in args.systems:
-        for seed in args.seeds:
-            if (system, seed) in done:
-                continue
-            print(f"[transformers-sdma-sts] {system} seed {seed}", flush=True)
-            run = run_one(args, system, seed, data_dir, args.out_dir / f"{system}-seed{seed}")
-            results["runs"].append(run)
-            results_path.parent.mkdir(parents=True, exist_ok=True)
-            results_path.write_text(json.dumps(results, indent=2) + "\n")
+    run_missing(results, results_path, args.systems, args.seeds, "transformers-sdma-sts",
+                lambda system, seed: run_one(args, system, seed, data_dir, args.out_dir / f"{system}-seed{seed}"))
     summary = {}
     for system in SYSTEMS:
         runs = [r for r in results["runs"] if r["system"] == system]

@@ -96,6 +96,18 @@ def attention_layers(model: nn.Module) -> Dict[str, List[nn.Module]]:
     return {kind: mods for kind, mods in modules.items() if mods and all(m is not None for m in mods)}
 
 
+def recordable_layers(model: nn.Module) -> Dict[str, List[nn.Module]]:
+    """:func:`attention_layers`, checked for what recording needs (fairseq ``MultiheadAttention`` without
+    add_bias_kv / add_zero_attn, no ``--cross-self-attention``); :class:`AttentionOutputsError` otherwise."""
+    layers = attention_layers(model)
+    if getattr(model.decoder, "cross_self_attention", False):
+        raise AttentionOutputsError("decoders with --cross-self-attention are not supported")
+    for kind, mods in layers.items():
+        for index, module in enumerate(mods):
+            _check_recordable(kind, index, module)
+    return layers
+
+
 def _check_recordable(kind: str, index: int, module: nn.Module) -> None:
     if not isinstance(module, MultiheadAttention):
         raise AttentionOutputsError(f"{kind} attention of layer {index} is {type(module).__name__}, not a fairseq "
@@ -133,10 +145,8 @@ def attention_outputs(model: nn.Module, only: Optional[Iterable[Tuple[str, int]]
     """Record every attention's :class:`AttentionOutputs` during forward passes of ``model`` (see the module
     docstring); yields ``{type: [layer 0, layer 1, ...]}``, overwritten by each forward. ``only``: record just
     these ``(type, layer index)`` pairs (the others stay None)."""
-    layers = attention_layers(model)
+    layers = recordable_layers(model)
     selected = None if only is None else set(only)
-    if getattr(model.decoder, "cross_self_attention", False):
-        raise AttentionOutputsError("decoders with --cross-self-attention are not supported")
     store: Dict[str, List[Optional[AttentionOutputs]]] = {kind: [None] * len(mods) for kind, mods in layers.items()}
     sinks: Dict[nn.Module, Callable[[AttentionOutputs], None]] = {}
     written: Dict[nn.Module, bool] = {}
@@ -165,7 +175,6 @@ def attention_outputs(model: nn.Module, only: Optional[Iterable[Tuple[str, int]]
 
     for kind, mods in layers.items():
         for index, module in enumerate(mods):
-            _check_recordable(kind, index, module)
             if selected is not None and (kind, index) not in selected:
                 continue
             sinks[module] = sink_for(kind, index, module)

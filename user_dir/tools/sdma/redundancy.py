@@ -72,7 +72,7 @@ from latent_core.redundancy import (  # re-exported (__all__): the metric, its r
     report,
 )
 from latent_core.redundancy_plot import add_output_arguments, write_outputs
-from user_dir.sdma.attention_outputs import AttentionOutputsError, attention_layers, attention_outputs
+from user_dir.sdma.attention_outputs import AttentionOutputsError, attention_outputs, recordable_layers
 from user_dir.tools.sdma import analysis
 
 __all__ = [
@@ -97,8 +97,7 @@ def head_weight_modules(model) -> Dict[str, List[torch.nn.Module]]:
     ``MultiheadAttention`` without add_bias_kv / add_zero_attn, no --cross-self-attention, an encoder and
     a decoder; a type the model does not have is ``[]``."""
     try:
-        with attention_outputs(model):  # the same checks as recording
-            found = attention_layers(model)
+        found = recordable_layers(model)
     except AttentionOutputsError as error:
         raise RedundancyError(str(error)) from None
     modules = {kind: found.get(kind, []) for kind in ATTENTION_TYPES}
