@@ -128,7 +128,7 @@ class CyclicalSchedule:
         period = self.total_steps / self.n_cycles
         zeros = max(math.ceil(period * self.zero_ratio), 0)  # i < period * zero_ratio
         ramp = _optimus_ramp(period, self.increase_ratio, float(self.beta_max))
-        length = zeros + len(ramp)  # elements one cycle writes
+        length = zeros + ramp.length  # elements one cycle writes (may exceed what len() can return)
         for c in range(min(self.n_cycles - 1, int(t // period) + 1), -1, -1):
             base = c * period
             if int(base) + length + 1 < t:
@@ -167,9 +167,6 @@ class _Ramp:
     step: float
     length: int
     values: tuple
-
-    def __len__(self) -> int:
-        return self.length
 
     def __getitem__(self, k: int) -> float:
         return self.values[k] if self.values else k * self.step
