@@ -31,7 +31,7 @@ import torch
 
 from latent_core.errors import command_error
 from latent_core.redundancy import RedundancyAccumulator
-from transformers_plugin.tools.sts_runs import run_missing, seed_interval
+from transformers_plugin.tools.runs import run_missing, seed_interval
 
 SYSTEMS = ("vanilla", "SDMA")
 PAD, BOS, EOS, UNK = 0, 1, 2, 3

@@ -35,6 +35,7 @@ import torch
 from latent_core.errors import command_error
 from latent_core.redundancy import RedundancyAccumulator
 from latent_core.sdma import SDMACore, semantic_mask
+from transformers_plugin.tools.runs import run_missing, seed_interval
 
 SYSTEMS = {"vanilla": None, "SMA": "sma", "SDMA": "sdma"}
 
@@ -89,31 +90,6 @@ def correlations(pred: np.ndarray, gold: np.ndarray, seed: int, resamples: int =
     for name, values in boot.items():
         out[f"{name}_ci95"] = [float(np.nanpercentile(values, 2.5)), float(np.nanpercentile(values, 97.5))]
     return out
-
-
-def seed_interval(values: List[float]) -> Dict[str, object]:
-    """Mean over seeds with a 95% t-interval (None for one seed)."""
-    from scipy.stats import t
-
-    mean = float(np.mean(values))
-    if len(values) < 2:
-        return {"mean": mean, "ci95": None, "n": len(values)}
-    half = float(t.ppf(0.975, len(values) - 1) * np.std(values, ddof=1) / math.sqrt(len(values)))
-    return {"mean": mean, "ci95": [mean - half, mean + half], "n": len(values)}
-
-
-def run_missing(results: dict, results_path: Path, systems, seeds, prog: str, run) -> None:
-    """``run(system, seed)`` for every pair ``results["runs"]`` lacks, appending its result and writing
-    ``results_path`` after each (finished runs are kept across calls)."""
-    done = {(r["system"], r["seed"]) for r in results["runs"]}
-    for system in systems:
-        for seed in seeds:
-            if (system, seed) in done:
-                continue
-            print(f"[{prog}] {system} seed {seed}", flush=True)
-            results["runs"].append(run(system, seed))
-            results_path.parent.mkdir(parents=True, exist_ok=True)
-            results_path.write_text(json.dumps(results, indent=2) + "\n")
 
 
 def predict_and_attend(model, dataset, collator, batch_size: int):
