@@ -213,3 +213,28 @@ def test_attentions_are_returned_where_sdma_is_off():
     assert len(got) == 2
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["sdma", "sma"])
+def test_save_pretrained_and_reload(tmp_path, mode):
+    """An encoder applies its semantic mask at inference, so the reloaded model's outputs depend on the cores'
+    GMM and mixture parameters: they must come back from the weights, bit for bit, with the options."""
+    from transformers_plugin import from_pretrained_with_sdma
+
+    model = attach_sdma(bert(), mode=mode, reading="authors", clusters=3)
+    set_sdma_updates(model, 4321)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.01 * torch.randn_like(parameter))
+    model.save_pretrained(tmp_path)
+    reloaded = from_pretrained_with_sdma(BertModel, tmp_path)
+    assert reloaded.config.sdma == model.config.sdma and reloaded.config.sdma["mode"] == mode
+    saved, loaded = model.state_dict(), reloaded.state_dict()
+    assert saved.keys() == loaded.keys() and any(".sdma." in name for name in saved)
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, loaded[name]), name
+    with torch.no_grad():
+        want = model.eval()(**batch()).last_hidden_state
+        torch.testing.assert_close(reloaded(**batch()).last_hidden_state, want, rtol=0, atol=0)
+        fresh = attach_sdma(bert(), mode=mode, reading="authors", clusters=3)
+        assert not torch.equal(fresh.eval()(**batch()).last_hidden_state, want)
