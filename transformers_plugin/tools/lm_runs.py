@@ -6,10 +6,14 @@ The sentences are the tokenised English side of the Ding German-English dictiona
 sentence-VAE data), split into train / valid / test by a seeded shuffle; the vocabulary is the training words
 seen at least twice (others ``<unk>``). Each run trains ``GPT2LMHeadModel`` (``--embed-dim``, ``--layers``,
 ``--heads``) for ``--updates`` updates with AdamW (linear warm-up, then constant) on the LM loss plus, for SDMA,
-``sdma_loss(model)`` (eq. 24), g following ``set_sdma_updates`` with the paper's schedule. It reports on the test
-sentences: perplexity per token (the ``</s>`` included; exp of the mean natural-log NLL) and bits per token, with a
-95% bootstrap interval over sentences per run and a 95% t-interval over seeds per system, and LR/HR of the
-decoder self-attention heads (the SDMA paper's Tables II-IV metric, from the model's own ``output_attentions``).
+``sdma_loss(model)`` (eq. 24), g following ``set_sdma_updates`` with the paper's schedule. Every
+``--validate-interval-updates`` it measures the valid perplexity and keeps the best weights (fairseq's
+``checkpoint_best``: a model this small overfits these sentences long before the last update). It reports, for
+the best-valid weights, on the test sentences: perplexity per token (the ``</s>`` included; exp of the mean
+natural-log NLL) and bits per token, with a 95% bootstrap interval over sentences per run and a 95% t-interval over
+seeds per system, and LR/HR of the decoder self-attention heads (the SDMA paper's Tables II-IV metric, from the
+model's own ``output_attentions``); the last update's test perplexity beside it; and SDMA minus vanilla perplexity
+paired by seed.
 At inference the decoder's semantic mask is off, as in the paper (``attach_sdma``'s ``decoder_mask_at_inference``),
 so both systems are evaluated with softmax attention.
 
@@ -62,6 +66,27 @@ def batches(encoded: List[List[int]], size: int, rng: random.Random = None):
         yield ids, mask
 
 
+def sentence_nll(model, ids: torch.Tensor, mask: torch.Tensor, attentions: bool = False):
+    """Summed next-token NLL (nats) and the number of predicted tokens, per sentence (and the heads' weights)."""
+    out = model(input_ids=ids, attention_mask=mask, output_attentions=attentions)
+    logp = torch.log_softmax(out.logits[:, :-1].float(), -1)
+    real = mask[:, 1:].bool()
+    token_nll = -logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1) * real
+    return token_nll.sum(1), real.sum(1), out.attentions
+
+
+def valid_perplexity(model, encoded: List[List[int]], batch_size: int) -> float:
+    """Perplexity per token of ``encoded`` in eval mode, with the model's own attention implementation."""
+    model.eval()
+    nll = tokens = 0.0
+    with torch.no_grad():
+        for ids, mask in batches(encoded, batch_size):
+            sums, counts, _ = sentence_nll(model, ids, mask)
+            nll, tokens = nll + float(sums.sum()), tokens + float(counts.sum())
+    model.train()
+    return math.exp(nll / tokens)
+
+
 def evaluate(model, encoded: List[List[int]], batch_size: int, seed: int) -> dict:
     """Per-sentence NLL sums and token counts -> perplexity with a bootstrap interval; LR/HR of the heads."""
     model.eval()
@@ -71,14 +96,10 @@ def evaluate(model, encoded: List[List[int]], batch_size: int, seed: int) -> dic
     nll, tokens, accumulator = [], [], RedundancyAccumulator()
     with torch.no_grad():
         for ids, mask in batches(encoded, batch_size):
-            out = model(input_ids=ids, attention_mask=mask, output_attentions=True)
-            logp = torch.log_softmax(out.logits[:, :-1].float(), -1)
-            target = ids[:, 1:]
-            real = mask[:, 1:].bool()
-            token_nll = -logp.gather(-1, target.unsqueeze(-1)).squeeze(-1) * real
-            nll.append(token_nll.sum(1))
-            tokens.append(real.sum(1))
-            attn = torch.stack([a.transpose(0, 1) for a in out.attentions])  # [layers, heads, B, T, T]
+            sums, counts, attentions = sentence_nll(model, ids, mask, attentions=True)
+            nll.append(sums)
+            tokens.append(counts)
+            attn = torch.stack([a.transpose(0, 1) for a in attentions])  # [layers, heads, B, T, T]
             valid = mask.bool()
             accumulator.add("decoder_self", attn, valid, valid)
     nll, tokens = torch.cat(nll).double().numpy(), torch.cat(tokens).double().numpy()
@@ -112,6 +133,7 @@ def run_one(args, system: str, seed: int, data: dict, vocabulary: Dict[str, int]
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / args.warmup))
     model.train()
     started, update, curve = time.time(), 0, []
+    best = {"valid_perplexity": math.inf}
     while update < args.updates:
         for ids, mask in batches(data["train"], args.batch_size, rng):
             out = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
@@ -124,14 +146,25 @@ def run_one(args, system: str, seed: int, data: dict, vocabulary: Dict[str, int]
             update += 1
             if system == "SDMA":
                 set_sdma_updates(model, update)
-            if update % max(1, args.updates // 10) == 0:
-                curve.append({"update": update, "lm_loss": float(out.loss.detach())})
+            if update % args.validate_interval_updates == 0 or update == args.updates:
+                valid = valid_perplexity(model, data["valid"], args.batch_size)
+                if not math.isfinite(valid):
+                    raise FloatingPointError(f"{system} seed {seed}: the valid perplexity is {valid} at update "
+                                             f"{update}; training diverged (try a lower --lr)")
+                curve.append({"update": update, "lm_loss": float(out.loss.detach()), "valid_perplexity": valid})
+                if valid < best["valid_perplexity"]:
+                    best = {"valid_perplexity": valid, "update": update,
+                            "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
             if update >= args.updates:
                 break
     seconds = time.time() - started
+    last = evaluate(model, data["test"], args.batch_size, seed)
+    model.load_state_dict(best.pop("weights"))
     return {"system": system, "seed": seed, "updates": update, "train_seconds": round(seconds, 1),
             "parameters": sum(p.numel() for p in model.parameters()), "curve": curve,
-            **evaluate(model, data["test"], args.batch_size, seed)}
+            "best_update": best["update"], "valid_perplexity": best["valid_perplexity"],
+            **evaluate(model, data["test"], args.batch_size, seed),
+            "last": {key: last[key] for key in ("perplexity", "perplexity_ci95", "LR", "HR")}}
 
 
 def parse_args(argv=None):
@@ -145,6 +178,8 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--validate-interval-updates", type=int, default=300,
+                   help="measure the valid perplexity (and keep the best weights) every N updates")
     p.add_argument("--embed-dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--heads", type=int, default=4)
@@ -154,8 +189,10 @@ def parse_args(argv=None):
     p.add_argument("--max-sentences", type=int, default=None, help="use the first N sentences (quick checks)")
     p.add_argument("--source", type=Path, default=None, help="the Ding file (default: the trans-de-en package's)")
     args = p.parse_args(argv)
-    if args.updates < 1 or args.batch_size < 1 or args.lr <= 0 or args.warmup < 1:
-        p.error("--updates, --batch-size, --warmup and --lr must be positive")
+    if min(args.updates, args.batch_size, args.warmup, args.validate_interval_updates) < 1 or args.lr <= 0:
+        p.error("--updates, --batch-size, --warmup, --validate-interval-updates and --lr must be positive")
+    if args.valid < 1:
+        p.error("--valid must be at least 1: the weights reported are those with the best valid perplexity")
     if args.embed_dim % args.heads:
         p.error(f"--heads {args.heads} must divide --embed-dim {args.embed_dim}")
     if args.max_tokens < 3:
@@ -190,17 +227,33 @@ def main(argv=None) -> int:
     for system in SYSTEMS:
         runs = [r for r in results["runs"] if r["system"] == system]
         if runs:
-            summary[system] = {key: seed_interval([r[key] for r in runs]) for key in ("perplexity", "LR", "HR")}
+            summary[system] = {key: seed_interval([r[key] for r in runs])
+                               for key in ("perplexity", "LR", "HR", "best_update")}
+            summary[system]["last_perplexity"] = seed_interval([r["last"]["perplexity"] for r in runs])
+    by_seed = {(r["system"], r["seed"]): r["perplexity"] for r in results["runs"]}
+    paired = sorted(seed for system, seed in by_seed if system == "SDMA" and ("vanilla", seed) in by_seed)
+    if paired:
+        summary["SDMA_minus_vanilla_perplexity"] = seed_interval(
+            [by_seed["SDMA", seed] - by_seed["vanilla", seed] for seed in paired]) | {"seeds": paired}
     results["summary"] = summary
     results_path.parent.mkdir(parents=True, exist_ok=True)
     results_path.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"\nDing English, {results['data']['test']} test sentences; mean over seeds [95% t-interval]")
-    print(f"{'system':8} {'seeds':>5} {'perplexity':>26} {'LR':>7} {'HR':>7}")
-    for system, row in summary.items():
-        entry = row["perplexity"]
+    def interval(entry):
         ci = f" [{entry['ci95'][0]:.2f}, {entry['ci95'][1]:.2f}]" if entry["ci95"] else ""
-        print(f"{system:8} {entry['n']:>5} {entry['mean']:>10.2f}{ci:>16} {row['LR']['mean']:7.3f} "
-              f"{row['HR']['mean']:7.3f}")
+        return f"{entry['mean']:>8.2f}{ci:>18}"
+
+    print(f"\nDing English, {results['data']['test']} test sentences, best-valid weights; mean over seeds "
+          f"[95% t-interval]")
+    print(f"{'system':8} {'seeds':>5} {'perplexity':>26} {'LR':>7} {'HR':>7} {'best update':>11} "
+          f"{'last-update perplexity':>26}")
+    for system in SYSTEMS:
+        if system in summary:
+            row = summary[system]
+            print(f"{system:8} {row['perplexity']['n']:>5} {interval(row['perplexity'])} {row['LR']['mean']:7.3f} "
+                  f"{row['HR']['mean']:7.3f} {row['best_update']['mean']:>11.0f} {interval(row['last_perplexity'])}")
+    if paired:
+        print(f"SDMA minus vanilla perplexity, paired by seed ({len(paired)} seeds): "
+              f"{interval(summary['SDMA_minus_vanilla_perplexity']).strip()}")
     print(f"wrote {results_path}")
     return 0
 
