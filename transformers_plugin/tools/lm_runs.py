@@ -159,12 +159,20 @@ def run_one(args, system: str, seed: int, data: dict, vocabulary: Dict[str, int]
                 break
     seconds = time.time() - started
     last = evaluate(model, data["test"], args.batch_size, seed)
-    model.load_state_dict(best.pop("weights"))
+    reported = last
+    if best["update"] != update:
+        model.load_state_dict(best["weights"])
+        reported = evaluate(model, data["test"], args.batch_size, seed)
     return {"system": system, "seed": seed, "updates": update, "train_seconds": round(seconds, 1),
             "parameters": sum(p.numel() for p in model.parameters()), "curve": curve,
-            "best_update": best["update"], "valid_perplexity": best["valid_perplexity"],
-            **evaluate(model, data["test"], args.batch_size, seed),
+            "best_update": best["update"], "valid_perplexity": best["valid_perplexity"], **reported,
             "last": {key: last[key] for key in ("perplexity", "perplexity_ci95", "LR", "HR")}}
+
+
+def format_interval(entry: dict) -> str:
+    """A ``seed_interval`` entry as ``mean [low, high]`` (the mean alone for one seed)."""
+    ci = f" [{entry['ci95'][0]:.2f}, {entry['ci95'][1]:.2f}]" if entry["ci95"] else ""
+    return f"{entry['mean']:>8.2f}{ci:>18}"
 
 
 def parse_args(argv=None):
@@ -238,10 +246,6 @@ def main(argv=None) -> int:
     results["summary"] = summary
     results_path.parent.mkdir(parents=True, exist_ok=True)
     results_path.write_text(json.dumps(results, indent=2) + "\n")
-    def interval(entry):
-        ci = f" [{entry['ci95'][0]:.2f}, {entry['ci95'][1]:.2f}]" if entry["ci95"] else ""
-        return f"{entry['mean']:>8.2f}{ci:>18}"
-
     print(f"\nDing English, {results['data']['test']} test sentences, best-valid weights; mean over seeds "
           f"[95% t-interval]")
     print(f"{'system':8} {'seeds':>5} {'perplexity':>26} {'LR':>7} {'HR':>7} {'best update':>11} "
@@ -249,11 +253,12 @@ def main(argv=None) -> int:
     for system in SYSTEMS:
         if system in summary:
             row = summary[system]
-            print(f"{system:8} {row['perplexity']['n']:>5} {interval(row['perplexity'])} {row['LR']['mean']:7.3f} "
-                  f"{row['HR']['mean']:7.3f} {row['best_update']['mean']:>11.0f} {interval(row['last_perplexity'])}")
+            print(f"{system:8} {row['perplexity']['n']:>5} {format_interval(row['perplexity'])} "
+                  f"{row['LR']['mean']:7.3f} {row['HR']['mean']:7.3f} {row['best_update']['mean']:>11.0f} "
+                  f"{format_interval(row['last_perplexity'])}")
     if paired:
         print(f"SDMA minus vanilla perplexity, paired by seed ({len(paired)} seeds): "
-              f"{interval(summary['SDMA_minus_vanilla_perplexity']).strip()}")
+              f"{format_interval(summary['SDMA_minus_vanilla_perplexity']).strip()}")
     print(f"wrote {results_path}")
     return 0
 
