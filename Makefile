@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: install demo test test-fast test-gpu test-toolkits gpu-check bench clean-outputs
+.PHONY: install demo test test-fast test-gpu test-toolkits gpu-check gpu-speed bench clean-outputs
 
 install: $(STAMP)
 
@@ -24,9 +24,10 @@ demo: install
 test: install
 	$(PYTHON_VENV) -m pytest tests $(XDIST) $(PYTEST_ARGS)
 
-# The unit tier only: equations, readers, in-process models (a few minutes).
+# The unit tier only: equations, readers, in-process models (under 3 minutes); the Triton kernels' own exactness
+# tests (in Triton's interpreter, minutes on a CPU) run in `make test`.
 test-fast: install
-	$(PYTHON_VENV) -m pytest tests/unit -m "not integration" $(PYTEST_ARGS)
+	$(PYTHON_VENV) -m pytest tests/unit -m "not integration and not interpreter" $(PYTEST_ARGS)
 
 # fairseq's and ESPnet's own tests (pinned sdists from PyPI, cached in .cache/toolkit-tests/) with the
 # plugin's classes substituted, in each SDMA mode and reading; fails on a failure that
@@ -42,6 +43,11 @@ test-gpu: install
 # Validate a GPU machine: the GPU tier, then the benchmarks on the GPU; writes outputs/gpu/report.json.
 gpu-check: install
 	$(PYTHON_VENV) -m user_dir.tools.gpu_check
+
+# V-T / SMA-T / SDMA-T speed per attention kernel on short and IWSLT-length sentences, every run under its own
+# deadline, the whole within 8 minutes (a 15-minute GPU lease); writes outputs/gpu/sdma_gpu_speed.json.
+gpu-speed: install
+	$(PYTHON_VENV) -m user_dir.tools.sdma.gpu_speed
 
 bench: install
 	$(PYTHON_VENV) -m user_dir.tools.sdma.bench

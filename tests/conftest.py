@@ -15,6 +15,10 @@ REPO = Path(__file__).resolve().parents[1]
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 os.environ.setdefault("OMP_NUM_THREADS", "1" if XDIST_WORKER else "2")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+# Where no GPU is, the Triton kernels (attention_kernel=triton) run in Triton's interpreter: the variable must be
+# set before latent_core.sdma.triton_kernels is first imported (and it is inherited by the CLIs the tests start).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import user_dir  # noqa: E402,F401  (registers models, criterions, safe globals)
 

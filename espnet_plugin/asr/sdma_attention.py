@@ -18,9 +18,7 @@ from espnet.nets.pytorch_backend.transformer.attention import MultiHeadedAttenti
 from torch import Tensor
 
 from latent_core.errors import PluginConfigError, check_heads_divide, check_positive_int
-from latent_core.sdma import (SDMACore, SDMAOptions, authors_linear_init, compiled, contiguous_inputs,
-                              current_real_queries,
-                              sdma_attention)
+from latent_core.sdma import SDMACore, SDMAOptions, authors_linear_init, current_real_queries, sdma_attention
 
 ATTENTION_GROUPS = ("encoder_self", "decoder_self", "decoder_cross")
 
@@ -159,14 +157,11 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         if expand_kv:
             raise ESPnetConfigError("SDMA attention has no partially autoregressive decoding (expand_kv): decode with "
                                     "the autoregressive beam search")
-        # read here, outside the (possibly compiled) body: the recording scope and the decoder's real positions
+        # the recording scope and the decoder's real positions
         need_losses = core.computes_regularisers()
         real_queries = None if self.is_self_attention else current_real_queries()
-        body = SDMAMultiHeadedAttention._forward_authors if core.options.authors else SDMAMultiHeadedAttention._forward_paper
-        if core.compiles(self.training):
-            body = compiled(body)
-            query, key, value, mask = contiguous_inputs(query, key, value, mask)
-        out, self.attn, record = body(self, query, key, value, mask, need_losses, real_queries)
+        body = self._forward_authors if core.options.authors else self._forward_paper
+        out, self.attn, record = body(query, key, value, mask, need_losses, real_queries)
         if record is not None:
             core.record(*record)
         return out
@@ -174,8 +169,7 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
     def _forward_paper(self, query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], need_losses: bool,
                        real_queries: Optional[Tensor]):
         """The ``paper`` reading, shapes as :meth:`forward`: ``(output (B, T1, D), A_hat or None, the arguments
-        of :meth:`SDMACore.record` or None)``. No context variable is read here, so that ``torch.compile``
-        traces it as one graph (``sdma_conf.compile``)."""
+        of :meth:`SDMACore.record` or None)``."""
         core = self.sdma
         B, T1, _ = query.shape
         H, D = self.h, self.d_k

@@ -8,7 +8,6 @@ this package. Its files, each readable top to bottom, the direct form of an equa
 * ``options``      the modes, readings and kernels; :class:`SDMAOptions` (Table I) and the weights of eq. (24)
 * ``mixture``      the Gaussian mixtures of eq. (5)/(9) and their log-joint
 * ``attention``    eq. (1), (2), (10), (11): :func:`sdma_attention` and its kernel table :data:`KERNELS`
-* ``compiled``     the clustering, regulariser terms and mixing through ``torch.compile``
 * ``records``      what a forward pass records for the regularisers (:func:`recording`)
 * ``regularisers`` eq. (20)-(24) per sentence, batched over layers; clustering diagnostics
 * ``core``         :class:`SDMACore`, the parameters and computations of one attention module
@@ -55,7 +54,8 @@ variant is one function of :class:`AttentionInputs` and one row of :data:`KERNEL
 
 from latent_core.sdma.options import (  # noqa: F401
     ATTENTION_KERNELS, AUTHORS_EPS, AUTHORS_POSTERIOR_VAR, LOSS_NAMES, LOSS_WEIGHTS, PAPER_POSTERIOR_VAR, READINGS,
-    REGULARISER_SCALES, SDMA_MODES, SDMAConfigError, SDMALossWeights, SDMAOptions, check_loss_weight, mixing_weight,
+    REGULARISER_SCALES, REMOVED_OPTIONS, SDMA_MODES, SDMAConfigError, SDMALossWeights, SDMAOptions, check_loss_weight,
+    mixing_weight, removed_option_message,
 )
 from latent_core.sdma.mixture import (  # noqa: F401
     GaussianMixture, authors_linear_init, clusters_first, log_prior, log_softmax_clusters, trace_precision,
@@ -74,7 +74,6 @@ from latent_core.sdma.regularisers import (  # noqa: F401
     token_given_cluster, vade_kl, weighted_regulariser,
 )
 from latent_core.sdma.core import SDMACore  # noqa: F401
-from latent_core.sdma.compiled import compile_seconds, compiled, contiguous_inputs, log_new_compile_time  # noqa: F401
 from latent_core.sdma.nonfinite import (  # noqa: F401
     check_finite, diagnose_nonfinite, first_nonfinite_activation, first_nonfinite_parameter,
 )

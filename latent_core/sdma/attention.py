@@ -96,8 +96,6 @@ def mix_attention(scores: Tensor, mask: Optional[Tensor], mix: Tensor, norm_floo
     # g is a schedule (the SDMACore buffer), never trained: no gradient flows to it; a copy, so that
     # advancing the schedule before backward (the authors' ESPnet counter) leaves the graph intact
     mix = mix.detach().to(scores.dtype, copy=True)
-    if torch.compiler.is_compiling():  # the compiled path: inductor derives and fuses the direct form's backward
-        return mix_attention_direct(scores, mask.to(scores.dtype), mix, norm_floor)
     return _MixedAttention.apply(scores, mask.to(scores.dtype), mix, norm_floor)
 
 
@@ -311,6 +309,15 @@ def lowrank_kernel(x: AttentionInputs) -> Tuple[Tensor, None]:
                                  x.dropout_p, authors=x.authors), None
 
 
+def triton_kernel(x: AttentionInputs) -> Tuple[Tensor, None]:
+    """One flash-style Triton kernel, its backward in three (:func:`latent_core.sdma.triton_kernels.mixed_attention`;
+    imported on first use, so that ``TRITON_INTERPRET`` can be set before Triton reads it)."""
+    from latent_core.sdma.triton_kernels import mixed_attention
+
+    return mixed_attention(x.q, x.k, x.v, x.resp_query, x.resp_key, x.mix, authors=x.authors, blocked=x.blocked,
+                           dropout_p=x.dropout_p), None
+
+
 # The kernels of eq. (1), (2), (10), (11), by SDMAOptions.attention_kernel (``auto``: :func:`select_kernel`).
 # A new variant is one function of AttentionInputs -> (A_hat V [B, H, T, D], A_hat or None) and one row here;
 # tests/unit/latent_core/test_sdma_kernels_exact.py then holds it to the explicit kernel in every row.
@@ -318,6 +325,7 @@ KERNELS: Dict[str, Callable[[AttentionInputs], Tuple[Tensor, Optional[Tensor]]]]
     "explicit": explicit_kernel,
     "sdpa": sdpa_kernel,
     "lowrank": lowrank_kernel,
+    "triton": triton_kernel,
 }
 
 

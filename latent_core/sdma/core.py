@@ -55,11 +55,6 @@ class SDMACore(nn.Module):
         module built with it is the toolkit's plain attention, as the option documents)."""
         return self.options.mode != "none" and (training or self.options.mask_at_inference)
 
-    def compiles(self, training: bool) -> bool:
-        """Whether this forward pass runs the compiled path (``compile`` option; training with gradients only:
-        decoding and validation run eager, so that they need no graphs of their own)."""
-        return self.options.compile and training and torch.is_grad_enabled()
-
     # -- clustering -------------------------------------------------------------
     def perturb(self, x: Tensor, training: bool, log_var: Optional[Tensor] = None) -> Tensor:
         """z = x + sigma * eps in training (eq. 8, variance ``noise_var``).
@@ -116,21 +111,18 @@ class SDMACore(nn.Module):
         ``gmm_terms``: see :meth:`GaussianMixture.log_joint` (inference only); ``scale``: the input's factor
         (:attr:`clustering_scale` for :meth:`sample`'s clustering input), folded into the density.
         """
-        z = x.reshape(*x.shape[:-1], self.num_heads, self.head_dim)
-        log_joint = self.feature_gmm.log_joint(z, gmm_terms, scale)
-        return log_joint, log_softmax_clusters(log_joint)
+        return self.cluster_jointly([x], gmm_terms, scale)[0]
 
     def cluster_jointly(self, inputs: Sequence[Tensor], gmm_terms: Optional[Tuple[Tensor, Tensor, Tensor]] = None,
                         scale: float = 1.0) -> List[Tuple[Tensor, Tensor]]:
         """:meth:`cluster` of each of ``inputs`` (``[..., n_h * d_k]``, leading shapes may differ) with
         one density evaluation: a cross-attention's queries and keys share the feature GMM, whose
         parameters are then expanded, and their gradient collected, once instead of twice."""
-        if len(inputs) == 1:
-            return [self.cluster(inputs[0], gmm_terms, scale)]
         leads = [x.shape[:-1] for x in inputs]
         heads = [x.reshape(*x.shape[:-1], self.num_heads, self.head_dim) for x in inputs]
-        log_joint = self.feature_gmm.log_joint_rows(heads, gmm_terms, scale)  # [N_1 + N_2, n_h, n_c]
-        log_resp = log_softmax_clusters(log_joint)
+        log_joint, log_resp = self._cluster_rows(self.feature_gmm, heads, gmm_terms, scale)  # [N_1 + N_2, n_h, n_c]
+        if len(inputs) == 1:
+            return [(log_joint.view(*leads[0], *log_joint.shape[1:]), log_resp.view(*leads[0], *log_resp.shape[1:]))]
         sizes = [math.prod(lead) for lead in leads]
         return [(joint.view(*lead, *joint.shape[1:]), resp.view(*lead, *resp.shape[1:]))
                 for joint, resp, lead in zip(log_joint.split(sizes), log_resp.split(sizes), leads)]
@@ -138,7 +130,21 @@ class SDMACore(nn.Module):
     def cluster_queries(self, q: Tensor, scale: float = 1.0) -> Tuple[Tensor, Tensor]:
         """Query clustering (eq. 18 prior, eq. 9 form) of ``scale * q``: ``q [..., n_h, d_k]`` -> ``[..., n_h, n_c^q]``."""
         lead = q.shape[:-1]
-        log_joint = self.query_gmm.log_joint(q.reshape(-1, 1, self.head_dim), scale=scale).reshape(*lead, -1)
+        log_joint, log_resp = self._cluster_rows(self.query_gmm, [q.reshape(-1, 1, self.head_dim)], None, scale)
+        return log_joint.reshape(*lead, -1), log_resp.reshape(*lead, -1)
+
+    def _cluster_rows(self, gmm: GaussianMixture, zs: Sequence[Tensor],
+                      gmm_terms: Optional[Tuple[Tensor, Tensor, Tensor]], scale: float) -> Tuple[Tensor, Tensor]:
+        """(log p(z, c), log p(c | z)) of eq. (9) for the rows of ``zs`` (``[..., G, d]`` each) in order, ``[N, G,
+        C]`` (clusters-first storage): the Triton kernel with ``attention_kernel=triton``, else the GMM's log-joint
+        and a log-softmax."""
+        if self.options.attention_kernel == "triton":
+            from latent_core.sdma.triton_kernels import gaussian_clustering
+
+            width = gmm.groups * gmm.dim
+            rows = torch.cat([z.reshape(-1, width) for z in zs]) if len(zs) > 1 else zs[0].reshape(-1, width)
+            return gaussian_clustering(rows, gmm.means, gmm.log_vars, gmm.prior_logits, scale)
+        log_joint = gmm.log_joint_rows(zs, gmm_terms, scale)
         return log_joint, log_softmax_clusters(log_joint)
 
     @staticmethod

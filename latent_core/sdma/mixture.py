@@ -78,15 +78,7 @@ class GaussianMixture(nn.Module):
         dtype = torch.promote_types(zs[0].dtype, torch.float32)
         flats = [z.to(dtype).reshape(-1, self.groups * self.dim) for z in zs]  # [N_i, G*d]
         with full_precision(flats[0]):
-            if torch.is_grad_enabled() and torch.compiler.is_compiling():
-                # the compiled path (SDMAOptions.compile): the expansion itself, whose backward inductor
-                # derives and fuses (the hand-written one below exists to save eager launches). Two products,
-                # not the node's one of [z*z, z]: with that one, compiled gradients differed from eager's
-                # under the sampling noise (equal without it; tests/unit/user_dir/test_sdma_compiled.py)
-                parts = _gmm_parts(self.means, self.log_vars, self.prior_logits, dtype, scale)
-                flat = _rows(flats)
-                out = torch.addmm(torch.addmm(parts.bias, flat * flat, parts.weight_sq), flat, parts.weight_lin)
-            elif torch.is_grad_enabled():
+            if torch.is_grad_enabled():
                 out = _GaussianLogJoint.apply(scale, self.means, self.log_vars, self.prior_logits, *flats)
             else:
                 # Never cached across calls on the module: fairseq's FP16Optimizer (and EMA, and

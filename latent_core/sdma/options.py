@@ -11,7 +11,20 @@ SDMA_MODES = ("sdma", "sma", "none")
 # What the SDMA modules compute in training (SDMAOptions.reading): the authors' code or the printed equations
 READINGS = ("authors", "paper")
 # How the mixed attention of eq. (11) is computed (SDMAOptions.attention_kernel)
-ATTENTION_KERNELS = ("auto", "explicit", "sdpa", "lowrank")  # "auto" and the rows of KERNELS
+ATTENTION_KERNELS = ("auto", "explicit", "sdpa", "lowrank", "triton")  # "auto" and the rows of KERNELS
+# Options SDMA no longer has -> why (both toolkits' errors say it when one is set: removed_option_message)
+REMOVED_OPTIONS = {
+    "compile": "running SDMA's training through torch.compile took minutes before the first update (3-5 minutes "
+               "on a 2-core CPU, no update logged within 270 s on an H100), and the eager path trains the same model",
+}
+
+
+def removed_option_message(option: str, name: str, remedy: str) -> str:
+    """The error of a removed option (``name`` a key of :data:`REMOVED_OPTIONS`, ``option`` how the user spelled
+    it, ``remedy`` what to do): ``--sdma-compile: this option was removed: <why>; drop it``."""
+    return f"{option}: this option was removed: {REMOVED_OPTIONS[name]}; {remedy}"
+
+
 # Names of the regularisers every SDMA module reports (eq. 20, 21, 22, 23).
 LOSS_NAMES = ("kl_z", "kl_q", "dqq", "dxq", "dv_z", "dv_q")
 
@@ -93,14 +106,12 @@ class SDMAOptions:
                 "mask as additive log M; attention dropout then drawn per branch), lowrank (one SDPA call over the "
                 "value widened by the key responsibilities, no T x S mask; attention dropout then drops A before the "
                 "mask; slower than sdpa in every shape measured on an H100, see examples/sdma_translation/README.md), "
+                "triton (Triton kernels for the clustering of eq. 9 and a flash-style masked mixture, each with its "
+                "backward: a few launches per module instead of dozens; CUDA, or a CPU under TRITON_INTERPRET=1; "
+                "attention dropout drops A_hat as in explicit), "
                 "auto (sdpa on CUDA when the weights are not needed and no attention dropout is active, explicit "
                 "otherwise)",
         choices=ATTENTION_KERNELS)
-    compile: bool = _option(
-        False, "run the clustering, the mixing and the regulariser terms of training through torch.compile "
-               "(inductor, dynamic shapes, one graph per function; compiled once per process, the compile time "
-               "logged; decoding and validation stay eager): fewer, fused kernels where eager SDMA is bound by "
-               "kernel launches (see examples/sdma_translation/README.md for when it pays)")
     mask_at_inference: bool = _option(True, "apply the semantic mask when not training (the paper drops the "
                                             "decoder self-attention's mask at test time)")
 
@@ -112,6 +123,9 @@ class SDMAOptions:
         names = [f.name for f in fields(cls)]
         values = dict(preset or {})
         for key, value in dict(conf or {}).items():
+            if key in REMOVED_OPTIONS:
+                raise SDMAConfigError(removed_option_message(
+                    f"{where}.{key}", key, "delete the key (from a trained model's config.yaml too)"))
             if key not in names:
                 raise SDMAConfigError(f"{where}.{key}: unknown SDMA option; the options are {', '.join(names)}")
             values[key] = value
@@ -154,8 +168,6 @@ class SDMAOptions:
         for name in ("diversity_alpha", "diversity_beta"):
             if getattr(self, name) < 0:
                 raise SDMAConfigError(f"{opt(name)}={getattr(self, name)} must be >= 0")
-        if not isinstance(self.compile, bool):
-            raise SDMAConfigError(f"{opt('compile')}={self.compile!r} must be true or false")
         if not isinstance(self.mask_at_inference, bool):
             raise SDMAConfigError(f"{opt('mask_at_inference')}={self.mask_at_inference!r} must be true or false")
         return self

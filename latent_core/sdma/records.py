@@ -9,7 +9,6 @@ from typing import Dict, Iterator, Optional, Tuple
 import torch.nn as nn
 from torch import Tensor
 
-from latent_core.sdma.compiled import log_new_compile_time
 
 @dataclass
 class ClusteringRecord:
@@ -68,7 +67,6 @@ def recording() -> Iterator[SDMARecording]:
 
     Outside such a scope (decoding, analysis) nothing is recorded.
     """
-    log_new_compile_time()  # of the compiled path (SDMAOptions.compile) in the previous forward and backward
     records = SDMARecording()
     token = _RECORDING.set(records)
     try:

@@ -2,14 +2,14 @@
 (:func:`sdma_losses`, :func:`collect_sdma_losses`), their weighted sum of eq. (24) and the clustering diagnostics."""
 
 import math
+from functools import cached_property
 from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
-from latent_core.sdma.compiled import compiled
-from latent_core.sdma.mixture import clusters_first, log_prior, trace_precision
+from latent_core.sdma.mixture import _LOGVAR_RANGE, clusters_first, full_precision, log_prior
 from latent_core.sdma.options import (AUTHORS_EPS, LOG_2PI, LOSS_NAMES, LOSS_WEIGHTS, REGULARISER_SCALES,
                                       SDMAConfigError)
 from latent_core.sdma.records import ClusteringRecord, SDMARecording
@@ -26,10 +26,102 @@ from latent_core.sdma.records import ClusteringRecord, SDMARecording
 # ----------------------------------------------------------------------------
 
 
-def _sentence_mean(per_token: Tensor, valid: Tensor) -> Tensor:
-    """``[L, T, B]`` -> ``[B]``: mean over layers and over each sentence's valid positions."""
-    n_q = valid.sum(0).clamp_min(1.0)  # [B]
-    return ((per_token * valid).sum(1) / n_q).mean(0)
+class _SentenceWeights:
+    """The weights that turn per-token terms into per-sentence means, computed once per attention type: at real
+    positions ``per_head`` ``[T, B]`` = 1 / (n_q L n_h) (eq. 20, 22), ``per_head_pair`` = 1 / (n_q L n_h^2) (eq. 21);
+    ``per_gram`` ``[B]`` = 1 / (n_q^2 L n_h) (eq. 23)."""
+
+    def __init__(self, valid: Tensor, num_layers: int, num_heads: int):
+        self.valid, self.num_layers, self.num_heads = valid, num_layers, num_heads
+
+    @cached_property
+    def n_q(self) -> Tensor:
+        return self.valid.sum(0).clamp_min(1.0)  # [B]
+
+    @cached_property
+    def per_head(self) -> Tensor:
+        return self.valid / (self.n_q * (self.num_layers * self.num_heads))
+
+    @cached_property
+    def per_head_pair(self) -> Tensor:
+        return self.valid / (self.n_q * (self.num_layers * self.num_heads * self.num_heads))
+
+    @cached_property
+    def per_gram(self) -> Tensor:
+        return (self.n_q * self.n_q).mul_(self.num_layers * self.num_heads).reciprocal_()
+
+
+def _per_sentence(per_token: Tensor, weights: Tensor) -> Tensor:
+    """``[L, T, B, H]`` (weighted by ``weights`` ``[T, B]``) -> ``[B]``."""
+    return (per_token * weights[:, :, None]).sum((0, 1, 3))
+
+
+# Each term below is a torch.autograd.Function whose backward is written out (derived by hand): on a GPU the
+# regularisers are bound by kernel launches, and autograd's backward of the direct form spends several small
+# kernels per op of the forward. Tensors are clusters-first ``[C, L, T, B, H]``; ``weights`` ``[T, B]`` come from
+# :class:`_SentenceWeights`, so each term is sum_{l,t,h} weights * per_token. The direct forms are kept as the
+# references of tests/unit/latent_core/test_sdma_regulariser_functions.py.
+
+
+class _VadeKL(torch.autograd.Function):
+    """Eq. (20) per token: 0.5 s2 sum_c q(c) tr(Sigma_c^-1) + log q(c=0|z) - log p(z, c=0) - d/2 log(2 pi e s2)
+    [authors: + sum_c (log pi_c - log q(c)) (q(c) + pi_c), i.e. - KL(q(c) || pi) + KL(pi || q(c))]."""
+
+    @staticmethod
+    def forward(ctx, log_joint, log_resp, resp, trace_precision, posterior_var, log_prior, weights, dim):
+        trace_cf = trace_precision.permute(2, 0, 1)[:, :, None, None, :]  # [C, L, 1, 1, H]
+        trace = (resp * trace_cf).sum(0)  # sum_c q(c) tr(Sigma_c^-1), [L, T, B, H]
+        log_ratio = log_resp[0] - log_joint[0]  # -log p(z)
+        learned_var = isinstance(posterior_var, Tensor)
+        if learned_var:
+            per_token = torch.addcmul(log_ratio, posterior_var, trace, value=0.5)
+            per_token = torch.sub(per_token, torch.log(posterior_var), alpha=0.5 * dim)
+            per_token = per_token - 0.5 * dim * (LOG_2PI + 1.0)
+        else:
+            per_token = torch.add(log_ratio, trace, alpha=0.5 * posterior_var)
+            per_token = per_token - 0.5 * dim * (LOG_2PI + math.log(posterior_var) + 1.0)
+        prior_minus_resp = resp_plus_prior = prior = None
+        if log_prior is not None:
+            log_prior_cf = log_prior.permute(2, 0, 1)[:, :, None, None, :]
+            prior = log_prior_cf.exp()
+            prior_minus_resp = log_prior_cf - log_resp
+            resp_plus_prior = resp + prior
+            per_token = per_token + (prior_minus_resp * resp_plus_prior).sum(0)
+        ctx.save_for_backward(resp, trace_cf, posterior_var if learned_var else None, trace if learned_var else None,
+                              prior, prior_minus_resp, resp_plus_prior, weights)
+        ctx.learned_var, ctx.authors = learned_var, log_prior is not None
+        ctx.posterior_var, ctx.dim = (None if learned_var else posterior_var), dim
+        return _per_sentence(per_token, weights)
+
+    @staticmethod
+    def backward(ctx, grad):
+        resp, trace_cf, posterior_var, trace, prior, prior_minus_resp, resp_plus_prior, weights = ctx.saved_tensors
+        grad_token = (weights * grad)[:, :, None]  # [T, B, 1]: d out / d per_token
+        grad_log_joint = torch.zeros_like(resp)
+        grad_log_joint[0].sub_(grad_token)
+        if ctx.authors:
+            grad_log_resp = resp_plus_prior * -grad_token
+            grad_log_resp[0].add_(grad_token)
+        else:
+            grad_log_resp = torch.zeros_like(resp)
+            grad_log_resp[0].add_(grad_token)
+        # d/d resp_c of 0.5 s2 resp_c tr_c, per token: half_var_grad * tr_c
+        half_var_grad = (posterior_var * grad_token * 0.5 if ctx.learned_var
+                         else grad_token * (0.5 * ctx.posterior_var))
+        grad_resp = trace_cf * half_var_grad
+        if ctx.authors:
+            grad_resp = torch.addcmul(grad_resp, prior_minus_resp, grad_token)
+        grad_trace = (resp * half_var_grad).sum((2, 3)).permute(1, 2, 0) if ctx.needs_input_grad[3] else None
+        grad_var = None
+        if ctx.learned_var and ctx.needs_input_grad[4]:
+            # 0.5 tr - d / (2 s2)
+            grad_var = torch.add(trace, posterior_var.reciprocal(), alpha=-ctx.dim) * (0.5 * grad_token)
+        grad_log_prior = None
+        if ctx.authors and ctx.needs_input_grad[5]:
+            # d/d log pi_c of (log pi_c - log q_c)(q_c + pi_c)
+            grad_log_prior = (torch.addcmul(resp_plus_prior, prior_minus_resp, prior) * grad_token).sum((2, 3))
+            grad_log_prior = grad_log_prior.permute(1, 2, 0)
+        return grad_log_joint, grad_log_resp, grad_resp, grad_trace, grad_var, grad_log_prior, None, None
 
 
 def vade_kl(log_joint: Tensor, log_resp: Tensor, trace_precision: Tensor, dim: int,
@@ -48,21 +140,48 @@ def vade_kl(log_joint: Tensor, log_resp: Tensor, trace_precision: Tensor, dim: i
     KL(pi || q(c)) (``F.kl_div(log_probs, prior)``) replaces KL(q(c) || pi). ``posterior_var``
     is s2, a number or a tensor ``[L, T, B, n_h]`` (one variance per position and head).
     """
-    log_joint, log_resp = clusters_first(log_joint), clusters_first(log_resp)  # [C, L, T, B, H]
-    resp = log_resp.exp() if resp is None else clusters_first(resp)
-    log_marginal = log_joint[0] - log_resp[0]  # log p(z), [L, T, B, H]
-    trace = (resp * trace_precision.permute(2, 0, 1)[:, :, None, None, :]).sum(0)
-    if isinstance(posterior_var, Tensor):
-        const = 0.5 * dim * (LOG_2PI + torch.log(posterior_var) + 1.0)
-    else:
-        const = 0.5 * dim * (LOG_2PI + math.log(posterior_var) + 1.0)
-    per_token = 0.5 * posterior_var * trace - log_marginal - const
-    if authors_log_prior is not None:
-        log_prior = authors_log_prior.permute(2, 0, 1)[:, :, None, None, :]  # [C, L, 1, 1, H]
-        forward_kl = (resp * (log_resp - log_prior)).sum(0)  # KL(gamma || pi), inside -log p(z)
-        reverse_kl = (log_prior.exp() * (log_prior - log_resp)).sum(0)  # KL(pi || gamma)
-        per_token = per_token - forward_kl + reverse_kl
-    return _sentence_mean(per_token.mean(-1), valid)
+    resp = clusters_first(log_resp).exp().movedim(0, -1) if resp is None else resp
+    weights = _SentenceWeights(valid, log_joint.size(0), log_joint.size(-2))
+    return _vade_kl(log_joint, log_resp, resp, trace_precision, posterior_var, authors_log_prior, weights, dim)
+
+
+def _vade_kl(log_joint, log_resp, resp, trace_precision, posterior_var, log_prior, weights, dim) -> Tensor:
+    return _VadeKL.apply(clusters_first(log_joint), clusters_first(log_resp), clusters_first(resp), trace_precision,
+                         posterior_var, log_prior, weights.per_head, dim)
+
+
+class _ClusterDiversity(torch.autograd.Function):
+    """Eq. (23) per layer and head from the masked responsibilities C (``resp * valid``) and the Gram matrix
+    G = C^T C: diag_weight sum_i (s_i - 1)^2 + off_weight (||G||_F^2 - sum_i s_i^2), s_i = ||C_i||^2."""
+
+    @staticmethod
+    def forward(ctx, resp, valid, diag_weight, off_weight, sentence_weights):
+        num_clusters, num_layers, length, batch, heads = resp.shape
+        valid_cf = valid[None, None, :, :, None]
+        masked = resp * valid_cf  # [C, L, T, B, H]
+        by_head = masked.permute(1, 3, 4, 0, 2).reshape(-1, num_clusters, length)  # [L B H, C, T]
+        gram = torch.bmm(by_head, by_head.transpose(1, 2))  # C^T C, [L B H, C, C]
+        self_sim = (masked * masked).sum(0)  # s_i, [L, T, B, H]
+        self_sim_minus_one = self_sim - 1.0
+        diag = (self_sim_minus_one * self_sim_minus_one * valid[:, :, None]).sum(1)  # [L, B, H]
+        off = (gram * gram).sum((1, 2)).view(num_layers, batch, heads) - (self_sim * self_sim).sum(1)
+        per_head = torch.add(off * off_weight, diag, alpha=diag_weight)
+        ctx.save_for_backward(by_head, gram, self_sim, self_sim_minus_one, valid, sentence_weights)
+        ctx.diag_weight, ctx.off_weight, ctx.shape = diag_weight, off_weight, resp.shape
+        return (per_head * sentence_weights[:, None]).sum((0, 2))
+
+    @staticmethod
+    def backward(ctx, grad):
+        by_head, gram, self_sim, self_sim_minus_one, valid, sentence_weights = ctx.saved_tensors
+        num_clusters, num_layers, length, batch, heads = ctx.shape
+        # d/dC_i: 4 [diag_weight (s_i - 1) valid_i - off_weight s_i] C_i + 4 off_weight (G C^T)_i; d C/d resp = valid
+        coefficient = torch.addcmul(self_sim * -ctx.off_weight, self_sim_minus_one, valid[:, :, None],
+                                    value=ctx.diag_weight)  # [L, T, B, H]
+        coefficient = coefficient.permute(0, 2, 3, 1).reshape(-1, 1, length)  # [L B H, 1, T]
+        grad_masked = torch.baddbmm(by_head * coefficient, gram, by_head, alpha=ctx.off_weight)  # [L B H, C, T]
+        scale = (4.0 * grad * sentence_weights)[:, None] * valid.t()  # [B, T]
+        grad_resp = grad_masked.view(num_layers, batch, heads, num_clusters, length) * scale[:, None, None, :]
+        return grad_resp.permute(3, 0, 4, 1, 2), None, None, None, None
 
 
 def cluster_diversity(resp: Tensor, valid: Tensor, alpha: float, beta: float, squared: bool = True) -> Tensor:
@@ -74,22 +193,50 @@ def cluster_diversity(resp: Tensor, valid: Tensor, alpha: float, beta: float, sq
     ``squared=False``: the authors' form, M_hat o (C C^T - I)^2 (alpha and beta weigh the
     squared entries).
     """
+    return _cluster_diversity(resp, _SentenceWeights(valid, resp.size(0), resp.size(-2)), alpha, beta, squared)
+
+
+def _cluster_diversity(resp: Tensor, weights: "_SentenceWeights", alpha: float, beta: float, squared: bool) -> Tensor:
     diag_weight, off_weight = (alpha * alpha, beta * beta) if squared else (alpha, beta)
-    resp = clusters_first(resp) * valid[None, None, :, :, None]  # [C, L, T, B, H]
-    self_sim = (resp * resp).sum(0)  # s_i, [L, T, B, H]
-    gram = torch.einsum("cltbh,kltbh->cklbh", resp, resp)  # C^T C, [C, C, L, B, H]
-    diag = diag_weight * ((self_sim - 1.0) ** 2 * valid[None, :, :, None]).sum(1)  # [L, B, H]
-    off = off_weight * ((gram * gram).sum((0, 1)) - (self_sim * self_sim).sum(1))
-    n_q = valid.sum(0).clamp_min(1.0)[None, :, None]  # [1, B, 1]
-    return ((diag + off) / (n_q * n_q)).mean((0, 2))
+    return _ClusterDiversity.apply(clusters_first(resp), weights.valid, diag_weight, off_weight, weights.per_gram)
+
+
+class _TokenGivenCluster(torch.autograd.Function):
+    """p(q_i^h | c) (eq. 17) normalised over the tokens (dim 2) of clusters-first log-joints: the exact softmax
+    over real tokens, or the authors' ``exp(x - layer max) / max(sum, 1e-6)``; returns (p, the authors' clamped
+    normalisers)."""
+
+    @staticmethod
+    def forward(ctx, log_joint_q, valid, authors):
+        if authors:
+            layer_max = log_joint_q.amax(dim=(0, 2, 3, 4), keepdim=True)  # one max per layer
+            joint = torch.exp(log_joint_q - layer_max)
+            norm = joint.sum(2, keepdim=True)
+            clamped = norm < AUTHORS_EPS
+            p_token_given_c = joint / norm.clamp_min(AUTHORS_EPS)
+        else:
+            pad = (valid <= 0)[None, None, :, :, None]
+            p_token_given_c = torch.softmax(log_joint_q.masked_fill(pad, float("-inf")), dim=2)
+            p_token_given_c = p_token_given_c.masked_fill(pad, 0.0)  # sentences of length 0 stay finite
+            clamped = None
+        ctx.save_for_backward(p_token_given_c, clamped)
+        ctx.mark_non_differentiable(*(() if clamped is None else (clamped,)))
+        return p_token_given_c, clamped
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        p_token_given_c, clamped = ctx.saved_tensors
+        weighted = p_token_given_c * grad
+        through_norm = weighted.sum(2, keepdim=True)  # a clamped normaliser is a constant
+        if clamped is not None:
+            through_norm = through_norm.masked_fill(clamped, 0.0)
+        return torch.addcmul(weighted, p_token_given_c, through_norm, value=-1.0), None, None
 
 
 def token_given_cluster(log_joint_q: Tensor, valid: Tensor) -> Tensor:
     """p(q_i^h | c) of eq. (17), clusters-first ``[C, L, T, B, H]``: pi_c N(q_i^h | c) normalised
     over the sentence's real tokens (an exact softmax)."""
-    pad = (valid <= 0)[None, None, :, :, None]
-    p_token_given_c = torch.softmax(log_joint_q.masked_fill(pad, float("-inf")), dim=2)
-    return p_token_given_c.masked_fill(pad, 0.0)  # sentences of length 0 stay finite
+    return _TokenGivenCluster.apply(log_joint_q, valid, False)[0]
 
 
 def authors_token_given_cluster(log_joint_q: Tensor) -> Tuple[Tensor, Tensor]:
@@ -101,11 +248,38 @@ def authors_token_given_cluster(log_joint_q: Tensor) -> Tuple[Tensor, Tensor]:
     queries all lie far below that max gets a normaliser under 1e-6: its probabilities are then
     divided by 1e-6 instead of their sum and stop summing to one.
     """
-    layer_max = log_joint_q.detach().amax(dim=(0, 2, 3, 4), keepdim=True)  # one max per layer
-    joint = torch.exp(log_joint_q - layer_max)
-    norm = joint.sum(2, keepdim=True)
-    clamped = norm < AUTHORS_EPS
-    return joint / norm.clamp_min(AUTHORS_EPS), clamped
+    return _TokenGivenCluster.apply(log_joint_q, None, True)
+
+
+class _HeadMI(torch.autograd.Function):
+    """Eq. (21) per token from p(q_i^h | c) and p(c | q_i^h') (clusters-first): sum_{h != h'} -log(1 - p_hh'),
+    p_hh' = sum_c p(q_i^h | c) p(c | q_i^h') (eq. 16), with the authors' or the exact clamp."""
+
+    @staticmethod
+    def forward(ctx, p_token_given_c, resp_q, weights, authors):
+        p_pair = (p_token_given_c[..., :, None] * resp_q[..., None, :]).sum(0)  # [L, T, B, H, H']
+        n_h = p_pair.size(-1)
+        # -weights on the off-diagonal pairs h != h', [T, B, H, H']
+        neg_pair_weights = weights[:, :, None, None] * (torch.eye(n_h, device=p_pair.device, dtype=p_pair.dtype) - 1.0)
+        if authors:
+            one_minus = 1.0 - p_pair.clamp(max=1.0) + AUTHORS_EPS
+            log_one_minus = torch.log(one_minus)
+            in_range = p_pair <= 1.0
+        else:
+            one_minus = 1.0 - p_pair.clamp(max=1.0 - 1e-6)
+            log_one_minus = torch.log1p(-p_pair.clamp(max=1.0 - 1e-6))
+            in_range = p_pair <= 1.0 - 1e-6
+        ctx.save_for_backward(p_token_given_c, resp_q, one_minus, in_range * neg_pair_weights)
+        return (log_one_minus * neg_pair_weights).sum((0, 1, 3, 4))
+
+    @staticmethod
+    def backward(ctx, grad):
+        p_token_given_c, resp_q, one_minus, neg_slope_weights = ctx.saved_tensors
+        # d(-log(1 - p))/dp = 1 / (1 - p) where the clamp passes p
+        grad_pair = neg_slope_weights * (-grad)[:, None, None] / one_minus
+        grad_p = (grad_pair * resp_q[..., None, :]).sum(-1)  # sum_h' g_hh' p(c | q^h')
+        grad_resp = (grad_pair * p_token_given_c[..., :, None]).sum(-2)  # sum_h g_hh' p(q^h | c)
+        return grad_p, grad_resp, None, None
 
 
 def head_mi_upper_bound(log_joint_q: Tensor, resp_q: Tensor, valid: Tensor, authors: bool = False,
@@ -125,13 +299,38 @@ def head_mi_upper_bound(log_joint_q: Tensor, resp_q: Tensor, valid: Tensor, auth
     if p_token_given_c is None:
         p_token_given_c = (authors_token_given_cluster(log_joint_q)[0] if authors
                            else token_given_cluster(log_joint_q, valid))
-    p_pair = (p_token_given_c[..., :, None] * resp_q[..., None, :]).sum(0)  # [L, T, B, H, H']
-    off_diag = 1.0 - torch.eye(n_h, device=p_pair.device, dtype=p_pair.dtype)
-    if authors:
-        neg_log = -torch.log(1.0 - p_pair.clamp(max=1.0) + AUTHORS_EPS) * off_diag
-    else:
-        neg_log = -torch.log1p(-p_pair.clamp(max=1.0 - 1e-6)) * off_diag
-    return _sentence_mean(neg_log.sum((-1, -2)) / (n_h * n_h), valid)
+    return _HeadMI.apply(p_token_given_c, resp_q, _SentenceWeights(valid, log_joint_q.size(1), n_h).per_head_pair,
+                         authors)
+
+
+class _QueryInputMI(torch.autograd.Function):
+    """Eq. (22) per token: f(q_i, x_i) - log sum_j exp f(q_i, x_j) with f(q_i, x_j) = sum_c p(c|q_i) p(c|q_j)
+    (eq. 19), over the sentence's real tokens j; the critic is one batched product per layer and head."""
+
+    @staticmethod
+    def forward(ctx, resp_q, valid, weights):
+        num_clusters, num_layers, length, batch, heads = resp_q.shape
+        by_head = resp_q.permute(1, 3, 4, 2, 0).reshape(-1, length, num_clusters)  # [L B H, T, C]
+        critic = torch.bmm(by_head, by_head.transpose(1, 2)).view(num_layers, batch, heads, length, length)
+        key_pad = (valid <= 0).t()[None, :, None, None, :]  # [1, B, 1, 1, T_j]
+        critic.masked_fill_(key_pad, float("-inf"))
+        log_norm = torch.logsumexp(critic, dim=-1)  # [L, B, H, T_i]
+        log_ratio = (resp_q * resp_q).sum(0) - log_norm.permute(0, 3, 1, 2)  # [L, T, B, H]
+        ctx.save_for_backward(by_head, critic, log_norm, weights)
+        return _per_sentence(log_ratio, weights)
+
+    @staticmethod
+    def backward(ctx, grad):
+        by_head, critic, log_norm, weights = ctx.saved_tensors
+        num_layers, batch, heads, length, _ = critic.shape
+        grad_token = (weights * grad).t()[None, :, None, :, None]  # [1, B, 1, T_i, 1]
+        # softmax_j f(q_i, x_j) weighted by the upstream gradient of row i
+        weighted_softmax = torch.exp(critic - log_norm[..., None]) * grad_token
+        symmetric = (weighted_softmax + weighted_softmax.transpose(-1, -2)).view(-1, length, length)
+        # d/dR_i: 2 g_i R_i (the diagonal f(q_i, x_i)) - sum_j (W_ij + W_ji) R_j (the normaliser)
+        scaled = (by_head.view(num_layers, batch, heads, length, -1) * grad_token).view_as(by_head)
+        grad_by_head = torch.baddbmm(scaled, symmetric, by_head, beta=2.0, alpha=-1.0)
+        return grad_by_head.view(num_layers, batch, heads, length, -1).permute(4, 0, 3, 1, 2), None, None
 
 
 def query_input_mi_lower_bound(resp_q: Tensor, valid: Tensor) -> Tensor:
@@ -141,14 +340,27 @@ def query_input_mi_lower_bound(resp_q: Tensor, valid: Tensor) -> Tensor:
     the softmax over the sentence's real tokens. Maximised (enters eq. 24 with -lambda_x).
     """
     resp_q = clusters_first(resp_q)  # [C, L, T, B, H]
-    # f(q_i, x_j) as [L, T_i, T_j, B, H]: one multiply-add per cluster over long rows
-    critic = resp_q[0, :, :, None] * resp_q[0, :, None]
-    for c in range(1, resp_q.size(0)):
-        critic = torch.addcmul(critic, resp_q[c, :, :, None], resp_q[c, :, None])
-    key_pad = (valid <= 0)[None, None, :, :, None]  # [1, 1, T_j, B, 1]
-    log_norm = torch.logsumexp(critic.masked_fill(key_pad, float("-inf")), dim=2)  # [L, T, B, H]
-    log_ratio = (resp_q * resp_q).sum(0) - log_norm  # f(q_i, x_i) - log sum_j exp f(q_i, x_j)
-    return _sentence_mean(log_ratio.mean(-1), valid)
+    return _QueryInputMI.apply(resp_q, valid, _SentenceWeights(valid, resp_q.size(1), resp_q.size(-1)).per_head)
+
+
+class _StackedTracePrecision(torch.autograd.Function):
+    """:func:`trace_precision` of the layers' log-variances ``L x [G, C, d]`` -> ``[L, G, C]``: sum_d exp(-clamp(v))."""
+
+    @staticmethod
+    def forward(ctx, *log_vars):
+        stacked = torch.stack(log_vars).float()
+        neg_clamped = stacked.clamp(*_LOGVAR_RANGE).neg_()
+        precision = neg_clamped.exp()
+        total = precision.sum(-1)
+        # d/dv exp(-v) = -exp(-v), zero where the clamp holds v
+        ctx.save_for_backward(precision.masked_fill_(neg_clamped != stacked.neg_(), 0.0).neg_())
+        ctx.dtypes = [v.dtype for v in log_vars]
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        slope, = ctx.saved_tensors
+        return tuple(g.to(dtype) for g, dtype in zip(slope * grad[..., None], ctx.dtypes))
 
 
 def _stack_layers(tensors: List[Tensor]) -> Tensor:
@@ -175,10 +387,9 @@ def sdma_losses(items: List[Tuple[nn.Module, ClusteringRecord]],
     """The regularisers of SDMA modules of ONE attention type, per sentence (``[B]`` each).
 
     ``items``: (module, its record) pairs. The records' clustering tensors are stacked along a
-    layer axis so each term is one batched computation, averaged over the layers (:func:`group_terms`,
-    compiled with the ``compile`` option in training). The modules' ``reading`` decides the form of each
-    term (see the module docstring). ``diagnostics``: a dict to which the sums of :data:`DIAGNOSTIC_SUMS`
-    are added.
+    layer axis so each term is one batched computation, averaged over the layers (:func:`group_terms`). The
+    modules' ``reading`` decides the form of each term (see the module docstring). ``diagnostics``: a dict to
+    which the sums of :data:`DIAGNOSTIC_SUMS` are added.
     """
     if not items:
         return {}
@@ -191,11 +402,12 @@ def sdma_losses(items: List[Tuple[nn.Module, ClusteringRecord]],
     if first.log_joint_q is not None:
         gmms["q"] = [core.query_gmm for core, _ in items]
     gmm_parameters = {kind: ([g.log_vars for g in group], [g.prior_logits for g in group]) for kind, group in gmms.items()}
-    terms = compiled(group_terms) if first_core.compiles(first_core.training) else group_terms
-    # contiguous: inductor saves a view of a transposed input with the strides of the first call's sizes
-    losses, sums = terms(layers, log_vars, gmm_parameters, first.valid.contiguous(), authors=o.authors, head_dim=first_core.head_dim,
-                         num_heads=first_core.num_heads, posterior_var=o.kl_posterior_var, alpha=o.diversity_alpha,
-                         beta=o.diversity_beta, diagnose=diagnostics is not None)
+    # in float32 under autocast too: the terms' hand-written backward passes reuse their forward's products
+    with full_precision(first.valid):
+        losses, sums = group_terms(layers, log_vars, gmm_parameters, first.valid, authors=o.authors,
+                                   head_dim=first_core.head_dim, num_heads=first_core.num_heads,
+                                   posterior_var=o.kl_posterior_var, alpha=o.diversity_alpha, beta=o.diversity_beta,
+                                   diagnose=diagnostics is not None)
     for name, value in sums.items():
         _accumulate(diagnostics, name, value)
     return losses
@@ -215,11 +427,13 @@ def group_terms(layers: Dict[str, List[Tensor]], log_vars: Dict[str, List[Tensor
     real = real_queries.float()
     # the authors average over the padded length and normalise over pad tokens too
     valid = torch.ones_like(real) if authors else real
+    num_layers = len(layers["log_joint_z"])
+    weights = _SentenceWeights(valid, num_layers, num_heads)
     log_joint_z = _stack_layers(layers["log_joint_z"])
     log_resp_z = _stack_layers(layers["log_resp_z"])
     resp_z = log_resp_z.exp()
     z_log_vars, z_prior_logits = gmm_parameters["z"]
-    trace_z = trace_precision(torch.stack(z_log_vars))  # [L, H, C]
+    trace_z = _StackedTracePrecision.apply(*z_log_vars)  # [L, H, C]
     log_prior_z = log_prior(torch.stack(z_prior_logits)) if authors else None
 
     def s2(kind):  # sigma_tilde^2: the option's number, or the learned [L, T, B, H]
@@ -228,8 +442,8 @@ def group_terms(layers: Dict[str, List[Tensor]], log_vars: Dict[str, List[Tensor
         return torch.stack([v.float() for v in log_vars[kind]]).exp()
 
     losses = {
-        "kl_z": vade_kl(log_joint_z, log_resp_z, trace_z, head_dim, s2("z"), valid, resp_z, log_prior_z),
-        "dv_z": cluster_diversity(resp_z, valid, alpha, beta, squared=not authors),
+        "kl_z": _vade_kl(log_joint_z, log_resp_z, resp_z, trace_z, s2("z"), log_prior_z, weights, head_dim),
+        "dv_z": _cluster_diversity(resp_z, weights, alpha, beta, squared=not authors),
     }
     sums: Dict[str, Tensor] = {}
     if authors and "log_joint_k" in layers:
@@ -238,9 +452,10 @@ def group_terms(layers: Dict[str, List[Tensor]], log_vars: Dict[str, List[Tensor
         log_resp_k = _stack_layers(layers["log_resp_k"])
         resp_k = log_resp_k.exp()
         valid_k = log_joint_k.new_ones(log_joint_k.shape[1:3], dtype=torch.float32)  # [S, B]: padded length
-        losses["kl_z"] = losses["kl_z"] + vade_kl(log_joint_k, log_resp_k, trace_z, head_dim, s2("k"), valid_k,
-                                                  resp_k, log_prior_z)
-        losses["dv_z"] = losses["dv_z"] + cluster_diversity(resp_k, valid_k, alpha, beta, squared=False)
+        weights_k = _SentenceWeights(valid_k, num_layers, num_heads)
+        losses["kl_z"] = losses["kl_z"] + _vade_kl(log_joint_k, log_resp_k, resp_k, trace_z, s2("k"), log_prior_z,
+                                                   weights_k, head_dim)
+        losses["dv_z"] = losses["dv_z"] + _cluster_diversity(resp_k, weights_k, alpha, beta, squared=False)
     if diagnose:
         with torch.no_grad():
             hardest = clusters_first(resp_z).amax(0)  # [L, T, B, H]
@@ -252,20 +467,21 @@ def group_terms(layers: Dict[str, List[Tensor]], log_vars: Dict[str, List[Tensor
         resp_q = log_resp_q.exp()
         q_log_vars, q_prior_logits = gmm_parameters["q"]
         heads = (len(q_log_vars), num_heads, -1)  # one query GMM shared by the heads: [L, 1, C] -> [L, H, C]
-        trace_q = trace_precision(torch.stack(q_log_vars)).expand(heads)
+        trace_q = _StackedTracePrecision.apply(*q_log_vars).expand(heads)
         log_prior_q = log_prior(torch.stack(q_prior_logits)).expand(heads) if authors else None
-        losses["kl_q"] = vade_kl(log_joint_q, log_resp_q, trace_q, head_dim, s2("q"), valid, resp_q, log_prior_q)
-        losses["dv_q"] = cluster_diversity(resp_q, valid, alpha, beta, squared=not authors)
+        losses["kl_q"] = _vade_kl(log_joint_q, log_resp_q, resp_q, trace_q, s2("q"), log_prior_q, weights, head_dim)
+        losses["dv_q"] = _cluster_diversity(resp_q, weights, alpha, beta, squared=not authors)
+        log_joint_q_cf, resp_q_cf = clusters_first(log_joint_q), clusters_first(resp_q)
         authors_p = clamped = None
         if authors or diagnose:
-            authors_p, clamped = authors_token_given_cluster(clusters_first(log_joint_q))
-        losses["dqq"] = head_mi_upper_bound(log_joint_q, resp_q, valid, authors,
-                                            p_token_given_c=authors_p if authors else None)
-        losses["dxq"] = query_input_mi_lower_bound(resp_q, valid)
+            authors_p, clamped = authors_token_given_cluster(log_joint_q_cf)
+        p_token_given_c = authors_p if authors else token_given_cluster(log_joint_q_cf, valid)
+        losses["dqq"] = _HeadMI.apply(p_token_given_c, resp_q_cf, weights.per_head_pair, authors)
+        losses["dxq"] = _QueryInputMI.apply(resp_q_cf, valid, weights.per_head)
         if diagnose:
             with torch.no_grad():
-                other = head_mi_upper_bound(log_joint_q, resp_q, valid, not authors,
-                                            p_token_given_c=None if authors else authors_p)
+                other_p = token_given_cluster(log_joint_q_cf, valid) if authors else authors_p
+                other = _HeadMI.apply(other_p, resp_q_cf, weights.per_head_pair, not authors)
                 exact, theirs = (other, losses["dqq"]) if authors else (losses["dqq"], other)
                 sums["dqq_clamped"] = clamped.sum()
                 sums["dqq_normalisers"] = clamped.new_full((), clamped.numel(), dtype=torch.float32)

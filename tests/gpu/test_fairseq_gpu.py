@@ -129,8 +129,9 @@ FAMILIES = {
     "sdma_authors": (("translation_bin",), lambda f: [f["translation_bin"], *SDMA_TINY, "--sdma-reading", "authors"]),
     "sdma_paper": (("translation_bin",), lambda f: [f["translation_bin"], *SDMA_TINY, "--sdma-reading", "paper"]),
     "sma": (("translation_bin",), lambda f: [f["translation_bin"], *SDMA_TINY, "--sdma-mode", "sma"]),
-    # the compiled path (inductor: triton kernels on CUDA)
-    "sdma_compiled": (("translation_bin",), lambda f: [f["translation_bin"], *SDMA_TINY, "--sdma-compile"]),
+    # the Triton kernels (clustering and masked mixture) under fairseq's trainer
+    "sdma_triton": (("translation_bin",), lambda f: [f["translation_bin"], *SDMA_TINY,
+                                                     "--sdma-attention-kernel", "triton"]),
     "vanilla": (("translation_bin",), lambda f: [f["translation_bin"], *SDMA_TINY, "--sdma-mode", "none"]),
     "bert_fused": (("bert_bin", "english_bert"), lambda f: [
         f["bert_bin"], "--task", "translation", "--arch", "bert_fused_transformer_tiny",

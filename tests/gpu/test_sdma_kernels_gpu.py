@@ -1,4 +1,4 @@
-"""The three kernels of eq. (11) on the GPU (``attention_kernel`` explicit / sdpa / lowrank) in fp32,
+"""The kernels of eq. (11) on the GPU (``attention_kernel`` explicit / sdpa / lowrank / triton) in fp32,
 fp16 and bf16: output and every gradient (q, k, v, both responsibilities) against a float64 CPU
 reference, for both readings, with key padding and a causal mask.
 
@@ -54,7 +54,7 @@ def _relative_error(got, want):
 @pytest.mark.parametrize("authors", [False, True], ids=["paper", "authors"])
 @pytest.mark.parametrize("causal", [False, True], ids=["padding", "causal"])
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
-@pytest.mark.parametrize("kernel", ["explicit", "sdpa", "lowrank"])
+@pytest.mark.parametrize("kernel", ["explicit", "sdpa", "lowrank", "triton"])
 def test_kernel_matches_float64_reference(device, kernel, precision, causal, authors):
     needs_cuda_for(precision)
     cpu = torch.device("cpu")

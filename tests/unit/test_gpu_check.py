@@ -69,4 +69,5 @@ def test_every_step_runs_an_existing_program_with_arguments_it_accepts(gpu_check
             assert parse_args is not None, f"{name}: no parse_args to check its arguments with"
             parse_args(cmd[3:] if cmd[0] == sys.executable else cmd[1:])
     assert names == ["pytest", "user_dir.tools.sdma.kernels_bench", "user_dir.tools.sdma.profile_update", "sdma-bench",
-                     "prepare-english-vae-data", "vae-bench", "prepare-optimus-data", "optimus-bench"]
+                     "prepare-english-vae-data", "vae-bench", "prepare-optimus-data", "optimus-bench",
+                     "user_dir.tools.sdma.gpu_speed"]

@@ -16,8 +16,6 @@ from torch import Tensor
 
 from latent_core.sdma import (
     AUTHORS_EPS,
-    compiled,
-    contiguous_inputs,
     SDMAConfigError,
     SDMACore,
     SDMAOptions,
@@ -101,21 +99,13 @@ class SDMAMultiheadAttention(MultiheadAttention):
                 query, key, value, key_padding_mask, incremental_state, need_weights,
                 static_kv, attn_mask, before_softmax, need_head_weights,
             )
-        # read here, outside the (possibly compiled) body: the recording scopes and the decoder's real positions
+        # the recording scopes and the decoder's real positions
         need_losses = incremental_state is None and core.computes_regularisers()
         real_queries = None if self.self_attention else current_real_queries()
         sink = output_sink(self) if incremental_state is None and not before_softmax else None
-        body = SDMAMultiheadAttention._sdma_forward
-        if core.compiles(self.training) and incremental_state is None and not before_softmax and sink is None:
-            body = compiled(body)
-            if key_padding_mask is None:  # fairseq leaves it out of batches without padding: one graph for both
-                key_padding_mask = torch.zeros(query.size(1), query.size(0) if key is None else key.size(0),
-                                               dtype=torch.bool, device=query.device)
-            query, key, value, key_padding_mask, attn_mask = contiguous_inputs(
-                query, key, value, key_padding_mask, attn_mask)
-        attn, weights, record = body(self, query, key, value, key_padding_mask, incremental_state, need_weights,
-                                     static_kv, attn_mask, before_softmax, need_head_weights, need_losses,
-                                     real_queries, sink)
+        attn, weights, record = self._sdma_forward(
+            query, key, value, key_padding_mask, incremental_state, need_weights, static_kv, attn_mask, before_softmax,
+            need_head_weights, need_losses, real_queries, sink)
         if record is not None:
             core.record(*record)
         return attn, weights
@@ -125,9 +115,8 @@ class SDMAMultiheadAttention(MultiheadAttention):
                       attn_mask: Optional[Tensor], before_softmax: bool, need_head_weights: bool, need_losses: bool,
                       real_queries: Optional[Tensor], sink=None):
         """:meth:`forward` of an active SDMA module: ``(output [T, B, E], weights or None, the arguments of
-        :meth:`SDMACore.record` or None)``; with ``before_softmax``, ``(scores, v, None)``. No context variable
-        is read here, so that ``torch.compile`` traces it as one graph (``SDMAOptions.compile``). ``sink``:
-        where this call's :class:`~user_dir.sdma.attention_outputs.AttentionOutputs` go (never compiled)."""
+        :meth:`SDMACore.record` or None)``; with ``before_softmax``, ``(scores, v, None)``. ``sink``: where this
+        call's :class:`~user_dir.sdma.attention_outputs.AttentionOutputs` go."""
         core = self.sdma
         if need_head_weights:
             need_weights = True

@@ -8,6 +8,7 @@ beam search, checkpointing) is fairseq's. ``--sdma-mode none`` gives the vanilla
 transformer (V-T), ``sma`` SMA-T and ``sdma`` SDMA-T.
 """
 
+import argparse
 import contextlib
 import functools
 from dataclasses import dataclass, field, fields, make_dataclass
@@ -35,12 +36,14 @@ from latent_core.errors import check_heads_divide, check_positive_int, option_fl
 from latent_core.sdma import (
     ATTENTION_KERNELS,
     READINGS,
+    REMOVED_OPTIONS,
     SDMA_MODES,
     SDMAConfigError,
     SDMALossWeights,
     SDMAOptions,
     check_loss_weight,
     real_queries,
+    removed_option_message,
 )
 
 from ..model_config import add_config_args, config_defaults, fill_unset, flat_transformer_fields, model_options
@@ -113,7 +116,6 @@ class SDMATransformerConfig(TransformerFields):
     sdma_diversity_alpha: float = core_field(SDMAOptions, "diversity_alpha")
     sdma_diversity_beta: float = core_field(SDMAOptions, "diversity_beta")
     sdma_attention_kernel: ChoiceEnum(ATTENTION_KERNELS) = core_field(SDMAOptions, "attention_kernel")
-    sdma_compile: bool = core_field(SDMAOptions, "compile")
     sdma_encoder_clusters: Optional[int] = field(
         default=None, metadata={"help": "n_c of the feature GMM in the encoder only (unset: --sdma-clusters)"})
     sdma_encoder_query_clusters: Optional[int] = field(
@@ -153,7 +155,6 @@ def sdma_options(cfg, side: str, mask_at_inference: bool = True) -> SDMAOptions:
         diversity_alpha=cfg.sdma_diversity_alpha,
         diversity_beta=cfg.sdma_diversity_beta,
         attention_kernel=cfg.sdma_attention_kernel,
-        compile=cfg.sdma_compile,
         mask_at_inference=mask_at_inference,
     )
 
@@ -310,6 +311,21 @@ class SDMATransformerDecoder(TransformerDecoderBase):
         return wrap_layer(SDMADecoderLayer(cfg, no_encoder_attn), cfg)
 
 
+class RemovedOption(argparse.Action):
+    """A ``--sdma-*`` option the model no longer has (a key of :data:`latent_core.sdma.REMOVED_OPTIONS`): given
+    on the command line, with or without a value, it is an :class:`SDMAConfigError` that says why; hidden from
+    ``--help``. A checkpoint whose ``cfg.model`` still holds ``sdma_<name>`` loads as before: nothing reads the
+    key (fairseq drops it when it merges the config into the model's dataclass, ``--arch sdma_transformer``;
+    an architecture's config keeps it unread)."""
+
+    def __init__(self, option_strings, dest, removed: str, **kwargs):
+        super().__init__(option_strings, dest, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        self.removed = removed
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        raise SDMAConfigError(removed_option_message(option_string, self.removed, f"drop {option_string}"))
+
+
 @register_model("sdma_transformer", dataclass=SDMATransformerConfig)
 class SDMATransformerModel(TransformerModel):
     """Transformer with semantic and disentangled mask attention (Chien & Huang, 2024)."""
@@ -326,6 +342,8 @@ class SDMATransformerModel(TransformerModel):
     @classmethod
     def add_args(cls, parser):
         add_config_args(parser, SDMATransformerConfig)
+        for name in REMOVED_OPTIONS:
+            parser.add_argument(option_flag(f"sdma_{name}"), action=RemovedOption, removed=name)
 
     @classmethod
     def build_model(cls, cfg, task):

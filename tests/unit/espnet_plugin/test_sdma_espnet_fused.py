@@ -1,5 +1,5 @@
 """ESPnet's SDMA attention: the fused paths (``sdma_conf: {attention_kernel: sdpa}`` and ``lowrank``) equal the
-explicit one."""
+explicit one (and ``triton``, in Triton's interpreter here)."""
 
 import pytest
 import torch
@@ -30,7 +30,7 @@ def test_fused_training_forward_and_gradients_equal_the_explicit_path(masking, r
     elif masking == "none":  # every key allowed (the authors reading's normaliser over all keys)
         mask = None
     results = []
-    for kernel in ("explicit", "sdpa", "lowrank"):
+    for kernel in ("explicit", "sdpa", "lowrank", "triton"):
         module = attention(kernel, reading=reading)
         inp = x.clone().requires_grad_(True)
         with recording() as records:

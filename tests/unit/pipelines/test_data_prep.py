@@ -146,6 +146,7 @@ def corpus_args(raw: Path, out: Path, *extra: str):
     ])
 
 
+@pytest.mark.integration  # the whole preparation: sentencepiece training and fairseq-preprocess
 def test_prepare_translation_separate_vocabularies(tmp_path, capsys):
     raw = write_corpus(tmp_path / "raw")
     bin_dir = pt.prepare(corpus_args(raw, tmp_path / "out", "--src-vocab-size", "60",
@@ -163,6 +164,7 @@ def test_prepare_translation_separate_vocabularies(tmp_path, capsys):
     assert len(stages) >= 5
 
 
+@pytest.mark.integration  # the whole preparation: sentencepiece training and fairseq-preprocess
 def test_prepare_translation_joint_dictionary(tmp_path):
     raw = write_corpus(tmp_path / "raw", lines=100)
     bin_dir = pt.prepare(corpus_args(raw, tmp_path / "out", "--joint", "--vocab-size", "80", "--lowercase",
@@ -500,6 +502,7 @@ def bert_argv(raw: Path, out: Path, bert: Path, *extra: str):
             "--workers", "1", "--soft-vocab-limit", "--src-bert-dir", str(bert), "--tgt-vocab-size", "60", *extra]
 
 
+@pytest.mark.integration  # the whole preparation: sentencepiece training and fairseq-preprocess
 def test_prepare_translation_bert_source_uses_berts_pieces_and_vocabulary(tmp_path, capsys):
     raw = write_corpus(tmp_path / "raw")
     bert = tiny_bert_tokenizer(tmp_path / "bert")

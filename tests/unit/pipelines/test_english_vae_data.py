@@ -47,6 +47,7 @@ def test_triplets_take_the_closest_pos_sequence_with_low_overlap_and_a_word_shuf
     assert editdistance.eval(target[1], pool[1][1]) == 0
 
 
+@pytest.mark.integration  # the whole preparation, fairseq-preprocess included
 def test_prepare_writes_splits_binarized_data_and_triplets(tmp_path):
     oanc = tagged_corpus(tmp_path / "oanc.txt")
     summary = prep.prepare(tmp_path / "out", ["oanc"], valid_size=10, test_size=20, threshold=1,
@@ -183,6 +184,7 @@ def test_paraphrase_triplets_pair_a_target_with_its_paraphrase_and_a_structural_
         prep.split_dev_test(triplets, 3, seed=0)
 
 
+@pytest.mark.integration  # the whole preparation, fairseq-preprocess included
 def test_prepare_writes_the_paraphrase_probe_from_the_ding_file(tmp_path):
     source = tmp_path / "de-en"
     source.write_text(DING, encoding="utf-8")

@@ -123,6 +123,7 @@ def test_prepare_writes_both_tokenizations_of_every_sentence(corpus):
     assert "<|endoftext|>" not in (data / "dict.gpt2.txt").read_text().split()  # fairseq's </s> stands for it
 
 
+@pytest.mark.integration  # runs the data preparation (fairseq-preprocess) again
 def test_too_long_sentences_stop_the_preparation_with_their_line_or_are_counted(corpus, tmp_path):
     texts = {"train": corpus["root"] / "train.txt"}
     longest = max(len(gpt2_pieces(load_gpt2_tokenizer(corpus["gpt2"]), [l])[0].split())
@@ -168,6 +169,7 @@ def test_batches_carry_wordpiece_in_and_bpe_out_starting_from_bos(corpus):
     assert bool((first_batch(eos_task)["net_input"]["prev_output_tokens"][:, 0] == tgt_dict.eos()).all())
 
 
+@pytest.mark.integration  # runs the data preparation (fairseq-preprocess) again
 def test_mismatched_or_foreign_binaries_are_refused(corpus, tmp_path):
     data = tmp_path / "data"
     shutil.copytree(corpus["data"], data)

@@ -5,6 +5,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.integration  # each test starts a Python process that imports fairseq and the plugin
+
 PROBE = """
 import logging
 import fairseq.models  # what sets the root logger to DEBUG

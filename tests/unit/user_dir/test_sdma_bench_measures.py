@@ -62,27 +62,43 @@ def test_traffic_counter_counts_elementwise_bytes_once_and_skips_views_and_matmu
     assert counts["bytes"] == (2 * 64 + 64 + 64) * 4
 
 
-def test_launch_counter_agrees_with_the_dispatch_count_eager_and_sees_inductors_kernels_compiled():
-    """count_launches: eager, the ops a dispatch-mode counter sees (elementwise + matrix products, no views or
-    allocations); compiled, the extern matrix products plus the fused kernels inductor generated."""
-    import torch._inductor.config as inductor_config
-
-    from latent_core.op_counts import count_launches
-
+def _launch_counter_example():
+    """``(f, update)``: ``f(x, w)`` a softmax of a product; ``update(fn)`` runs ``fn(x, w)`` forward and backward,
+    the gradients reset first (as after ``zero_grad(set_to_none=True)``)."""
     x = torch.randn(64, 32, requires_grad=True)
     w = torch.randn(32, 16, requires_grad=True)
 
     def f(x, w):
         return torch.softmax(x @ w, -1).exp().sum(-1) * 2
 
-    def update(fn):  # gradients start empty, as after zero_grad(set_to_none=True)
+    def update(fn):
         x.grad = w.grad = None
         fn(x, w).sum().backward()
 
-    eager = count_launches(lambda: update(f))
+    return f, update
+
+
+def test_launch_counter_agrees_with_the_dispatch_count_eager():
+    """count_launches, eager: the ops a dispatch-mode counter sees (elementwise + matrix products, no views or
+    allocations)."""
+    from latent_core.op_counts import count_launches
+
+    f, update = _launch_counter_example()
     traffic = count_traffic(lambda: update(f))
-    assert eager == {"aten": traffic["ops"] + traffic["matmul_ops"], "inductor": 0,
-                     "launches": traffic["ops"] + traffic["matmul_ops"]}
+    assert count_launches(lambda: update(f)) == {"aten": traffic["ops"] + traffic["matmul_ops"], "inductor": 0,
+                                                 "launches": traffic["ops"] + traffic["matmul_ops"]}
+
+
+@pytest.mark.integration  # inductor compiles C++: minutes on a cold cache, out of the unit tier
+def test_launch_counter_sees_inductors_kernels_compiled():
+    """count_launches of a ``torch.compile``'d function: the extern matrix products plus the fused kernels
+    inductor generated, fewer launches than eager."""
+    import torch._inductor.config as inductor_config
+
+    from latent_core.op_counts import count_launches
+
+    f, update = _launch_counter_example()
+    eager = count_launches(lambda: update(f))
     with inductor_config.patch({"cpp.enable_kernel_profile": True}):
         compiled = torch.compile(f, dynamic=True, fullgraph=True)
         update(compiled)
@@ -101,22 +117,43 @@ def test_update_timing_refuses_impossible_settings():
         step_timing.time_updates("huge")
 
 
+@pytest.mark.integration  # profiles three fairseq models' training update (gpu-check's profile step)
 def test_update_profile_counts_ops_and_names_the_costliest():
     """gpu-check's profile step, run on the CPU (the kernel columns exist only on CUDA)."""
     setting = step_timing.StepSetting(sentences=4, tokens=5, vocab=50)
-    report = profile_update.profile_updates("tiny2x2", setting, "cpu", updates=1, warmup=0)
+    report = profile_update.profile_updates("tiny2x2", setting, "cpu", updates=1, warmup=0,
+                                            models=["V-T", "SMA-T", "SDMA-T"])
     models = report["models"]
     assert list(models) == ["V-T", "SMA-T", "SDMA-T"] and report["device"] == "cpu"
     assert models["V-T"]["speed_vs_vt"] == 1.0 and models["V-T"]["aten_ops_vs_vt"] == 1.0
     assert models["V-T"]["aten_ops"] < models["SMA-T"]["aten_ops"] < models["SDMA-T"]["aten_ops"]
     assert models["V-T"]["launches"] < models["SMA-T"]["launches"] < models["SDMA-T"]["launches"]
     for r in models.values():  # eager: no inductor kernels; the dispatch count also counts allocations
-        assert 0.5 * r["aten_ops"] < r["launches"] <= r["aten_ops"] and r["inductor_kernels"] == 0
+        assert 0.5 * r["aten_ops"] < r["launches"] <= r["aten_ops"] and r["triton_kernels"] == 0
         assert r["launches"] == r["model_launches"] + r["optimizer_launches"]
     for r in models.values():
         assert r["ms_per_update"] > 0 and "kernels" not in r
         assert r["top_ops"] and all(op["name"].startswith("aten::") for op in r["top_ops"])
     assert [row["model"] for row in profile_update.table_rows(report)] == ["V-T", "SMA-T", "SDMA-T"]
+
+
+@pytest.mark.interpreter
+def test_a_triton_variant_is_counted_in_the_interpreter_each_kernel_one_launch():
+    """``SDMA-T triton`` on a CPU: counted untimed in Triton's interpreter, its Triton kernels among its launches,
+    against V-T on the same batch."""
+    setting = step_timing.StepSetting(sentences=4, tokens=5, vocab=50)
+    report = profile_update.profile_updates("tiny2x2", setting, "cpu", updates=1, warmup=0,
+                                            models=["V-T", "SDMA-T", "SDMA-T triton"])
+    eager, triton = report["models"]["SDMA-T"], report["models"]["SDMA-T triton"]
+    assert triton["interpreted"] and "ms_per_update" not in triton and triton["count_batch"] == [2, 5]
+    assert triton["model_launches_vs_vt"] == triton["model_launches"] / triton["vt_model_launches_same_batch"]
+    modules = 2 * 2 + 2  # 2 encoder self-attentions, 2 decoder layers of self- and cross-attention
+    # z and q clustering (1 + 2 kernels each) in every module, the mixture (1 + 3) in all but the last decoder layer's
+    # cross-attention, whose weights fairseq's decoder asks for (its alignment layer): the explicit kernel there
+    assert triton["triton_kernels"] == modules * 2 * 3 + (modules - 1) * 4
+    assert triton["model_launches"] < eager["model_launches"]
+    rows = profile_update.table_rows(report)
+    assert rows[-1]["ms/update"] is None and rows[-1]["fwd+bwd launches"] == triton["model_launches"]
 
 
 def test_update_profile_refuses_impossible_settings():

@@ -163,6 +163,35 @@ def test_impossible_values_raise_the_named_errors(data, arch, extra, error, patt
         build_like_fairseq_train(command(data, arch, *TINY[:4], *extra))
 
 
+@pytest.mark.parametrize("value", [[], ["true"], ["false"]])
+def test_the_removed_compile_option_is_a_named_error_saying_why(data, value):
+    with pytest.raises(SDMAConfigError, match=r"^--sdma-compile: this option was removed: running SDMA's training "
+                                              r"through torch\.compile took minutes .*; drop --sdma-compile$"):
+        build_like_fairseq_train(command(data, "sdma_transformer_iwslt_de_en_tiny", *TINY[:4], "--sdma-compile",
+                                         *value))
+
+
+@pytest.mark.parametrize("arch", ["sdma_transformer", "sdma_transformer_iwslt_de_en_tiny"])
+def test_a_checkpoint_holding_the_removed_compile_field_loads_and_ignores_it(data, tmp_path, arch):
+    """A checkpoint written while ``--sdma-compile`` existed has ``sdma_compile`` in ``cfg.model``: fairseq's
+    ``load_model_ensemble`` (what ``fairseq-generate --path`` runs) builds the same model from it, through the
+    model's dataclass (``--arch sdma_transformer``) and through an architecture."""
+    import torch
+    from fairseq import checkpoint_utils
+    from omegaconf import OmegaConf
+
+    model, cfg = build_like_fairseq_train(command(data, arch, *TINY))
+    saved_cfg = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    saved_cfg["model"]["sdma_compile"] = True
+    path = tmp_path / "checkpoint_with_sdma_compile.pt"
+    torch.save({"cfg": saved_cfg, "model": model.state_dict(), "extra_state": {"train_iterator": {"epoch": 1}},
+                "optimizer_history": [{"criterion_name": "sdma_label_smoothed_cross_entropy", "optimizer_name": "Adam",
+                                       "lr_scheduler_state": {"best": None}, "num_updates": 0}]}, path)
+    models, _ = checkpoint_utils.load_model_ensemble([str(path)])
+    assert_same_model(models[0], model)
+    assert models[0].encoder.layers[0].self_attn.sdma.options == model.encoder.layers[0].self_attn.sdma.options
+
+
 @pytest.mark.parametrize("extra", [["--sdma-mode", "vanilla"], ["--sdma-reading", "printed"],
                                    ["--bert-fusion", "concat"]])
 def test_unknown_choices_are_argparse_errors(data, extra, capsys):

@@ -185,6 +185,7 @@ def test_bad_names_are_named():
     assert resolve_arch("base") == "sdma_transformer_iwslt_de_en" and resolve_mode("SDMA-T") == "sdma"
 
 
+@pytest.mark.integration  # sdma-bench --flops-only: the tiny and the base models
 def test_bench_flops_only_prints_and_updates_the_json(tmp_path, monkeypatch, capsys):
     real = bench_sdma.flops_table
     monkeypatch.setattr(bench_sdma, "flops_table", lambda configs: real(configs, setting=SMALL))

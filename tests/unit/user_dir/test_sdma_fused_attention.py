@@ -59,14 +59,14 @@ def fused_calls(monkeypatch):
     import latent_core.sdma as core
 
     calls = []
-    for name in ("sdpa", "lowrank"):
+    for name in ("sdpa", "lowrank", "triton"):
         kernel = core.KERNELS[name]
         monkeypatch.setitem(core.KERNELS, name, lambda x, kernel=kernel: (calls.append(1), kernel(x))[1])
     return calls
 
 
 @pytest.mark.parametrize("reading", ["authors", "paper"])
-@pytest.mark.parametrize("kernel", ["sdpa", "lowrank"])
+@pytest.mark.parametrize("kernel", ["sdpa", "lowrank", pytest.param("triton", marks=pytest.mark.interpreter)])
 @pytest.mark.parametrize("case", ["encoder_self", "unmasked_self", "decoder_self_causal", "decoder_cross"])
 def test_fused_path_equals_explicit_path_fp32_outputs_and_gradients(case, kernel, reading, fused_calls):
     x, pad = inputs()
@@ -90,7 +90,7 @@ def test_fused_path_equals_explicit_path_fp32_outputs_and_gradients(case, kernel
     assert explicit[2]["sdma.feature_gmm.means"].abs().sum() > 0  # the mask's gradient reached the GMM
 
 
-@pytest.mark.parametrize("kernel", ["sdpa", "lowrank"])
+@pytest.mark.parametrize("kernel", ["sdpa", "lowrank", pytest.param("triton", marks=pytest.mark.interpreter)])
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
 def test_fused_path_equals_explicit_path_in_low_precision(dtype, tol, kernel):
     x, pad = inputs()

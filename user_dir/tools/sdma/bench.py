@@ -68,7 +68,6 @@ CONFIGS = {
     "base": ["--arch", "sdma_transformer_iwslt_de_en"],
 }
 MODELS = {"V-T": "none", "SMA-T": "sma", "SDMA-T": "sdma"}
-COMPILED = {"SMA-T compiled": "sma", "SDMA-T compiled": "sdma"}  # --compiled: the same models with --sdma-compile
 
 
 def parse_args(argv=None):
@@ -92,8 +91,6 @@ def parse_args(argv=None):
     p.add_argument("--reading", choices=READINGS, default=step_timing.StepSetting.reading,
                    help="--sdma-reading of SMA-T and SDMA-T in the update timing and the fairseq-train runs "
                         "(default %(default)s, the models' default)")
-    p.add_argument("--compiled", action="store_true",
-                   help="also train SMA-T and SDMA-T with --sdma-compile (the compiled path; compile time included)")
     p.add_argument("--gpu", action="store_true", help="train/decode on the GPU (also add --fp16)")
     p.add_argument("--fp16", action="store_true")
     p.add_argument("--out", type=Path, default=Path("outputs") / "bench" / "sdma.json")
@@ -115,7 +112,6 @@ def parse_args(argv=None):
 
 def measure(args, data_bin, save_dir, name, mode, device, precision):
     """Train one model for ``--updates`` updates and decode the test set; return its numbers."""
-    compiled = ["--sdma-compile"] if name in COMPILED else []
     shutil.rmtree(save_dir, ignore_errors=True)  # never resume an earlier run's checkpoint
     stage(f"train {name} ({args.config}, --sdma-mode {mode}) for {args.updates} updates")
     # "none" builds fairseq's own MultiheadAttention everywhere: the vanilla transformer
@@ -126,7 +122,7 @@ def measure(args, data_bin, save_dir, name, mode, device, precision):
         "--optimizer", "adam", "--lr", "2e-3", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "100",
         "--max-tokens", args.max_tokens, "--max-update", args.updates, "--seed", "1",
         "--log-interval", "10", "--log-format", "simple", "--no-progress-bar", "--disable-validation",
-        "--save-dir", save_dir, "--no-epoch-checkpoints", *device, *precision, *compiled,
+        "--save-dir", save_dir, "--no-epoch-checkpoints", *device, *precision,
     ], save_dir / "train.log", echo_filter=r"num\. (shared )?model params", wrap_rss=True)
     stage(f"decode {name}: fairseq-generate, beam 5, test set, {args.gen_length} tokens per hypothesis")
     # Briefly trained models stop at different lengths; fixing the output length
@@ -137,7 +133,7 @@ def measure(args, data_bin, save_dir, name, mode, device, precision):
                           *(["--fp16"] if args.fp16 else [])], cpu=not args.gpu)
     return {
         "train_wps": train_words_per_second(train["log"]),
-        # the typical interval: a compiled run's recompilations (new shapes) stay out of it
+        # the typical interval: robust to a slow one
         "train_wps_median_interval": statistics.median(
             interval["wps"] for interval in train_inner_intervals(train["log"])[1:] or [{"wps": float("nan")}]),
         "peak_mem_mb": train.get("peak_cuda_mb" if args.gpu else "peak_rss_mb", float("nan")),
@@ -207,13 +203,12 @@ def main(argv=None):
     work = args.out.parent / args.config
     device = [] if args.gpu else ["--cpu"]
     precision = ["--fp16"] if args.fp16 else []
-    models = {**MODELS, **(COMPILED if args.compiled else {})}
-    rows, runs = [], {name: [] for name in models}
+    rows, runs = [], {name: [] for name in MODELS}
     # Interleave the models over --repeats rounds and keep each model's median: this VM's
     # speed drifts by ~10% over minutes, which a single sequential pass would attribute
     # to whichever model ran at the wrong moment.
     for round_index in range(args.repeats):
-        for name, mode in models.items():
+        for name, mode in MODELS.items():
             runs[name].append(measure(args, data_bin, work / name.replace(" ", "-"), name, mode, device, precision))
             stage(f"round {round_index + 1}/{args.repeats} {name}: " + ", ".join(
                 f"{k}={v:.1f}" for k, v in runs[name][-1].items() if k != "params"))
@@ -248,8 +243,6 @@ def main(argv=None):
             "generate_speed_ratio": raw["SMA-T"]["generate_sentences_per_second"]
             / base["generate_sentences_per_second"],
         },
-        **({"compiled": {name: {key: raw[name][key] / base[key] for key in ("train_wps", "peak_mem_mb")}
-                            for name in COMPILED}} if args.compiled else {}),
         "config": args.config,
         "updates": args.updates,
         "device": "gpu" if args.gpu else "cpu",

@@ -7,26 +7,33 @@ many more with ``torch.profiler``. Per model and update it reports:
 
 * ``ms_per_update``: wall clock;
 * ``launches``: kernel launches per update (``latent_core.op_counts.count_launches``: ATen ops that run a
-  kernel, outside compiled graphs and inside them, plus the kernels inductor generated), split into
+  kernel, plus generated kernels, ``triton_*``, counted as ``triton_kernels``), split into
   ``model_launches`` (criterion forward with the regularisers, and backward) and ``optimizer_launches``
   (the Adam step: per parameter on a CPU; a handful with fairseq's ``--fp16`` flat parameters or a
   multi-tensor Adam on a GPU, so ``model_launches`` is the ratio that carries over);
 * ``aten_ops``: ATen ops that are not views (``latent_core.op_counts.count_traffic``: elementwise
-  ops plus matrix products), eager models only (its dispatch mode runs compiled functions eager);
+  ops plus matrix products);
 * on CUDA, ``kernels`` (kernels launched) and ``gpu_busy_ms`` (the sum of their run times); their
   ratio to the wall clock, ``gpu_busy_fraction``, says whether the GPU waits for the CPU to launch
   work (well under 1: launch-bound, where fewer ops or fusion help) or computes (near 1);
 * ``top_ops``: the ops with the most self time (device time on CUDA, CPU time otherwise).
 
+Variants (``--models``): V-T, SMA-T and SDMA-T with the default attention kernel (``auto``: ``sdpa`` on CUDA, ``explicit``
+on a CPU), and SMA-T and SDMA-T with the Triton kernels (``--sdma-attention-kernel triton``: ``SMA-T triton``, ``SDMA-T
+triton``). All of them by default. On a CPU the Triton kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set
+here before they are first imported): a Triton variant is then only counted, not timed (``interpreted``), each of its
+kernels one launch (``triton_kernels``), on a 2-sentence batch (``count_batch``; the interpreter runs every program of
+a grid in Python), with V-T counted on the same batch for its ratio (``vt_model_launches_same_batch``): launch counts
+hardly depend on the batch (V-T tiny2x2: the same for 2 x 12 and 160 x 26 tokens, 419 against 422 for 2 and 4 x 5).
+
 On a CPU the same code runs (no kernel columns), so the step is tested without a GPU.
 
-``--compiled`` adds SMA-T and SDMA-T with the compiled path (``--sdma-compile``; compiled during the warm-up,
-the compile time reported as ``compile_s``).
-
-    python -m user_dir.tools.sdma.profile_update --device cuda --config base --compiled --out outputs/gpu/sdma_profile.json
+    python -m user_dir.tools.sdma.profile_update --device cuda --config base --out outputs/gpu/sdma_profile.json
+    python -m user_dir.tools.sdma.profile_update --device cpu --config base   # every variant's launches (minutes)
 """
 
 import argparse
+import os
 import statistics
 import time
 from pathlib import Path
@@ -36,13 +43,16 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-import torch._inductor.config as inductor_config
-
 from latent_core.op_counts import count_launches, count_traffic
 from pipelines.runs import print_table, write_json
-from latent_core.sdma import READINGS, compile_seconds
-from user_dir.tools.sdma.step_timing import (MODELS, STEP_CONFIGS, VARIANTS, StepSetting, build_for_updates,
-                                             forward_backward, training_update)
+from latent_core.sdma import READINGS
+from user_dir.tools.sdma.step_timing import (MODELS, STEP_CONFIGS, StepSetting, build_for_updates, forward_backward,
+                                             training_update)
+
+# variant -> (--sdma-mode, --sdma-attention-kernel)
+VARIANTS = {**{name: (mode, "auto") for name, mode in MODELS.items()},
+            "SMA-T triton": ("sma", "triton"), "SDMA-T triton": ("sdma", "triton")}
+COUNT_SENTENCES = 2  # the batch an interpreted variant is counted on
 
 
 def _synchronize(device: torch.device) -> None:
@@ -50,20 +60,44 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def interpreted(name: str, device: torch.device) -> bool:
+    """Whether ``name``'s Triton kernels run in Triton's interpreter (a Triton variant on a CPU)."""
+    return VARIANTS[name][1] == "triton" and device.type != "cuda"
+
+
+def count_model(config: str, name: str, setting: StepSetting, device: torch.device) -> Dict:
+    """The launches of one forward + backward of ``name`` on a ``COUNT_SENTENCES``-sentence batch, untimed (a
+    Triton variant in the interpreter), and V-T's on the same batch for the ratio."""
+    small = StepSetting(**{**setting.__dict__, "sentences": COUNT_SENTENCES})
+    counts = {}
+    for variant in ("V-T", name):
+        mode, kernel = VARIANTS[variant]
+        model, criterion, _, sample = build_for_updates(config, mode, small, str(device), kernel)
+        forward_backward(model, criterion, sample)  # the first call: the interpreter rewrites the kernels
+        model.zero_grad(set_to_none=True)
+        counts[variant] = count_launches(lambda: forward_backward(model, criterion, sample))
+    own = counts[name]
+    return {"interpreted": True, "count_batch": [COUNT_SENTENCES, setting.tokens],
+            "model_launches": own["launches"], "triton_kernels": own["inductor"],
+            "vt_model_launches_same_batch": counts["V-T"]["launches"],
+            "model_launches_vs_vt": own["launches"] / counts["V-T"]["launches"],
+            "params": sum(p.numel() for p in model.parameters())}
+
+
 def profile_model(config: str, name: str, setting: StepSetting, device: torch.device, updates: int,
                   warmup: int, top: int = 12) -> Dict:
     """One model's numbers (see the module docstring)."""
-    mode, compiled = VARIANTS[name]
-    model, criterion, optimizer, sample = build_for_updates(config, mode, setting, str(device), compiled)
-    compiling = compile_seconds()
-    for _ in range(max(warmup, 2 if compiled else 0)):  # the compiled path: forward and backward graphs
+    if interpreted(name, device):
+        return count_model(config, name, setting, device)
+    mode, kernel = VARIANTS[name]
+    model, criterion, optimizer, sample = build_for_updates(config, mode, setting, str(device), kernel)
+    for _ in range(warmup):
         training_update(model, criterion, optimizer, sample)
     _synchronize(device)
-    compile_s = compile_seconds() - compiling
     model_launches = count_launches(lambda: forward_backward(model, criterion, sample))
     optimizer_launches = count_launches(optimizer.step)
     optimizer.zero_grad(set_to_none=True)
-    traffic = None if compiled else count_traffic(lambda: training_update(model, criterion, optimizer, sample))
+    traffic = count_traffic(lambda: training_update(model, criterion, optimizer, sample))
     _synchronize(device)
     times = []
     for _ in range(updates):
@@ -81,14 +115,11 @@ def profile_model(config: str, name: str, setting: StepSetting, device: torch.de
         "ms_per_update": statistics.median(times),
         "launches": model_launches["launches"] + optimizer_launches["launches"],
         "model_launches": model_launches["launches"],
-        "inductor_kernels": model_launches["inductor"],
+        "triton_kernels": model_launches["inductor"],
         "optimizer_launches": optimizer_launches["launches"],
         "params": sum(p.numel() for p in model.parameters()),
+        "aten_ops": traffic["ops"] + traffic["matmul_ops"],
     }
-    if traffic is not None:
-        result["aten_ops"] = traffic["ops"] + traffic["matmul_ops"]
-    if compiled:
-        result["compile_s"] = compile_s
     if device.type == "cuda":  # the kernels, by their GPU time
         ranked = [e for e in events if e.device_type == DeviceType.CUDA]
         self_us = lambda e: e.self_device_time_total  # noqa: E731
@@ -105,7 +136,7 @@ def profile_model(config: str, name: str, setting: StepSetting, device: torch.de
 
 
 def profile_updates(config: str, setting: StepSetting, device: str = "cpu", updates: int = 5, warmup: int = 3,
-                    models: Sequence[str] = tuple(MODELS)) -> Dict:
+                    models: Sequence[str] = tuple(VARIANTS)) -> Dict:
     """``{"config", "device", "setting", "models": {name: profile_model(...)}}`` with ratios to V-T."""
     setting = setting.validate()
     if config not in STEP_CONFIGS:
@@ -114,20 +145,17 @@ def profile_updates(config: str, setting: StepSetting, device: str = "cpu", upda
         raise ValueError(f"updates={updates} must be >= 1 and warmup={warmup} >= 0")
     device = torch.device(device)
     results = {}
-    # inductor's C++ kernels show in the profiler (count_launches) only when compiled with kernel profiling
-    with inductor_config.patch({"cpp.enable_kernel_profile": True}):
-        for name in models:
-            results[name] = profile_model(config, name, setting, device, updates, warmup)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()  # the previous model's memory, before the next one is built
+    for name in models:
+        results[name] = profile_model(config, name, setting, device, updates, warmup)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the previous model's memory, before the next one is built
     base = results.get("V-T")
     for result in results.values():
-        if base is not None:
+        if base is not None and not result.get("interpreted"):
             result["speed_vs_vt"] = base["ms_per_update"] / result["ms_per_update"]
             result["launches_vs_vt"] = result["launches"] / base["launches"]
             result["model_launches_vs_vt"] = result["model_launches"] / base["model_launches"]
-            if "aten_ops" in result:
-                result["aten_ops_vs_vt"] = result["aten_ops"] / base["aten_ops"]
+            result["aten_ops_vs_vt"] = result["aten_ops"] / base["aten_ops"]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"config": config, "device": name, "setting": setting.__dict__, "updates": updates, "models": results}
 
@@ -135,10 +163,10 @@ def profile_updates(config: str, setting: StepSetting, device: str = "cpu", upda
 def table_rows(report: Dict):
     rows = []
     for name, r in report["models"].items():
-        row = {"model": name, "ms/update": r["ms_per_update"], "speed vs V-T": r.get("speed_vs_vt"),
-               "launches": r["launches"], "vs V-T": r.get("launches_vs_vt"),
+        row = {"model": name, "ms/update": r.get("ms_per_update"), "speed vs V-T": r.get("speed_vs_vt"),
+               "launches": r.get("launches"), "vs V-T": r.get("launches_vs_vt"),
                "fwd+bwd launches": r["model_launches"], "fwd+bwd vs V-T": r.get("model_launches_vs_vt"),
-               "optimizer": r["optimizer_launches"], "compile s": r.get("compile_s")}
+               "optimizer": r.get("optimizer_launches")}
         if "kernels" in r:
             row.update({"kernels": r["kernels"], "GPU busy ms": r["gpu_busy_ms"], "busy fraction": r["gpu_busy_fraction"]})
         rows.append(row)
@@ -156,8 +184,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                           "160 x 26 is the IWSLT recipe's 4,096-token batch)")
     p.add_argument("--updates", type=int, default=5, help="timed updates, and as many profiled (default 5)")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--models", nargs="+", choices=list(VARIANTS), default=list(MODELS))
-    p.add_argument("--compiled", action="store_true", help="add SMA-T and SDMA-T with --sdma-compile")
+    p.add_argument("--models", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                   help="default: all; a Triton variant on a CPU is counted in Triton's interpreter, not timed")
     p.add_argument("--out", type=Path, default=Path("outputs") / "bench" / "sdma_profile.json")
     return p.parse_args(argv)
 
@@ -166,10 +194,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: no CUDA device is visible (use --device cpu)")
+    if torch.device(args.device).type != "cuda" and any(VARIANTS[name][1] == "triton" for name in args.models):
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the Triton kernels are first imported
     setting = StepSetting(sentences=args.sentences, tokens=args.tokens, reading=args.reading)
     try:
-        models = list(dict.fromkeys([*args.models, *(["SMA-T compiled", "SDMA-T compiled"] if args.compiled else [])]))
-        report = profile_updates(args.config, setting, args.device, args.updates, args.warmup, models)
+        report = profile_updates(args.config, setting, args.device, args.updates, args.warmup,
+                                 list(dict.fromkeys(args.models)))
     except ValueError as err:
         raise SystemExit(f"profile_update: {err}")
     rows = table_rows(report)
@@ -177,7 +207,11 @@ def main(argv=None) -> int:
                 f"One training update, {args.config}, {report['device']}, batch {args.sentences} x {args.tokens}, "
                 f"{args.reading} reading (median of {args.updates})")
     for name, r in report["models"].items():
-        print(f"{name}: " + ", ".join(f"{op['name']} {op['self_ms_per_update']:.2f} ms" for op in r["top_ops"][:6]))
+        if "top_ops" in r:
+            print(f"{name}: " + ", ".join(f"{op['name']} {op['self_ms_per_update']:.2f} ms" for op in r["top_ops"][:6]))
+        else:
+            print(f"{name}: counted in Triton's interpreter on a {r['count_batch'][0]}-sentence batch (V-T on it: "
+                  f"{r['vt_model_launches_same_batch']} launches), {r['triton_kernels']} of them Triton kernels")
     write_json(args.out, report)
     print(f"wrote {args.out}")
     return 0

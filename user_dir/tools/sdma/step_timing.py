@@ -38,9 +38,6 @@ STEP_CONFIGS = {
     "base": ("sdma_transformer_iwslt_de_en", []),
 }
 MODELS = {"V-T": "none", "SMA-T": "sma", "SDMA-T": "sdma"}
-# the compiled path (--sdma-compile) of the SDMA models: name -> (--sdma-mode, compiled)
-VARIANTS = {**{name: (mode, False) for name, mode in MODELS.items()},
-            "SMA-T compiled": ("sma", True), "SDMA-T compiled": ("sdma", True)}
 
 
 @dataclass(frozen=True)
@@ -64,11 +61,11 @@ class StepSetting:
         return self
 
 
-def build_for_updates(config: str, mode: str, setting: StepSetting, device: str = "cpu", compiled: bool = False):
-    """(model in training mode, criterion, Adam, the fixed batch), all on ``device``; ``compiled``: with
-    ``--sdma-compile``."""
+def build_for_updates(config: str, mode: str, setting: StepSetting, device: str = "cpu", kernel: str = "auto"):
+    """(model in training mode, criterion, Adam, the fixed batch), all on ``device``; ``kernel``: the
+    ``--sdma-attention-kernel``."""
     arch, extra = STEP_CONFIGS[config]
-    extra = [*extra, "--sdma-compile"] if compiled else extra
+    extra = [*extra, "--sdma-attention-kernel", kernel]
     flops_setting = FlopsSetting(src_vocab=setting.vocab, tgt_vocab=setting.vocab, sentences=setting.sentences,
                                  src_tokens=setting.tokens, tgt_tokens=setting.tokens, seed=setting.seed)
     model, criterion, sample = build_with_batch(arch, mode, flops_setting,

@@ -1,0 +1,766 @@
+"""SDMA's GPU path: Triton kernels, each with its backward, for the clustering of eq. (9) and the masked
+mixture of eq. (1), (2), (10), (11) (the ``triton`` row of :data:`latent_core.sdma.attention.KERNELS`).
+
+Eager SDMA is bound by kernel launches on a GPU: the clustering, the mask and the mixing are dozens of small
+ATen ops per attention module. Here they are five kernels per module and update:
+
+* :func:`gaussian_clustering`: log p(z, c) and log p(c | z) of eq. (9) for every row and group (head) in one
+  kernel, read straight from the GMM's means, log-variances and prior logits (no expanded weights); backward:
+  one kernel for the input's gradient and per-block partial sums of the parameters' gradients, one to reduce
+  them (with the log-variance clamp and the prior's log-softmax).
+* :func:`mixed_attention`: A_hat V of eq. (11) flash-style: one pass over the keys per block of queries with an
+  online softmax, never materialising the T x S matrices. M has rank C (M_ij = sum_c p(c|z_i) p(c|z_j)), so it
+  is rebuilt per tile from the responsibilities. Exact in both readings: the authors' row normaliser r_i of the
+  mask and their eps on the masked mass Z_i (rows whose masked mass is below eps are not renormalised to 1),
+  the paper's 1e-6 floor; padding and causal masks (any boolean mask broadcastable to ``[B, H, T, S]``);
+  attention dropout on A_hat (as the explicit kernel), drawn from Philox by (seed, position) and redrawn in
+  backward; fp16/bf16 inputs with fp32 accumulation. Backward: one kernel for the row sums it needs, one over
+  the queries per key block (dk, dv, dp(c|z_j)), one over the keys per query block (dq, dp(c|z_i)).
+
+The backward of eq. (2) and (11) in closed form (A = softmax(s), W = M o A, Z_i = sum_j W_ij, N_i = max(Z_i,
+floor), A_bar = W / N, A_hat = (1 - g) A + g A_bar, dA_hat_ij = dO_i . v_j):
+  <dA_bar_i, A_bar_i> = g dO_i . O_bar_i  (O_bar the masked branch's output, saved by the forward kernel)
+  dW = (g dA_hat - g <dO_i, O_bar_i> [Z_i > floor]) / N_i
+  ds = A o (dA - (dO_i . O_i - g dO_i . O_bar_i [Z_i > floor])),  dA = (1 - g) dA_hat + dW o M
+  and, in the authors' reading M = P / r_i with r_i = max(sum_{j allowed} P_ij, eps), P_ij = sum_c gq_ic gk_jc:
+  dr_i = -g (dO_i . O_bar_i) [Z_i <= floor] / r_i (the normaliser cancels wherever Z_i > floor).
+
+Kernels are written within what the GPU compiler accepts (``tl.dot`` operands padded to at least 16 in every
+dimension, power-of-two blocks, no float64); every launch configuration is in :data:`LAUNCH`, so a GPU run can tune
+them in one place. On a CPU they run in Triton's interpreter (``TRITON_INTERPRET=1`` set before this module is first
+imported): that is how the tests hold them to the explicit path. Each launch is recorded for the profiler as one
+event named ``triton_sdma_*`` (one kernel launch each in ``latent_core.op_counts.count_launches``).
+"""
+
+import os
+from typing import Dict, NamedTuple, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+import triton
+import triton.language as tl
+
+from latent_core.sdma.options import AUTHORS_EPS, LOG_2PI, SDMAConfigError
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+PAPER_MASK_FLOOR = 1e-6  # the paper reading's floor on M (latent_core.sdma.attention._MASK_FLOOR)
+LOGVAR_RANGE = (-9.0, 9.0)  # the GMMs' log-variance clamp (latent_core.sdma.mixture._LOGVAR_RANGE)
+_NEG = -1.0e30  # the score of a blocked key (finite: a row with every key blocked stays NaN-free)
+
+
+class LaunchConfig(NamedTuple):
+    """One kernel's launch configuration: its tile (rows, columns; clamped to the problem, at least 16) and the
+    GPU's ``num_warps`` / ``num_stages`` (ignored by the interpreter)."""
+
+    block_rows: int
+    block_cols: int
+    num_warps: int
+    num_stages: int
+
+
+# Every launch configuration of this module (tune on a GPU here, nowhere else).
+LAUNCH: Dict[str, LaunchConfig] = {
+    "attention_forward": LaunchConfig(64, 64, 4, 2),  # rows: queries, columns: keys
+    "attention_backward_keys": LaunchConfig(64, 64, 4, 1),  # rows: queries (inner loop), columns: keys
+    "attention_backward_queries": LaunchConfig(64, 64, 4, 1),  # rows: queries, columns: keys (inner loop)
+    "row_sums": LaunchConfig(64, 0, 4, 1),
+    "clustering": LaunchConfig(64, 0, 4, 1),  # rows of the input
+}
+
+
+def _block(size: int, limit: int) -> int:
+    """A power-of-two tile edge for ``size`` elements, at least 16 (``tl.dot``), at most ``limit``."""
+    return max(16, min(limit, triton.next_power_of_2(max(size, 1))))
+
+
+def _profiled(name: str):
+    """A profiler range named like a generated kernel, so that a profile counts each launch as one kernel."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(f"triton_sdma_{name}")
+    return _NO_RANGE
+
+
+class _NoRange:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NO_RANGE = _NoRange()
+
+
+def check_supported(*tensors: Tensor, option: str = "attention_kernel=triton") -> None:
+    """Raise :class:`SDMAConfigError` where the Triton kernels cannot run these tensors: a CPU tensor outside
+    Triton's interpreter, or float64 (not a GPU path)."""
+    for tensor in tensors:
+        if tensor.dtype == torch.float64:
+            raise SDMAConfigError(f"{option}: float64 tensors are not supported by the Triton kernels (no float64 "
+                                  "GPU path); use float32/float16/bfloat16, or attention_kernel=explicit")
+        if tensor.device.type != "cuda" and not INTERPRETED:
+            raise SDMAConfigError(
+                f"{option}: the Triton kernels run on CUDA devices; for a {tensor.device.type} tensor set "
+                "TRITON_INTERPRET=1 before starting Python (Triton's interpreter: slow, for tests) or use "
+                "attention_kernel=explicit / auto")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The clustering of eq. (9)
+# ----------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _log_joint_tile(x, MEANS, LOG_VARS, PRIOR, g, offs_c, offs_d, mask_d, D, lv_min, lv_max,
+                    C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, LOG_2PI_: tl.constexpr):
+    """log pi_c + log N(x | mu_c, sigma_c^2) of eq. (9) for a ``[BLOCK_N, BLOCK_D]`` tile of one group, ``[BLOCK_N,
+    BLOCK_C]`` (columns past C at -inf)."""
+    prior = tl.load(PRIOR + g * C + offs_c, mask=offs_c < C, other=float("-inf")).to(tl.float32)
+    prior_max = tl.max(prior, 0)
+    log_pi = prior - prior_max - tl.log(tl.sum(tl.exp(prior - prior_max), 0))
+    joint = tl.full((BLOCK_N, BLOCK_C), float("-inf"), tl.float32)
+    for c in tl.static_range(C):
+        mu = tl.load(MEANS + (g * C + c) * D + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        lv = tl.load(LOG_VARS + (g * C + c) * D + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        lv = tl.minimum(tl.maximum(lv, lv_min), lv_max)
+        precision = tl.where(mask_d, tl.exp(-lv), 0.0)
+        diff = x - mu[None, :]
+        squared = tl.sum(diff * diff * precision[None, :], 1)  # (x - mu_c)^T Sigma_c^-1 (x - mu_c)
+        log_pi_c = tl.sum(tl.where(offs_c == c, log_pi, 0.0), 0)
+        value = -0.5 * (squared + tl.sum(lv, 0) + D * LOG_2PI_) + log_pi_c
+        joint = tl.where(offs_c[None, :] == c, value[:, None], joint)
+    return joint
+
+
+@triton.jit
+def _clustering_forward(X, MEANS, LOG_VARS, PRIOR, LOG_JOINT, LOG_RESP, N, G, D, stride_xn, scale, lv_min, lv_max,
+                        C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+                        LOG_2PI_: tl.constexpr):
+    pid_n = tl.program_id(0)
+    g = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_c = tl.arange(0, BLOCK_C)
+    mask_n, mask_d = offs_n < N, offs_d < D
+    x = tl.load(X + offs_n[:, None] * stride_xn + (g * D + offs_d)[None, :], mask=mask_n[:, None] & mask_d[None, :],
+                other=0.0).to(tl.float32) * scale
+    joint = _log_joint_tile(x, MEANS, LOG_VARS, PRIOR, g, offs_c, offs_d, mask_d, D, lv_min, lv_max,
+                            C, BLOCK_N, BLOCK_C, LOG_2PI_)
+    joint_max = tl.max(joint, 1)
+    log_resp = joint - (joint_max + tl.log(tl.sum(tl.exp(joint - joint_max[:, None]), 1)))[:, None]
+    # clusters-first storage [C, N, G] (latent_core.sdma.mixture.clusters_first)
+    out = offs_c[None, :] * (N * G) + offs_n[:, None] * G + g
+    store = mask_n[:, None] & (offs_c[None, :] < C)
+    tl.store(LOG_JOINT + out, joint, mask=store)
+    tl.store(LOG_RESP + out, log_resp, mask=store)
+
+
+@triton.jit
+def _clustering_backward(X, MEANS, LOG_VARS, PRIOR, GRAD_JOINT, GRAD_RESP, GRAD_X, PARTIAL_MU, PARTIAL_LV, PARTIAL_PI,
+                         N, G, D, stride_xn, stride_gxn, scale, lv_min, lv_max,
+                         C: tl.constexpr, HAS_GRAD_JOINT: tl.constexpr, HAS_GRAD_RESP: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+                         LOG_2PI_: tl.constexpr):
+    pid_n = tl.program_id(0)
+    g = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_c = tl.arange(0, BLOCK_C)
+    mask_n, mask_d = offs_n < N, offs_d < D
+    x = tl.load(X + offs_n[:, None] * stride_xn + (g * D + offs_d)[None, :], mask=mask_n[:, None] & mask_d[None, :],
+                other=0.0).to(tl.float32) * scale
+    out = offs_c[None, :] * (N * G) + offs_n[:, None] * G + g
+    tile = mask_n[:, None] & (offs_c[None, :] < C)
+    # total gradient of log p(z, c): its own plus the log-softmax's (t = g_joint + g_resp - p(c|z) sum_c g_resp)
+    total = tl.zeros((BLOCK_N, BLOCK_C), tl.float32)
+    if HAS_GRAD_JOINT:
+        total += tl.load(GRAD_JOINT + out, mask=tile, other=0.0).to(tl.float32)
+    if HAS_GRAD_RESP:
+        joint = _log_joint_tile(x, MEANS, LOG_VARS, PRIOR, g, offs_c, offs_d, mask_d, D, lv_min, lv_max,
+                                C, BLOCK_N, BLOCK_C, LOG_2PI_)
+        joint_max = tl.max(joint, 1)
+        resp = tl.exp(joint - joint_max[:, None])
+        resp = resp / tl.sum(resp, 1)[:, None]
+        grad_resp = tl.load(GRAD_RESP + out, mask=tile, other=0.0).to(tl.float32)
+        total += grad_resp - resp * tl.sum(grad_resp, 1)[:, None]
+    total = tl.where(tile, total, 0.0)
+    grad_x = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    for c in tl.static_range(C):
+        t = tl.sum(tl.where(offs_c[None, :] == c, total, 0.0), 1)  # [BLOCK_N]
+        mu = tl.load(MEANS + (g * C + c) * D + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        lv = tl.load(LOG_VARS + (g * C + c) * D + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        lv = tl.minimum(tl.maximum(lv, lv_min), lv_max)
+        precision = tl.where(mask_d, tl.exp(-lv), 0.0)
+        weighted = t[:, None] * (x - mu[None, :]) * precision[None, :]  # t (x - mu) / sigma^2
+        grad_x -= weighted
+        partial = (pid_n * G + g) * C + c
+        tl.store(PARTIAL_MU + partial * BLOCK_D + offs_d, tl.sum(weighted, 0))
+        half_squared = 0.5 * t[:, None] * ((x - mu[None, :]) * (x - mu[None, :]) * precision[None, :] - 1.0)
+        tl.store(PARTIAL_LV + partial * BLOCK_D + offs_d, tl.sum(half_squared, 0))
+        tl.store(PARTIAL_PI + partial, tl.sum(t, 0))
+    tl.store(GRAD_X + offs_n[:, None] * stride_gxn + (g * D + offs_d)[None, :], grad_x * scale,
+             mask=mask_n[:, None] & mask_d[None, :])
+
+
+@triton.jit
+def _clustering_parameter_grads(LOG_VARS, PRIOR, PARTIAL_MU, PARTIAL_LV, PARTIAL_PI, GRAD_MU, GRAD_LV, GRAD_PRIOR,
+                                NUM_BLOCKS, G, D, lv_min, lv_max,
+                                C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Sum the partials over the row blocks; the clamp's and the log-softmax's backward."""
+    g = tl.program_id(0)
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_c, mask_d = offs_c < C, offs_d < D
+    grad_mu = tl.zeros((BLOCK_C, BLOCK_D), tl.float32)
+    grad_lv = tl.zeros((BLOCK_C, BLOCK_D), tl.float32)
+    grad_pi = tl.zeros((BLOCK_C,), tl.float32)
+    tile = mask_c[:, None] & mask_d[None, :]
+    for block in range(0, NUM_BLOCKS):
+        partial = (block * G + g) * C + offs_c
+        grad_mu += tl.load(PARTIAL_MU + partial[:, None] * BLOCK_D + offs_d[None, :], mask=tile, other=0.0)
+        grad_lv += tl.load(PARTIAL_LV + partial[:, None] * BLOCK_D + offs_d[None, :], mask=tile, other=0.0)
+        grad_pi += tl.load(PARTIAL_PI + partial, mask=mask_c, other=0.0)
+    params = (g * C + offs_c)[:, None] * D + offs_d[None, :]
+    lv = tl.load(LOG_VARS + params, mask=tile, other=0.0).to(tl.float32)
+    grad_lv = tl.where((lv >= lv_min) & (lv <= lv_max), grad_lv, 0.0)
+    prior = tl.load(PRIOR + g * C + offs_c, mask=mask_c, other=float("-inf")).to(tl.float32)
+    pi = tl.exp(prior - tl.max(prior, 0))
+    pi = pi / tl.sum(pi, 0)
+    grad_prior = grad_pi - pi * tl.sum(grad_pi, 0)
+    tl.store(GRAD_MU + params, grad_mu.to(GRAD_MU.dtype.element_ty), mask=tile)
+    tl.store(GRAD_LV + params, grad_lv.to(GRAD_LV.dtype.element_ty), mask=tile)
+    tl.store(GRAD_PRIOR + g * C + offs_c, grad_prior.to(GRAD_PRIOR.dtype.element_ty), mask=mask_c)
+
+
+class _GaussianClustering(torch.autograd.Function):
+    """``(x [N, G*d], means, log_vars, prior_logits, s) -> (log p(z, c), log p(c|z))`` of ``s x``, both ``[N, G, C]``
+    float32 stored clusters-first; saves only ``x`` (the projections save it too)."""
+
+    @staticmethod
+    def forward(ctx, x, means, log_vars, prior_logits, scale):
+        groups, clusters, dim = means.shape
+        rows = x.size(0)
+        cfg = LAUNCH["clustering"]
+        block_n, block_d, block_c = _block(rows, cfg.block_rows), _block(dim, 1 << 20), triton.next_power_of_2(clusters)
+        log_joint = torch.empty(clusters, rows, groups, dtype=torch.float32, device=x.device)
+        log_resp = torch.empty_like(log_joint)
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        with _profiled("clustering_forward"):
+            _clustering_forward[(triton.cdiv(rows, block_n), groups)](
+                x, means, log_vars, prior_logits, log_joint, log_resp, rows, groups, dim, x.stride(0), float(scale),
+                *LOGVAR_RANGE, C=clusters, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_C=block_c, LOG_2PI_=LOG_2PI,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        ctx.save_for_backward(x, means, log_vars, prior_logits)
+        ctx.scale = float(scale)
+        return log_joint.movedim(0, -1), log_resp.movedim(0, -1)
+
+    @staticmethod
+    def backward(ctx, grad_joint, grad_resp):
+        x, means, log_vars, prior_logits = ctx.saved_tensors
+        groups, clusters, dim = means.shape
+        rows = x.size(0)
+        cfg = LAUNCH["clustering"]
+        block_n, block_d, block_c = _block(rows, cfg.block_rows), _block(dim, 1 << 20), triton.next_power_of_2(clusters)
+        num_blocks = triton.cdiv(rows, block_n)
+
+        def clusters_first_storage(grad):  # [N, G, C] -> a contiguous [C, N, G]
+            return None if grad is None else grad.movedim(-1, 0).contiguous()
+
+        grad_joint, grad_resp = clusters_first_storage(grad_joint), clusters_first_storage(grad_resp)
+        grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        partial_mu = torch.empty(num_blocks, groups, clusters, block_d, dtype=torch.float32, device=x.device)
+        partial_lv = torch.empty_like(partial_mu)
+        partial_pi = torch.empty(num_blocks, groups, clusters, dtype=torch.float32, device=x.device)
+        with _profiled("clustering_backward"):
+            _clustering_backward[(num_blocks, groups)](
+                x, means, log_vars, prior_logits, grad_joint if grad_joint is not None else x,
+                grad_resp if grad_resp is not None else x, grad_x, partial_mu, partial_lv, partial_pi,
+                rows, groups, dim, x.stride(0), grad_x.stride(0), ctx.scale, *LOGVAR_RANGE, C=clusters,
+                HAS_GRAD_JOINT=grad_joint is not None, HAS_GRAD_RESP=grad_resp is not None, BLOCK_N=block_n,
+                BLOCK_D=block_d, BLOCK_C=block_c, LOG_2PI_=LOG_2PI, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
+        grad_means, grad_log_vars = torch.empty_like(means), torch.empty_like(log_vars)
+        grad_prior = torch.empty_like(prior_logits)
+        with _profiled("clustering_parameter_grads"):
+            _clustering_parameter_grads[(groups,)](
+                log_vars, prior_logits, partial_mu, partial_lv, partial_pi, grad_means, grad_log_vars, grad_prior,
+                num_blocks, groups, dim, *LOGVAR_RANGE, C=clusters, BLOCK_D=block_d, BLOCK_C=block_c,
+                num_warps=1, num_stages=1)
+        return grad_x, grad_means, grad_log_vars, grad_prior, None
+
+
+def gaussian_clustering(x: Tensor, means: Tensor, log_vars: Tensor, prior_logits: Tensor,
+                        scale: float = 1.0) -> Tuple[Tensor, Tensor]:
+    """The clustering of eq. (9) of ``scale * x``: ``x [N, G*d]`` (rows of G groups' d-dim inputs) and one GMM per
+    group (``means``, ``log_vars`` ``[G, C, d]``, ``prior_logits`` ``[G, C]``) -> (log pi_c + log N(s x | mu_c,
+    sigma_c^2), log p(c | s x)), each ``[N, G, C]`` float32, stored clusters-first (as
+    :meth:`latent_core.sdma.mixture.GaussianMixture.log_joint`). Log-variances are clamped to :data:`LOGVAR_RANGE`."""
+    check_supported(x, option="attention_kernel=triton (the clustering)")
+    if x.dim() != 2 or x.size(1) != means.size(0) * means.size(2):
+        raise SDMAConfigError(f"gaussian_clustering: x must be [N, G*d] = [N, {means.size(0) * means.size(2)}], "
+                              f"got {list(x.shape)}")
+    return _GaussianClustering.apply(x, means, log_vars, prior_logits, scale)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The masked mixture of eq. (1), (2), (10), (11)
+# ----------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _dot(a, b, DOT_PRECISION: tl.constexpr):
+    """``tl.dot`` with fp32 accumulation; ``DOT_PRECISION == "widen"``: both operands widened to fp32 first (bfloat16
+    under the interpreter, whose ``tl.dot`` of bfloat16 operands is wrong in Triton 3.6)."""
+    if DOT_PRECISION == "widen":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _responsibility_product(GQ, GK, offs_t, offs_s, mask_t, mask_s, stride_gq_t, stride_gq_c, stride_gk_s,
+                            stride_gk_c, C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
+    """sum_c p(c|z_i) p(c|z_j) for a ``[BLOCK_T, BLOCK_S]`` tile (eq. 10 before its normaliser)."""
+    product = tl.zeros((BLOCK_T, BLOCK_S), tl.float32)
+    for c in tl.static_range(C):
+        gq = tl.load(GQ + offs_t * stride_gq_t + c * stride_gq_c, mask=mask_t, other=0.0).to(tl.float32)
+        gk = tl.load(GK + offs_s * stride_gk_s + c * stride_gk_c, mask=mask_s, other=0.0).to(tl.float32)
+        product += gq[:, None] * gk[None, :]
+    return product
+
+
+@triton.jit
+def _allowed_tile(BLOCKED, offs_t, offs_s, mask_t, mask_s, stride_m_t, stride_m_s, HAS_BLOCKED: tl.constexpr):
+    """Which (query, key) pairs of the tile exist and may attend (not padding, not a future key)."""
+    allowed = mask_t[:, None] & mask_s[None, :]
+    if HAS_BLOCKED:
+        blocked = tl.load(BLOCKED + offs_t[:, None] * stride_m_t + offs_s[None, :] * stride_m_s, mask=allowed, other=1)
+        allowed = allowed & (blocked == 0)
+    return allowed
+
+
+@triton.jit
+def _dropout_scale(seed, dropout_p, bh, T, S, offs_t, offs_s):
+    """1 / (1 - p) where the attention weight is kept, else 0 (Philox, by seed and position)."""
+    keep = tl.rand(seed, (bh * T + offs_t[:, None]) * S + offs_s[None, :]) >= dropout_p
+    return tl.where(keep, 1.0 / (1.0 - dropout_p), 0.0)
+
+
+@triton.jit
+def _attention_forward(Q, K, V, GQ, GK, BLOCKED, MIX, OUT, OUT_MASKED, STATS, MIX_USED,
+                       s_q_b, s_q_h, s_q_t, s_q_d, s_k_b, s_k_h, s_k_s, s_k_d, s_v_b, s_v_h, s_v_s, s_v_d,
+                       s_gq_b, s_gq_h, s_gq_t, s_gq_c, s_gk_b, s_gk_h, s_gk_s, s_gk_c, s_m_b, s_m_h, s_m_t, s_m_s,
+                       H, T, S, D, seed, dropout_p,
+                       C: tl.constexpr, AUTHORS: tl.constexpr, HAS_BLOCKED: tl.constexpr, DROPOUT: tl.constexpr,
+                       SAVE: tl.constexpr, EPS: tl.constexpr, FLOOR: tl.constexpr, NEG: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_t, mask_d = offs_t < T, offs_d < D
+    q = tl.load(Q + b * s_q_b + h * s_q_h + offs_t[:, None] * s_q_t + offs_d[None, :] * s_q_d,
+                mask=mask_t[:, None] & mask_d[None, :], other=0.0)
+    K, V = K + b * s_k_b + h * s_k_h, V + b * s_v_b + h * s_v_h
+    GQ, GK = GQ + b * s_gq_b + h * s_gq_h, GK + b * s_gk_b + h * s_gk_h
+    BLOCKED = BLOCKED + b * s_m_b + h * s_m_h
+    row_max = tl.full((BLOCK_T,), NEG, tl.float32)
+    row_sum = tl.zeros((BLOCK_T,), tl.float32)  # l_i = sum_j exp(s_ij - m_i)
+    masked_sum = tl.zeros((BLOCK_T,), tl.float32)  # sum_j exp(s_ij - m_i) P_ij
+    mask_norm = tl.zeros((BLOCK_T,), tl.float32)  # r_i = sum_{j allowed} P_ij (the authors' normaliser of M)
+    acc_plain = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
+    acc_masked = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
+    for start in range(0, S, BLOCK_S):
+        offs_s = start + tl.arange(0, BLOCK_S)
+        mask_s = offs_s < S
+        k = tl.load(K + offs_s[None, :] * s_k_s + offs_d[:, None] * s_k_d, mask=mask_s[None, :] & mask_d[:, None],
+                    other=0.0)
+        scores = _dot(q, k, DOT_PRECISION)  # [BLOCK_T, BLOCK_S]
+        allowed = _allowed_tile(BLOCKED, offs_t, offs_s, mask_t, mask_s, s_m_t, s_m_s, HAS_BLOCKED)
+        scores = tl.where(allowed, scores, NEG)
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        weights = tl.where(allowed, tl.exp(scores - new_max[:, None]), 0.0)
+        rescale = tl.exp(row_max - new_max)
+        product = _responsibility_product(GQ, GK, offs_t, offs_s, mask_t, mask_s, s_gq_t, s_gq_c, s_gk_s, s_gk_c,
+                                          C, BLOCK_T, BLOCK_S)
+        if AUTHORS:
+            mask_norm += tl.sum(tl.where(allowed, product, 0.0), 1)
+            semantic = product
+        else:
+            semantic = product + FLOOR
+        masked = weights * semantic
+        row_sum = row_sum * rescale + tl.sum(weights, 1)
+        masked_sum = masked_sum * rescale + tl.sum(masked, 1)
+        if DROPOUT:
+            keep = _dropout_scale(seed, dropout_p, bh, T, S, offs_t, offs_s)
+            weights *= keep
+            masked *= keep
+        v = tl.load(V + offs_s[:, None] * s_v_s + offs_d[None, :] * s_v_d, mask=mask_s[:, None] & mask_d[None, :],
+                    other=0.0)
+        acc_plain = acc_plain * rescale[:, None] + _dot(weights.to(v.dtype), v, DOT_PRECISION)
+        acc_masked = acc_masked * rescale[:, None] + _dot(masked.to(v.dtype), v, DOT_PRECISION)
+        row_max = new_max
+    attended = row_sum > 0  # False where every key is blocked: the output is 0 there, as in the explicit kernel
+    row_sum = tl.where(attended, row_sum, 1.0)
+    if AUTHORS:
+        norm_r = tl.maximum(mask_norm, EPS)
+    else:
+        norm_r = tl.full((BLOCK_T,), 1.0, tl.float32)
+    mass = masked_sum / (row_sum * norm_r)  # Z_i = sum_j M_ij A_ij
+    if AUTHORS:
+        norm_z = tl.maximum(mass, EPS)
+    else:
+        norm_z = tl.where(mass > 0, mass, 1.0)
+    mix = tl.load(MIX).to(tl.float32)
+    out_plain = acc_plain / row_sum[:, None]  # sum_j A_ij v_j
+    out_masked = acc_masked / (row_sum * norm_r * norm_z)[:, None]  # sum_j A_bar_ij v_j
+    out = (1.0 - mix) * out_plain + mix * out_masked  # eq. (11)
+    rows = (bh * T + offs_t)[:, None] * D + offs_d[None, :]
+    store = mask_t[:, None] & mask_d[None, :]
+    tl.store(OUT + rows, out.to(OUT.dtype.element_ty), mask=store)
+    if SAVE:
+        tl.store(OUT_MASKED + rows, out_masked.to(OUT_MASKED.dtype.element_ty), mask=store)
+        stats = bh * T + offs_t
+        total = tl.num_programs(1) * T
+        tl.store(STATS + stats, tl.where(attended, row_max + tl.log(row_sum), float("inf")), mask=mask_t)
+        tl.store(STATS + total + stats, norm_r, mask=mask_t)
+        tl.store(STATS + 2 * total + stats, mass, mask=mask_t)
+        if (pid_t == 0) & (bh == 0):
+            tl.store(MIX_USED, mix)
+
+
+@triton.jit
+def _attention_row_sums(GRAD_OUT, OUT, OUT_MASKED, ROW_SUMS, s_g_b, s_g_h, s_g_t, s_g_d, H, T, D, total,
+                        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """dO_i . O_i and dO_i . O_bar_i, per row."""
+    pid_t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    tile = (offs_t < T)[:, None] & (offs_d < D)[None, :]
+    grad = tl.load(GRAD_OUT + b * s_g_b + h * s_g_h + offs_t[:, None] * s_g_t + offs_d[None, :] * s_g_d, mask=tile,
+                   other=0.0).to(tl.float32)
+    rows = (bh * T + offs_t)[:, None] * D + offs_d[None, :]
+    out = tl.load(OUT + rows, mask=tile, other=0.0).to(tl.float32)
+    out_masked = tl.load(OUT_MASKED + rows, mask=tile, other=0.0).to(tl.float32)
+    tl.store(ROW_SUMS + bh * T + offs_t, tl.sum(grad * out, 1), mask=offs_t < T)
+    tl.store(ROW_SUMS + total + bh * T + offs_t, tl.sum(grad * out_masked, 1), mask=offs_t < T)
+
+
+@triton.jit
+def _attention_backward_tile(q, k, v, grad_out, lse, norm_r, mass, dot_all, dot_masked, mix, GQ, GK, BLOCKED,
+                             offs_t, offs_s, mask_t, mask_s, s_gq_t, s_gq_c, s_gk_s, s_gk_c, s_m_t, s_m_s,
+                             bh, T, S, seed, dropout_p,
+                             C: tl.constexpr, AUTHORS: tl.constexpr, HAS_BLOCKED: tl.constexpr,
+                             DROPOUT: tl.constexpr, EPS: tl.constexpr, FLOOR: tl.constexpr,
+                             DOT_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
+    """For one ``[BLOCK_T, BLOCK_S]`` tile: (d scores, d P for the responsibilities, the dropped A_hat), from the
+    forward pass's row statistics (see the module docstring for the formulas)."""
+    allowed = _allowed_tile(BLOCKED, offs_t, offs_s, mask_t, mask_s, s_m_t, s_m_s, HAS_BLOCKED)
+    scores = _dot(q, tl.trans(k), DOT_PRECISION)
+    attn = tl.where(allowed, tl.exp(scores - lse[:, None]), 0.0)  # A
+    product = _responsibility_product(GQ, GK, offs_t, offs_s, mask_t, mask_s, s_gq_t, s_gq_c, s_gk_s, s_gk_c,
+                                      C, BLOCK_T, BLOCK_S)
+    if AUTHORS:
+        semantic = product / norm_r[:, None]  # M
+        norm_z = tl.maximum(mass, EPS)
+        renormalised = mass > EPS
+    else:
+        semantic = product + FLOOR
+        norm_z = tl.where(mass > 0, mass, 1.0)
+        renormalised = mass > 0
+    mixed = attn * ((1.0 - mix) + mix * semantic / norm_z[:, None])  # A_hat
+    grad_mixed = _dot(grad_out, tl.trans(v), DOT_PRECISION)  # dO_i . v_j
+    if DROPOUT:
+        keep = _dropout_scale(seed, dropout_p, bh, T, S, offs_t, offs_s)
+        grad_mixed *= keep
+        mixed *= keep
+    inner = tl.where(renormalised, mix * dot_masked, 0.0)  # <dA_bar, A_bar> where Z_i > floor
+    grad_w = (mix * grad_mixed - inner[:, None]) / norm_z[:, None]  # dW, W = M o A
+    grad_attn = (1.0 - mix) * grad_mixed + grad_w * semantic
+    grad_scores = attn * (grad_attn - (dot_all - inner)[:, None])
+    grad_product = grad_w * attn  # dM
+    if AUTHORS:
+        grad_product = grad_product / norm_r[:, None]
+        grad_norm_r = tl.where(norm_r > EPS, -(mix * dot_masked - inner) / norm_r, 0.0)  # only where Z_i <= eps
+        grad_product = tl.where(allowed, grad_product + grad_norm_r[:, None], 0.0)
+    return grad_scores, grad_product, mixed
+
+
+@triton.jit
+def _attention_backward_keys(Q, K, V, GQ, GK, BLOCKED, GRAD_OUT, STATS, ROW_SUMS, MIX_USED, GRAD_K, GRAD_V, GRAD_GK,
+                             s_q_b, s_q_h, s_q_t, s_q_d, s_k_b, s_k_h, s_k_s, s_k_d, s_v_b, s_v_h, s_v_s, s_v_d,
+                             s_gq_b, s_gq_h, s_gq_t, s_gq_c, s_gk_b, s_gk_h, s_gk_s, s_gk_c,
+                             s_m_b, s_m_h, s_m_t, s_m_s, s_g_b, s_g_h, s_g_t, s_g_d,
+                             H, T, S, D, seed, dropout_p,
+                             C: tl.constexpr, AUTHORS: tl.constexpr, HAS_BLOCKED: tl.constexpr,
+                             DROPOUT: tl.constexpr, EPS: tl.constexpr, FLOOR: tl.constexpr,
+                             DOT_PRECISION: tl.constexpr,
+                             BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                             BLOCK_C: tl.constexpr):
+    pid_s = tl.program_id(0)
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_c = tl.arange(0, BLOCK_C)
+    mask_s, mask_d = offs_s < S, offs_d < D
+    kv_tile = mask_s[:, None] & mask_d[None, :]
+    k = tl.load(K + b * s_k_b + h * s_k_h + offs_s[:, None] * s_k_s + offs_d[None, :] * s_k_d, mask=kv_tile, other=0.0)
+    v = tl.load(V + b * s_v_b + h * s_v_h + offs_s[:, None] * s_v_s + offs_d[None, :] * s_v_d, mask=kv_tile, other=0.0)
+    Q, GRAD_OUT = Q + b * s_q_b + h * s_q_h, GRAD_OUT + b * s_g_b + h * s_g_h
+    GQ, GK = GQ + b * s_gq_b + h * s_gq_h, GK + b * s_gk_b + h * s_gk_h
+    BLOCKED = BLOCKED + b * s_m_b + h * s_m_h
+    mix = tl.load(MIX_USED)
+    total = tl.num_programs(1) * T
+    grad_k = tl.zeros((BLOCK_S, BLOCK_D), tl.float32)
+    grad_v = tl.zeros((BLOCK_S, BLOCK_D), tl.float32)
+    grad_gk = tl.zeros((BLOCK_S, BLOCK_C), tl.float32)
+    for start in range(0, T, BLOCK_T):
+        offs_t = start + tl.arange(0, BLOCK_T)
+        mask_t = offs_t < T
+        q_tile = mask_t[:, None] & mask_d[None, :]
+        q = tl.load(Q + offs_t[:, None] * s_q_t + offs_d[None, :] * s_q_d, mask=q_tile, other=0.0)
+        grad_out = tl.load(GRAD_OUT + offs_t[:, None] * s_g_t + offs_d[None, :] * s_g_d, mask=q_tile, other=0.0)
+        grad_out = grad_out.to(q.dtype)
+        stats = bh * T + offs_t
+        lse = tl.load(STATS + stats, mask=mask_t, other=float("inf"))
+        norm_r = tl.load(STATS + total + stats, mask=mask_t, other=1.0)
+        mass = tl.load(STATS + 2 * total + stats, mask=mask_t, other=1.0)
+        dot_all = tl.load(ROW_SUMS + stats, mask=mask_t, other=0.0)
+        dot_masked = tl.load(ROW_SUMS + total + stats, mask=mask_t, other=0.0)
+        grad_scores, grad_product, mixed = _attention_backward_tile(
+            q, k, v, grad_out, lse, norm_r, mass, dot_all, dot_masked, mix, GQ, GK, BLOCKED, offs_t, offs_s, mask_t,
+            mask_s, s_gq_t, s_gq_c, s_gk_s, s_gk_c, s_m_t, s_m_s, bh, T, S, seed, dropout_p, C, AUTHORS,
+            HAS_BLOCKED, DROPOUT, EPS, FLOOR, DOT_PRECISION, BLOCK_T, BLOCK_S)
+        grad_v += _dot(tl.trans(mixed.to(grad_out.dtype)), grad_out, DOT_PRECISION)
+        grad_k += _dot(tl.trans(grad_scores.to(q.dtype)), q, DOT_PRECISION)
+        for c in tl.static_range(C):
+            gq = tl.load(GQ + offs_t * s_gq_t + c * s_gq_c, mask=mask_t, other=0.0).to(tl.float32)
+            grad_gk += tl.where(offs_c[None, :] == c, tl.sum(grad_product * gq[:, None], 0)[:, None], 0.0)
+    rows = (bh * S + offs_s)[:, None]
+    tl.store(GRAD_K + rows * D + offs_d[None, :], grad_k.to(GRAD_K.dtype.element_ty), mask=kv_tile)
+    tl.store(GRAD_V + rows * D + offs_d[None, :], grad_v.to(GRAD_V.dtype.element_ty), mask=kv_tile)
+    tl.store(GRAD_GK + rows * C + offs_c[None, :], grad_gk, mask=mask_s[:, None] & (offs_c[None, :] < C))
+
+
+@triton.jit
+def _attention_backward_queries(Q, K, V, GQ, GK, BLOCKED, GRAD_OUT, STATS, ROW_SUMS, MIX_USED, GRAD_Q, GRAD_GQ,
+                                s_q_b, s_q_h, s_q_t, s_q_d, s_k_b, s_k_h, s_k_s, s_k_d, s_v_b, s_v_h, s_v_s, s_v_d,
+                                s_gq_b, s_gq_h, s_gq_t, s_gq_c, s_gk_b, s_gk_h, s_gk_s, s_gk_c,
+                                s_m_b, s_m_h, s_m_t, s_m_s, s_g_b, s_g_h, s_g_t, s_g_d,
+                                H, T, S, D, seed, dropout_p,
+                                C: tl.constexpr, AUTHORS: tl.constexpr, HAS_BLOCKED: tl.constexpr,
+                                DROPOUT: tl.constexpr, EPS: tl.constexpr, FLOOR: tl.constexpr,
+                                DOT_PRECISION: tl.constexpr,
+                                BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                                BLOCK_C: tl.constexpr):
+    pid_t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_c = tl.arange(0, BLOCK_C)
+    mask_t, mask_d = offs_t < T, offs_d < D
+    q_tile = mask_t[:, None] & mask_d[None, :]
+    q = tl.load(Q + b * s_q_b + h * s_q_h + offs_t[:, None] * s_q_t + offs_d[None, :] * s_q_d, mask=q_tile, other=0.0)
+    grad_out = tl.load(GRAD_OUT + b * s_g_b + h * s_g_h + offs_t[:, None] * s_g_t + offs_d[None, :] * s_g_d,
+                       mask=q_tile, other=0.0).to(q.dtype)
+    K, V = K + b * s_k_b + h * s_k_h, V + b * s_v_b + h * s_v_h
+    GQ, GK = GQ + b * s_gq_b + h * s_gq_h, GK + b * s_gk_b + h * s_gk_h
+    BLOCKED = BLOCKED + b * s_m_b + h * s_m_h
+    mix = tl.load(MIX_USED)
+    total = tl.num_programs(1) * T
+    stats = bh * T + offs_t
+    lse = tl.load(STATS + stats, mask=mask_t, other=float("inf"))
+    norm_r = tl.load(STATS + total + stats, mask=mask_t, other=1.0)
+    mass = tl.load(STATS + 2 * total + stats, mask=mask_t, other=1.0)
+    dot_all = tl.load(ROW_SUMS + stats, mask=mask_t, other=0.0)
+    dot_masked = tl.load(ROW_SUMS + total + stats, mask=mask_t, other=0.0)
+    grad_q = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
+    grad_gq = tl.zeros((BLOCK_T, BLOCK_C), tl.float32)
+    for start in range(0, S, BLOCK_S):
+        offs_s = start + tl.arange(0, BLOCK_S)
+        mask_s = offs_s < S
+        kv_tile = mask_s[:, None] & mask_d[None, :]
+        k = tl.load(K + offs_s[:, None] * s_k_s + offs_d[None, :] * s_k_d, mask=kv_tile, other=0.0)
+        v = tl.load(V + offs_s[:, None] * s_v_s + offs_d[None, :] * s_v_d, mask=kv_tile, other=0.0)
+        grad_scores, grad_product, _ = _attention_backward_tile(
+            q, k, v, grad_out, lse, norm_r, mass, dot_all, dot_masked, mix, GQ, GK, BLOCKED, offs_t, offs_s, mask_t,
+            mask_s, s_gq_t, s_gq_c, s_gk_s, s_gk_c, s_m_t, s_m_s, bh, T, S, seed, dropout_p, C, AUTHORS,
+            HAS_BLOCKED, DROPOUT, EPS, FLOOR, DOT_PRECISION, BLOCK_T, BLOCK_S)
+        grad_q += _dot(grad_scores.to(k.dtype), k, DOT_PRECISION)
+        for c in tl.static_range(C):
+            gk = tl.load(GK + offs_s * s_gk_s + c * s_gk_c, mask=mask_s, other=0.0).to(tl.float32)
+            grad_gq += tl.where(offs_c[None, :] == c, tl.sum(grad_product * gk[None, :], 1)[:, None], 0.0)
+    rows = (bh * T + offs_t)[:, None]
+    tl.store(GRAD_Q + rows * D + offs_d[None, :], grad_q.to(GRAD_Q.dtype.element_ty), mask=q_tile)
+    tl.store(GRAD_GQ + rows * C + offs_c[None, :], grad_gq, mask=mask_t[:, None] & (offs_c[None, :] < C))
+
+
+def _strides4(tensor: Optional[Tensor], shape) -> Tuple[int, int, int, int]:
+    """The 4 strides of ``tensor`` broadcast to ``shape`` (0 along broadcast dimensions)."""
+    if tensor is None:
+        return (0, 0, 0, 0)
+    return tuple(tensor.expand(*shape).stride())
+
+
+class _AttentionShapes(NamedTuple):
+    B: int
+    H: int
+    T: int
+    S: int
+    D: int
+    C: int
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """fp32 products in full precision (the GPU default, tf32, rounds inputs to 10 bits); halves on tensor cores."""
+    if dtype == torch.bfloat16 and INTERPRETED:
+        return "widen"
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+class _MixedAttention(torch.autograd.Function):
+    """``(q, k, v, p(c|z_i), p(c|z_j), g, blocked, authors, dropout p, seed) -> A_hat V`` (see :func:`mixed_attention`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, resp_query, resp_key, mix, blocked, authors, dropout_p, seed):
+        B, H, T, D = q.shape
+        S, C = k.size(2), resp_query.size(-1)
+        shape = _AttentionShapes(B, H, T, S, D, C)
+        full = (B, H, T, S)
+        blocked_bytes = None if blocked is None else blocked.expand(*full).view(torch.uint8)
+        save = any(ctx.needs_input_grad[:5])
+        out = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
+        out_masked = torch.empty_like(out) if save else out
+        stats = torch.empty(3, B * H, T, dtype=torch.float32, device=q.device) if save else out
+        mix_used = torch.empty((), dtype=torch.float32, device=q.device)
+        cfg = LAUNCH["attention_forward"]
+        block_t, block_s, block_d = _block(T, cfg.block_rows), _block(S, cfg.block_cols), _block(D, 1 << 20)
+        with _profiled("attention_forward"):
+            _attention_forward[(triton.cdiv(T, block_t), B * H)](
+                q, k, v, resp_query, resp_key, blocked_bytes if blocked_bytes is not None else q, mix, out,
+                out_masked, stats, mix_used, *q.stride(), *k.stride(), *v.stride(), *resp_query.stride(),
+                *resp_key.stride(), *_strides4(blocked_bytes, full), H, T, S, D, seed, float(dropout_p),
+                C=C, AUTHORS=authors, HAS_BLOCKED=blocked is not None, DROPOUT=dropout_p > 0, SAVE=save,
+                EPS=AUTHORS_EPS, FLOOR=PAPER_MASK_FLOOR, NEG=_NEG, DOT_PRECISION=_dot_precision(q.dtype),
+                BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
+        if save:
+            ctx.save_for_backward(q, k, v, resp_query, resp_key, blocked_bytes, out, out_masked, stats, mix_used)
+            ctx.shape, ctx.authors, ctx.dropout_p, ctx.seed = shape, authors, float(dropout_p), seed
+            ctx.has_blocked = blocked is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, resp_query, resp_key, blocked_bytes, out, out_masked, stats, mix_used = ctx.saved_tensors
+        B, H, T, S, D, C = ctx.shape
+        full = (B, H, T, S)
+        common = dict(C=C, AUTHORS=ctx.authors, HAS_BLOCKED=ctx.has_blocked, DROPOUT=ctx.dropout_p > 0,
+                      EPS=AUTHORS_EPS, FLOOR=PAPER_MASK_FLOOR, DOT_PRECISION=_dot_precision(q.dtype))
+        block_d, block_c = _block(D, 1 << 20), triton.next_power_of_2(C)
+        row_sums = torch.empty(2, B * H, T, dtype=torch.float32, device=q.device)
+        cfg = LAUNCH["row_sums"]
+        block_t = _block(T, cfg.block_rows)
+        with _profiled("attention_row_sums"):
+            _attention_row_sums[(triton.cdiv(T, block_t), B * H)](
+                grad_out, out, out_masked, row_sums, *grad_out.stride(), H, T, D, B * H * T,
+                BLOCK_T=block_t, BLOCK_D=block_d, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        blocked = blocked_bytes if blocked_bytes is not None else q
+        args = (q, k, v, resp_query, resp_key, blocked, grad_out, stats, row_sums, mix_used)
+        strides = (*q.stride(), *k.stride(), *v.stride(), *resp_query.stride(), *resp_key.stride(),
+                   *_strides4(blocked_bytes, full), *grad_out.stride(), H, T, S, D, ctx.seed, ctx.dropout_p)
+        grad_k, grad_v = torch.empty(B, H, S, D, dtype=k.dtype, device=k.device), torch.empty(B, H, S, D, dtype=v.dtype, device=v.device)
+        grad_resp_key = torch.empty(B, H, S, C, dtype=torch.float32, device=q.device)
+        cfg = LAUNCH["attention_backward_keys"]
+        block_t, block_s = _block(T, cfg.block_rows), _block(S, cfg.block_cols)
+        with _profiled("attention_backward_keys"):
+            _attention_backward_keys[(triton.cdiv(S, block_s), B * H)](
+                *args, grad_k, grad_v, grad_resp_key, *strides, **common, BLOCK_T=block_t, BLOCK_S=block_s,
+                BLOCK_D=block_d, BLOCK_C=block_c, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        grad_q = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
+        grad_resp_query = torch.empty(B, H, T, C, dtype=torch.float32, device=q.device)
+        cfg = LAUNCH["attention_backward_queries"]
+        block_t, block_s = _block(T, cfg.block_rows), _block(S, cfg.block_cols)
+        with _profiled("attention_backward_queries"):
+            _attention_backward_queries[(triton.cdiv(T, block_t), B * H)](
+                *args, grad_q, grad_resp_query, *strides, **common, BLOCK_T=block_t, BLOCK_S=block_s,
+                BLOCK_D=block_d, BLOCK_C=block_c, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return (grad_q, grad_k, grad_v, grad_resp_query.to(resp_query.dtype), grad_resp_key.to(resp_key.dtype),
+                None, None, None, None, None)
+
+
+def dropout_seed(dropout_p: float) -> int:
+    """The Philox seed of one call's attention dropout (from torch's CPU generator: ``torch.manual_seed`` makes it
+    repeatable, and no device synchronisation)."""
+    return int(torch.randint(0, 2 ** 31 - 1, (1,)).item()) if dropout_p > 0 else 0
+
+
+def mixed_attention(q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, resp_key: Tensor, mix: Tensor, *,
+                    authors: bool, blocked: Optional[Tensor] = None, dropout_p: float = 0.0,
+                    seed: Optional[int] = None) -> Tensor:
+    """A_hat V of eq. (11) in one flash-style kernel (its backward in three).
+
+    ``q [B, H, T, D]`` scaled, ``k, v [B, H, S, D]`` (float32/float16/bfloat16, one dtype), ``resp_query [B, H, T,
+    C]`` and ``resp_key [B, H, S, C]`` p(c|.) of eq. (9), ``mix`` g (a tensor, read on the device; the value of this
+    call is kept for backward), ``authors`` the reading of eq. (10)'s mask, ``blocked`` bool broadcastable to ``[B,
+    H, T, S]`` (True: padding or a future key; None), ``dropout_p`` attention dropout on A_hat (``seed`` its Philox
+    seed; :func:`dropout_seed` draws one). Returns ``[B, H, T, D]`` in ``q``'s dtype; a query whose keys are all
+    blocked gets 0 (as the explicit kernel).
+    """
+    check_supported(q, k, v)
+    B, H, T, D = q.shape
+    if k.dim() != 4 or k.shape[:2] != (B, H) or k.size(-1) != D or v.shape != k.shape:
+        raise SDMAConfigError(f"mixed_attention: k and v must be [B, H, S, D] = [{B}, {H}, S, {D}], got "
+                              f"{list(k.shape)} and {list(v.shape)}")
+    if resp_query.shape[:3] != (B, H, T) or resp_key.shape[:3] != (B, H, k.size(2)) or (
+            resp_query.size(-1) != resp_key.size(-1)):
+        raise SDMAConfigError(f"mixed_attention: the responsibilities must be [B, H, T, C] and [B, H, S, C], got "
+                              f"{list(resp_query.shape)} and {list(resp_key.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise SDMAConfigError(f"mixed_attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise SDMAConfigError(f"mixed_attention: dropout_p={dropout_p} must lie in [0, 1)")
+    if blocked is not None:
+        blocked = blocked.to(torch.bool)
+        while blocked.dim() < 4:
+            blocked = blocked.unsqueeze(0)
+    if seed is None:
+        seed = dropout_seed(dropout_p)
+    return _MixedAttention.apply(q, k, v, resp_query, resp_key, mix.detach().reshape(()).float(), blocked, authors,
+                                 float(dropout_p), seed)
+
+
+@triton.jit
+def _dropout_keep(OUT, seed, dropout_p, T, S, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
+    pid_t = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    bh = tl.program_id(2)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    scale = _dropout_scale(seed, dropout_p, bh, T, S, offs_t, offs_s)
+    tl.store(OUT + (bh * T + offs_t[:, None]) * S + offs_s[None, :], scale,
+             mask=(offs_t < T)[:, None] & (offs_s < S)[None, :])
+
+
+def dropout_scales(seed: int, dropout_p: float, B: int, H: int, T: int, S: int, device="cpu") -> Tensor:
+    """The dropout :func:`mixed_attention` applies to A_hat for ``seed``: ``[B, H, T, S]`` float32, 1 / (1 - p) where a
+    weight is kept, 0 where it is dropped (to reproduce a call with the explicit kernel, in tests and analysis)."""
+    out = torch.empty(B, H, T, S, dtype=torch.float32, device=device)
+    _dropout_keep[(triton.cdiv(T, 16), triton.cdiv(S, 16), B * H)](out, seed, float(dropout_p), T, S, BLOCK_T=16,
+                                                                     BLOCK_S=16)
+    return out
+
+
+def kernel_names() -> Tuple[str, ...]:
+    """The kernels of this module, as a profile names them (``triton_sdma_<name>``)."""
+    return ("clustering_forward", "clustering_backward", "clustering_parameter_grads", "attention_forward",
+            "attention_row_sums", "attention_backward_keys", "attention_backward_queries")
+
+
+__all__ = ["LAUNCH", "LaunchConfig", "INTERPRETED", "check_supported", "gaussian_clustering", "mixed_attention",
+           "dropout_seed", "dropout_scales", "kernel_names"]

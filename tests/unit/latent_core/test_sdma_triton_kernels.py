@@ -1,0 +1,321 @@
+"""The Triton kernels (``attention_kernel=triton``) equal the explicit path, in Triton's interpreter on the CPU.
+
+The masked mixture of eq. (1), (2), (10), (11) (:func:`mixed_attention`, through the core's entry point
+:func:`sdma_attention`) against the explicit row: the output and the gradients of q, k, v and both responsibilities,
+both readings, no mask / key padding / causal, T and S across several tiles and not multiples of them (the tiles are
+shrunk to 16 here), T = 1 (incremental decoding), S = 1, a query whose keys are all blocked, attention dropout (the
+kernel's Philox mask replayed on the explicit path), float16/bfloat16 inputs, and the near-empty rows of the authors'
+reading: masked mass below their eps, with the mask's row normaliser below eps (both clamps) and above it (the
+normaliser's own gradient). The clustering of eq. (9) (:func:`gaussian_clustering`) against the GMM's log-joint and
+a log-softmax, with every parameter gradient, the input scale of the authors' reading and clamped log-variances.
+Planted defects in the kernels' source (a dropped eps branch, an off-by-one tile edge, a mask ignored past the first
+key tile, a dropped log-variance clamp) make the same checks fail, so they can fail.
+
+Kept small: the interpreter runs every program of a grid in Python (about a minute for the file on 2 cores; in
+``make test``, not ``make test-fast``, which has the adapters' quick Triton cases).
+"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import latent_core.sdma.triton_kernels as triton_kernels
+from latent_core.sdma import AUTHORS_EPS, GaussianMixture, SDMAConfigError, log_softmax_clusters, sdma_attention
+from latent_core.sdma.triton_kernels import LaunchConfig, dropout_scales, gaussian_clustering, mixed_attention
+
+if not triton_kernels.INTERPRETED and not torch.cuda.is_available():
+    pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1 (tests/conftest.py sets it)", allow_module_level=True)
+
+pytestmark = pytest.mark.interpreter
+DEVICE = "cpu" if triton_kernels.INTERPRETED else "cuda"
+SMALL_TILES = {name: LaunchConfig(16, 16 if cfg.block_cols else 0, cfg.num_warps, cfg.num_stages)
+               for name, cfg in triton_kernels.LAUNCH.items()}
+
+
+@pytest.fixture(autouse=True)
+def small_tiles(monkeypatch):
+    """16 x 16 tiles: the shapes below then span several tiles and end inside one."""
+    for name, cfg in SMALL_TILES.items():
+        monkeypatch.setitem(triton_kernels.LAUNCH, name, cfg)
+
+
+def attention_inputs(B=2, H=2, T=5, S=7, D=8, C=4, seed=0, near_empty=None):
+    """q, k, v, p(c|z_i), p(c|z_j) (float32). ``near_empty``: ``"both"`` puts queries and keys on different clusters
+    (overlap ~1e-13: the mask's row normaliser and the masked mass below eps); ``"mass"`` gives every query one key
+    of its own cluster that it barely attends to (normaliser ~1, mass ~1e-9 < eps)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, n, D, generator=g) for n in (T, S, S))
+    spread = 2.0 if near_empty is None else 0.5
+    logits_q, logits_k = (spread * torch.randn(B, H, n, C, generator=g) for n in (T, S))
+    if near_empty == "both":
+        logits_q[..., 0] += 30.0
+        logits_k[..., 1] += 30.0
+        logits_q[..., :1, 1] += 30.0  # the first query of each head shares the keys' cluster: an ordinary row
+    elif near_empty == "mass":
+        logits_q[..., 0] += 30.0
+        logits_k[..., 1] += 30.0
+        logits_k[..., 0, 0] += 60.0  # key 0 is the queries' cluster ...
+        k[..., 0, :] = -q.mean(2) * 20.0  # ... and scores far below the others
+    resp_q, resp_k = torch.softmax(logits_q, -1), torch.softmax(logits_k, -1)
+    return [t.to(DEVICE) for t in (q, k, v, resp_q, resp_k)]
+
+
+def blocked_keys(kind, B, T, S):
+    if kind == "none":
+        return None
+    blocked = torch.zeros(B, 1, 1, S, dtype=torch.bool)
+    blocked[1, ..., -2:] = True  # the second sentence's last two keys are padding
+    if kind == "causal":
+        blocked = torch.ones(T, S, dtype=torch.bool).triu(S - T + 1)[None, None]
+    elif kind == "padding_and_causal":
+        blocked = blocked | torch.ones(T, S, dtype=torch.bool).triu(S - T + 1)[None, None]
+    return blocked.to(DEVICE)
+
+
+def run(kernel, tensors, mix, blocked, authors, dropout=None, dtype=torch.float32):
+    """(A_hat V, the gradients of q, k, v and both responsibilities) through :func:`sdma_attention`."""
+    inputs = [t.detach().to(dtype if i < 3 else torch.float32).requires_grad_() for i, t in enumerate(tensors)]
+    out, _ = sdma_attention(*inputs, mix, authors=authors, blocked=blocked, kernel=kernel, need_weights=False,
+                            dropout=dropout or (lambda a: a), dropout_p=0.0)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.device)
+    (out.float() * weights).sum().backward()
+    return [out.detach().float()] + [t.grad.float() for t in inputs]
+
+
+NAMES = ("output", "q", "k", "v", "resp_q", "resp_k")
+
+
+def assert_close(got, want, rtol=1e-5, scale_atol=1e-5):
+    """Each tensor to ``rtol``, absolute errors measured against its largest entry (or 1: S = 1 makes d q exactly 0)."""
+    for name, a, b in zip(NAMES, got, want):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=scale_atol * max(float(b.abs().max()), 1.0), msg=name)
+
+
+def compare(authors, masking, shape, mix=0.7, near_empty=None):
+    B, H, T, S = shape
+    tensors = attention_inputs(B, H, T, S, near_empty=near_empty)
+    blocked = blocked_keys(masking, B, T, S)
+    mix = torch.tensor(mix, device=DEVICE)
+    return run("triton", tensors, mix, blocked, authors), run("explicit", tensors, mix, blocked, authors)
+
+
+@pytest.mark.parametrize("authors", [True, False], ids=["authors", "paper"])
+@pytest.mark.parametrize("masking", ["none", "padding", "causal"])
+def test_the_kernel_equals_explicit_across_tiles(authors, masking):
+    # 20 queries and 35 keys: two and three 16-wide tiles, each ending inside a tile
+    assert_close(*compare(authors, masking, (2, 1, 20, 35 if masking != "causal" else 20)))
+
+
+@pytest.mark.parametrize("authors", [True, False], ids=["authors", "paper"])
+@pytest.mark.parametrize("shape", [(2, 2, 1, 9), (2, 2, 6, 1), (1, 2, 1, 1)], ids=["T=1", "S=1", "T=S=1"])
+def test_single_query_and_single_key(authors, shape):
+    assert_close(*compare(authors, "none", shape))
+    if shape[3] > 2:  # incremental decoding: one query over a padded cache
+        assert_close(*compare(authors, "padding", shape))
+
+
+@pytest.mark.parametrize("near_empty", ["both", "mass"])
+def test_the_near_empty_rows_of_the_authors_reading(near_empty):
+    B, H, T, S = 2, 2, 6, 7
+    tensors = attention_inputs(B, H, T, S, near_empty=near_empty)
+    blocked = blocked_keys("padding", B, T, S)
+    q, k, _, resp_q, resp_k = tensors
+    scores = (q @ k.transpose(-1, -2)).masked_fill(blocked, float("-inf"))
+    product = (resp_q @ resp_k.transpose(-1, -2)).masked_fill(blocked, 0.0)
+    row_norm = product.sum(-1)
+    mass = (torch.softmax(scores, -1) * product / row_norm.clamp_min(AUTHORS_EPS)[..., None]).sum(-1)
+    assert (mass < AUTHORS_EPS).float().mean() >= 0.5  # the case is one: most rows are not renormalised ...
+    if near_empty == "both":
+        assert (row_norm < AUTHORS_EPS).float().mean() >= 0.5  # ... and their mask's normaliser is clamped too
+    else:
+        assert (row_norm > 0.5).all()  # ... while the normaliser is not: its own gradient matters
+    mix = torch.tensor(0.7, device=DEVICE)
+    assert_close(run("triton", tensors, mix, blocked, True), run("explicit", tensors, mix, blocked, True),
+                 rtol=1e-4, scale_atol=1e-5)
+
+
+def test_the_paper_readings_near_empty_rows_against_float64():
+    """The paper reading's d/dp(c|z_i) divides by masses at its 1e-6 floor: float32 is then good to a few percent
+    (the explicit path in float32 too), so both are held to the float64 explicit path."""
+    tensors = attention_inputs(2, 2, 6, 7, near_empty="both")
+    mix = torch.tensor(0.7, device=DEVICE)
+    got = run("triton", tensors, mix, None, False)
+    want = run("explicit", [t.double() for t in tensors], mix.double(), None, False, dtype=torch.float64)
+    explicit32 = run("explicit", tensors, mix, None, False)
+    for name, a, b, c in zip(NAMES, got, want, explicit32):
+        error, reference_error = (a.double() - b).abs().max(), (c.double() - b).abs().max()
+        assert error <= max(2 * reference_error, 1e-5 * b.abs().max()), name
+
+
+def test_a_query_with_every_key_blocked_gets_zero():
+    B, H, T, S = 1, 2, 3, 4
+    tensors = attention_inputs(B, H, T, S)
+    blocked = torch.zeros(1, 1, T, S, dtype=torch.bool, device=DEVICE)
+    blocked[..., 1, :] = True
+    got = run("triton", tensors, torch.tensor(0.5, device=DEVICE), blocked, True)
+    want = run("explicit", tensors, torch.tensor(0.5, device=DEVICE), blocked, True)
+    assert torch.all(got[0][:, :, 1] == 0) and torch.isfinite(torch.cat([g.flatten() for g in got])).all()
+    assert_close(got, want)
+
+
+@pytest.mark.parametrize("authors", [True, False], ids=["authors", "paper"])
+def test_dropout_is_the_explicit_paths_dropout_of_a_hat_with_the_kernels_mask(authors):
+    B, H, T, S, p = 2, 2, 6, 18, 0.3
+    q, k, v, resp_q, resp_k = attention_inputs(B, H, T, S)
+    blocked = blocked_keys("padding", B, T, S)
+    mix = torch.tensor(0.6, device=DEVICE)
+    inputs = [t.clone().requires_grad_() for t in (q, k, v, resp_q, resp_k)]
+    out = mixed_attention(*inputs, mix, authors=authors, blocked=blocked, dropout_p=p, seed=1234)
+    out.sum().backward()
+    scales = dropout_scales(1234, p, B, H, T, S, device=DEVICE)
+    kept = scales > 0
+    assert 0.55 < kept.float().mean() < 0.85
+    torch.testing.assert_close(scales[kept], torch.full_like(scales[kept], 1 / (1 - p)))
+    replay = [t.clone().requires_grad_() for t in (q, k, v, resp_q, resp_k)]
+    ref, _ = sdma_attention(*replay, mix, authors=authors, blocked=blocked, kernel="explicit", need_weights=False,
+                            dropout=lambda a: a * scales, dropout_p=0.0)
+    ref.sum().backward()
+    torch.testing.assert_close(out.detach(), ref.detach(), rtol=1e-5, atol=1e-5)
+    for name, a, b in zip(NAMES[1:], inputs, replay):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5 * float(b.grad.abs().max()), msg=name)
+    other = mixed_attention(q, k, v, resp_q, resp_k, mix, authors=authors, blocked=blocked, dropout_p=p, seed=99)
+    assert not torch.allclose(other, out.detach())  # another seed, another mask
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 5e-3), (torch.bfloat16, 3e-2)])
+def test_half_precision_inputs_accumulate_in_float32(dtype, tol):
+    tensors = attention_inputs(2, 2, 6, 7)
+    blocked = blocked_keys("padding", 2, 6, 7)
+    mix = torch.tensor(0.7, device=DEVICE)
+    half = run("triton", tensors, mix, blocked, True, dtype=dtype)
+    reference = run("explicit", tensors, mix, blocked, True)
+    for name, a, b in zip(NAMES, half, reference):
+        assert torch.isfinite(a).all(), name
+        assert (a - b).abs().max() <= 4 * tol * b.abs().max(), name
+    out = sdma_attention(*[t.to(dtype) if i < 3 else t for i, t in enumerate(tensors)], mix, authors=True,
+                         blocked=blocked, kernel="triton", need_weights=False, dropout=lambda a: a, dropout_p=0.0)[0]
+    assert out.dtype == dtype
+
+
+def test_bad_inputs_raise_named_errors():
+    q, k, v, resp_q, resp_k = attention_inputs()
+    mix = torch.tensor(0.5, device=DEVICE)
+    with pytest.raises(SDMAConfigError, match="float64"):
+        mixed_attention(q.double(), k.double(), v.double(), resp_q, resp_k, mix, authors=True)
+    with pytest.raises(SDMAConfigError, match=r"k and v must be \[B, H, S, D\]"):
+        mixed_attention(q, k[..., :3], v, resp_q, resp_k, mix, authors=True)
+    with pytest.raises(SDMAConfigError, match="responsibilities"):
+        mixed_attention(q, k, v, resp_q[..., :2], resp_k, mix, authors=True)
+    with pytest.raises(SDMAConfigError, match="dropout_p"):
+        mixed_attention(q, k, v, resp_q, resp_k, mix, authors=True, dropout_p=1.0)
+    means = torch.zeros(2, 4, 3)
+    with pytest.raises(SDMAConfigError, match=r"x must be \[N, G\*d\]"):
+        gaussian_clustering(torch.zeros(5, 7), means, torch.zeros(2, 4, 3), torch.zeros(2, 4))
+
+
+# -- the clustering of eq. (9) ---------------------------------------------------------------------------
+
+def clustering_case(groups=3, clusters=4, dim=5, rows=37, seed=0, clamp=False):
+    torch.manual_seed(seed)
+    gmm = GaussianMixture(groups, clusters, dim, init="authors").to(DEVICE)
+    with torch.no_grad():
+        gmm.means.normal_(0.0, 1.0)
+        gmm.log_vars.uniform_(-1.0, 1.0)
+        gmm.prior_logits.normal_()
+        if clamp:  # entries beyond the +-9 clamp: no gradient there
+            gmm.log_vars[0, 0, :2] = torch.tensor([12.0, -11.0])
+    x = torch.randn(rows, groups * dim, device=DEVICE)
+    return gmm, x
+
+
+def clustering_gradients(gmm, x, log_joint, log_resp, inputs):
+    g = torch.Generator().manual_seed(3)
+    weights = [torch.randn(t.shape, generator=g).to(t.device) for t in (log_joint, log_resp)]
+    loss = (log_joint * weights[0]).sum() + (log_resp * weights[1]).sum()
+    return [log_joint.detach(), log_resp.detach(), *torch.autograd.grad(loss, inputs)]
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.1])
+@pytest.mark.parametrize("clamp", [False, True], ids=["in_range", "clamped"])
+def test_the_clustering_kernel_equals_the_gmm(scale, clamp):
+    gmm, x = clustering_case(clamp=clamp)
+    inputs = [x.requires_grad_(), gmm.means, gmm.log_vars, gmm.prior_logits]
+    log_joint, log_resp = gaussian_clustering(x, gmm.means, gmm.log_vars, gmm.prior_logits, scale)
+    got = clustering_gradients(gmm, x, log_joint, log_resp, inputs)
+    heads = x.view(x.size(0), gmm.groups, gmm.dim)
+    want_joint = gmm.log_joint(heads, scale=scale)
+    want = clustering_gradients(gmm, x, want_joint, log_softmax_clusters(want_joint), inputs)
+    assert log_joint.shape == want_joint.shape and log_joint.stride() == want_joint.stride()  # clusters-first
+    for name, a, b in zip(("log_joint", "log_resp", "x", "means", "log_vars", "prior_logits"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * max(float(b.abs().max()), 1.0), msg=name)
+    if clamp:
+        assert torch.all(got[4][0, 0, :2] == 0) and got[4][0, 0, 2:].abs().sum() > 0
+
+
+def test_the_clustering_kernel_against_eq_9_written_out():
+    gmm, x = clustering_case(groups=2, clusters=3, dim=4, rows=5)
+    log_joint, log_resp = gaussian_clustering(x, gmm.means, gmm.log_vars, gmm.prior_logits, 0.1)
+    want = gmm.log_joint_direct(x.view(5, 2, 4), scale=0.1)
+    torch.testing.assert_close(log_joint, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(log_resp.exp().sum(-1), torch.ones(5, 2, device=DEVICE))
+
+
+# -- planted defects ---------------------------------------------------------------------------------------
+
+def planted(replacements):
+    """A copy of the kernels' module with ``replacements`` ((old, new) source strings) applied."""
+    source = Path(triton_kernels.__file__).read_text()
+    for old, new in replacements:
+        assert old in source, old
+        source = source.replace(old, new)
+    path = Path(pytest.importorskip("tempfile").mkdtemp()) / "planted_triton_kernels.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("planted_triton_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    for name, cfg in SMALL_TILES.items():
+        module.LAUNCH[name] = cfg
+    return module
+
+
+def planted_attention(module, authors, masking, shape, near_empty=None):
+    B, H, T, S = shape
+    tensors = attention_inputs(B, H, T, S, near_empty=near_empty)
+    blocked = blocked_keys(masking, B, T, S)
+    mix = torch.tensor(0.7, device=DEVICE)
+    inputs = [t.clone().requires_grad_() for t in tensors]
+    out = module.mixed_attention(*inputs, mix, authors=authors, blocked=blocked)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.device)
+    (out * weights).sum().backward()
+    return [out.detach()] + [t.grad for t in inputs], run("explicit", tensors, mix, blocked, authors)
+
+
+@pytest.mark.parametrize("defect,case", [
+    ("dropped_eps", dict(authors=True, masking="padding", shape=(2, 2, 6, 7), near_empty="both")),
+    ("tile_edge", dict(authors=False, masking="none", shape=(2, 1, 20, 35))),
+    ("mask_past_first_tile", dict(authors=True, masking="causal", shape=(2, 1, 20, 20))),
+])
+def test_planted_attention_defects_fail(defect, case):
+    replacements = {
+        "dropped_eps": [("norm_z = tl.maximum(mass, EPS)", "norm_z = mass")],
+        "tile_edge": [("        mask_s = offs_s < S\n", "        mask_s = offs_s < S - 1\n")],
+        "mask_past_first_tile": [("allowed = allowed & (blocked == 0)",
+                                  "allowed = allowed & ((blocked == 0) | (offs_s[None, :] >= 16))")],
+    }[defect]
+    got, want = planted_attention(planted(replacements), **case)
+    with pytest.raises(AssertionError):
+        assert_close(got, want, rtol=1e-4)
+    assert_close(*planted_attention(triton_kernels, **case), rtol=1e-4)  # the real kernels pass the same case
+
+
+def test_a_planted_clustering_defect_fails():
+    module = planted([("lv = tl.minimum(tl.maximum(lv, lv_min), lv_max)\n        precision",
+                       "lv = lv\n        precision")])
+    gmm, x = clustering_case(clamp=True)
+    got = module.gaussian_clustering(x, gmm.means, gmm.log_vars, gmm.prior_logits)[0]
+    want = gmm.log_joint(x.view(x.size(0), gmm.groups, gmm.dim))
+    assert not torch.allclose(got, want, rtol=1e-4, atol=1e-4)
