@@ -8,6 +8,8 @@ this package. Its files, each readable top to bottom, the direct form of an equa
 * ``options``      the modes, readings and kernels; :class:`SDMAOptions` (Table I) and the weights of eq. (24)
 * ``mixture``      the Gaussian mixtures of eq. (5)/(9) and their log-joint
 * ``attention``    eq. (1), (2), (10), (11): :func:`sdma_attention` and its kernel table :data:`KERNELS`
+* ``triton_kernels`` the GPU path (``attention_kernel=triton``): Triton kernels with their backward for the
+                   clustering of eq. (9) and the masked mixture (imported on first use, not by this package)
 * ``records``      what a forward pass records for the regularisers (:func:`recording`)
 * ``regularisers`` eq. (20)-(24) per sentence, batched over layers; clustering diagnostics
 * ``core``         :class:`SDMACore`, the parameters and computations of one attention module
@@ -47,9 +49,10 @@ In both, the scaling factor ``s`` of Algorithm 1 is 1 (its final value in the pa
 
 Attention is computed in one place for both toolkits: :func:`sdma_attention` (eq. 1, 2, 10, 11 from
 q, k, v, the responsibilities, the blocked keys, g and the reading) dispatches on :data:`KERNELS`
-(``explicit``, ``sdpa``, ``lowrank``; ``auto`` picks one, :func:`select_kernel`). A new attention
+(``explicit``, ``sdpa``, ``lowrank``, ``triton``; ``auto`` picks one, :func:`select_kernel`). A new attention
 variant is one function of :class:`AttentionInputs` and one row of :data:`KERNELS`;
-``tests/unit/latent_core/test_sdma_kernels_exact.py`` holds every row to the explicit kernel.
+``tests/unit/latent_core/test_sdma_kernels_exact.py`` holds every row to the explicit kernel (float64; the
+``triton`` row, which has no float64 path, in ``test_sdma_triton_kernels.py``).
 """
 
 from latent_core.sdma.options import (  # noqa: F401
