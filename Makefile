@@ -24,7 +24,7 @@ demo: install
 test: install
 	$(PYTHON_VENV) -m pytest tests $(XDIST) $(PYTEST_ARGS)
 
-# The unit tier only: equations, readers, in-process models (under 3 minutes); the Triton kernels' own exactness
+# The unit tier only: equations, readers, in-process models (minutes); the Triton kernels' own exactness
 # tests (in Triton's interpreter, minutes on a CPU) run in `make test`.
 test-fast: install
 	$(PYTHON_VENV) -m pytest tests/unit -m "not integration and not interpreter" $(PYTEST_ARGS)

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from latent_core.sdma.options import LOG_2PI
 
-_LOGVAR_RANGE = (-9.0, 9.0)
+LOGVAR_RANGE = (-9.0, 9.0)
 
 
 class GaussianMixture(nn.Module):
@@ -98,7 +98,7 @@ class GaussianMixture(nn.Module):
         """:meth:`log_joint` written as eq. (9) reads (of ``scale * z``), ``[..., G, d] -> [..., G, C]``: a
         ``[..., G, C, d]`` difference per cluster instead of two matrix products. Slow and
         memory-hungry; the reference the fast path is tested against."""
-        log_vars = self.log_vars.float().clamp(*_LOGVAR_RANGE)
+        log_vars = self.log_vars.float().clamp(*LOGVAR_RANGE)
         z = z.to(torch.promote_types(z.dtype, torch.float32)) * scale
         squared = ((z.unsqueeze(-2) - self.means) ** 2 / log_vars.exp()).sum(-1)  # (z - mu_c)^T Sigma_c^-1 (z - mu_c)
         log_normal = -0.5 * (squared + log_vars.sum(-1) + self.dim * LOG_2PI)  # log N(z | mu_c, Sigma_c)
@@ -127,7 +127,7 @@ def log_prior(prior_logits: Tensor) -> Tensor:
 
 def trace_precision(log_vars: Tensor) -> Tensor:
     """sum_d 1 / sigma_{c,d}^2, ``[..., G, C]`` (float32), from the log-variances ``[..., G, C, d]``."""
-    return torch.exp(-log_vars.float().clamp(*_LOGVAR_RANGE)).sum(-1)
+    return torch.exp(-log_vars.float().clamp(*LOGVAR_RANGE)).sum(-1)
 
 
 def authors_linear_init(linear: nn.Linear, gain: float) -> None:
@@ -187,7 +187,7 @@ def _gmm_parts(means: Tensor, log_vars: Tensor, prior_logits: Tensor, dtype: tor
     The -1/2 of the Gaussian exponent and the input scale s are folded into the block-diagonal weights.
     """
     groups, clusters, dim = means.shape
-    clamped = log_vars.to(dtype).clamp(*_LOGVAR_RANGE)
+    clamped = log_vars.to(dtype).clamp(*LOGVAR_RANGE)
     means = means.to(dtype)
     precision = torch.exp(-clamped)  # sigma^-2, [G, C, d]
     scaled_means = means * precision

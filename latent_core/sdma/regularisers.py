@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from latent_core.sdma.mixture import _LOGVAR_RANGE, clusters_first, full_precision, log_prior
+from latent_core.sdma.mixture import LOGVAR_RANGE, clusters_first, full_precision, log_prior
 from latent_core.sdma.options import (AUTHORS_EPS, LOG_2PI, LOSS_NAMES, LOSS_WEIGHTS, REGULARISER_SCALES,
                                       SDMAConfigError)
 from latent_core.sdma.records import ClusteringRecord, SDMARecording
@@ -349,7 +349,7 @@ class _StackedTracePrecision(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *log_vars):
         stacked = torch.stack(log_vars).float()
-        neg_clamped = stacked.clamp(*_LOGVAR_RANGE).neg_()
+        neg_clamped = stacked.clamp(*LOGVAR_RANGE).neg_()
         precision = neg_clamped.exp()
         total = precision.sum(-1)
         # d/dv exp(-v) = -exp(-v), zero where the clamp holds v

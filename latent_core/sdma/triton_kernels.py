@@ -41,11 +41,11 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
+from latent_core.sdma.mixture import LOGVAR_RANGE
 from latent_core.sdma.options import AUTHORS_EPS, LOG_2PI, SDMAConfigError
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 PAPER_MASK_FLOOR = 1e-6  # the paper reading's floor on M (latent_core.sdma.attention._MASK_FLOOR)
-LOGVAR_RANGE = (-9.0, 9.0)  # the GMMs' log-variance clamp (latent_core.sdma.mixture._LOGVAR_RANGE)
 _NEG = -1.0e30  # the score of a blocked key (finite: a row with every key blocked stays NaN-free)
 
 

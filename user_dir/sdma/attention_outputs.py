@@ -19,9 +19,8 @@ Types are ``encoder_self``, ``decoder_self`` and ``decoder_cross`` (a model with
   computed after the call from the call's inputs (a forward hook) with the module's own projections: fairseq's
   explicit path, eq. (1), written out below.
 
-Nothing in the model is changed while recording and the forward's own outputs are the same; an SDMA module
-runs its eager code path (not the compiled one) while it is recorded. Incremental decoding steps and
-``before_softmax`` calls are not recorded.
+Nothing in the model is changed while recording and the forward's own outputs are the same. Incremental
+decoding steps and ``before_softmax`` calls are not recorded.
 """
 
 import contextlib

@@ -271,7 +271,7 @@ def test_gaussian_log_joint_gradients_of_several_inputs_at_a_scale():
 def test_gaussian_log_joint_gradients_at_the_log_variance_clamp():
     """Log-variances beyond the clamp range get no gradient (as torch.clamp), those inside one."""
     flat, means, log_vars, prior = _log_joint_inputs()
-    low, high = mixture._LOGVAR_RANGE
+    low, high = mixture.LOGVAR_RANGE
     log_vars[0, 0, 0], log_vars[1, 2, 1] = high + 3.0, low - 1.0
     inputs = [t.requires_grad_(True) for t in (flat, means, log_vars, prior)]
     assert torch.autograd.gradcheck(_log_joint_node, inputs)
