@@ -32,6 +32,7 @@ imported): that is how the tests hold them to the explicit path. Each launch is 
 event named ``triton_sdma_*`` (one kernel launch each in ``latent_core.op_counts.count_launches``).
 """
 
+import contextlib
 import os
 from typing import Dict, NamedTuple, Optional, Tuple
 
@@ -78,18 +79,7 @@ def _profiled(name: str):
     """A profiler range named like a generated kernel, so that a profile counts each launch as one kernel."""
     if torch.autograd.profiler._is_profiler_enabled:
         return torch.profiler.record_function(f"triton_sdma_{name}")
-    return _NO_RANGE
-
-
-class _NoRange:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NO_RANGE = _NoRange()
+    return contextlib.nullcontext()
 
 
 def check_supported(*tensors: Tensor, option: str = "attention_kernel=triton") -> None:
@@ -450,6 +440,19 @@ def _attention_row_sums(GRAD_OUT, OUT, OUT_MASKED, ROW_SUMS, s_g_b, s_g_h, s_g_t
 
 
 @triton.jit
+def _row_statistics(STATS, ROW_SUMS, bh, T, offs_t, mask_t):
+    """The forward pass's (log-sum-exp, r_i, Z_i) and the backward's (dO . O, dO . O_bar) of a block of queries."""
+    total = tl.num_programs(1) * T
+    rows = bh * T + offs_t
+    lse = tl.load(STATS + rows, mask=mask_t, other=float("inf"))
+    norm_r = tl.load(STATS + total + rows, mask=mask_t, other=1.0)
+    mass = tl.load(STATS + 2 * total + rows, mask=mask_t, other=1.0)
+    dot_all = tl.load(ROW_SUMS + rows, mask=mask_t, other=0.0)
+    dot_masked = tl.load(ROW_SUMS + total + rows, mask=mask_t, other=0.0)
+    return lse, norm_r, mass, dot_all, dot_masked
+
+
+@triton.jit
 def _attention_backward_tile(q, k, v, grad_out, lse, norm_r, mass, dot_all, dot_masked, mix, GQ, GK, BLOCKED,
                              offs_t, offs_s, mask_t, mask_s, s_gq_t, s_gq_c, s_gk_s, s_gk_c, s_m_t, s_m_s,
                              bh, T, S, seed, dropout_p,
@@ -514,7 +517,6 @@ def _attention_backward_keys(Q, K, V, GQ, GK, BLOCKED, GRAD_OUT, STATS, ROW_SUMS
     GQ, GK = GQ + b * s_gq_b + h * s_gq_h, GK + b * s_gk_b + h * s_gk_h
     BLOCKED = BLOCKED + b * s_m_b + h * s_m_h
     mix = tl.load(MIX_USED)
-    total = tl.num_programs(1) * T
     grad_k = tl.zeros((BLOCK_S, BLOCK_D), tl.float32)
     grad_v = tl.zeros((BLOCK_S, BLOCK_D), tl.float32)
     grad_gk = tl.zeros((BLOCK_S, BLOCK_C), tl.float32)
@@ -525,12 +527,7 @@ def _attention_backward_keys(Q, K, V, GQ, GK, BLOCKED, GRAD_OUT, STATS, ROW_SUMS
         q = tl.load(Q + offs_t[:, None] * s_q_t + offs_d[None, :] * s_q_d, mask=q_tile, other=0.0)
         grad_out = tl.load(GRAD_OUT + offs_t[:, None] * s_g_t + offs_d[None, :] * s_g_d, mask=q_tile, other=0.0)
         grad_out = grad_out.to(q.dtype)
-        stats = bh * T + offs_t
-        lse = tl.load(STATS + stats, mask=mask_t, other=float("inf"))
-        norm_r = tl.load(STATS + total + stats, mask=mask_t, other=1.0)
-        mass = tl.load(STATS + 2 * total + stats, mask=mask_t, other=1.0)
-        dot_all = tl.load(ROW_SUMS + stats, mask=mask_t, other=0.0)
-        dot_masked = tl.load(ROW_SUMS + total + stats, mask=mask_t, other=0.0)
+        lse, norm_r, mass, dot_all, dot_masked = _row_statistics(STATS, ROW_SUMS, bh, T, offs_t, mask_t)
         grad_scores, grad_product, mixed = _attention_backward_tile(
             q, k, v, grad_out, lse, norm_r, mass, dot_all, dot_masked, mix, GQ, GK, BLOCKED, offs_t, offs_s, mask_t,
             mask_s, s_gq_t, s_gq_c, s_gk_s, s_gk_c, s_m_t, s_m_s, bh, T, S, seed, dropout_p, C, AUTHORS,
@@ -572,13 +569,7 @@ def _attention_backward_queries(Q, K, V, GQ, GK, BLOCKED, GRAD_OUT, STATS, ROW_S
     GQ, GK = GQ + b * s_gq_b + h * s_gq_h, GK + b * s_gk_b + h * s_gk_h
     BLOCKED = BLOCKED + b * s_m_b + h * s_m_h
     mix = tl.load(MIX_USED)
-    total = tl.num_programs(1) * T
-    stats = bh * T + offs_t
-    lse = tl.load(STATS + stats, mask=mask_t, other=float("inf"))
-    norm_r = tl.load(STATS + total + stats, mask=mask_t, other=1.0)
-    mass = tl.load(STATS + 2 * total + stats, mask=mask_t, other=1.0)
-    dot_all = tl.load(ROW_SUMS + stats, mask=mask_t, other=0.0)
-    dot_masked = tl.load(ROW_SUMS + total + stats, mask=mask_t, other=0.0)
+    lse, norm_r, mass, dot_all, dot_masked = _row_statistics(STATS, ROW_SUMS, bh, T, offs_t, mask_t)
     grad_q = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
     grad_gq = tl.zeros((BLOCK_T, BLOCK_C), tl.float32)
     for start in range(0, S, BLOCK_S):
@@ -756,11 +747,5 @@ def dropout_scales(seed: int, dropout_p: float, B: int, H: int, T: int, S: int, 
     return out
 
 
-def kernel_names() -> Tuple[str, ...]:
-    """The kernels of this module, as a profile names them (``triton_sdma_<name>``)."""
-    return ("clustering_forward", "clustering_backward", "clustering_parameter_grads", "attention_forward",
-            "attention_row_sums", "attention_backward_keys", "attention_backward_queries")
-
-
 __all__ = ["LAUNCH", "LaunchConfig", "INTERPRETED", "check_supported", "gaussian_clustering", "mixed_attention",
-           "dropout_seed", "dropout_scales", "kernel_names"]
+           "dropout_seed", "dropout_scales"]

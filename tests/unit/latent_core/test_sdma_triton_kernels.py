@@ -17,6 +17,7 @@ Kept small: the interpreter runs every program of a grid in Python (about a minu
 
 import importlib.util
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -271,7 +272,7 @@ def planted(replacements):
     for old, new in replacements:
         assert old in source, old
         source = source.replace(old, new)
-    path = Path(pytest.importorskip("tempfile").mkdtemp()) / "planted_triton_kernels.py"
+    path = Path(tempfile.mkdtemp()) / "planted_triton_kernels.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("planted_triton_kernels", path)
     module = importlib.util.module_from_spec(spec)
