@@ -53,5 +53,5 @@ def test_hydra_config_trains_the_table_one_model(tmp_path, small_translation_bin
     plain_cfg = plain["cfg"]["model"]
     assert (model_cfg["_name"], plain_cfg["_name"]) == ("sdma_transformer", "sdma_transformer_iwslt_de_en_tiny")
     fields = [f.name for f in config_fields(SDMATransformerConfig)]
-    assert len([name for name in fields if name.startswith("sdma_")]) == 23  # SDMAOptions', per side, eq. (24), mask
+    assert len([name for name in fields if name.startswith("sdma_")]) == 22  # SDMAOptions', per side, eq. (24), mask
     assert {name: model_cfg[name] for name in fields} == {name: plain_cfg[name] for name in fields}
