@@ -4,8 +4,9 @@
 The plugin claims SDMA is a drop-in for the toolkits' transformer. This command checks the claim
 with the toolkits' own test files, at the versions ``constraints.txt`` pins:
 
-1. downloads each toolkit's sdist from PyPI (the only index CI reaches), checks its sha256, and
-   extracts it under ``.cache/toolkit-tests/`` (git-ignored; no toolkit file is committed);
+1. downloads each toolkit's sdist with ``pip download`` (pip's own configured index, mirror or proxy),
+   checks its sha256, and extracts it under ``.cache/toolkit-tests/`` (git-ignored; no toolkit file is
+   committed);
 2. runs the selected test files (transformer, attention, generation, export, checkpointing,
    dropout; :data:`SELECTION`, the others excluded with a reason in :data:`EXCLUDED`) with pytest
    in one subprocess per configuration, the plugin's classes substituted by the pytest plugin
@@ -35,7 +36,6 @@ import sys
 import tarfile
 import time
 import tomllib
-import urllib.request
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -45,13 +45,10 @@ REPO = HERE.parents[1]
 CACHE = REPO / ".cache" / "toolkit-tests"
 EXPECTED = HERE / "expected_failures.toml"
 
-SDISTS = {  # toolkit -> (url, sha256, top directory of the archive)
-    "fairseq": ("https://files.pythonhosted.org/packages/7e/e9/df8fe7f34cfb7dbaacdb7a288813cad22491a32ea278820268ee34ac"
-                "57ec/fairseq_fixed-0.12.3.1.tar.gz",
-                "c607577a54ab30e2ee0f0b0a754ea5cdbc6ad0a9f99a1726638a2201445bc1cc", "fairseq_fixed-0.12.3.1"),
-    "espnet": ("https://files.pythonhosted.org/packages/2d/ec/ab4a68667254d8ac192d15a2d82df4f74fa77de7775c93291909bb1b"
-               "df38/espnet-202511.tar.gz",
-               "280573dab2d4a0c669f0801cb7b07fa7732dd53138990cc80519e53a72412d4c", "espnet-202511"),
+SDISTS = {  # toolkit -> (pip requirement, sha256 of its sdist, top directory of the archive)
+    "fairseq": ("fairseq_fixed==0.12.3.1", "c607577a54ab30e2ee0f0b0a754ea5cdbc6ad0a9f99a1726638a2201445bc1cc",
+                "fairseq_fixed-0.12.3.1"),
+    "espnet": ("espnet==202511", "280573dab2d4a0c669f0801cb7b07fa7732dd53138990cc80519e53a72412d4c", "espnet-202511"),
 }
 # configuration -> (SDMA mode, reading); "toolkit" (the toolkit's own classes) only verifies toolkit defects
 CONFIGS = {"none": ("none", "authors"), "sma/authors": ("sma", "authors"), "sma/paper": ("sma", "paper"),
@@ -125,23 +122,37 @@ NOTES = {
 
 
 # -- the toolkits' files ------------------------------------------------------------------------
+def download_sdist(requirement: str, into: Path) -> None:
+    """``pip download`` of the source distribution of ``requirement`` through pip's configured index (PIP_INDEX_URL,
+    pip.conf, a proxy). No build isolation: preparing an sdist's metadata would otherwise install its build
+    requirements (torch, for fairseq) into a throw-away environment."""
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
+               "--disable-pip-version-check", "--dest", str(into), requirement]
+    print("$ " + " ".join(command[2:]), flush=True)
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        sys.exit(f"pip download {requirement} failed (exit {result.returncode}): check pip's index settings "
+                 f"(pip config list)\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+
+
 def fetch(toolkit: str) -> Path:
     """The extracted sdist of ``toolkit`` (downloaded and verified once), laid out for pytest."""
-    url, sha256, top = SDISTS[toolkit]
+    requirement, sha256, top = SDISTS[toolkit]
     root = CACHE / top
     CACHE.mkdir(parents=True, exist_ok=True)
     (CACHE / "pytest.ini").write_text("[pytest]\n")  # -c: neither the repository's nor the sdist's settings
     if (root / ".prepared").exists():
         return refresh_helpers(toolkit, root)
-    archive = CACHE / url.rsplit("/", 1)[1]
+    archive = CACHE / f"{top}.tar.gz"
     if not archive.exists() or hashlib.sha256(archive.read_bytes()).hexdigest() != sha256:
-        print(f"downloading {url}", flush=True)
-        with urllib.request.urlopen(url, timeout=120) as response:
-            data = response.read()
-        digest = hashlib.sha256(data).hexdigest()
+        archive.unlink(missing_ok=True)
+        download_sdist(requirement, CACHE)
+        if not archive.exists():
+            sys.exit(f"pip download {requirement} saved no {archive.name} in {CACHE}")
+        digest = hashlib.sha256(archive.read_bytes()).hexdigest()
         if digest != sha256:
-            sys.exit(f"{archive.name}: sha256 {digest} is not the pinned {sha256}")
-        archive.write_bytes(data)
+            archive.unlink()
+            sys.exit(f"{archive.name}: sha256 {digest} is not the pinned {sha256} (the index served another file)")
     # only the tests (and what they read): the sdist's package sources must not shadow the installed toolkit
     keep = {"fairseq": {"tests/": "tests/", "fairseq/examples/translation_moe/": "examples/translation_moe/"},
             "espnet": {"test/": "test/"}}[toolkit]
