@@ -64,7 +64,7 @@ from latent_core.sdma.mixture import (  # noqa: F401
     GaussianMixture, authors_linear_init, clusters_first, log_prior, log_softmax_clusters, trace_precision,
 )
 from latent_core.sdma.attention import (  # noqa: F401
-    KERNELS, AttentionInputs, authors_semantic_mask, explicit_kernel, fused_mix_attention, lowrank_kernel,
+    KERNELS, TAKES_SCORE_BIAS, AttentionInputs, authors_semantic_mask, explicit_kernel, fused_mix_attention, lowrank_kernel,
     lowrank_mix_attention, mix_attention, mix_attention_direct, reading_semantic_mask, responsibility_product,
     sdma_attention, sdpa_kernel, select_kernel, semantic_mask, semantic_mask_product, use_fused_kernel,
 )

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from latent_core.sdma.mixture import full_precision
-from latent_core.sdma.options import AUTHORS_EPS
+from latent_core.sdma.options import AUTHORS_EPS, SDMAConfigError
 
 _MASK_FLOOR = 1e-6  # smallest semantic-mask value, keeps log M finite
 
@@ -265,14 +265,21 @@ class AttentionInputs(NamedTuple):
     allowed: Optional[Tensor]  # its 0/1 float complement: the keys the authors' mask normaliser sums over
     dropout: Callable[[Tensor], Tensor]  # the module's attention dropout (the explicit kernel drops A_hat)
     dropout_p: float  # its rate when active, else 0 (the fused kernels' own dropout)
+    score_bias: Optional[Tensor] = None  # added to the scaled scores before eq. (1), broadcastable to [B, H, T, S]
 
     def additive_mask(self) -> Optional[Tensor]:
-        """``blocked`` as SDPA's additive float mask in ``q``'s dtype (its smallest value, not -inf: a row
-        with every key blocked stays finite, as in the explicit kernel)."""
-        if self.blocked is None:
+        """``score_bias`` and ``blocked`` as SDPA's additive float mask in ``q``'s dtype: the bias, with the blocked
+        keys at the dtype's smallest value (not -inf, and not bias + smallest, which overflows in fp16: a row with
+        every key blocked stays finite, as in the explicit kernel)."""
+        if self.score_bias is None and self.blocked is None:
             return None
-        return torch.zeros(self.blocked.shape, dtype=self.q.dtype, device=self.q.device).masked_fill(
-            self.blocked, torch.finfo(self.q.dtype).min)
+        if self.score_bias is None:
+            return torch.zeros(self.blocked.shape, dtype=self.q.dtype, device=self.q.device).masked_fill(
+                self.blocked, torch.finfo(self.q.dtype).min)
+        bias = self.score_bias.to(self.q.dtype)
+        if self.blocked is None:
+            return bias
+        return bias.masked_fill(self.blocked, torch.finfo(self.q.dtype).min)
 
     def semantic_mask(self) -> Tensor:
         """M of eq. (10), ``[B, H, T, S]``, in this reading."""
@@ -288,6 +295,8 @@ def explicit_kernel(x: AttentionInputs) -> Tuple[Tensor, Tensor]:
     # Half-precision scores are widened: the mixture's normaliser (eps 1e-6) underflows in fp16.
     score_dtype = torch.promote_types(x.q.dtype, torch.float32)
     scores = torch.matmul(x.q, x.k.transpose(-2, -1)).to(score_dtype)
+    if x.score_bias is not None:
+        scores = scores + x.score_bias.to(score_dtype)
     if x.blocked is not None:
         scores = scores.masked_fill(x.blocked, torch.finfo(score_dtype).min)
     attn = mix_attention(scores, x.semantic_mask(), x.mix, norm_floor=AUTHORS_EPS if x.authors else 0.0)
@@ -318,6 +327,10 @@ def triton_kernel(x: AttentionInputs) -> Tuple[Tensor, None]:
                            dropout_p=x.dropout_p), None
 
 
+# The rows of KERNELS that add a score bias (T5's position bias, the Conformer's matrix_bd, ALiBi) to the scores of
+# eq. (1); the others refuse one by name.
+TAKES_SCORE_BIAS = frozenset({"explicit", "sdpa", "lowrank"})
+
 # The kernels of eq. (1), (2), (10), (11), by SDMAOptions.attention_kernel (``auto``: :func:`select_kernel`).
 # A new variant is one function of AttentionInputs -> (A_hat V [B, H, T, D], A_hat or None) and one row here;
 # tests/unit/latent_core/test_sdma_kernels_exact.py then holds it to the explicit kernel in every row.
@@ -331,18 +344,30 @@ KERNELS: Dict[str, Callable[[AttentionInputs], Tuple[Tensor, Optional[Tensor]]]]
 
 def sdma_attention(q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, resp_key: Tensor, mix: Tensor, *,
                    authors: bool, blocked: Optional[Tensor], kernel: str, need_weights: bool,
-                   dropout: Callable[[Tensor], Tensor], dropout_p: float) -> Tuple[Tensor, Optional[Tensor]]:
+                   dropout: Callable[[Tensor], Tensor], dropout_p: float,
+                   score_bias: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """A_hat V of eq. (1), (2), (10), (11): the one entry point of both toolkits' adapters.
 
     ``q [B, H, T, D]`` scaled, ``k, v [B, H, S, D]``, ``resp_query [B, H, T, C]`` and ``resp_key
     [B, H, S, C]`` the clustering probabilities of eq. (9), ``mix`` g, ``authors`` the reading of the
     mask, ``blocked`` bool broadcastable to ``[B, H, T, S]`` (True: padding or a future key; None),
     ``kernel`` the option (``auto`` / a row of :data:`KERNELS`), ``need_weights`` whether A_hat must be
-    returned, ``dropout`` the module's attention dropout and ``dropout_p`` its rate when active (else 0).
+    returned, ``dropout`` the module's attention dropout and ``dropout_p`` its rate when active (else 0),
+    ``score_bias`` an additive bias on the scaled scores before the softmax of eq. (1) (relative positions),
+    broadcastable to ``[B, H, T, S]``, differentiable (rows of :data:`TAKES_SCORE_BIAS`; ``auto`` picks one).
     Returns ``(A_hat V [B, H, T, D], A_hat [B, H, T, S] (at least float32) or None)``; the adapters keep only their
     layout, incremental cache and beam folding.
     """
     name = select_kernel(kernel, q.device, need_weights, dropout_p > 0)
+    if score_bias is not None:
+        if name not in TAKES_SCORE_BIAS:
+            raise SDMAConfigError(
+                f"attention_kernel={name!r} does not take a score bias (a relative-position attention: T5, the "
+                f"Conformer, ALiBi); use one of {', '.join(sorted(TAKES_SCORE_BIAS))} or 'auto'")
+        expected = (q.size(0), q.size(1), q.size(2), k.size(2))
+        if score_bias.dim() != 4 or any(b not in (1, n) for b, n in zip(score_bias.shape, expected)):
+            raise SDMAConfigError(f"score_bias of shape {tuple(score_bias.shape)} does not broadcast to the scores "
+                                  f"[B, H, T, S] = {list(expected)}")
     allowed = None if blocked is None else (~blocked).to(torch.float32)
     return KERNELS[name](AttentionInputs(q, k, v, resp_query, resp_key, mix, authors, blocked, allowed, dropout,
-                                         dropout_p))
+                                         dropout_p, score_bias))

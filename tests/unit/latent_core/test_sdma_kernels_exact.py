@@ -158,3 +158,94 @@ def test_the_entry_point_returns_weights_only_when_asked(kernel):
     out, weights = sdma_attention(*tensors, mix, authors=True, blocked=allowed == 0, kernel=kernel,
                                   need_weights=True, dropout=lambda a: a, dropout_p=0.0)
     assert weights.shape == (B, H, T, S) and torch.all(weights.masked_select((allowed == 0).expand(B, H, T, S)) == 0)
+
+
+# -- an additive score bias (T5's position bias, the Conformer's matrix_bd, ALiBi) ----------------------------------
+
+
+def score_bias(shape=(1, H, T, S), seed=5):
+    """A bias of relative-position size (a few units) that reorders the scores, with its own gradient."""
+    g = torch.Generator().manual_seed(seed)
+    return (2.0 * torch.randn(*shape, generator=g, dtype=torch.float64)).requires_grad_()
+
+
+def run_biased(kernel, tensors, bias, mix, allowed, authors):
+    q, k, v, resp_q, resp_k = tensors
+    blocked = None if allowed is None else allowed == 0
+    out, _ = sdma_attention(q, k, v, resp_q, resp_k, mix, authors=authors, blocked=blocked, kernel=kernel,
+                            need_weights=False, dropout=lambda a: a, dropout_p=0.0, score_bias=bias)
+    return out
+
+
+@pytest.mark.parametrize("authors", [True, False], ids=["authors", "paper"])
+@pytest.mark.parametrize("masking", ["none", "padding", "causal"])
+def test_the_explicit_row_adds_the_bias_before_eq_1(authors, masking):
+    """By hand: A = softmax(q k^T + bias) (eq. 1), then eq. (2), (10), (11) unchanged; the bias's gradient too."""
+    mix = torch.tensor(0.7, dtype=torch.float64)
+    allowed = allowed_keys(masking)
+    reference, entry = stress_inputs(), stress_inputs()
+    bias_want, bias_got = score_bias(), score_bias()
+    q, k, v, resp_q, resp_k = reference
+    scores = q @ k.transpose(-1, -2) + bias_want
+    if allowed is not None:
+        scores = scores.masked_fill(allowed == 0, float("-inf"))
+    mask = semantic_mask(resp_q, resp_k, allowed, authors)
+    want = mix_attention_direct(scores, mask, mix, norm_floor=AUTHORS_EPS if authors else 0.0) @ v
+    got = run_biased("explicit", entry, bias_got, mix, allowed, authors)
+    assert_values_and_gradients_close(got, entry, want, reference)
+    torch.testing.assert_close(bias_got.grad, bias_want.grad, rtol=1e-8, atol=1e-10)
+    # and it matters: without it the output differs
+    assert (run("explicit", [t.detach() for t in entry], mix, allowed, authors) - got).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "lowrank"])
+@pytest.mark.parametrize("authors", [True, False], ids=["authors", "paper"])
+@pytest.mark.parametrize("masking", ["none", "padding", "causal"])
+@pytest.mark.parametrize("bias_shape", [(1, H, T, S), (B, 1, T, S), (B, H, T, S)], ids=["per_head", "per_sentence", "full"])
+def test_every_row_that_takes_a_bias_equals_explicit_with_it(kernel, authors, masking, bias_shape):
+    mix = torch.tensor(0.7, dtype=torch.float64)
+    allowed = allowed_keys(masking)
+    reference, fused = stress_inputs(), stress_inputs()
+    bias_want, bias_got = score_bias(bias_shape), score_bias(bias_shape)
+    want = run_biased("explicit", reference, bias_want, mix, allowed, authors)
+    got = run_biased(kernel, fused, bias_got, mix, allowed, authors)
+    assert_values_and_gradients_close(got, fused, want, reference)
+    torch.testing.assert_close(bias_got.grad, bias_want.grad, rtol=1e-8, atol=1e-10)
+
+
+def test_a_fully_blocked_row_with_a_bias_stays_finite_in_half_precision():
+    """fp16: bias + the dtype's smallest value would overflow to -inf (NaN rows); the blocked keys replace it."""
+    q, k, v, resp_q, resp_k = (t.detach().half() for t in stress_inputs())
+    blocked = torch.zeros(1, 1, T, S, dtype=torch.bool)
+    blocked[..., 0, :] = True  # the first query may attend to nothing
+    bias = -60000.0 * torch.ones(1, H, T, S, dtype=torch.float16)
+    from latent_core.sdma import AttentionInputs
+
+    x = AttentionInputs(q, k, v, resp_q, resp_k, torch.tensor(0.5), True, blocked, (~blocked).float(),
+                        lambda a: a, 0.0, bias)
+    mask = x.additive_mask()
+    assert torch.isfinite(mask).all() and (mask[..., 0, :] == torch.finfo(torch.float16).min).all()
+
+
+def test_a_row_that_takes_no_bias_refuses_one_by_name():
+    from latent_core.sdma import KERNELS, TAKES_SCORE_BIAS, SDMAConfigError
+
+    refusing = sorted(set(KERNELS) - TAKES_SCORE_BIAS)
+    assert refusing == ["triton"]  # a new row is added to one side or the other on purpose
+    tensors = [t.detach() for t in stress_inputs()]
+    with pytest.raises(SDMAConfigError, match="attention_kernel='triton' does not take a score bias"):
+        run_biased("triton", tensors, score_bias().detach(), torch.tensor(0.5, dtype=torch.float64), None, True)
+    # auto picks a row that takes it, and weights asked for come from the explicit row, with the bias
+    out = run_biased("auto", tensors, score_bias().detach(), torch.tensor(0.5, dtype=torch.float64), None, True)
+    torch.testing.assert_close(out, run_biased("explicit", tensors, score_bias().detach(),
+                                               torch.tensor(0.5, dtype=torch.float64), None, True))
+
+
+@pytest.mark.parametrize("shape", [(H, T, S), (1, H, T + 1, S), (3, H, T, S)])
+def test_a_bias_that_does_not_broadcast_to_the_scores_is_refused(shape):
+    from latent_core.sdma import SDMAConfigError
+
+    tensors = [t.detach() for t in stress_inputs()]
+    with pytest.raises(SDMAConfigError, match="does not broadcast to the scores"):
+        run_biased("explicit", tensors, torch.zeros(shape, dtype=torch.float64),
+                   torch.tensor(0.5, dtype=torch.float64), None, True)
