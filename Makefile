@@ -22,7 +22,7 @@ demo: install
 
 # Everything (the CI command): unit tier (tests/unit) and CLI/training runs (tests/integration).
 test: install
-	$(PYTHON_VENV) -m pytest tests $(XDIST) $(PYTEST_ARGS)
+	$(PYTHON_VENV) -m pytest tests $(XDIST) --durations=25 $(PYTEST_ARGS)
 
 # The unit tier only: equations, readers, in-process models (minutes); the Triton kernels' own exactness
 # tests (in Triton's interpreter, minutes on a CPU) run in `make test`.

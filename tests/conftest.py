@@ -11,9 +11,14 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 # `make test` runs pytest-xdist workers, one per core: each worker (and what it starts) computes
-# on one thread, so the workers do not oversubscribe the cores. A plain `pytest` uses two.
+# on one thread, so the workers do not oversubscribe the cores. A plain `pytest` uses two. The
+# xdist controller loads this file too, before it starts the workers, which inherit its
+# environment: its default must not pass for a user's choice there (two threads per worker
+# made files 8-17x slower beside the other worker). A user's OMP_NUM_THREADS is kept everywhere.
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
-os.environ.setdefault("OMP_NUM_THREADS", "1" if XDIST_WORKER else "2")
+_THREADS_CHOSEN_HERE = "LATENT_TESTS_DEFAULT_THREADS"
+if "OMP_NUM_THREADS" not in os.environ or os.environ.get(_THREADS_CHOSEN_HERE) == os.environ["OMP_NUM_THREADS"]:
+    os.environ["OMP_NUM_THREADS"] = os.environ[_THREADS_CHOSEN_HERE] = "1" if XDIST_WORKER else "2"
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # Where no GPU is, the Triton kernels (attention_kernel=triton) run in Triton's interpreter: the variable must be
 # set before latent_core.sdma.triton_kernels is first imported (and it is inherited by the CLIs the tests start).

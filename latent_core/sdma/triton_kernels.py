@@ -46,6 +46,9 @@ from latent_core.sdma.mixture import LOGVAR_RANGE
 from latent_core.sdma.options import AUTHORS_EPS, LOG_2PI, SDMAConfigError
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# whether Triton's own functions (tl.max, ...) were made for the interpreter: triton.language reads the variable when
+# first imported, which may have been before it was set
+_LANGUAGE_INTERPRETED = not isinstance(tl.max, triton.runtime.jit.JITFunction)
 PAPER_MASK_FLOOR = 1e-6  # the paper reading's floor on M (latent_core.sdma.attention._MASK_FLOOR)
 _NEG = -1.0e30  # the score of a blocked key (finite: a row with every key blocked stays NaN-free)
 
@@ -89,6 +92,11 @@ def check_supported(*tensors: Tensor, option: str = "attention_kernel=triton") -
         if tensor.dtype == torch.float64:
             raise SDMAConfigError(f"{option}: float64 tensors are not supported by the Triton kernels (no float64 "
                                   "GPU path); use float32/float16/bfloat16, or attention_kernel=explicit")
+        if tensor.device.type != "cuda" and INTERPRETED and not _LANGUAGE_INTERPRETED:
+            raise SDMAConfigError(
+                f"{option}: TRITON_INTERPRET=1 was set after triton.language had been imported (by torch.utils."
+                "flop_counter, for one), so Triton's own functions are not interpreted; set it before starting "
+                "Python (TRITON_INTERPRET=1 python ...) or before the first import of torch.utils.flop_counter")
         if tensor.device.type != "cuda" and not INTERPRETED:
             raise SDMAConfigError(
                 f"{option}: the Triton kernels run on CUDA devices; for a {tensor.device.type} tensor set "

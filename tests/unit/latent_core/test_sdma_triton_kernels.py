@@ -320,3 +320,19 @@ def test_a_planted_clustering_defect_fails():
     got = module.gaussian_clustering(x, gmm.means, gmm.log_vars, gmm.prior_logits)[0]
     want = gmm.log_joint(x.view(x.size(0), gmm.groups, gmm.dim))
     assert not torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_an_interpreter_switched_on_after_triton_language_was_imported_is_refused_by_name():
+    """Triton makes its own functions (tl.max, ...) for the interpreter only if TRITON_INTERPRET=1 when
+    triton.language is first imported (torch.utils.flop_counter imports it): set later, a kernel would fail
+    inside the interpreter with "Cannot call @triton.jit'd outside of the scope of a kernel"."""
+    import os
+    import subprocess
+
+    code = ("import torch.utils.flop_counter, os; os.environ['TRITON_INTERPRET'] = '1'; import torch; "
+            "from latent_core.sdma.triton_kernels import check_supported; check_supported(torch.zeros(2))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          cwd=Path(__file__).resolve().parents[3])
+    assert proc.returncode != 0
+    assert "SDMAConfigError: attention_kernel=triton: TRITON_INTERPRET=1 was set after triton.language" in proc.stderr

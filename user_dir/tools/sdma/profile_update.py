@@ -40,10 +40,16 @@ from pathlib import Path
 from typing import Dict, Sequence
 
 import torch
-from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
 
-from latent_core.op_counts import count_launches, count_traffic
+# On a CPU the Triton variants run in Triton's interpreter. Triton reads the variable when triton.language is first
+# imported, which torch.utils.flop_counter (through latent_core.op_counts, below) already does: set it first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from torch.autograd import DeviceType  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from latent_core.op_counts import count_launches, count_traffic  # noqa: E402
 from pipelines.runs import print_table, write_json
 from latent_core.sdma import READINGS
 from user_dir.tools.sdma.step_timing import (MODELS, STEP_CONFIGS, StepSetting, build_for_updates, forward_backward,
@@ -194,8 +200,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: no CUDA device is visible (use --device cpu)")
-    if torch.device(args.device).type != "cuda" and any(VARIANTS[name][1] == "triton" for name in args.models):
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the Triton kernels are first imported
     setting = StepSetting(sentences=args.sentences, tokens=args.tokens, reading=args.reading)
     try:
         report = profile_updates(args.config, setting, args.device, args.updates, args.warmup,
