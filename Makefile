@@ -3,9 +3,9 @@ PYTHON_VENV := .venv/bin/python
 STAMP := .venv/.install-stamp
 DEMO_MINUTES ?= 11
 PYTEST_ARGS ?=
-# pytest-xdist workers for `make test` (one per core of the 2-core CI machine); each test file
-# runs whole on one worker, so its module fixtures are built once. The unit tier alone gains
-# nothing from them (5-6 minutes either way on 2 cores), so `make test-fast` runs in one process.
+# pytest-xdist workers for `make test` and `make test-fast` (one per core of the 2-core CI machine);
+# each test file runs whole on one worker, so its module fixtures are built once, and each worker
+# computes on one thread (tests/conftest.py).
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadfile
 
@@ -27,7 +27,7 @@ test: install
 # The unit tier only: equations, readers, in-process models (minutes); the Triton kernels' own exactness
 # tests (in Triton's interpreter, minutes on a CPU) run in `make test`.
 test-fast: install
-	$(PYTHON_VENV) -m pytest tests/unit -m "not integration and not interpreter" $(PYTEST_ARGS)
+	$(PYTHON_VENV) -m pytest tests/unit -m "not integration and not interpreter" $(XDIST) $(PYTEST_ARGS)
 
 # fairseq's and ESPnet's own tests (pinned sdists from PyPI, cached in .cache/toolkit-tests/) with the
 # plugin's classes substituted, in each SDMA mode and reading; fails on a failure that

@@ -1,13 +1,14 @@
-"""transformers' ``Trainer`` for a model with SDMA: the regularisers of eq. (24) added to the task loss in
-training, and the mixing weight g of eq. (11) following the optimizer's update count.
+"""transformers' ``Trainer`` and ``Seq2SeqTrainer`` for a model with SDMA: the regularisers of eq. (24) added to the
+task loss in training, and the mixing weight g of eq. (11) following the optimizer's update count.
 
     trainer = SDMATrainer(model=attach_sdma(model), args=TrainingArguments(...), train_dataset=...)
+    trainer = SDMASeq2SeqTrainer(model=attach_sdma(bart), args=Seq2SeqTrainingArguments(...), ...)
     trainer.train()
 """
 
 from typing import Dict, Optional
 
-from transformers import Trainer, TrainerCallback
+from transformers import Seq2SeqTrainer, Trainer, TrainerCallback
 
 from transformers_plugin.attention import sdma_loss, set_sdma_updates
 
@@ -25,10 +26,11 @@ class SDMAUpdatesCallback(TrainerCallback):
             set_sdma_updates(model, state.global_step)
 
 
-class SDMATrainer(Trainer):
-    """``Trainer`` whose training loss is the model's task loss plus :func:`~transformers_plugin.sdma_loss` of the
-    same forward (``sdma_weights``: the lambdas by the field names of ``SDMALossWeights``); evaluation losses are the
-    task's alone. Adds :class:`SDMAUpdatesCallback`."""
+class SDMALossMixin:
+    """Before a transformers trainer class: its training loss becomes the model's task loss plus
+    :func:`~transformers_plugin.sdma_loss` of the same forward (``sdma_weights``: the lambdas by the field names of
+    ``SDMALossWeights``); evaluation losses (and ``Seq2SeqTrainer``'s generation) stay the task's. Adds
+    :class:`SDMAUpdatesCallback`."""
 
     def __init__(self, *args, sdma_weights: Optional[Dict[str, float]] = None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -40,3 +42,11 @@ class SDMATrainer(Trainer):
         if model.training:
             loss = loss + sdma_loss(self.accelerator.unwrap_model(model), self.sdma_weights).to(loss.dtype)
         return (loss, outputs) if return_outputs else loss
+
+
+class SDMATrainer(SDMALossMixin, Trainer):
+    """``Trainer`` with :class:`SDMALossMixin`."""
+
+
+class SDMASeq2SeqTrainer(SDMALossMixin, Seq2SeqTrainer):
+    """``Seq2SeqTrainer`` with :class:`SDMALossMixin` (``predict_with_generate`` decodes with ``generate()``)."""

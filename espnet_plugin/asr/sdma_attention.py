@@ -307,3 +307,64 @@ def sdma_options_from_conf(conf_name: str, sdma_conf: Optional[dict], preset: di
     Errors name the YAML key, e.g. ``encoder_conf.sdma_conf.clusters=0: ...``.
     """
     return SDMAOptions.from_conf(sdma_conf, where=f"{conf_name}.sdma_conf", preset=preset)
+
+
+class SDMARelPositionMultiHeadedAttention(SDMAMultiHeadedAttention):
+    """SDMA in ESPnet's relative-position self-attention (the Conformer's ``rel_selfattn`` and
+    ``legacy_rel_selfattn``): the scores of Transformer-XL (Dai et al. 2019, Section 3.3) that ESPnet computes,
+    ((q + u) k^T + rel_shift((q + v) p^T)) / sqrt(d_k), with the positional term ``matrix_bd`` handed to the core as
+    the additive ``score_bias`` before eq. (1). The semantic mask of eq. (10) then multiplies the attention these
+    scores give; the clusterings are those of :class:`SDMAMultiHeadedAttention` (the query GMM clusters the scaled
+    projections W_q z / sqrt(d_k), without the content bias u).
+
+    Args: those of :class:`SDMAMultiHeadedAttention` (no ``qk_norm``: ESPnet's relative-position classes have none),
+    ``legacy`` (ESPnet's ``LegacyRelPositionMultiHeadedAttention``: positions 0 .. T-1 and its shift; else the
+    latest, ``RelPositionMultiHeadedAttention``, with 2T-1 relative positions) and ``zero_triu`` (ESPnet's option of
+    the same name). Parameters are ESPnet's: ``linear_pos``, ``pos_bias_u``, ``pos_bias_v``.
+
+    ``forward(query (B, T, D), key, value, pos_emb (1 or B, P, D), mask (B, 1, T) or (B, T, T))`` -> (B, T, D).
+    """
+
+    def __init__(self, n_head: int, n_feat: int, dropout_rate: float, *, sdma: SDMAOptions, group: str,
+                 legacy: bool = False, zero_triu: bool = False):
+        from espnet.nets.pytorch_backend.transformer.attention import (LegacyRelPositionMultiHeadedAttention,
+                                                                       RelPositionMultiHeadedAttention)
+
+        if group != "encoder_self":
+            raise ValueError(f"group={group!r}: relative-position SDMA attention is an encoder self-attention")
+        self.espnet_class = LegacyRelPositionMultiHeadedAttention if legacy else RelPositionMultiHeadedAttention
+        super().__init__(n_head, n_feat, dropout_rate, sdma=sdma, group=group)
+        self.zero_triu = zero_triu
+        self.linear_pos = nn.Linear(n_feat, n_feat, bias=False)
+        self.pos_bias_u = nn.Parameter(torch.empty(self.h, self.d_k))
+        self.pos_bias_v = nn.Parameter(torch.empty(self.h, self.d_k))
+        torch.nn.init.xavier_uniform_(self.pos_bias_u)
+        torch.nn.init.xavier_uniform_(self.pos_bias_v)
+        self._pos_emb: Optional[Tensor] = None
+
+    def rel_shift(self, x: Tensor) -> Tensor:
+        return self.espnet_class.rel_shift(self, x)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, pos_emb: Tensor, mask: Optional[Tensor]) -> Tensor:
+        if not self.sdma.active(self.training):  # ESPnet's own relative-position attention
+            return self.espnet_class.forward(self, query, key, value, pos_emb, mask)
+        self._pos_emb = pos_emb
+        try:
+            return super().forward(query, key, value, mask)
+        finally:
+            self._pos_emb = None
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, resp_key: Tensor,
+                blocked: Optional[Tensor], authors: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+        """:meth:`SDMAMultiHeadedAttention._attend` with ESPnet's relative positions: ``q`` is already scaled, so
+        u and v enter as u / sqrt(d_k) and v / sqrt(d_k) (rel_shift moves entries, it is linear)."""
+        core = self.sdma
+        scale = self.d_k ** -0.5
+        pos_emb = self._pos_emb
+        p = self.linear_pos(pos_emb).view(pos_emb.size(0), -1, self.h, self.d_k).transpose(1, 2)  # (1|B, H, P, d_k)
+        matrix_bd = self.rel_shift(torch.matmul(q + (self.pos_bias_v * scale)[None, :, None, :], p.transpose(-2, -1)))
+        dropout_active = self.training and self.dropout.p > 0
+        return sdma_attention(
+            q + (self.pos_bias_u * scale)[None, :, None, :], k, v, resp_query, resp_key, core.mix_weight,
+            authors=authors, blocked=blocked, kernel=core.options.attention_kernel, need_weights=not self.training,
+            dropout=self.dropout, dropout_p=self.dropout.p if dropout_active else 0.0, score_bias=matrix_bd)

@@ -4,6 +4,7 @@ ESPnet has no plugin registry: ``espnet2.tasks.asr`` picks classes from module-l
 ``ClassChoices``. Importing this module (``import espnet_plugin`` does) adds
 
 * ``encoder: sdma_transformer`` -> :class:`SDMATransformerEncoder`
+* ``encoder: sdma_conformer``   -> :class:`SDMAConformerEncoder`
 * ``decoder: sdma_transformer`` -> :class:`SDMATransformerDecoder`
 * ``model: sdma``               -> :class:`ESPnetSDMAASRModel`
 
@@ -19,12 +20,14 @@ import torch
 from espnet2.tasks import asr as espnet_asr
 
 from espnet_plugin.asr.decoder.sdma_transformer_decoder import SDMATransformerDecoder
+from espnet_plugin.asr.encoder.sdma_conformer_encoder import SDMAConformerEncoder
 from espnet_plugin.asr.encoder.sdma_transformer_encoder import SDMATransformerEncoder
 from espnet_plugin.asr.sdma_espnet_model import ESPnetSDMAASRModel
 from espnet_plugin.safe_loading import weights_only_loading
 
 PLUGIN_CLASSES = (
     (espnet_asr.encoder_choices, "sdma_transformer", SDMATransformerEncoder),
+    (espnet_asr.encoder_choices, "sdma_conformer", SDMAConformerEncoder),
     (espnet_asr.decoder_choices, "sdma_transformer", SDMATransformerDecoder),
     (espnet_asr.model_choices, "sdma", ESPnetSDMAASRModel),
 )

@@ -121,7 +121,7 @@ def test_bad_input_is_a_named_error():
         attach_sdma(bert(), num_clusters=4)
     with pytest.raises(SDMAConfigError, match="clusters"):
         attach_sdma(bert(), clusters=0)
-    with pytest.raises(SDMAConfigError, match="no self-attention module SDMA knows"):
+    with pytest.raises(SDMAConfigError, match="no attention module SDMA knows"):
         attach_sdma(torch.nn.Linear(2, 2))
     model = attach_sdma(bert(), reading="paper")
     with pytest.raises(SDMAConfigError, match="attached twice"):

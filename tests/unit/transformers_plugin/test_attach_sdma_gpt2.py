@@ -150,3 +150,23 @@ def test_save_pretrained_and_reload(tmp_path):
     with pytest.raises(SDMAConfigError, match="no 'sdma' entry"):
         from_pretrained_with_sdma(GPT2LMHeadModel, plain)
 
+
+
+@pytest.mark.parametrize("reading", ["authors", "paper"])
+@pytest.mark.parametrize("padding", [False, True])
+def test_training_forward_does_not_see_the_future(reading, padding):
+    """Changing a later token leaves the earlier positions' logits alone. Without padding transformers hands the
+    attention no mask at all (sdpa's is_causal flag carries causality), which the SDMA function must not read as
+    'attend everywhere'."""
+    model = attach_sdma(gpt2(), mode="sdma", reading=reading, noise_var=0.0)
+    set_sdma_updates(model, 3000)
+    model.train()
+    inputs = batch()
+    mask = inputs["attention_mask"] if padding else torch.ones_like(inputs["attention_mask"])
+    changed = inputs["input_ids"].clone()
+    changed[:, 5] = (changed[:, 5] + 1 - 3) % 37 + 3
+    with torch.no_grad():
+        before = model(input_ids=inputs["input_ids"], attention_mask=mask).logits
+        after = model(input_ids=changed, attention_mask=mask).logits
+    torch.testing.assert_close(after[:, :5], before[:, :5], atol=1e-6, rtol=1e-6)
+    assert (after[:, 5:] - before[:, 5:]).abs().max() > 1e-4
