@@ -154,9 +154,8 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         core = self.sdma
         if not core.active(self.training):
             return super().forward(query, key, value, mask, expand_kv)
-        if expand_kv:
-            raise ESPnetConfigError("SDMA attention has no partially autoregressive decoding (expand_kv): decode with "
-                                    "the autoregressive beam search")
+        if expand_kv:  # partially autoregressive decoding: one memory (B = 1) for n_mask * n_beam queries
+            key, value = (t[:1].expand(query.size(0), *t.shape[1:]) for t in (key, value))
         # the recording scope and the decoder's real positions
         need_losses = core.computes_regularisers()
         real_queries = None if self.is_self_attention else current_real_queries()

@@ -23,8 +23,10 @@ from latent_core.sdma import real_queries
 class SDMATransformerDecoder(TransformerDecoder):
     """ESPnet2's ``TransformerDecoder`` with SDMA decoder self-attention and cross-attention.
 
-    It keeps ESPnet's batch scorer interface (``score``, ``batch_score``), so
-    ``BatchBeamSearch`` with CTC prefix scoring works unchanged. ESPnet caches layer
+    It keeps ESPnet's batch scorer interface (``score``, ``batch_score``, and ``batch_score_partially_AR`` for
+    ``Speech2Text(partially_ar=...)``: the masked positions' queries over one encoder output, ESPnet's
+    ``expand_kv``), so ``BatchBeamSearch`` with CTC prefix scoring and ESPnet's partially autoregressive
+    decoding work unchanged. ESPnet caches layer
     outputs, not keys: every step re-clusters the whole prefix, so incremental scores
     equal full-sequence scores for both ``mask_at_inference`` settings.
 
@@ -118,6 +120,3 @@ class SDMATransformerDecoder(TransformerDecoder):
         with real_queries(~make_pad_mask(ys_in_lens, maxlen=ys_in_pad.size(1)).to(ys_in_pad.device)):
             return super().forward(hs_pad, hlens, ys_in_pad, ys_in_lens, return_hs, return_all_hs)
 
-    def forward_partially_AR(self, *args: Any, **kwargs: Any):
-        raise ESPnetConfigError("SDMATransformerDecoder has no partially autoregressive decoding: decode with the "
-                                "autoregressive beam search (no partially_ar in the decode config)")
