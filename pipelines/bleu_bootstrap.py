@@ -1,0 +1,53 @@
+"""sacreBLEU's per-sentence statistics and a paired percentile bootstrap over test sentences, for run drivers that
+compare systems trained over several seeds (``sdma-readings-runs``, ``sdma-learning-curves``, the demo,
+``transformers-sdma-mt``). Imports no toolkit (sacreBLEU inside the functions)."""
+
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+
+
+def sentence_statistics(hypotheses: Sequence[str], references: Sequence[str]) -> np.ndarray:
+    """sacreBLEU's sufficient statistics per sentence, ``[N, 2 + 2 * 4]`` (what its own paired
+    bootstrap resamples)."""
+    from sacrebleu.metrics import BLEU
+
+    if len(hypotheses) != len(references):
+        raise SystemExit(f"{len(hypotheses)} hypotheses for {len(references)} references")
+    return np.asarray(BLEU()._extract_corpus_statistics(list(hypotheses), [list(references)]), dtype=np.int64)
+
+
+def corpus_bleu_of(stats: np.ndarray) -> float:
+    from sacrebleu.metrics import BLEU
+
+    return BLEU()._compute_score_from_stats(stats.sum(0).tolist()).score
+
+
+def paired_bootstrap(stats: Dict[str, List[np.ndarray]], resamples: int, seed: int,
+                     comparisons: Sequence[Tuple[str, str]], level: float = 0.95) -> Dict:
+    """Seed-mean BLEU of each system and of each difference ``a - b`` in ``comparisons``, with percentile
+    intervals from ``resamples`` resamples of the test sentences shared by every run (paired).
+
+    ``stats``: per system, each seed's :func:`sentence_statistics`."""
+    rng = np.random.default_rng(seed)
+    n = next(iter(stats.values()))[0].shape[0]
+    draws = {system: [] for system in stats}
+    for _ in range(resamples):
+        index = rng.integers(0, n, n)
+        for system, runs in stats.items():
+            draws[system].append(np.mean([corpus_bleu_of(s[index]) for s in runs]))
+    low, high = 100 * (1 - level) / 2, 100 * (1 + level) / 2
+    out = {"systems": {}, "comparisons": {}, "resamples": resamples, "level": level}
+    for system, runs in stats.items():
+        values = np.array(draws[system])
+        out["systems"][system] = {"bleu": float(np.mean([corpus_bleu_of(s) for s in runs])),
+                                  "interval": [float(np.percentile(values, low)), float(np.percentile(values, high))]}
+    for a, b in comparisons:
+        if a in stats and b in stats:
+            diff = np.array(draws[a]) - np.array(draws[b])
+            out["comparisons"][f"{a} - {b}"] = {
+                "difference": out["systems"][a]["bleu"] - out["systems"][b]["bleu"],
+                "interval": [float(np.percentile(diff, low)), float(np.percentile(diff, high))],
+                "share_of_resamples_above_zero": float((diff > 0).mean()),
+            }
+    return out
