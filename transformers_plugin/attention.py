@@ -33,6 +33,7 @@ key/value head per query head whose key/value weights are the shared head's copi
 
 import contextlib
 import dataclasses
+import os
 import sys
 import weakref
 from pathlib import Path
@@ -254,15 +255,13 @@ def attach_sdma(model: nn.Module, decoder_mask_at_inference: bool = False, **opt
         module.sdma = core
         module.register_forward_pre_hook(_draw_sample, with_kwargs=True)
         _FAMILY[module] = family
-    # a cross-attention's queries are its decoder layer's: the self-attention of the same parent module
-    named = {name: module for name, module, _ in modules}
+    # a cross-attention's queries are its decoder layer's: the decoder self-attention whose name shares the longest
+    # prefix with its own (BART: layers.3.self_attn for layers.3.encoder_attn; T5: block.3.layer.0.SelfAttention for
+    # block.3.layer.1.EncDecAttention)
+    decoder_selves = [(name, module) for name, module, _ in modules if module.sdma.sdma_group == DECODER_SELF]
     for name, module, _ in modules:
-        if module.sdma.sdma_group == DECODER_CROSS:
-            layer = name.rsplit(".", 2)[0] if name.count(".") >= 2 else ""
-            partner = next((m for n, m in named.items() if m.sdma.sdma_group == DECODER_SELF
-                            and n.startswith(layer + ".")), None)
-            if partner is not None:
-                _PARTNER[module] = partner
+        if module.sdma.sdma_group == DECODER_CROSS and decoder_selves:
+            _PARTNER[module] = max(decoder_selves, key=lambda item: len(os.path.commonprefix([item[0], name])))[1]
     AttentionInterface.register(SDMA_ATTENTION, sdma_attention_forward)
     ALL_MASK_ATTENTION_FUNCTIONS.register(SDMA_ATTENTION, sdpa_mask)
     model.set_attn_implementation(SDMA_ATTENTION)

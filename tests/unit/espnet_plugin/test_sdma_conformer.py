@@ -139,3 +139,26 @@ def test_bad_config_names_the_key(overrides, message):
     conf = {**SIZES, **overrides}
     with pytest.raises((ESPnetConfigError, ValueError), match=message):
         SDMAConformerEncoder(**conf)
+
+
+@pytest.mark.parametrize("name", ["train_asr_conformer.yaml", "train_asr_sdma_conformer.yaml"])
+def test_the_synthetic_recipes_conformer_configs_build_their_encoder(name):
+    """``run_synthetic.py --systems conformer sdma_conformer``: the configs build ESPnet's Conformer and the SDMA one
+    with the same sizes, everything else as the transformer pair's configs."""
+    import yaml
+
+    from conftest import REPO
+    from espnet_plugin.recipes.synthetic import DEFAULT_SYSTEMS, SYSTEMS
+
+    conf = REPO / "examples" / "aishell_sdma" / "asr1" / "conf" / "synthetic"
+    config = yaml.safe_load((conf / name).read_text(encoding="utf-8"))
+    twin = yaml.safe_load((conf / name.replace("conformer", "transformer")).read_text(encoding="utf-8"))
+    assert {k: v for k, v in config.items() if k not in ("encoder", "encoder_conf")} == \
+        {k: v for k, v in twin.items() if k not in ("encoder", "encoder_conf")}
+    assert name in SYSTEMS.values() and not any("conformer" in system for system in DEFAULT_SYSTEMS)
+    torch.manual_seed(0)
+    encoder = encoder_choices.get_class(config["encoder"])(input_size=80, **config["encoder_conf"])
+    want = SDMAConformerEncoder if "sdma" in name else ConformerEncoder
+    assert type(encoder) is want
+    out, lengths, _ = encoder(torch.randn(2, 60, 80), torch.tensor([60, 44]))
+    assert out.shape[-1] == 128 and lengths.max() == out.size(1)

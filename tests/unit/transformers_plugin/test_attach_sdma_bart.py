@@ -259,3 +259,11 @@ def test_seq2seq_trainer_trains_with_the_regularisers(tmp_path):
     regulariser = sdma_loss(model)
     torch.manual_seed(1)
     torch.testing.assert_close(total, model(**inputs).loss + regulariser, atol=1e-5, rtol=1e-5)
+
+
+def test_each_cross_attention_reads_its_own_layers_decoder_positions():
+    from transformers_plugin.attention import _PARTNER
+
+    model = attach_sdma(seq2seq(), mode="sdma")
+    for layer in model.model.decoder.layers:
+        assert _PARTNER[layer.encoder_attn] is layer.self_attn

@@ -107,3 +107,11 @@ def test_save_pretrained_and_reload(tmp_path):
     reloaded = save_and_reload(model, T5ForConditionalGeneration, tmp_path)
     with torch.no_grad():
         torch.testing.assert_close(reloaded(**batch()).logits, model.eval()(**batch()).logits, rtol=0, atol=0)
+
+
+def test_each_cross_attention_reads_its_own_blocks_decoder_positions():
+    from transformers_plugin.attention import _PARTNER
+
+    model = attach_sdma(t5(), mode="sdma")
+    for block in model.decoder.block:
+        assert _PARTNER[block.layer[1].EncDecAttention] is block.layer[0].SelfAttention
