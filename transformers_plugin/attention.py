@@ -382,9 +382,7 @@ def sdma_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value:
         query = query + (shift if family.rotate_query is None else family.rotate_query(module, shift, drawn.call_kwargs))
     if role == DECODER_CROSS and drawn.key_sample is not drawn.keys:  # the authors' keys: W_k of the noisy states
         key = key + family.project_key(module, drawn.key_sample - drawn.keys).view(B, S, -1, D).transpose(1, 2)
-    if key.size(1) != H:  # grouped-query attention: each query head attends to its group's key/value head
-        groups = H // key.size(1)
-        key, value = (t[:, :, None].expand(B, t.size(1), groups, S, D).reshape(B, H, S, D) for t in (key, value))
+    key, value = _repeat_key_value_heads(key, value, H)
     q = query * (D ** -0.5 if scaling is None else scaling)
     log_joint_k = log_resp_k = None
     if role == DECODER_CROSS:  # eq. (9) of the decoder's queries and the encoder's keys, one density evaluation
@@ -429,6 +427,16 @@ def sdma_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value:
     return out.transpose(1, 2).contiguous(), weights
 
 
+def _repeat_key_value_heads(key: Tensor, value: Tensor, heads: int) -> Tuple[Tensor, Tensor]:
+    """Grouped-query attention: ``[B, H_kv, S, d_k]`` key/value heads repeated to the ``heads`` query heads, each
+    query head its group's (transformers' ``repeat_kv``); unchanged when there are as many."""
+    if key.size(1) == heads:
+        return key, value
+    B, kv_heads, S, D = key.shape
+    return tuple(t[:, :, None].expand(B, kv_heads, heads // kv_heads, S, D).reshape(B, heads, S, D)
+                 for t in (key, value))
+
+
 def _blocked_keys(role: str, attention_mask: Optional[Tensor], authors: bool, T: int, S: int, device,
                   sliding_window: Optional[int]) -> Optional[Tensor]:
     """The keys each query may not attend to, bool ``[B or 1, 1, T, S]`` (True = blocked), or None. The mask
@@ -456,9 +464,7 @@ def _softmax_attention(module, query: Tensor, key: Tensor, value: Tensor, attent
     bias added, shared key/value heads repeated, the causal mask built where transformers left it to sdpa."""
     B, H, T, D = query.shape
     S = key.size(2)
-    if key.size(1) != H:
-        key, value = (t[:, :, None].expand(B, t.size(1), H // t.size(1), S, D).reshape(B, H, S, D)
-                      for t in (key, value))
+    key, value = _repeat_key_value_heads(key, value, H)
     scores = torch.matmul(query, key.transpose(-1, -2)).float() * (D ** -0.5 if scaling is None else scaling)
     if position_bias is not None:
         scores = scores + position_bias

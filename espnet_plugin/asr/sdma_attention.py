@@ -68,6 +68,17 @@ def check_flash_attn(conf: str, use_flash_attn: Optional[bool], options: SDMAOpt
     return False
 
 
+def check_features(encoder, xs_pad: Tensor) -> None:
+    """An encoder's input against the ``input_size`` it was built for (its ``input_layer`` other than ``embed``):
+    a named error instead of a shape error deep in the subsampling."""
+    if encoder.input_layer != "embed" and (xs_pad.dim() != 3 or xs_pad.size(-1) != encoder.input_size):
+        raise ValueError(
+            f"the encoder got features of shape {tuple(xs_pad.shape)} but was built for "
+            f"input_size={encoder.input_size} features per frame (frontend_conf.n_mels, or --input_size "
+            "in the training config): the features do not match the config"
+        )
+
+
 class SDMAMultiHeadedAttention(MultiHeadedAttention):
     """Multi-head attention with semantic (and disentangled) mask attention.
 
@@ -268,10 +279,16 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         weights (``self.attn``: attention plots), so they are asked for there (the explicit kernel)."""
         core = self.sdma
         dropout_active = self.training and self.dropout.p > 0
+        q, score_bias = self._position_terms(q)
         return sdma_attention(
             q, k, v, resp_query, resp_key, core.mix_weight, authors=authors, blocked=blocked,
             kernel=core.options.attention_kernel, need_weights=not self.training, dropout=self.dropout,
-            dropout_p=self.dropout.p if dropout_active else 0.0)
+            dropout_p=self.dropout.p if dropout_active else 0.0, score_bias=score_bias)
+
+    def _position_terms(self, q: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+        """(the queries of the content scores, an additive score bias or None) for scaled ``q``: the queries
+        themselves and no bias here; relative positions in :class:`SDMARelPositionMultiHeadedAttention`."""
+        return q, None
 
     def _query_valid(self, mask: Optional[Tensor], B: int, T1: int, query: Tensor,
                      real_queries: Optional[Tensor]) -> Tensor:
@@ -353,17 +370,12 @@ class SDMARelPositionMultiHeadedAttention(SDMAMultiHeadedAttention):
         finally:
             self._pos_emb = None
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, resp_key: Tensor,
-                blocked: Optional[Tensor], authors: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
-        """:meth:`SDMAMultiHeadedAttention._attend` with ESPnet's relative positions: ``q`` is already scaled, so
-        u and v enter as u / sqrt(d_k) and v / sqrt(d_k) (rel_shift moves entries, it is linear)."""
-        core = self.sdma
+    def _position_terms(self, q: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+        """ESPnet's relative-position scores for scaled ``q`` (B, H, T, d_k): the content queries q + u / sqrt(d_k)
+        and ``matrix_bd`` = rel_shift((q + v / sqrt(d_k)) p^T) as the score bias (rel_shift moves entries, it is
+        linear)."""
         scale = self.d_k ** -0.5
         pos_emb = self._pos_emb
         p = self.linear_pos(pos_emb).view(pos_emb.size(0), -1, self.h, self.d_k).transpose(1, 2)  # (1|B, H, P, d_k)
         matrix_bd = self.rel_shift(torch.matmul(q + (self.pos_bias_v * scale)[None, :, None, :], p.transpose(-2, -1)))
-        dropout_active = self.training and self.dropout.p > 0
-        return sdma_attention(
-            q + (self.pos_bias_u * scale)[None, :, None, :], k, v, resp_query, resp_key, core.mix_weight,
-            authors=authors, blocked=blocked, kernel=core.options.attention_kernel, need_weights=not self.training,
-            dropout=self.dropout, dropout_p=self.dropout.p if dropout_active else 0.0, score_bias=matrix_bd)
+        return q + (self.pos_bias_u * scale)[None, :, None, :], matrix_bd

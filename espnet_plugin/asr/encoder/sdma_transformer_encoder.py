@@ -11,6 +11,7 @@ from typeguard import typechecked
 from espnet_plugin.asr.sdma_attention import (
     AISHELL_ENCODER_PRESET,
     SDMAMultiHeadedAttention,
+    check_features,
     check_flash_attn,
     check_transformer_conf,
     sdma_options_from_conf,
@@ -112,10 +113,5 @@ class SDMATransformerEncoder(TransformerEncoder):
     def forward(self, xs_pad: torch.Tensor, ilens: torch.Tensor, prev_states: torch.Tensor = None,
                 masks: torch.Tensor = None, ctc: CTC = None,
                 return_all_hs: bool = False) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        if self.input_layer != "embed" and (xs_pad.dim() != 3 or xs_pad.size(-1) != self.input_size):
-            raise ValueError(
-                f"the encoder got features of shape {tuple(xs_pad.shape)} but was built for "
-                f"input_size={self.input_size} features per frame (frontend_conf.n_mels, or --input_size "
-                "in the training config): the features do not match the config"
-            )
+        check_features(self, xs_pad)
         return super().forward(xs_pad, ilens, prev_states, masks, ctc, return_all_hs)
