@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Sequence
 
+import numpy as np
+
 from latent_core.errors import option_flag
 from pipelines import kaldi_data as kaldi  # the Kaldi data-directory reader (toolkit-free)
 from pipelines.runs import REPO_ROOT, run_streaming
@@ -43,6 +45,7 @@ SPLITS = ("train", "dev", "test")
 SYSTEMS = {"sdma": "train_asr_sdma_transformer.yaml", "vanilla": "train_asr_transformer.yaml",
            "sdma_conformer": "train_asr_sdma_conformer.yaml", "conformer": "train_asr_conformer.yaml"}
 DEFAULT_SYSTEMS = ("sdma", "vanilla")  # the reported transformer pair; add the Conformer pair with --systems
+PAIRS = (("sdma", "vanilla"), ("sdma_conformer", "conformer"))  # the CER differences the score stage reports
 
 
 class PipelineError(RuntimeError):
@@ -208,33 +211,84 @@ def read_kaldi_text(path: Path) -> Dict[str, str]:
     return {uttid: text.replace(" ", "") for uttid, text in table.items()}
 
 
-def character_error_rate(refs: Dict[str, str], hyps: Dict[str, str]) -> Dict[str, float]:
-    """Corpus CER (edits / reference characters) and sentence error rate; missing hypotheses count as empty."""
+def utterance_errors(refs: Dict[str, str], hyps: Dict[str, str]) -> np.ndarray:
+    """``[N, 2]`` int64: character edits and reference characters of each test utterance (sorted ids); a missing
+    hypothesis counts as empty."""
     import editdistance
 
-    edits = sum(editdistance.eval(ref, hyps.get(uttid, "")) for uttid, ref in refs.items())
-    chars = sum(len(ref) for ref in refs.values())
+    return np.array([[editdistance.eval(refs[uttid], hyps.get(uttid, "")), len(refs[uttid])]
+                     for uttid in sorted(refs)], dtype=np.int64).reshape(-1, 2)
+
+
+def character_error_rate(refs: Dict[str, str], hyps: Dict[str, str]) -> Dict[str, float]:
+    """Corpus CER (edits / reference characters) and sentence error rate; missing hypotheses count as empty."""
+    edits, chars = utterance_errors(refs, hyps).sum(0).tolist()
     wrong = sum(hyps.get(uttid, "") != ref for uttid, ref in refs.items())
     return {"cer": 100.0 * edits / max(chars, 1), "ser": 100.0 * wrong / max(len(refs), 1),
             "edits": edits, "ref_chars": chars, "utterances": len(refs)}
 
 
+def paired_cer_bootstrap(errors: Dict[str, np.ndarray], resamples: int, seed: int = 1,
+                         level: float = 0.95) -> Dict[str, dict]:
+    """Percentile intervals of each system's corpus CER (%) and of ``SDMA - its vanilla pair`` from ``resamples``
+    resamples of the test utterances, the same utterances for every system (paired).
+
+    ``errors``: per system, :func:`utterance_errors` over the same utterances. Returns ``{"systems": {name:
+    [low, high]}, "comparisons": {"a - b": {"difference", "interval", "share_of_resamples_above_zero"}}}``."""
+    sizes = {len(e) for e in errors.values()}
+    if len(sizes) != 1 or 0 in sizes:
+        raise PipelineError(f"CER bootstrap: the systems were scored on {sorted(sizes)} utterances; "
+                            "decode every system on the same, non-empty test set")
+    n = sizes.pop()
+    index = np.random.default_rng(seed).integers(0, n, (resamples, n))
+    cer = {}
+    for system, e in errors.items():
+        totals = e[index].sum(1)  # [resamples, 2]
+        cer[system] = 100.0 * totals[:, 0] / np.maximum(totals[:, 1], 1)
+    low, high = 100 * (1 - level) / 2, 100 * (1 + level) / 2
+    out = {"systems": {s: [float(np.percentile(v, low)), float(np.percentile(v, high))] for s, v in cer.items()},
+           "comparisons": {}, "resamples": resamples, "level": level}
+    for a, b in PAIRS:
+        if a in errors and b in errors:
+            point = [100.0 * errors[s][:, 0].sum() / max(errors[s][:, 1].sum(), 1) for s in (a, b)]
+            diff = cer[a] - cer[b]
+            out["comparisons"][f"{a} - {b}"] = {
+                "difference": point[0] - point[1],
+                "interval": [float(np.percentile(diff, low)), float(np.percentile(diff, high))],
+                "share_of_resamples_above_zero": float((diff > 0).mean())}
+    return out
+
+
 def stage_score(args, work: Path, systems: Sequence[str]) -> Dict[str, dict]:
     refs = read_kaldi_text(work / "corpus" / "data" / "test" / "text")
-    results = {}
+    results, errors = {}, {}
     for system in systems:
         hyp_file = work / "exp" / system / "decode_test" / "1best_recog" / "text"
         if not hyp_file.is_file():
             raise PipelineError(f"{hyp_file}: missing; run the decode stage for {system}")
-        results[system] = character_error_rate(refs, read_kaldi_text(hyp_file))
-    return results
+        hyps = read_kaldi_text(hyp_file)
+        results[system] = character_error_rate(refs, hyps)
+        errors[system] = utterance_errors(refs, hyps)
+    bootstrap = paired_cer_bootstrap(errors, args.bootstrap_resamples)
+    for system, interval in bootstrap["systems"].items():
+        results[system]["cer_interval"] = interval
+    return {"systems": results, "comparisons": bootstrap["comparisons"],
+            "bootstrap": {"resamples": bootstrap["resamples"], "level": bootstrap["level"], "unit": "utterance"}}
 
 
-def format_results(results: Dict[str, dict]) -> str:
-    lines = [f"{'system':<14} {'CER %':>7} {'SER %':>7} {'edits':>7} {'chars':>7} {'utts':>5}"]
-    for system, r in results.items():
-        lines.append(f"{system:<14} {r['cer']:7.2f} {r['ser']:7.2f} {r['edits']:7d} {r['ref_chars']:7d} "
-                     f"{r['utterances']:5d}")
+def format_results(scored: Dict[str, dict]) -> str:
+    level = round(100 * scored["bootstrap"]["level"])
+    lines = [f"{'system':<14} {'CER %':>7} {f'{level}% interval':>15} {'SER %':>7} {'edits':>7} {'chars':>7} "
+             f"{'utts':>5}"]
+    for system, r in scored["systems"].items():
+        low, high = r["cer_interval"]
+        lines.append(f"{system:<14} {r['cer']:7.2f} {low:7.2f}-{high:<7.2f} {r['ser']:7.2f} {r['edits']:7d} "
+                     f"{r['ref_chars']:7d} {r['utterances']:5d}")
+    for name, c in scored["comparisons"].items():
+        lines.append(f"{name}: {c['difference']:+.2f} CER points ({c['interval'][0]:+.2f} to {c['interval'][1]:+.2f}; "
+                     f"{100 * c['share_of_resamples_above_zero']:.1f}% of resamples above 0)")
+    lines.append(f"paired bootstrap over the {next(iter(scored['systems'].values()))['utterances']} test utterances, "
+                 f"{scored['bootstrap']['resamples']} resamples, percentile intervals")
     return "\n".join(lines)
 
 
@@ -257,13 +311,15 @@ def parse_args(argv=None):
     parser.add_argument("--jobs", type=int, default=2, help="parallel speech synthesis jobs")
     parser.add_argument("--stage", choices=STAGES, default=STAGES[0], help="first stage to run")
     parser.add_argument("--stop-stage", choices=STAGES, default=STAGES[-1], help="last stage to run")
+    parser.add_argument("--bootstrap-resamples", type=int, default=10000,
+                        help="resamples of the test utterances for the CER intervals (paired bootstrap)")
     parser.add_argument("--python", default=sys.executable, help="interpreter with ESPnet and this repo")
     parser.add_argument("--ngpu", type=int, choices=(0, 1), default=0,
                         help="GPUs of every ESPnet stage (its --ngpu): statistics, training, decoding")
     parser.add_argument("--use-amp", action="store_true",
                         help="train with ESPnet's --use_amp true (CUDA autocast + GradScaler; needs --ngpu 1)")
     args = parser.parse_args(argv)
-    for name in ("num_sentences", "speakers_per_sentence", "jobs"):
+    for name in ("num_sentences", "speakers_per_sentence", "jobs", "bootstrap_resamples"):
         if getattr(args, name) < 1:
             parser.error(f"{option_flag(name)} must be >= 1")
     if args.use_amp and args.ngpu == 0:
@@ -303,9 +359,10 @@ def main(argv=None) -> int:
                     start = time.time()
                 continue
             elif stage == "score":
-                results = stage_score(args, work, args.systems)
-                print(format_results(results))
-                summary = {"results": results, "timings": timings,
+                scored = stage_score(args, work, args.systems)
+                print(format_results(scored))
+                summary = {"results": scored["systems"], "comparisons": scored["comparisons"],
+                           "bootstrap": scored["bootstrap"], "timings": timings,
                            "options": {k: str(v) for k, v in vars(args).items()}}
                 (work / "results.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False))
                 print(f"wrote {work / 'results.json'}")

@@ -59,12 +59,15 @@ def pipeline(tmp_path_factory):
 def test_driver_prints_cer_for_sdma_and_vanilla(pipeline):
     work, stdout = pipeline
     assert "system" in stdout and "CER %" in stdout
-    results = json.loads((work / "results.json").read_text())["results"]
-    assert set(results) == {"sdma", "vanilla"}
+    summary = json.loads((work / "results.json").read_text())
+    results = summary["results"]
+    assert set(results) == {"sdma", "vanilla"} and set(summary["comparisons"]) == {"sdma - vanilla"}
+    assert "sdma - vanilla:" in stdout and "paired bootstrap over the" in stdout
     n_test = len((work / "corpus" / "data" / "test" / "text").read_text(encoding="utf-8").splitlines())
     for system, result in results.items():
         assert result["utterances"] == n_test and result["ref_chars"] > 0
         assert result["cer"] == pytest.approx(100.0 * result["edits"] / result["ref_chars"])
+        assert result["cer_interval"][0] <= result["cer"] <= result["cer_interval"][1]
         hyps = (work / "exp" / system / "decode_test" / "1best_recog" / "text").read_text(encoding="utf-8")
         assert len(hyps.splitlines()) == n_test
     config = yaml.safe_load((work / "exp" / "sdma" / "config.yaml").read_text(encoding="utf-8"))
