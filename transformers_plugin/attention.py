@@ -56,6 +56,7 @@ from latent_core.sdma import (
     check_finite,
     collect_sdma_losses,
     recording,
+    scale_regulariser,
     sdma_attention,
     weighted_regulariser,
 )
@@ -278,11 +279,19 @@ def set_sdma_updates(model: nn.Module, num_updates: int) -> None:
             module.set_num_updates(num_updates)
 
 
-def sdma_loss(model: nn.Module, weights: Optional[Dict[str, float]] = None) -> Tensor:
+def sdma_loss(model: nn.Module, weights: Optional[Dict[str, float]] = None, regulariser_scale: Optional[str] = None,
+              num_tokens: Optional[float] = None) -> Tensor:
     """The regularisers of eq. (24) (lambda_k KL + lambda_q L_Dqq - lambda_x L_Dxq + lambda_d DV) of the model's
-    latest forward, averaged over its sequences: a 0-dim tensor to add to the task loss. ``weights``: the lambdas
-    by the field names of :class:`latent_core.sdma.SDMALossWeights` (``kl_weight``, ``dqq_weight``, ``dxq_weight``,
-    ``diversity_weight``; default Table I's)."""
+    latest forward: a 0-dim tensor to add to the task loss. ``weights``: the lambdas by the field names of
+    :class:`latent_core.sdma.SDMALossWeights` (``kl_weight``, ``dqq_weight``, ``dxq_weight``, ``diversity_weight``;
+    default Table I's).
+
+    Without ``regulariser_scale``: the mean over the batch's sequences. With it, next to a task loss that is a MEAN
+    over ``num_tokens`` items (the target tokens of a token-mean cross-entropy): fairseq's
+    ``--sdma-regulariser-scale`` divided by ``num_tokens``, so both toolkits weigh the terms alike. ``sentence``
+    (the authors' criterion: each sequence's regularisers added to the token-SUMMED cross-entropy) is their sum over
+    the sequences / ``num_tokens``; ``token`` the sequence mean (eq. 24 read with a per-token L_CE; ~tokens per
+    sequence times stronger); ``batch`` the sequence mean / ``num_tokens``."""
     records = _RECORDS.get(model)
     if records is None:
         raise SDMAConfigError("sdma_loss: no forward of this model with SDMA has run yet (call attach_sdma, then the "
@@ -293,10 +302,16 @@ def sdma_loss(model: nn.Module, weights: Optional[Dict[str, float]] = None) -> T
     if unknown:
         raise SDMAConfigError(f"sdma_loss: unknown weight(s) {', '.join(unknown)}; the weights are "
                               f"{', '.join(name[5:] for name in defaults)}")
+    if regulariser_scale is not None and (num_tokens is None or not num_tokens > 0):
+        raise SDMAConfigError(f"sdma_loss: regulariser_scale={regulariser_scale!r} needs num_tokens > 0 (the items "
+                              f"the task loss averages over), got {num_tokens!r}")
     weights = {**defaults, **given}
     terms = collect_sdma_losses(model, records)
     check_finite(terms, HF_ADVICE)
-    return weighted_regulariser(terms, weights).mean()
+    per_sequence = weighted_regulariser(terms, weights)
+    if regulariser_scale is None:
+        return per_sequence.mean()
+    return scale_regulariser(per_sequence, regulariser_scale, num_tokens) / float(num_tokens)
 
 
 def sdma_records(model: nn.Module) -> Dict[str, object]:

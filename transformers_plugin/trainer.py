@@ -8,7 +8,10 @@ task loss in training, and the mixing weight g of eq. (11) following the optimiz
 
 from typing import Dict, Optional
 
+import torch
 from transformers import Seq2SeqTrainer, Trainer, TrainerCallback
+
+from latent_core.sdma import REGULARISER_SCALES, SDMAConfigError
 
 from transformers_plugin.attention import sdma_loss, set_sdma_updates
 
@@ -30,17 +33,52 @@ class SDMALossMixin:
     """Before a transformers trainer class: its training loss becomes the model's task loss plus
     :func:`~transformers_plugin.sdma_loss` of the same forward (``sdma_weights``: the lambdas by the field names of
     ``SDMALossWeights``); evaluation losses (and ``Seq2SeqTrainer``'s generation) stay the task's. Adds
-    :class:`SDMAUpdatesCallback`."""
+    :class:`SDMAUpdatesCallback`.
 
-    def __init__(self, *args, sdma_weights: Optional[Dict[str, float]] = None, **kwargs):
+    ``sdma_regulariser_scale`` weighs the regularisers against the task loss as fairseq's
+    ``--sdma-regulariser-scale`` does: ``sentence`` (default; the authors' criterion) adds each sequence's
+    regularisers to a token-SUMMED cross-entropy, which here, where the task loss is a mean over its label tokens
+    (or, for one label per sequence, over the sequences), is their sum over the batch's sequences divided by the
+    number of label items (the Trainer's ``num_items_in_batch`` where it counts them); ``token`` is the sequence
+    mean (~tokens per sequence times stronger); ``batch`` the sequence mean / the label items."""
+
+    def __init__(self, *args, sdma_weights: Optional[Dict[str, float]] = None,
+                 sdma_regulariser_scale: str = "sentence", **kwargs):
+        if sdma_regulariser_scale not in REGULARISER_SCALES:
+            raise SDMAConfigError(f"sdma_regulariser_scale={sdma_regulariser_scale!r} is not one of "
+                                  f"{', '.join(REGULARISER_SCALES)}")
         super().__init__(*args, **kwargs)
         self.sdma_weights = sdma_weights
+        self.sdma_regulariser_scale = sdma_regulariser_scale
         self.add_callback(SDMAUpdatesCallback())
 
-    def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
-        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, **kwargs)
+    def _label_items(self, inputs) -> Optional[int]:
+        """The items the task loss averages over in this batch: label tokens (shifted for causal LMs, as the
+        Trainer counts them), or the sequences for one label each; None without labels."""
+        labels = inputs.get("labels") if isinstance(inputs, dict) else None
+        if not isinstance(labels, torch.Tensor):
+            return None
+        if labels.dim() < 2 or labels.is_floating_point():
+            return int(labels.shape[0])
+        if getattr(self, "_loss_shifts_labels", False):
+            labels = labels[..., 1:]
+        return int(labels.ne(-100).sum())
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None, **kwargs):
+        items = self._label_items(inputs)  # before the Trainer pops the labels
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch,
+                                             **kwargs)
         if model.training:
-            loss = loss + sdma_loss(self.accelerator.unwrap_model(model), self.sdma_weights).to(loss.dtype)
+            factor = 1.0
+            if num_items_in_batch is not None and items is not None:
+                # the task loss is then summed over this batch and divided by the count over the accumulated (and,
+                # averaging tokens across devices, the gathered) batches; the Trainer rescales it by the processes
+                items = float(num_items_in_batch)
+                if self.args.average_tokens_across_devices and self.args.world_size > 1:
+                    factor = float(self.accelerator.num_processes)
+            scale = self.sdma_regulariser_scale if items else None
+            regulariser = sdma_loss(self.accelerator.unwrap_model(model), self.sdma_weights, scale, items)
+            loss = loss + factor * regulariser.to(loss.dtype)
         return (loss, outputs) if return_outputs else loss
 
 

@@ -11,7 +11,10 @@ learned positions: BART's), trained for ``--updates`` updates with the demo's op
 2e-3, inverse-sqrt warm-up 400, weight decay 1e-4, label smoothing 0.1) and a batch of as many pairs as fit
 ``--max-tokens`` tokens at the training set's mean pair length (fairseq's ``--max-tokens 4096`` by tokens; here a
 fixed number of pairs). SDMA: ``attach_sdma`` on the encoder self-attention, the decoder self-attention and the
-cross-attention, its regularisers added by ``SDMASeq2SeqTrainer``, g following the updates.
+cross-attention, its regularisers added by ``SDMASeq2SeqTrainer`` weighed as fairseq's criterion weighs them (each
+sentence's regularisers against its token-summed cross-entropy: ``sdma_regulariser_scale="sentence"``) with the
+fairseq runs' lambdas (``paper``: Table I's tiny row, lambda_q 50, lambda_x 5; ``authors``: their script's 100, 10),
+g following the updates.
 
 Evaluation, as ``sdma-readings-runs``: beam-5 hypotheses of the last weights on the 1,000 test pairs,
 sentencepiece-decoded, sacreBLEU (13a) against the raw references; a system's BLEU is the mean over its seeds, with
@@ -40,6 +43,9 @@ from pipelines.bleu_bootstrap import corpus_bleu_of, paired_bootstrap, sentence_
 from transformers_plugin.tools.runs import run_missing, seed_interval
 
 SYSTEMS = {"V-T": None, "SDMA-T paper": "paper", "SDMA-T authors": "authors"}
+# the loss weights fairseq's sdma_transformer_iwslt_de_en_tiny gives each reading in sdma-readings-runs: Table I's
+# tiny row (lambda_q 50, lambda_x 5) printed, the authors' IWSLT script (--mi_loss_weight 10: 100, 10) in theirs
+LOSS_WEIGHTS = {"paper": {"dqq_weight": 50.0, "dxq_weight": 5.0}, "authors": {"dqq_weight": 100.0, "dxq_weight": 10.0}}
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")
 
@@ -192,8 +198,11 @@ def run_one(args, system: str, seed: int, data: dict, pieces: Pieces, references
         adam_beta2=0.98, weight_decay=1e-4, label_smoothing_factor=0.1, max_grad_norm=0.0, logging_steps=100,
         save_strategy="no", report_to=[], use_cpu=True, seed=seed, data_seed=seed, dataloader_num_workers=0,
         remove_unused_columns=False, disable_tqdm=True)
-    trainer_class = Seq2SeqTrainer if SYSTEMS[system] is None else SDMASeq2SeqTrainer
-    trainer = trainer_class(model=model, args=training, train_dataset=data["train"], data_collator=collate)
+    if SYSTEMS[system] is None:
+        trainer = Seq2SeqTrainer(model=model, args=training, train_dataset=data["train"], data_collator=collate)
+    else:  # the regularisers weighed as fairseq's criterion does (sentence scale: summed over the sentences)
+        trainer = SDMASeq2SeqTrainer(model=model, args=training, train_dataset=data["train"], data_collator=collate,
+                                     sdma_weights=LOSS_WEIGHTS[SYSTEMS[system]], sdma_regulariser_scale="sentence")
     started = time.time()
     trainer.train()
     seconds = time.time() - started

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 from transformers import (BartConfig, BartForConditionalGeneration, MarianConfig, MarianMTModel, MBartConfig,
-                          MBartForConditionalGeneration, Seq2SeqTrainingArguments)
+                          MBartForConditionalGeneration, Seq2SeqTrainer, Seq2SeqTrainingArguments)
 
 from latent_core.sdma import SDMAConfigError, SDMACore, SDMAOptions, collect_sdma_losses, real_queries, recording
 from transformers_plugin import attach_sdma, sdma_loss
@@ -254,11 +254,31 @@ def test_seq2seq_trainer_trains_with_the_regularisers(tmp_path):
     assert predictions.predictions.shape[0] == 24 and "test_loss" in predictions.metrics
     model.train()
     inputs = {k: torch.stack([Pairs()[i][k] for i in range(8)]) for k in ("input_ids", "attention_mask", "labels")}
+    # fairseq's criterion weighs each sentence's regularisers against its token-SUMMED cross-entropy; next to the
+    # token-mean task loss that is their sum over the sentences / the label tokens (the default "sentence" scale)
+    tokens = int(inputs["labels"].ne(-100).sum())
     torch.manual_seed(1)
-    total = trainer.compute_loss(model, inputs)
-    regulariser = sdma_loss(model)
+    total = trainer.compute_loss(model, dict(inputs))
+    per_sentence_mean = sdma_loss(model)
     torch.manual_seed(1)
-    torch.testing.assert_close(total, model(**inputs).loss + regulariser, atol=1e-5, rtol=1e-5)
+    task = model(**inputs).loss
+    torch.testing.assert_close(total, task + per_sentence_mean * 8 / tokens, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sdma_loss(model, regulariser_scale="sentence", num_tokens=tokens),
+                               per_sentence_mean * 8 / tokens)
+    accumulated = torch.tensor(2 * tokens)  # the Trainer's count over two accumulated batches halves the term
+    torch.manual_seed(1)
+    halved = trainer.compute_loss(model, dict(inputs), num_items_in_batch=accumulated)
+    torch.manual_seed(1)
+    task_of_accumulated = Seq2SeqTrainer.compute_loss(trainer, model, dict(inputs), num_items_in_batch=accumulated)
+    torch.testing.assert_close(halved - task_of_accumulated, per_sentence_mean * 4 / tokens, atol=1e-5, rtol=1e-4)
+    trainer.sdma_regulariser_scale = "token"  # eq. (24) read with a per-token L_CE: the sentence mean
+    torch.manual_seed(1)
+    torch.testing.assert_close(trainer.compute_loss(model, dict(inputs)), task + per_sentence_mean, atol=1e-5,
+                               rtol=1e-5)
+    with pytest.raises(SDMAConfigError, match="sdma_regulariser_scale='mean' is not one of sentence, batch, token"):
+        SDMASeq2SeqTrainer(model=model, args=args, train_dataset=Pairs(), sdma_regulariser_scale="mean")
+    with pytest.raises(SDMAConfigError, match="needs num_tokens > 0"):
+        sdma_loss(model, regulariser_scale="sentence")
 
 
 def test_each_cross_attention_reads_its_own_layers_decoder_positions():
