@@ -42,11 +42,22 @@ def paired_bootstrap(stats: Dict[str, List[np.ndarray]], resamples: int, seed: i
         values = np.array(draws[system])
         out["systems"][system] = {"bleu": float(np.mean([corpus_bleu_of(s) for s in runs])),
                                   "interval": [float(np.percentile(values, low)), float(np.percentile(values, high))]}
+    out["comparisons"] = paired_differences({s: np.array(d) for s, d in draws.items()},
+                                            {s: v["bleu"] for s, v in out["systems"].items()}, comparisons, level)
+    return out
+
+
+def paired_differences(draws: Dict[str, np.ndarray], points: Dict[str, float], comparisons: Sequence[Tuple[str, str]],
+                       level: float = 0.95) -> Dict[str, Dict]:
+    """``{"a - b": {difference, interval, share_of_resamples_above_zero}}`` for the pairs of ``comparisons`` both
+    present, from each system's metric on the same resamples (``draws``) and on the whole test set (``points``)."""
+    low, high = 100 * (1 - level) / 2, 100 * (1 + level) / 2
+    out = {}
     for a, b in comparisons:
-        if a in stats and b in stats:
-            diff = np.array(draws[a]) - np.array(draws[b])
-            out["comparisons"][f"{a} - {b}"] = {
-                "difference": out["systems"][a]["bleu"] - out["systems"][b]["bleu"],
+        if a in draws and b in draws:
+            diff = draws[a] - draws[b]
+            out[f"{a} - {b}"] = {
+                "difference": points[a] - points[b],
                 "interval": [float(np.percentile(diff, low)), float(np.percentile(diff, high))],
                 "share_of_resamples_above_zero": float((diff > 0).mean()),
             }

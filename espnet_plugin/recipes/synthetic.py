@@ -36,6 +36,7 @@ import numpy as np
 
 from latent_core.errors import option_flag
 from pipelines import kaldi_data as kaldi  # the Kaldi data-directory reader (toolkit-free)
+from pipelines.bleu_bootstrap import paired_differences
 from pipelines.runs import REPO_ROOT, run_streaming
 
 RECIPE = REPO_ROOT / "examples" / "aishell_sdma" / "asr1"  # its conf/synthetic/*.yaml are the defaults
@@ -246,17 +247,9 @@ def paired_cer_bootstrap(errors: Dict[str, np.ndarray], resamples: int, seed: in
         totals = e[index].sum(1)  # [resamples, 2]
         cer[system] = 100.0 * totals[:, 0] / np.maximum(totals[:, 1], 1)
     low, high = 100 * (1 - level) / 2, 100 * (1 + level) / 2
-    out = {"systems": {s: [float(np.percentile(v, low)), float(np.percentile(v, high))] for s, v in cer.items()},
-           "comparisons": {}, "resamples": resamples, "level": level}
-    for a, b in PAIRS:
-        if a in errors and b in errors:
-            point = [100.0 * errors[s][:, 0].sum() / max(errors[s][:, 1].sum(), 1) for s in (a, b)]
-            diff = cer[a] - cer[b]
-            out["comparisons"][f"{a} - {b}"] = {
-                "difference": point[0] - point[1],
-                "interval": [float(np.percentile(diff, low)), float(np.percentile(diff, high))],
-                "share_of_resamples_above_zero": float((diff > 0).mean())}
-    return out
+    points = {s: 100.0 * e[:, 0].sum() / max(e[:, 1].sum(), 1) for s, e in errors.items()}
+    return {"systems": {s: [float(np.percentile(v, low)), float(np.percentile(v, high))] for s, v in cer.items()},
+            "comparisons": paired_differences(cer, points, PAIRS, level), "resamples": resamples, "level": level}
 
 
 def stage_score(args, work: Path, systems: Sequence[str]) -> Dict[str, dict]:

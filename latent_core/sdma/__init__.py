@@ -56,8 +56,9 @@ variant is one function of :class:`AttentionInputs` and one row of :data:`KERNEL
 """
 
 from latent_core.sdma.options import (  # noqa: F401
-    ATTENTION_KERNELS, AUTHORS_EPS, AUTHORS_POSTERIOR_VAR, LOSS_NAMES, LOSS_WEIGHTS, PAPER_POSTERIOR_VAR, READINGS,
-    REGULARISER_SCALES, REMOVED_OPTIONS, SDMA_MODES, SDMAConfigError, SDMALossWeights, SDMAOptions, check_loss_weight,
+    ATTENTION_KERNELS, AUTHORS_EPS, AUTHORS_POSTERIOR_VAR, AUTHORS_SCRIPT_LOSS_WEIGHTS, LOSS_NAMES, LOSS_WEIGHTS,
+    PAPER_POSTERIOR_VAR, READINGS, REGULARISER_SCALES, REMOVED_OPTIONS, SDMA_MODES, SMALLER_DISENTANGLEMENT_WEIGHTS,
+    SDMAConfigError, SDMALossWeights, SDMAOptions, check_loss_weight,
     mixing_weight, removed_option_message,
 )
 from latent_core.sdma.mixture import (  # noqa: F401

@@ -38,14 +38,14 @@ import numpy as np
 import torch
 
 from latent_core.errors import command_error
+from latent_core.sdma import AUTHORS_SCRIPT_LOSS_WEIGHTS, SMALLER_DISENTANGLEMENT_WEIGHTS
 from latent_core.redundancy import RedundancyAccumulator
 from pipelines.bleu_bootstrap import corpus_bleu_of, paired_bootstrap, sentence_statistics
 from transformers_plugin.tools.runs import run_missing, seed_interval
 
 SYSTEMS = {"V-T": None, "SDMA-T paper": "paper", "SDMA-T authors": "authors"}
-# the loss weights fairseq's sdma_transformer_iwslt_de_en_tiny gives each reading in sdma-readings-runs: Table I's
-# tiny row (lambda_q 50, lambda_x 5) printed, the authors' IWSLT script (--mi_loss_weight 10: 100, 10) in theirs
-LOSS_WEIGHTS = {"paper": {"dqq_weight": 50.0, "dxq_weight": 5.0}, "authors": {"dqq_weight": 100.0, "dxq_weight": 10.0}}
+# the loss weights fairseq's sdma_transformer_iwslt_de_en_tiny gives each reading in sdma-readings-runs
+LOSS_WEIGHTS = {"paper": SMALLER_DISENTANGLEMENT_WEIGHTS, "authors": AUTHORS_SCRIPT_LOSS_WEIGHTS}
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")
 

@@ -35,9 +35,11 @@ from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from latent_core.errors import check_heads_divide, check_positive_int, option_flag
 from latent_core.sdma import (
     ATTENTION_KERNELS,
+    AUTHORS_SCRIPT_LOSS_WEIGHTS,
     READINGS,
     REMOVED_OPTIONS,
     SDMA_MODES,
+    SMALLER_DISENTANGLEMENT_WEIGHTS,
     SDMAConfigError,
     SDMALossWeights,
     SDMAOptions,
@@ -63,11 +65,9 @@ def table_one_row(embed: int, ffn: int, heads: int, layers: int = 6, **sdma) -> 
     return {**sizes, **sdma}
 
 
-# Table I's tiny and Zh-En rows: lambda_q 50, lambda_x 5
-SMALLER_DISENTANGLEMENT = {"sdma_dqq_weight": 50.0, "sdma_dxq_weight": 5.0}
-# The authors' IWSLT'14 and WMT'14 scripts pass --mi_loss_weight 10 for every size, which their
-# criterion turns into lambda_q = 100, lambda_x = 10 (their L_Dqq carries a factor 10)
-AUTHORS_SCRIPT_WEIGHTS = {"sdma_dqq_weight": 100.0, "sdma_dxq_weight": 10.0}
+# the loss-weight settings of latent_core.sdma as this model's config fields
+SMALLER_DISENTANGLEMENT = {f"sdma_{name}": value for name, value in SMALLER_DISENTANGLEMENT_WEIGHTS.items()}
+AUTHORS_SCRIPT_WEIGHTS = {f"sdma_{name}": value for name, value in AUTHORS_SCRIPT_LOSS_WEIGHTS.items()}
 IWSLT_BASE = table_one_row(512, 1024, 4)
 # architecture -> its fields: the rows of Table I. The model's own name is the IWSLT'14 base row
 # (its config defaults); Zh-En has no script of the authors (Table I's weights in both readings).
