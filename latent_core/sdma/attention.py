@@ -324,12 +324,12 @@ def triton_kernel(x: AttentionInputs) -> Tuple[Tensor, None]:
     from latent_core.sdma.triton_kernels import mixed_attention
 
     return mixed_attention(x.q, x.k, x.v, x.resp_query, x.resp_key, x.mix, authors=x.authors, blocked=x.blocked,
-                           dropout_p=x.dropout_p), None
+                           dropout_p=x.dropout_p, score_bias=x.score_bias), None
 
 
 # The rows of KERNELS that add a score bias (T5's position bias, the Conformer's matrix_bd, ALiBi) to the scores of
 # eq. (1); the others refuse one by name.
-TAKES_SCORE_BIAS = frozenset({"explicit", "sdpa", "lowrank"})
+TAKES_SCORE_BIAS = frozenset({"explicit", "sdpa", "lowrank", "triton"})
 
 # The kernels of eq. (1), (2), (10), (11), by SDMAOptions.attention_kernel (``auto``: :func:`select_kernel`).
 # A new variant is one function of AttentionInputs -> (A_hat V [B, H, T, D], A_hat or None) and one row here;

@@ -12,9 +12,11 @@ ATen ops per attention module. Here they are five kernels per module and update:
   online softmax, never materialising the T x S matrices. M has rank C (M_ij = sum_c p(c|z_i) p(c|z_j)), so it
   is rebuilt per tile from the responsibilities. Exact in both readings: the authors' row normaliser r_i of the
   mask and their eps on the masked mass Z_i (rows whose masked mass is below eps are not renormalised to 1),
-  the paper's 1e-6 floor; padding and causal masks (any boolean mask broadcastable to ``[B, H, T, S]``);
-  attention dropout on A_hat (as the explicit kernel), drawn from Philox by (seed, position) and redrawn in
-  backward; fp16/bf16 inputs with fp32 accumulation. Backward: one kernel for the row sums it needs, one over
+  the paper's 1e-6 floor; padding and causal masks (any boolean mask broadcastable to ``[B, H, T, S]``); an
+  additive score bias before eq. (1) (T5's position bias, the Conformer's matrix_bd), tile by tile, with its
+  gradient (d scores, kept at ``[B, H, T, S]`` only when the bias is learned); attention dropout on A_hat (as
+  the explicit kernel), drawn from Philox by (seed, position) and redrawn in backward; fp16/bf16 inputs with
+  fp32 accumulation. Backward: one kernel for the row sums it needs, one over
   the queries per key block (dk, dv, dp(c|z_j)), one over the keys per query block (dq, dp(c|z_i)).
 
 The backward of eq. (2) and (11) in closed form (A = softmax(s), W = M o A, Z_i = sum_j W_ij, N_i = max(Z_i,
@@ -337,6 +339,17 @@ def _allowed_tile(BLOCKED, offs_t, offs_s, mask_t, mask_s, stride_m_t, stride_m_
 
 
 @triton.jit
+def _add_score_bias(scores, BIAS, offs_t, offs_s, mask_t, mask_s, stride_bias_t, stride_bias_s,
+                    HAS_BIAS: tl.constexpr):
+    """The scores of the tile plus the score bias (a relative-position term added before eq. (1)), in fp32."""
+    if HAS_BIAS:
+        bias = tl.load(BIAS + offs_t[:, None] * stride_bias_t + offs_s[None, :] * stride_bias_s,
+                       mask=mask_t[:, None] & mask_s[None, :], other=0.0)
+        scores = scores + bias.to(tl.float32)
+    return scores
+
+
+@triton.jit
 def _dropout_scale(seed, dropout_p, bh, T, S, offs_t, offs_s):
     """1 / (1 - p) where the attention weight is kept, else 0 (Philox, by seed and position)."""
     keep = tl.rand(seed, (bh * T + offs_t[:, None]) * S + offs_s[None, :]) >= dropout_p
@@ -344,11 +357,12 @@ def _dropout_scale(seed, dropout_p, bh, T, S, offs_t, offs_s):
 
 
 @triton.jit
-def _attention_forward(Q, K, V, GQ, GK, BLOCKED, MIX, OUT, OUT_MASKED, STATS, MIX_USED,
+def _attention_forward(Q, K, V, GQ, GK, BLOCKED, BIAS, MIX, OUT, OUT_MASKED, STATS, MIX_USED,
                        s_q_b, s_q_h, s_q_t, s_q_d, s_k_b, s_k_h, s_k_s, s_k_d, s_v_b, s_v_h, s_v_s, s_v_d,
                        s_gq_b, s_gq_h, s_gq_t, s_gq_c, s_gk_b, s_gk_h, s_gk_s, s_gk_c, s_m_b, s_m_h, s_m_t, s_m_s,
-                       H, T, S, D, seed, dropout_p,
-                       C: tl.constexpr, AUTHORS: tl.constexpr, HAS_BLOCKED: tl.constexpr, DROPOUT: tl.constexpr,
+                       s_bias_b, s_bias_h, s_bias_t, s_bias_s, H, T, S, D, seed, dropout_p,
+                       C: tl.constexpr, AUTHORS: tl.constexpr, HAS_BLOCKED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       DROPOUT: tl.constexpr,
                        SAVE: tl.constexpr, EPS: tl.constexpr, FLOOR: tl.constexpr, NEG: tl.constexpr,
                        DOT_PRECISION: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -363,6 +377,7 @@ def _attention_forward(Q, K, V, GQ, GK, BLOCKED, MIX, OUT, OUT_MASKED, STATS, MI
     K, V = K + b * s_k_b + h * s_k_h, V + b * s_v_b + h * s_v_h
     GQ, GK = GQ + b * s_gq_b + h * s_gq_h, GK + b * s_gk_b + h * s_gk_h
     BLOCKED = BLOCKED + b * s_m_b + h * s_m_h
+    BIAS = BIAS + b * s_bias_b + h * s_bias_h
     row_max = tl.full((BLOCK_T,), NEG, tl.float32)
     row_sum = tl.zeros((BLOCK_T,), tl.float32)  # l_i = sum_j exp(s_ij - m_i)
     masked_sum = tl.zeros((BLOCK_T,), tl.float32)  # sum_j exp(s_ij - m_i) P_ij
@@ -375,6 +390,7 @@ def _attention_forward(Q, K, V, GQ, GK, BLOCKED, MIX, OUT, OUT_MASKED, STATS, MI
         k = tl.load(K + offs_s[None, :] * s_k_s + offs_d[:, None] * s_k_d, mask=mask_s[None, :] & mask_d[:, None],
                     other=0.0)
         scores = _dot(q, k, DOT_PRECISION)  # [BLOCK_T, BLOCK_S]
+        scores = _add_score_bias(scores, BIAS, offs_t, offs_s, mask_t, mask_s, s_bias_t, s_bias_s, HAS_BIAS)
         allowed = _allowed_tile(BLOCKED, offs_t, offs_s, mask_t, mask_s, s_m_t, s_m_s, HAS_BLOCKED)
         scores = tl.where(allowed, scores, NEG)
         new_max = tl.maximum(row_max, tl.max(scores, 1))
@@ -461,16 +477,17 @@ def _row_statistics(STATS, ROW_SUMS, bh, T, offs_t, mask_t):
 
 
 @triton.jit
-def _attention_backward_tile(q, k, v, grad_out, lse, norm_r, mass, dot_all, dot_masked, mix, GQ, GK, BLOCKED,
+def _attention_backward_tile(q, k, v, grad_out, lse, norm_r, mass, dot_all, dot_masked, mix, GQ, GK, BLOCKED, BIAS,
                              offs_t, offs_s, mask_t, mask_s, s_gq_t, s_gq_c, s_gk_s, s_gk_c, s_m_t, s_m_s,
-                             bh, T, S, seed, dropout_p,
-                             C: tl.constexpr, AUTHORS: tl.constexpr, HAS_BLOCKED: tl.constexpr,
+                             s_bias_t, s_bias_s, bh, T, S, seed, dropout_p,
+                             C: tl.constexpr, AUTHORS: tl.constexpr, HAS_BLOCKED: tl.constexpr, HAS_BIAS: tl.constexpr,
                              DROPOUT: tl.constexpr, EPS: tl.constexpr, FLOOR: tl.constexpr,
                              DOT_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
     """For one ``[BLOCK_T, BLOCK_S]`` tile: (d scores, d P for the responsibilities, the dropped A_hat), from the
     forward pass's row statistics (see the module docstring for the formulas)."""
     allowed = _allowed_tile(BLOCKED, offs_t, offs_s, mask_t, mask_s, s_m_t, s_m_s, HAS_BLOCKED)
     scores = _dot(q, tl.trans(k), DOT_PRECISION)
+    scores = _add_score_bias(scores, BIAS, offs_t, offs_s, mask_t, mask_s, s_bias_t, s_bias_s, HAS_BIAS)
     attn = tl.where(allowed, tl.exp(scores - lse[:, None]), 0.0)  # A
     product = _responsibility_product(GQ, GK, offs_t, offs_s, mask_t, mask_s, s_gq_t, s_gq_c, s_gk_s, s_gk_c,
                                       C, BLOCK_T, BLOCK_S)
@@ -501,12 +518,12 @@ def _attention_backward_tile(q, k, v, grad_out, lse, norm_r, mass, dot_all, dot_
 
 
 @triton.jit
-def _attention_backward_keys(Q, K, V, GQ, GK, BLOCKED, GRAD_OUT, STATS, ROW_SUMS, MIX_USED, GRAD_K, GRAD_V, GRAD_GK,
-                             s_q_b, s_q_h, s_q_t, s_q_d, s_k_b, s_k_h, s_k_s, s_k_d, s_v_b, s_v_h, s_v_s, s_v_d,
-                             s_gq_b, s_gq_h, s_gq_t, s_gq_c, s_gk_b, s_gk_h, s_gk_s, s_gk_c,
-                             s_m_b, s_m_h, s_m_t, s_m_s, s_g_b, s_g_h, s_g_t, s_g_d,
-                             H, T, S, D, seed, dropout_p,
-                             C: tl.constexpr, AUTHORS: tl.constexpr, HAS_BLOCKED: tl.constexpr,
+def _attention_backward_keys(Q, K, V, GQ, GK, BLOCKED, BIAS, GRAD_OUT, STATS, ROW_SUMS, MIX_USED, GRAD_K, GRAD_V,
+                             GRAD_GK, s_q_b, s_q_h, s_q_t, s_q_d, s_k_b, s_k_h, s_k_s, s_k_d, s_v_b, s_v_h, s_v_s,
+                             s_v_d, s_gq_b, s_gq_h, s_gq_t, s_gq_c, s_gk_b, s_gk_h, s_gk_s, s_gk_c,
+                             s_m_b, s_m_h, s_m_t, s_m_s, s_bias_b, s_bias_h, s_bias_t, s_bias_s,
+                             s_g_b, s_g_h, s_g_t, s_g_d, H, T, S, D, seed, dropout_p,
+                             C: tl.constexpr, AUTHORS: tl.constexpr, HAS_BLOCKED: tl.constexpr, HAS_BIAS: tl.constexpr,
                              DROPOUT: tl.constexpr, EPS: tl.constexpr, FLOOR: tl.constexpr,
                              DOT_PRECISION: tl.constexpr,
                              BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -524,6 +541,7 @@ def _attention_backward_keys(Q, K, V, GQ, GK, BLOCKED, GRAD_OUT, STATS, ROW_SUMS
     Q, GRAD_OUT = Q + b * s_q_b + h * s_q_h, GRAD_OUT + b * s_g_b + h * s_g_h
     GQ, GK = GQ + b * s_gq_b + h * s_gq_h, GK + b * s_gk_b + h * s_gk_h
     BLOCKED = BLOCKED + b * s_m_b + h * s_m_h
+    BIAS = BIAS + b * s_bias_b + h * s_bias_h
     mix = tl.load(MIX_USED)
     grad_k = tl.zeros((BLOCK_S, BLOCK_D), tl.float32)
     grad_v = tl.zeros((BLOCK_S, BLOCK_D), tl.float32)
@@ -537,9 +555,9 @@ def _attention_backward_keys(Q, K, V, GQ, GK, BLOCKED, GRAD_OUT, STATS, ROW_SUMS
         grad_out = grad_out.to(q.dtype)
         lse, norm_r, mass, dot_all, dot_masked = _row_statistics(STATS, ROW_SUMS, bh, T, offs_t, mask_t)
         grad_scores, grad_product, mixed = _attention_backward_tile(
-            q, k, v, grad_out, lse, norm_r, mass, dot_all, dot_masked, mix, GQ, GK, BLOCKED, offs_t, offs_s, mask_t,
-            mask_s, s_gq_t, s_gq_c, s_gk_s, s_gk_c, s_m_t, s_m_s, bh, T, S, seed, dropout_p, C, AUTHORS,
-            HAS_BLOCKED, DROPOUT, EPS, FLOOR, DOT_PRECISION, BLOCK_T, BLOCK_S)
+            q, k, v, grad_out, lse, norm_r, mass, dot_all, dot_masked, mix, GQ, GK, BLOCKED, BIAS, offs_t, offs_s,
+            mask_t, mask_s, s_gq_t, s_gq_c, s_gk_s, s_gk_c, s_m_t, s_m_s, s_bias_t, s_bias_s, bh, T, S, seed,
+            dropout_p, C, AUTHORS, HAS_BLOCKED, HAS_BIAS, DROPOUT, EPS, FLOOR, DOT_PRECISION, BLOCK_T, BLOCK_S)
         grad_v += _dot(tl.trans(mixed.to(grad_out.dtype)), grad_out, DOT_PRECISION)
         grad_k += _dot(tl.trans(grad_scores.to(q.dtype)), q, DOT_PRECISION)
         for c in tl.static_range(C):
@@ -552,12 +570,14 @@ def _attention_backward_keys(Q, K, V, GQ, GK, BLOCKED, GRAD_OUT, STATS, ROW_SUMS
 
 
 @triton.jit
-def _attention_backward_queries(Q, K, V, GQ, GK, BLOCKED, GRAD_OUT, STATS, ROW_SUMS, MIX_USED, GRAD_Q, GRAD_GQ,
-                                s_q_b, s_q_h, s_q_t, s_q_d, s_k_b, s_k_h, s_k_s, s_k_d, s_v_b, s_v_h, s_v_s, s_v_d,
-                                s_gq_b, s_gq_h, s_gq_t, s_gq_c, s_gk_b, s_gk_h, s_gk_s, s_gk_c,
-                                s_m_b, s_m_h, s_m_t, s_m_s, s_g_b, s_g_h, s_g_t, s_g_d,
-                                H, T, S, D, seed, dropout_p,
+def _attention_backward_queries(Q, K, V, GQ, GK, BLOCKED, BIAS, GRAD_OUT, STATS, ROW_SUMS, MIX_USED, GRAD_Q,
+                                GRAD_GQ, GRAD_BIAS, s_q_b, s_q_h, s_q_t, s_q_d, s_k_b, s_k_h, s_k_s, s_k_d,
+                                s_v_b, s_v_h, s_v_s, s_v_d, s_gq_b, s_gq_h, s_gq_t, s_gq_c,
+                                s_gk_b, s_gk_h, s_gk_s, s_gk_c,
+                                s_m_b, s_m_h, s_m_t, s_m_s, s_bias_b, s_bias_h, s_bias_t, s_bias_s,
+                                s_g_b, s_g_h, s_g_t, s_g_d, H, T, S, D, seed, dropout_p,
                                 C: tl.constexpr, AUTHORS: tl.constexpr, HAS_BLOCKED: tl.constexpr,
+                                HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr,
                                 DROPOUT: tl.constexpr, EPS: tl.constexpr, FLOOR: tl.constexpr,
                                 DOT_PRECISION: tl.constexpr,
                                 BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -576,6 +596,7 @@ def _attention_backward_queries(Q, K, V, GQ, GK, BLOCKED, GRAD_OUT, STATS, ROW_S
     K, V = K + b * s_k_b + h * s_k_h, V + b * s_v_b + h * s_v_h
     GQ, GK = GQ + b * s_gq_b + h * s_gq_h, GK + b * s_gk_b + h * s_gk_h
     BLOCKED = BLOCKED + b * s_m_b + h * s_m_h
+    BIAS = BIAS + b * s_bias_b + h * s_bias_h
     mix = tl.load(MIX_USED)
     lse, norm_r, mass, dot_all, dot_masked = _row_statistics(STATS, ROW_SUMS, bh, T, offs_t, mask_t)
     grad_q = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
@@ -587,10 +608,13 @@ def _attention_backward_queries(Q, K, V, GQ, GK, BLOCKED, GRAD_OUT, STATS, ROW_S
         k = tl.load(K + offs_s[:, None] * s_k_s + offs_d[None, :] * s_k_d, mask=kv_tile, other=0.0)
         v = tl.load(V + offs_s[:, None] * s_v_s + offs_d[None, :] * s_v_d, mask=kv_tile, other=0.0)
         grad_scores, grad_product, _ = _attention_backward_tile(
-            q, k, v, grad_out, lse, norm_r, mass, dot_all, dot_masked, mix, GQ, GK, BLOCKED, offs_t, offs_s, mask_t,
-            mask_s, s_gq_t, s_gq_c, s_gk_s, s_gk_c, s_m_t, s_m_s, bh, T, S, seed, dropout_p, C, AUTHORS,
-            HAS_BLOCKED, DROPOUT, EPS, FLOOR, DOT_PRECISION, BLOCK_T, BLOCK_S)
+            q, k, v, grad_out, lse, norm_r, mass, dot_all, dot_masked, mix, GQ, GK, BLOCKED, BIAS, offs_t, offs_s,
+            mask_t, mask_s, s_gq_t, s_gq_c, s_gk_s, s_gk_c, s_m_t, s_m_s, s_bias_t, s_bias_s, bh, T, S, seed,
+            dropout_p, C, AUTHORS, HAS_BLOCKED, HAS_BIAS, DROPOUT, EPS, FLOOR, DOT_PRECISION, BLOCK_T, BLOCK_S)
         grad_q += _dot(grad_scores.to(k.dtype), k, DOT_PRECISION)
+        if BIAS_GRAD:  # d bias = d scores, one [T, S] tile per (query block, key block): reduced to its shape outside
+            tl.store(GRAD_BIAS + (bh * T + offs_t[:, None]) * S + offs_s[None, :], grad_scores,
+                     mask=mask_t[:, None] & mask_s[None, :])
         for c in tl.static_range(C):
             gk = tl.load(GK + offs_s * s_gk_s + c * s_gk_c, mask=mask_s, other=0.0).to(tl.float32)
             grad_gq += tl.where(offs_c[None, :] == c, tl.sum(grad_product * gk[None, :], 1)[:, None], 0.0)
@@ -623,16 +647,18 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 class _MixedAttention(torch.autograd.Function):
-    """``(q, k, v, p(c|z_i), p(c|z_j), g, blocked, authors, dropout p, seed) -> A_hat V`` (see :func:`mixed_attention`)."""
+    """``(q, k, v, p(c|z_i), p(c|z_j), g, blocked, authors, dropout p, seed, score bias) -> A_hat V`` (see
+    :func:`mixed_attention`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, resp_query, resp_key, mix, blocked, authors, dropout_p, seed):
+    def forward(ctx, q, k, v, resp_query, resp_key, mix, blocked, authors, dropout_p, seed, score_bias):
         B, H, T, D = q.shape
         S, C = k.size(2), resp_query.size(-1)
         shape = _AttentionShapes(B, H, T, S, D, C)
         full = (B, H, T, S)
         blocked_bytes = None if blocked is None else blocked.expand(*full).view(torch.uint8)
-        save = any(ctx.needs_input_grad[:5])
+        bias = None if score_bias is None else score_bias.expand(*full)
+        save = any(ctx.needs_input_grad[:5]) or ctx.needs_input_grad[10]
         out = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
         out_masked = torch.empty_like(out) if save else out
         stats = torch.empty(3, B * H, T, dtype=torch.float32, device=q.device) if save else out
@@ -641,25 +667,29 @@ class _MixedAttention(torch.autograd.Function):
         block_t, block_s, block_d = _block(T, cfg.block_rows), _block(S, cfg.block_cols), _block(D, 1 << 20)
         with _profiled("attention_forward"):
             _attention_forward[(triton.cdiv(T, block_t), B * H)](
-                q, k, v, resp_query, resp_key, blocked_bytes if blocked_bytes is not None else q, mix, out,
-                out_masked, stats, mix_used, *q.stride(), *k.stride(), *v.stride(), *resp_query.stride(),
-                *resp_key.stride(), *_strides4(blocked_bytes, full), H, T, S, D, seed, float(dropout_p),
-                C=C, AUTHORS=authors, HAS_BLOCKED=blocked is not None, DROPOUT=dropout_p > 0, SAVE=save,
+                q, k, v, resp_query, resp_key, blocked_bytes if blocked_bytes is not None else q,
+                bias if bias is not None else q, mix, out, out_masked, stats, mix_used, *q.stride(), *k.stride(),
+                *v.stride(), *resp_query.stride(), *resp_key.stride(), *_strides4(blocked_bytes, full),
+                *_strides4(bias, full), H, T, S, D, seed, float(dropout_p), C=C, AUTHORS=authors,
+                HAS_BLOCKED=blocked is not None, HAS_BIAS=bias is not None, DROPOUT=dropout_p > 0, SAVE=save,
                 EPS=AUTHORS_EPS, FLOOR=PAPER_MASK_FLOOR, NEG=_NEG, DOT_PRECISION=_dot_precision(q.dtype),
                 BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages)
         if save:
-            ctx.save_for_backward(q, k, v, resp_query, resp_key, blocked_bytes, out, out_masked, stats, mix_used)
+            ctx.save_for_backward(q, k, v, resp_query, resp_key, blocked_bytes, bias, out, out_masked, stats,
+                                  mix_used)
             ctx.shape, ctx.authors, ctx.dropout_p, ctx.seed = shape, authors, float(dropout_p), seed
             ctx.has_blocked = blocked is not None
+            ctx.bias_shape = None if score_bias is None else score_bias.shape
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, resp_query, resp_key, blocked_bytes, out, out_masked, stats, mix_used = ctx.saved_tensors
+        q, k, v, resp_query, resp_key, blocked_bytes, bias, out, out_masked, stats, mix_used = ctx.saved_tensors
         B, H, T, S, D, C = ctx.shape
         full = (B, H, T, S)
-        common = dict(C=C, AUTHORS=ctx.authors, HAS_BLOCKED=ctx.has_blocked, DROPOUT=ctx.dropout_p > 0,
+        common = dict(C=C, AUTHORS=ctx.authors, HAS_BLOCKED=ctx.has_blocked, HAS_BIAS=bias is not None,
+                      DROPOUT=ctx.dropout_p > 0,
                       EPS=AUTHORS_EPS, FLOOR=PAPER_MASK_FLOOR, DOT_PRECISION=_dot_precision(q.dtype))
         block_d, block_c = _block(D, 1 << 20), triton.next_power_of_2(C)
         row_sums = torch.empty(2, B * H, T, dtype=torch.float32, device=q.device)
@@ -670,9 +700,11 @@ class _MixedAttention(torch.autograd.Function):
                 grad_out, out, out_masked, row_sums, *grad_out.stride(), H, T, D, B * H * T,
                 BLOCK_T=block_t, BLOCK_D=block_d, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         blocked = blocked_bytes if blocked_bytes is not None else q
-        args = (q, k, v, resp_query, resp_key, blocked, grad_out, stats, row_sums, mix_used)
+        args = (q, k, v, resp_query, resp_key, blocked, bias if bias is not None else q, grad_out, stats, row_sums,
+                mix_used)
         strides = (*q.stride(), *k.stride(), *v.stride(), *resp_query.stride(), *resp_key.stride(),
-                   *_strides4(blocked_bytes, full), *grad_out.stride(), H, T, S, D, ctx.seed, ctx.dropout_p)
+                   *_strides4(blocked_bytes, full), *_strides4(bias, full), *grad_out.stride(), H, T, S, D, ctx.seed,
+                   ctx.dropout_p)
         grad_k, grad_v = torch.empty(B, H, S, D, dtype=k.dtype, device=k.device), torch.empty(B, H, S, D, dtype=v.dtype, device=v.device)
         grad_resp_key = torch.empty(B, H, S, C, dtype=torch.float32, device=q.device)
         cfg = LAUNCH["attention_backward_keys"]
@@ -683,14 +715,23 @@ class _MixedAttention(torch.autograd.Function):
                 BLOCK_D=block_d, BLOCK_C=block_c, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         grad_q = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
         grad_resp_query = torch.empty(B, H, T, C, dtype=torch.float32, device=q.device)
+        # the bias's gradient is d scores, [B, H, T, S] (the T x S memory a flash kernel otherwise avoids), summed
+        # over the dimensions the bias was broadcast along
+        bias_grad = bias is not None and ctx.needs_input_grad[10]
+        grad_scores = torch.empty(full, dtype=torch.float32, device=q.device) if bias_grad else None
         cfg = LAUNCH["attention_backward_queries"]
         block_t, block_s = _block(T, cfg.block_rows), _block(S, cfg.block_cols)
         with _profiled("attention_backward_queries"):
             _attention_backward_queries[(triton.cdiv(T, block_t), B * H)](
-                *args, grad_q, grad_resp_query, *strides, **common, BLOCK_T=block_t, BLOCK_S=block_s,
-                BLOCK_D=block_d, BLOCK_C=block_c, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                *args, grad_q, grad_resp_query, grad_scores if bias_grad else q, *strides, **common,
+                BIAS_GRAD=bias_grad, BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_D=block_d, BLOCK_C=block_c,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        grad_bias = None
+        if bias_grad:
+            broadcast = [dim for dim, size in enumerate(ctx.bias_shape) if size == 1 and full[dim] != 1]
+            grad_bias = (grad_scores.sum(broadcast, keepdim=True) if broadcast else grad_scores).to(bias.dtype)
         return (grad_q, grad_k, grad_v, grad_resp_query.to(resp_query.dtype), grad_resp_key.to(resp_key.dtype),
-                None, None, None, None, None)
+                None, None, None, None, None, grad_bias)
 
 
 def dropout_seed(dropout_p: float) -> int:
@@ -701,17 +742,19 @@ def dropout_seed(dropout_p: float) -> int:
 
 def mixed_attention(q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, resp_key: Tensor, mix: Tensor, *,
                     authors: bool, blocked: Optional[Tensor] = None, dropout_p: float = 0.0,
-                    seed: Optional[int] = None) -> Tensor:
+                    seed: Optional[int] = None, score_bias: Optional[Tensor] = None) -> Tensor:
     """A_hat V of eq. (11) in one flash-style kernel (its backward in three).
 
     ``q [B, H, T, D]`` scaled, ``k, v [B, H, S, D]`` (float32/float16/bfloat16, one dtype), ``resp_query [B, H, T,
     C]`` and ``resp_key [B, H, S, C]`` p(c|.) of eq. (9), ``mix`` g (a tensor, read on the device; the value of this
     call is kept for backward), ``authors`` the reading of eq. (10)'s mask, ``blocked`` bool broadcastable to ``[B,
     H, T, S]`` (True: padding or a future key; None), ``dropout_p`` attention dropout on A_hat (``seed`` its Philox
-    seed; :func:`dropout_seed` draws one). Returns ``[B, H, T, D]`` in ``q``'s dtype; a query whose keys are all
-    blocked gets 0 (as the explicit kernel).
+    seed; :func:`dropout_seed` draws one), ``score_bias`` added to the scores before eq. (1) (T5's position bias, the
+    Conformer's matrix_bd), broadcastable to ``[B, H, T, S]``, differentiable (its gradient is formed at ``[B, H, T,
+    S]`` in float32, then summed over its broadcast dimensions). Returns ``[B, H, T, D]`` in ``q``'s dtype; a query
+    whose keys are all blocked gets 0 (as the explicit kernel).
     """
-    check_supported(q, k, v)
+    check_supported(q, k, v, *(() if score_bias is None else (score_bias,)))
     B, H, T, D = q.shape
     if k.dim() != 4 or k.shape[:2] != (B, H) or k.size(-1) != D or v.shape != k.shape:
         raise SDMAConfigError(f"mixed_attention: k and v must be [B, H, S, D] = [{B}, {H}, S, {D}], got "
@@ -728,10 +771,15 @@ def mixed_attention(q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, resp_ke
         blocked = blocked.to(torch.bool)
         while blocked.dim() < 4:
             blocked = blocked.unsqueeze(0)
+    if score_bias is not None:
+        full = (B, H, T, k.size(2))
+        if score_bias.dim() != 4 or any(b not in (1, n) for b, n in zip(score_bias.shape, full)):
+            raise SDMAConfigError(f"mixed_attention: score_bias of shape {tuple(score_bias.shape)} does not broadcast "
+                                  f"to the scores [B, H, T, S] = {list(full)}")
     if seed is None:
         seed = dropout_seed(dropout_p)
     return _MixedAttention.apply(q, k, v, resp_query, resp_key, mix.detach().reshape(()).float(), blocked, authors,
-                                 float(dropout_p), seed)
+                                 float(dropout_p), seed, score_bias)
 
 
 @triton.jit

@@ -73,3 +73,34 @@ def test_kernel_matches_float64_reference(device, kernel, precision, causal, aut
         errors[name] = _relative_error(b.grad, a.grad)
     worst = max(errors, key=errors.get)
     assert errors[worst] <= TOLERANCE[precision], (kernel, precision, errors)
+
+
+@pytest.mark.parametrize("authors", [False, True], ids=["paper", "authors"])
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("kernel", ["explicit", "sdpa", "lowrank", "triton"])
+def test_kernel_with_a_learned_score_bias_matches_float64_reference(device, kernel, precision, authors):
+    """A per-head relative-position bias (T5's shape, [1, H, T, S]) added before eq. (1), key padding: the output,
+    every input's gradient and the bias's own (summed over the sentences) against the float64 reference."""
+    needs_cuda_for(precision)
+    cpu = torch.device("cpu")
+    mix = torch.tensor(0.6)
+    bias = 2.0 * torch.randn(1, H, T, T, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    ref_bias = bias.clone().requires_grad_()
+    ref_in = [t.detach().double().requires_grad_() for t in _inputs(cpu, torch.float64)]
+    ref, _ = sdma_attention(*ref_in, mix.double(), authors=authors, blocked=_allowed(cpu, False) == 0,
+                            kernel="explicit", need_weights=False, dropout=lambda a: a, dropout_p=0.0,
+                            score_bias=ref_bias)
+    weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    (ref * weights).sum().backward()
+
+    got_bias = bias.to(device, DTYPES[precision]).requires_grad_()
+    got_in = _inputs(device, DTYPES[precision])
+    got, _ = sdma_attention(*got_in, mix.to(device), authors=authors, blocked=_allowed(device, False) == 0,
+                            kernel=kernel, need_weights=False, dropout=lambda a: a, dropout_p=0.0,
+                            score_bias=got_bias)
+    (got.float() * weights.to(device).float()).sum().backward()
+    errors = {"out": _relative_error(got, ref), "score_bias": _relative_error(got_bias.grad, ref_bias.grad)}
+    for name, a, b in zip(("q", "k", "v", "resp_q", "resp_k"), ref_in, got_in):
+        errors[name] = _relative_error(b.grad, a.grad)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= TOLERANCE[precision], (kernel, precision, errors)

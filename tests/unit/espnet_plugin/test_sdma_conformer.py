@@ -113,6 +113,33 @@ def test_the_semantic_mask_changes_the_outputs_and_the_model_trains_with_ctc(kin
     assert min(losses[-3:]) < losses[0]
 
 
+@pytest.mark.parametrize("kernel", ["sdpa", "lowrank",
+                                    pytest.param("triton", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("reading", ["authors", "paper"])
+def test_every_kernel_takes_the_positional_score_bias_as_the_explicit_one(kernel, reading):
+    """Training forward and every gradient (pos_bias_u/v and linear_pos through the score bias included) of the
+    fused kernels equal the explicit kernel's (``triton`` in Triton's interpreter here)."""
+    results = []
+    for name in ("explicit", kernel):
+        model, _ = pair("latest", reading, noise_var=0.0, mix_rate=0.5, attention_kernel=name)
+        for layer in model.encoders:
+            layer.self_attn.sdma.perturb = lambda x, training, log_var=None: x  # no noise (authors: learned variance)
+            layer.self_attn.set_num_updates(100)
+        model.train()
+        xs, lengths = features()
+        xs = xs[:, :17]  # short: the interpreter runs every program in Python
+        out, out_lengths, _ = model(xs, torch.tensor([17, 13, 9]))
+        valid = torch.arange(out.size(1))[None] < out_lengths[:, None]
+        out[valid].pow(2).sum().backward()
+        results.append((out[valid].detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (want, want_grads), (got, got_grads) = results
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert set(got_grads) == set(want_grads) and any("pos_bias_u" in n for n in got_grads)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-3, atol=1e-5 * max(float(grad.abs().max()), 1.0),
+                                   msg=name)
+
+
 def test_mode_none_is_espnets_conformer():
     torch.manual_seed(0)
     model = SDMAConformerEncoder(**SIZES, sdma_conf={"mode": "none"})

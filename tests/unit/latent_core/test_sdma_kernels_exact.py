@@ -227,14 +227,14 @@ def test_a_fully_blocked_row_with_a_bias_stays_finite_in_half_precision():
     assert torch.isfinite(mask).all() and (mask[..., 0, :] == torch.finfo(torch.float16).min).all()
 
 
-def test_a_row_that_takes_no_bias_refuses_one_by_name():
-    from latent_core.sdma import KERNELS, TAKES_SCORE_BIAS, SDMAConfigError
+def test_a_row_that_takes_no_bias_refuses_one_by_name(monkeypatch):
+    from latent_core.sdma import KERNELS, TAKES_SCORE_BIAS, SDMAConfigError, explicit_kernel
 
-    refusing = sorted(set(KERNELS) - TAKES_SCORE_BIAS)
-    assert refusing == ["triton"]  # a new row is added to one side or the other on purpose
+    assert set(KERNELS) == TAKES_SCORE_BIAS  # every row takes one today; a new row is put on one side on purpose
+    monkeypatch.setitem(KERNELS, "unbiased", explicit_kernel)  # a row that is not in TAKES_SCORE_BIAS
     tensors = [t.detach() for t in stress_inputs()]
-    with pytest.raises(SDMAConfigError, match="attention_kernel='triton' does not take a score bias"):
-        run_biased("triton", tensors, score_bias().detach(), torch.tensor(0.5, dtype=torch.float64), None, True)
+    with pytest.raises(SDMAConfigError, match="attention_kernel='unbiased' does not take a score bias"):
+        run_biased("unbiased", tensors, score_bias().detach(), torch.tensor(0.5, dtype=torch.float64), None, True)
     # auto picks a row that takes it, and weights asked for come from the explicit row, with the bias
     out = run_biased("auto", tensors, score_bias().detach(), torch.tensor(0.5, dtype=torch.float64), None, True)
     torch.testing.assert_close(out, run_biased("explicit", tensors, score_bias().detach(),

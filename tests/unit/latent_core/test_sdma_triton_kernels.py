@@ -203,6 +203,66 @@ def test_half_precision_inputs_accumulate_in_float32(dtype, tol):
     assert out.dtype == dtype
 
 
+# -- a score bias (T5's position bias, the Conformer's matrix_bd) --------------------------------------------
+
+BIAS_SHAPES = {"per_head": lambda B, H, T, S: (1, H, T, S), "per_sentence": lambda B, H, T, S: (B, 1, T, S),
+               "full": lambda B, H, T, S: (B, H, T, S)}
+
+
+def run_biased(kernel, tensors, bias, mix, blocked, authors, dtype=torch.float32):
+    """As :func:`run`, with ``bias`` added to the scores; the bias's gradient last."""
+    inputs = [t.detach().to(dtype if i < 3 else torch.float32).requires_grad_() for i, t in enumerate(tensors)]
+    bias = bias.detach().to(dtype).requires_grad_()
+    out, _ = sdma_attention(*inputs, mix, authors=authors, blocked=blocked, kernel=kernel, need_weights=False,
+                            dropout=lambda a: a, dropout_p=0.0, score_bias=bias)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.device)
+    (out.float() * weights).sum().backward()
+    return [out.detach().float()] + [t.grad.float() for t in inputs] + [bias.grad.float()]
+
+
+def biased_case(authors, masking, shape, bias_shape="per_head"):
+    B, H, T, S = shape
+    tensors = attention_inputs(B, H, T, S)
+    bias = 2.0 * torch.randn(BIAS_SHAPES[bias_shape](B, H, T, S), generator=torch.Generator().manual_seed(5))
+    return tensors, bias.to(DEVICE), blocked_keys(masking, B, T, S), torch.tensor(0.7, device=DEVICE)
+
+
+def assert_biased_close(got, want, rtol=1e-5, scale_atol=1e-5):
+    assert_close(got[:-1], want[:-1], rtol, scale_atol)
+    torch.testing.assert_close(got[-1], want[-1], rtol=rtol, atol=scale_atol * max(float(want[-1].abs().max()), 1.0),
+                               msg="score_bias")
+
+
+@pytest.mark.parametrize("authors", [True, False], ids=["authors", "paper"])
+@pytest.mark.parametrize("masking", ["none", "padding", "causal"])
+def test_a_score_bias_equals_the_explicit_row_with_it_across_tiles(authors, masking):
+    tensors, bias, blocked, mix = biased_case(authors, masking, (2, 2, 20, 35 if masking != "causal" else 20))
+    got = run_biased("triton", tensors, bias, mix, blocked, authors)
+    want = run_biased("explicit", tensors, bias, mix, blocked, authors)
+    assert_biased_close(got, want)
+    # the bias matters here: without it the output moves
+    assert (run("triton", tensors, mix, blocked, authors)[0] - got[0]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("bias_shape", ["per_sentence", "full"])
+def test_a_score_bias_broadcast_over_heads_or_sentences_gets_its_summed_gradient(bias_shape):
+    tensors, bias, blocked, mix = biased_case(True, "padding", (2, 2, 6, 7), bias_shape)
+    got = run_biased("triton", tensors, bias, mix, blocked, True)
+    assert got[-1].shape == bias.shape
+    assert_biased_close(got, run_biased("explicit", tensors, bias, mix, blocked, True))
+
+
+def test_a_score_bias_in_half_precision_and_one_without_a_gradient():
+    tensors, bias, blocked, mix = biased_case(False, "padding", (2, 2, 6, 7))
+    half = run_biased("triton", tensors, bias, mix, blocked, False, dtype=torch.float16)
+    reference = run_biased("explicit", tensors, bias, mix, blocked, False)
+    for name, a, b in zip(NAMES + ("score_bias",), half, reference):
+        assert torch.isfinite(a).all() and (a - b).abs().max() <= 2e-2 * b.abs().max(), name
+    q, k, v, resp_q, resp_k = tensors
+    fixed = mixed_attention(q, k, v, resp_q, resp_k, mix, authors=False, blocked=blocked, score_bias=bias)
+    torch.testing.assert_close(fixed, reference[0], rtol=1e-5, atol=1e-5)  # a bias that is not learned (ALiBi)
+
+
 def test_bad_inputs_raise_named_errors():
     q, k, v, resp_q, resp_k = attention_inputs()
     mix = torch.tensor(0.5, device=DEVICE)
@@ -214,6 +274,8 @@ def test_bad_inputs_raise_named_errors():
         mixed_attention(q, k, v, resp_q[..., :2], resp_k, mix, authors=True)
     with pytest.raises(SDMAConfigError, match="dropout_p"):
         mixed_attention(q, k, v, resp_q, resp_k, mix, authors=True, dropout_p=1.0)
+    with pytest.raises(SDMAConfigError, match="score_bias of shape .* does not broadcast"):
+        mixed_attention(q, k, v, resp_q, resp_k, mix, authors=True, score_bias=torch.zeros(1, 2, 5, 6, device=DEVICE))
     means = torch.zeros(2, 4, 3)
     with pytest.raises(SDMAConfigError, match=r"x must be \[N, G\*d\]"):
         gaussian_clustering(torch.zeros(5, 7), means, torch.zeros(2, 4, 3), torch.zeros(2, 4))
@@ -313,6 +375,23 @@ def test_planted_attention_defects_fail(defect, case):
     with pytest.raises(AssertionError):
         assert_close(got, want, rtol=1e-4)
     assert_close(*planted_attention(triton_kernels, **case), rtol=1e-4)  # the real kernels pass the same case
+
+
+def test_a_planted_bias_defect_in_backward_fails():
+    """The bias left out of the backward's recomputed scores: the forward is right, every gradient wrong."""
+    module = planted([("""    scores = _dot(q, tl.trans(k), DOT_PRECISION)
+    scores = _add_score_bias(scores, BIAS, offs_t, offs_s, mask_t, mask_s, s_bias_t, s_bias_s, HAS_BIAS)
+""", """    scores = _dot(q, tl.trans(k), DOT_PRECISION)
+""")])
+    tensors, bias, blocked, mix = biased_case(True, "padding", (2, 2, 6, 7))
+    inputs = [t.clone().requires_grad_() for t in tensors]
+    out = module.mixed_attention(*inputs, mix, authors=True, blocked=blocked, score_bias=bias)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.device)
+    (out * weights).sum().backward()
+    want = run_biased("explicit", tensors, bias, mix, blocked, True)
+    torch.testing.assert_close(out.detach(), want[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(AssertionError):
+        assert_close([out.detach()] + [t.grad for t in inputs], want[:-1], rtol=1e-4)
 
 
 def test_a_planted_clustering_defect_fails():

@@ -96,6 +96,29 @@ def test_generate_with_the_cache_equals_the_full_decoding(num_beams):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kernel", ["sdpa", "lowrank",
+                                    pytest.param("triton", marks=pytest.mark.interpreter)])
+def test_every_kernel_takes_the_position_bias_as_the_explicit_one(kernel):
+    """Training loss and every gradient (the relative attention bias's through the score bias included) of the fused
+    kernels equal the explicit kernel's, at g = 0.63 (``triton`` in Triton's interpreter here)."""
+    results = []
+    for name in ("explicit", kernel):
+        model = attach_sdma(t5(), mode="sdma", reading="authors", noise_var=0.0, attention_kernel=name).train()
+        for module in model.modules():
+            if isinstance(module, SDMACore):
+                module.perturb = lambda x, training, log_var=None: x  # no noise (the authors' variance is learned)
+        set_sdma_updates(model, 2000)
+        loss = model(**batch()).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (want, want_grads), (got, got_grads) = results
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert set(got_grads) == set(want_grads) and any("relative_attention_bias" in n for n in got_grads)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-3, atol=1e-5 * max(float(grad.abs().max()), 1.0),
+                                   msg=name)
+
+
 def test_a_width_apart_from_the_heads_is_refused():
     with pytest.raises(SDMAConfigError, match="d_model = num_heads \\* d_kv"):
         attach_sdma(t5(d_kv=16), mode="sdma")
