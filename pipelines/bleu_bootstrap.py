@@ -47,6 +47,30 @@ def paired_bootstrap(stats: Dict[str, List[np.ndarray]], resamples: int, seed: i
     return out
 
 
+def paired_bootstrap_by_seed(stats: Dict[str, Dict[int, np.ndarray]], resamples: int, seed: int,
+                             comparisons: Sequence[Tuple[str, str]], level: float = 0.95) -> Dict:
+    """:func:`paired_bootstrap` where systems may have run different seeds (``stats``: per system, ``{seed: its
+    sentence statistics}``): each system's BLEU is the mean over all its seeds (with the seeds in its entry), each
+    difference ``a - b`` is taken over the seeds both ran (its entry's ``seeds``; left out where they share none),
+    so a seed one of them lacks does not enter the difference. Every call resamples the same sentences (one
+    generator per call, seeded alike), so with equal seeds the result is :func:`paired_bootstrap`'s."""
+    stats = {system: dict(sorted(by_seed.items())) for system, by_seed in stats.items() if by_seed}
+    if not stats:
+        return {}
+    out = paired_bootstrap({system: list(by_seed.values()) for system, by_seed in stats.items()}, resamples, seed,
+                           comparisons=[], level=level)
+    for system, by_seed in stats.items():
+        out["systems"][system]["seeds"] = list(by_seed)
+    for a, b in comparisons:
+        common = sorted(set(stats.get(a, {})) & set(stats.get(b, {})))
+        if not common:
+            continue
+        pair = paired_bootstrap({a: [stats[a][k] for k in common], b: [stats[b][k] for k in common]}, resamples, seed,
+                                comparisons=[(a, b)], level=level)
+        out["comparisons"][f"{a} - {b}"] = {**pair["comparisons"][f"{a} - {b}"], "seeds": common}
+    return out
+
+
 def paired_differences(draws: Dict[str, np.ndarray], points: Dict[str, float], comparisons: Sequence[Tuple[str, str]],
                        level: float = 0.95) -> Dict[str, Dict]:
     """``{"a - b": {difference, interval, share_of_resamples_above_zero}}`` for the pairs of ``comparisons`` both

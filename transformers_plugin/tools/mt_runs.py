@@ -19,7 +19,7 @@ g following the updates.
 Evaluation, as ``sdma-readings-runs``: beam-5 hypotheses of the last weights on the 1,000 test pairs,
 sentencepiece-decoded, sacreBLEU (13a) against the raw references; a system's BLEU is the mean over its seeds, with
 paired percentile bootstrap intervals over test sentences (``--bootstrap-resamples``, one resample applied to every
-run); validation NLL in bits per target token (no label smoothing; ``</s>`` included); LR/HR of the encoder
+run; a difference between two systems is over the seeds both ran); validation NLL in bits per target token (no label smoothing; ``</s>`` included); LR/HR of the encoder
 self-attention on the first ``--redundancy-sentences`` test sources (the weights each attention returns: A_hat of
 eq. 11 with SDMA, whose encoder keeps its mask at inference).
 
@@ -40,7 +40,7 @@ import torch
 from latent_core.errors import command_error
 from latent_core.sdma import AUTHORS_SCRIPT_LOSS_WEIGHTS, SMALLER_DISENTANGLEMENT_WEIGHTS
 from latent_core.redundancy import RedundancyAccumulator
-from pipelines.bleu_bootstrap import corpus_bleu_of, paired_bootstrap, sentence_statistics
+from pipelines.bleu_bootstrap import corpus_bleu_of, paired_bootstrap_by_seed, sentence_statistics
 from transformers_plugin.tools.runs import run_missing, seed_interval
 
 SYSTEMS = {"V-T": None, "SDMA-T paper": "paper", "SDMA-T authors": "authors"}
@@ -279,9 +279,10 @@ def main(argv=None) -> int:
                 lambda system, seed: run_one(args, system, seed, data, pieces, references))
     stats = {}
     for run in results["runs"]:
-        stats.setdefault(run["system"], []).append(np.asarray(run["stats"], dtype=np.int64))
+        stats.setdefault(run["system"], {})[run["seed"]] = np.asarray(run["stats"], dtype=np.int64)
     comparisons = [(a, "V-T") for a in SYSTEMS if a != "V-T"] + [("SDMA-T authors", "SDMA-T paper")]
-    bleu = paired_bootstrap(stats, args.bootstrap_resamples, seed=1, comparisons=comparisons)
+    # a difference over the seeds both systems ran (runs of other --seeds may be in results.json)
+    bleu = paired_bootstrap_by_seed(stats, args.bootstrap_resamples, seed=1, comparisons=comparisons)
     summary = {"bleu": bleu}
     for system in SYSTEMS:
         runs = [r for r in results["runs"] if r["system"] == system]
@@ -303,7 +304,8 @@ def main(argv=None) -> int:
                   f"{row['LR']['mean']:6.3f} {row['HR']['mean']:6.3f}")
     for name, entry in bleu["comparisons"].items():
         print(f"{name}: {entry['difference']:+.2f} BLEU ({entry['interval'][0]:+.2f} to {entry['interval'][1]:+.2f}; "
-              f"{100 * entry['share_of_resamples_above_zero']:.1f}% of resamples above 0)")
+              f"{100 * entry['share_of_resamples_above_zero']:.1f}% of resamples above 0; "
+              f"seed{'s' if len(entry['seeds']) > 1 else ''} {', '.join(map(str, entry['seeds']))})")
     print(f"wrote {results_path}")
     return 0
 

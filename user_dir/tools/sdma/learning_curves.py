@@ -52,10 +52,11 @@ import numpy as np
 
 from latent_core.errors import option_flag
 from latent_core.redundancy import ATTENTION_TYPES, COLLAPSE_PEAK
+from pipelines.bleu_bootstrap import paired_bootstrap_by_seed
 from pipelines.runs import USER_DIR, console_script, generate, last_num_updates, print_table, run_streaming, stage
 from pipelines.runs import write_json
 from user_dir.tools.sdma import quickstart
-from user_dir.tools.sdma.bleu import corpus_bleu_of, paired_bootstrap, sentence_statistics
+from user_dir.tools.sdma.bleu import corpus_bleu_of, sentence_statistics
 from user_dir.tools.sdma.readings_runs import ARCH, SYSTEMS, slug
 
 # one change to a reading, to test a reason the default runs suggest (not among the defaults; --systems)
@@ -301,24 +302,12 @@ def load_runs(out: Path, systems: Sequence[str], seeds: Sequence[int]) -> Dict[s
 def paired_bleu(runs: Dict[str, Dict[int, Dict]], references: Sequence[str], update: int, resamples: int) -> Dict:
     """BLEU at ``update`` of every system (the mean over its seeds that reached it) and each other system - V-T
     over the seeds both reached (so a seed one of them lacks does not enter the difference), with paired
-    percentile intervals over test sentences (:func:`user_dir.tools.sdma.bleu.paired_bootstrap`)."""
+    percentile intervals over test sentences (:func:`pipelines.bleu_bootstrap.paired_bootstrap_by_seed`)."""
     stats = {system: {seed: sentence_statistics(r["at"][update]["hypotheses"], references)
                       for seed, r in by_seed.items() if update in r["at"]}
              for system, by_seed in runs.items()}
-    stats = {system: by_seed for system, by_seed in stats.items() if by_seed}
-    if not stats:
-        return {}
-    out = paired_bootstrap({system: list(by_seed.values()) for system, by_seed in stats.items()}, resamples,
-                           seed=1, comparisons=[])
-    for system, by_seed in stats.items():
-        out["systems"][system]["seeds"] = sorted(by_seed)
-        common = sorted(set(by_seed) & set(stats.get("V-T", {})))
-        if system == "V-T" or not common:
-            continue
-        pair = paired_bootstrap({system: [by_seed[k] for k in common], "V-T": [stats["V-T"][k] for k in common]},
-                                resamples, seed=1, comparisons=[(system, "V-T")])
-        out["comparisons"][f"{system} - V-T"] = {**pair["comparisons"][f"{system} - V-T"], "seeds": common}
-    return out
+    return paired_bootstrap_by_seed(stats, resamples, seed=1, comparisons=[(system, "V-T") for system in stats
+                                                                         if system != "V-T"])
 
 
 def layer_mean(values: Optional[List[float]]) -> float:
