@@ -37,6 +37,29 @@ def test_three_systems_with_paired_bleu_and_encoder_lrhr(tmp_path, capsys):
     assert "SDMA-T authors - V-T" in capsys.readouterr().out
     assert mt_runs.main(argv) == 0  # finished runs are kept
     assert len(json.loads((tmp_path / "results.json").read_text())["runs"]) == 3
+    capsys.readouterr()
+
+    # --fairseq-runs: an sdma-readings-runs folder's runs join the bootstrap; here a folder in its layout holding
+    # these runs' own hypotheses, so each toolkit difference is exactly 0
+    fairseq = tmp_path / "readings_runs"
+    for run in results["runs"]:
+        run_dir = fairseq / run["system"].replace(" ", "-") / "seed1"
+        run_dir.mkdir(parents=True)
+        hypotheses = (tmp_path / run["system"].replace(" ", "_") / "seed1" / "hypotheses.txt").read_text()
+        (run_dir / "evaluation.json").write_text(json.dumps({
+            "hypotheses": hypotheses.splitlines(), "lr": {"encoder_self": 0.5}, "hr": {"encoder_self": 0.4}}))
+        (run_dir / "train.json").write_text(json.dumps({
+            "updates": 4, "measured": {"valid_nll": 7.5, "train_seconds_last_process": 1.0}}))
+    assert mt_runs.main(argv + ["--fairseq-runs", str(fairseq)]) == 0
+    summary = json.loads((tmp_path / "results.json").read_text())["summary"]
+    for system in mt_runs.SYSTEMS:
+        row = summary["bleu"]["comparisons"][f"{system} - fairseq {system}"]
+        assert row["difference"] == 0 and row["interval"] == [0, 0] and row["seeds"] == [1]
+        assert summary[f"fairseq {system}"]["LR"]["mean"] == 0.5
+    assert "fairseq SDMA-T authors - fairseq V-T" in summary["bleu"]["comparisons"]
+    assert "fairseq SDMA-T paper" in capsys.readouterr().out
+    assert mt_runs.main(argv + ["--fairseq-runs", str(tmp_path / "nowhere")]) == 2
+    assert "holds no sdma-readings-runs run of seeds [1]" in capsys.readouterr().err
 
 
 def test_bad_input_exits_with_a_named_error(tmp_path, capsys):

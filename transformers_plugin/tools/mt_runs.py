@@ -19,11 +19,13 @@ g following the updates.
 Evaluation, as ``sdma-readings-runs``: beam-5 hypotheses of the last weights on the 1,000 test pairs,
 sentencepiece-decoded, sacreBLEU (13a) against the raw references; a system's BLEU is the mean over its seeds, with
 paired percentile bootstrap intervals over test sentences (``--bootstrap-resamples``, one resample applied to every
-run; a difference between two systems is over the seeds both ran); validation NLL in bits per target token (no label smoothing; ``</s>`` included); LR/HR of the encoder
-self-attention on the first ``--redundancy-sentences`` test sources (the weights each attention returns: A_hat of
-eq. 11 with SDMA, whose encoder keeps its mask at inference).
+run; a difference between two systems is over the seeds both ran); validation NLL in bits per target token (no
+label smoothing; ``</s>`` included); LR/HR of the encoder self-attention on the first ``--redundancy-sentences`` test
+sources (the weights each attention returns: A_hat of eq. 11 with SDMA, whose encoder keeps its mask at inference).
+``--fairseq-runs`` puts the ``sdma-readings-runs`` runs of the same seeds on the same data into the same bootstrap.
 
     transformers-sdma-mt --out-dir outputs/transformers_sdma_mt               # V-T, SDMA-T paper, authors x seeds 1 2
+    transformers-sdma-mt --out-dir outputs/transformers_sdma_mt --fairseq-runs examples/sdma_translation/readings_runs
 """
 
 import argparse
@@ -221,6 +223,34 @@ def run_one(args, system: str, seed: int, data: dict, pieces: Pieces, references
             "log": [entry for entry in trainer.state.log_history if "loss" in entry]}
 
 
+def fairseq_runs(folder: Path, seeds: List[int], references: List[str]) -> Dict[str, Dict[int, dict]]:
+    """The ``sdma-readings-runs`` runs in ``folder`` of ``seeds`` (its layout: ``<system, spaces as dashes>/seed<k>/``
+    with ``evaluation.json``, the beam-5 hypotheses and LR/HR, and ``train.json``, fairseq's last validation NLL in
+    bits), each re-scored against ``references``: ``{"fairseq <system>": {seed: run}}`` with the fields of this
+    tool's runs. Raises ValueError where the folder holds none of them or a run's hypotheses do not match."""
+    found: Dict[str, Dict[int, dict]] = {}
+    for system in SYSTEMS:
+        for seed in seeds:
+            run_dir = folder / system.replace(" ", "-") / f"seed{seed}"
+            if not (run_dir / "evaluation.json").is_file():
+                continue
+            evaluation = json.loads((run_dir / "evaluation.json").read_text())
+            trained = json.loads((run_dir / "train.json").read_text())
+            if len(evaluation["hypotheses"]) != len(references):
+                raise ValueError(f"{run_dir}/evaluation.json has {len(evaluation['hypotheses'])} hypotheses for "
+                                 f"{len(references)} test references: not a run on the same data")
+            stats = sentence_statistics(evaluation["hypotheses"], references)
+            found.setdefault(f"fairseq {system}", {})[seed] = {
+                "system": f"fairseq {system}", "seed": seed, "updates": trained["updates"], "stats": stats.tolist(),
+                "bleu": corpus_bleu_of(stats), "valid_bits_per_token": trained["measured"]["valid_nll"],
+                "LR": evaluation["lr"]["encoder_self"], "HR": evaluation["hr"]["encoder_self"],
+                "train_seconds": trained["measured"]["train_seconds_last_process"], "source": str(run_dir)}
+    if not found:
+        raise ValueError(f"{folder} holds no sdma-readings-runs run of seeds {seeds} (expected "
+                         f"{folder}/V-T/seed{seeds[0]}/evaluation.json and train.json)")
+    return found
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="transformers-sdma-mt", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -247,6 +277,9 @@ def parse_args(argv=None):
     p.add_argument("--eval-batch-size", type=int, default=100)
     p.add_argument("--redundancy-sentences", type=int, default=500)
     p.add_argument("--bootstrap-resamples", type=int, default=1000)
+    p.add_argument("--fairseq-runs", type=Path, default=None,
+                   help="an sdma-readings-runs output folder on the same data: its runs of the same seeds are "
+                        "re-scored against the same references and join the bootstrap as 'fairseq <system>'")
     args = p.parse_args(argv)
     if min(args.updates, args.warmup, args.max_tokens_per_batch, args.beam, args.gen_max_len, args.eval_batch_size,
            args.redundancy_sentences, args.bootstrap_resamples, args.valid_size, args.test_size) < 1 or args.lr <= 0:
@@ -277,15 +310,26 @@ def main(argv=None) -> int:
     results["data"] = {split: len(rows) for split, rows in data.items()} | {"vocabulary": len(pieces.pieces)}
     run_missing(results, results_path, args.systems, args.seeds, "transformers-sdma-mt",
                 lambda system, seed: run_one(args, system, seed, data, pieces, references))
-    stats = {}
-    for run in results["runs"]:
-        stats.setdefault(run["system"], {})[run["seed"]] = np.asarray(run["stats"], dtype=np.int64)
-    comparisons = [(a, "V-T") for a in SYSTEMS if a != "V-T"] + [("SDMA-T authors", "SDMA-T paper")]
+    runs_of = {system: {run["seed"]: run for run in results["runs"] if run["system"] == system} for system in SYSTEMS}
+    runs_of = {system: by_seed for system, by_seed in runs_of.items() if by_seed}
+    pairs = [(a, "V-T") for a in SYSTEMS if a != "V-T"] + [("SDMA-T authors", "SDMA-T paper")]
+    comparisons = list(pairs)
+    if args.fairseq_runs is not None:
+        try:
+            runs_of.update(fairseq_runs(args.fairseq_runs, sorted({r["seed"] for r in results["runs"]}), references))
+        except (OSError, ValueError, KeyError, SystemExit) as error:
+            return command_error("transformers-sdma-mt", f"--fairseq-runs: {error}")
+        comparisons += [(f"fairseq {a}", f"fairseq {b}") for a, b in pairs] + [(s, f"fairseq {s}") for s in SYSTEMS]
+    stats = {system: {seed: np.asarray(run["stats"], dtype=np.int64) for seed, run in by_seed.items()}
+             for system, by_seed in runs_of.items()}
     # a difference over the seeds both systems ran (runs of other --seeds may be in results.json)
     bleu = paired_bootstrap_by_seed(stats, args.bootstrap_resamples, seed=1, comparisons=comparisons)
     summary = {"bleu": bleu}
-    for system in SYSTEMS:
-        runs = [r for r in results["runs"] if r["system"] == system]
+    if args.fairseq_runs is not None:
+        summary["fairseq_runs"] = [{k: v for k, v in run.items() if k != "stats"} for name, by_seed in runs_of.items()
+                                   if name.startswith("fairseq ") for run in by_seed.values()]
+    for system in runs_of:
+        runs = list(runs_of[system].values())
         if runs:
             summary[system] = {key: seed_interval([r[key] for r in runs])
                                for key in ("bleu", "valid_bits_per_token", "LR", "HR")}
@@ -293,13 +337,13 @@ def main(argv=None) -> int:
     results_path.write_text(json.dumps(results, indent=2) + "\n")
     print(f"\nDing de->en, {results['data']['test']} test pairs, beam {args.beam}, sacreBLEU 13a, last weights; "
           f"seed means, BLEU with paired bootstrap 95% intervals over sentences ({args.bootstrap_resamples} resamples)")
-    print(f"{'system':16} {'seeds':>5} {'BLEU':>6} {'interval':>15} {'per seed':>20} {'valid bits/token':>16} "
+    print(f"{'system':24} {'seeds':>5} {'BLEU':>6} {'interval':>15} {'per seed':>20} {'valid bits/token':>16} "
           f"{'LR':>6} {'HR':>6}")
-    for system in SYSTEMS:
+    for system in runs_of:
         if system in summary:
             row, interval = summary[system], bleu["systems"][system]["interval"]
-            per_seed = " / ".join(f"{r['bleu']:.2f}" for r in results["runs"] if r["system"] == system)
-            print(f"{system:16} {row['bleu']['n']:>5} {bleu['systems'][system]['bleu']:6.2f} "
+            per_seed = " / ".join(f"{r['bleu']:.2f}" for _, r in sorted(runs_of[system].items()))
+            print(f"{system:24} {row['bleu']['n']:>5} {bleu['systems'][system]['bleu']:6.2f} "
                   f"{interval[0]:6.2f}-{interval[1]:<6.2f} {per_seed:>22} {row['valid_bits_per_token']['mean']:16.3f} "
                   f"{row['LR']['mean']:6.3f} {row['HR']['mean']:6.3f}")
     for name, entry in bleu["comparisons"].items():
