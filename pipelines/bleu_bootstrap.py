@@ -23,27 +23,37 @@ def corpus_bleu_of(stats: np.ndarray) -> float:
     return BLEU()._compute_score_from_stats(stats.sum(0).tolist()).score
 
 
+def resampled_bleu(stats: Dict[str, List[np.ndarray]], resamples: int, seed: int) -> Dict[str, np.ndarray]:
+    """BLEU of every run on ``resamples`` resamples of the test sentences, the same resamples for every run
+    (paired): per system ``[runs, resamples]``, from each run's :func:`sentence_statistics`."""
+    rng = np.random.default_rng(seed)
+    n = next(iter(stats.values()))[0].shape[0]
+    draws = {system: np.empty((len(runs), resamples)) for system, runs in stats.items()}
+    for r in range(resamples):
+        index = rng.integers(0, n, n)
+        for system, runs in stats.items():
+            for i, s in enumerate(runs):
+                draws[system][i, r] = corpus_bleu_of(s[index])
+    return draws
+
+
+def _interval(values: np.ndarray, level: float) -> List[float]:
+    return [float(np.percentile(values, 100 * (1 - level) / 2)), float(np.percentile(values, 100 * (1 + level) / 2))]
+
+
 def paired_bootstrap(stats: Dict[str, List[np.ndarray]], resamples: int, seed: int,
                      comparisons: Sequence[Tuple[str, str]], level: float = 0.95) -> Dict:
     """Seed-mean BLEU of each system and of each difference ``a - b`` in ``comparisons``, with percentile
     intervals from ``resamples`` resamples of the test sentences shared by every run (paired).
 
     ``stats``: per system, each seed's :func:`sentence_statistics`."""
-    rng = np.random.default_rng(seed)
-    n = next(iter(stats.values()))[0].shape[0]
-    draws = {system: [] for system in stats}
-    for _ in range(resamples):
-        index = rng.integers(0, n, n)
-        for system, runs in stats.items():
-            draws[system].append(np.mean([corpus_bleu_of(s[index]) for s in runs]))
-    low, high = 100 * (1 - level) / 2, 100 * (1 + level) / 2
+    draws = {system: runs.mean(0) for system, runs in resampled_bleu(stats, resamples, seed).items()}
     out = {"systems": {}, "comparisons": {}, "resamples": resamples, "level": level}
     for system, runs in stats.items():
-        values = np.array(draws[system])
         out["systems"][system] = {"bleu": float(np.mean([corpus_bleu_of(s) for s in runs])),
-                                  "interval": [float(np.percentile(values, low)), float(np.percentile(values, high))]}
-    out["comparisons"] = paired_differences({s: np.array(d) for s, d in draws.items()},
-                                            {s: v["bleu"] for s, v in out["systems"].items()}, comparisons, level)
+                                  "interval": _interval(draws[system], level)}
+    out["comparisons"] = paired_differences(draws, {s: v["bleu"] for s, v in out["systems"].items()}, comparisons,
+                                            level)
     return out
 
 
@@ -52,22 +62,31 @@ def paired_bootstrap_by_seed(stats: Dict[str, Dict[int, np.ndarray]], resamples:
     """:func:`paired_bootstrap` where systems may have run different seeds (``stats``: per system, ``{seed: its
     sentence statistics}``): each system's BLEU is the mean over all its seeds (with the seeds in its entry), each
     difference ``a - b`` is taken over the seeds both ran (its entry's ``seeds``; left out where they share none),
-    so a seed one of them lacks does not enter the difference. Every call resamples the same sentences (one
-    generator per call, seeded alike), so with equal seeds the result is :func:`paired_bootstrap`'s."""
+    so a seed one of them lacks does not enter the difference. Every run is resampled once, on the same sentences,
+    so with equal seeds the result is :func:`paired_bootstrap`'s."""
     stats = {system: dict(sorted(by_seed.items())) for system, by_seed in stats.items() if by_seed}
     if not stats:
         return {}
-    out = paired_bootstrap({system: list(by_seed.values()) for system, by_seed in stats.items()}, resamples, seed,
-                           comparisons=[], level=level)
+    per_run = resampled_bleu({system: list(by_seed.values()) for system, by_seed in stats.items()}, resamples, seed)
+    row = {system: {k: i for i, k in enumerate(by_seed)} for system, by_seed in stats.items()}
+
+    def draws_over(system: str, seeds: List[int]) -> np.ndarray:
+        return per_run[system][[row[system][k] for k in seeds]].mean(0)
+
+    def bleu_over(system: str, seeds: List[int]) -> float:
+        return float(np.mean([corpus_bleu_of(stats[system][k]) for k in seeds]))
+
+    out = {"systems": {}, "comparisons": {}, "resamples": resamples, "level": level}
     for system, by_seed in stats.items():
-        out["systems"][system]["seeds"] = list(by_seed)
+        seeds = list(by_seed)
+        out["systems"][system] = {"bleu": bleu_over(system, seeds),
+                                  "interval": _interval(draws_over(system, seeds), level), "seeds": seeds}
     for a, b in comparisons:
         common = sorted(set(stats.get(a, {})) & set(stats.get(b, {})))
-        if not common:
-            continue
-        pair = paired_bootstrap({a: [stats[a][k] for k in common], b: [stats[b][k] for k in common]}, resamples, seed,
-                                comparisons=[(a, b)], level=level)
-        out["comparisons"][f"{a} - {b}"] = {**pair["comparisons"][f"{a} - {b}"], "seeds": common}
+        if common:
+            pair = paired_differences({s: draws_over(s, common) for s in (a, b)},
+                                      {s: bleu_over(s, common) for s in (a, b)}, [(a, b)], level)
+            out["comparisons"][f"{a} - {b}"] = {**pair[f"{a} - {b}"], "seeds": common}
     return out
 
 
@@ -75,14 +94,13 @@ def paired_differences(draws: Dict[str, np.ndarray], points: Dict[str, float], c
                        level: float = 0.95) -> Dict[str, Dict]:
     """``{"a - b": {difference, interval, share_of_resamples_above_zero}}`` for the pairs of ``comparisons`` both
     present, from each system's metric on the same resamples (``draws``) and on the whole test set (``points``)."""
-    low, high = 100 * (1 - level) / 2, 100 * (1 + level) / 2
     out = {}
     for a, b in comparisons:
         if a in draws and b in draws:
             diff = draws[a] - draws[b]
             out[f"{a} - {b}"] = {
                 "difference": points[a] - points[b],
-                "interval": [float(np.percentile(diff, low)), float(np.percentile(diff, high))],
+                "interval": _interval(diff, level),
                 "share_of_resamples_above_zero": float((diff > 0).mean()),
             }
     return out

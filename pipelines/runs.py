@@ -35,6 +35,11 @@ def console_script(name: str) -> str:
     return str(path)
 
 
+def slug(system: str) -> str:
+    """A system's run folder name (``SDMA-T paper`` -> ``SDMA-T-paper``), as the run drivers lay out their runs."""
+    return system.replace(" ", "-")
+
+
 def stage(message: str) -> None:
     print(f"[sdma] {message}", flush=True)
 

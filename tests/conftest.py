@@ -110,6 +110,23 @@ def train_under_bf16_autocast(model, loss_fn, steps, lr=3e-3, check_falls=True):
     return losses
 
 
+def parameter_gradients(model) -> dict:
+    """``{name: grad}`` of the parameters that received a gradient."""
+    return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_step(want, got, parameter: str, rtol: float, atol: float) -> None:
+    """Two training steps, each ``(output, parameter_gradients(model))``, are the same: outputs within ``rtol`` /
+    ``atol``, the same parameters with gradients (one named like ``parameter`` among them), every gradient within
+    1e-3 relative, absolute errors against its largest entry."""
+    (want_out, want_grads), (got_out, got_grads) = want, got
+    torch.testing.assert_close(got_out, want_out, rtol=rtol, atol=atol)
+    assert set(got_grads) == set(want_grads) and any(parameter in name for name in got_grads)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-3, atol=1e-5 * max(float(grad.abs().max()), 1.0),
+                                   msg=name)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now (for a test's DDP rendezvous; xdist
     workers run DDP tests at the same time, so a port fixed or derived from the pid can clash)."""

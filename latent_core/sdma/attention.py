@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from latent_core.sdma.mixture import full_precision
-from latent_core.sdma.options import AUTHORS_EPS, SDMAConfigError
+from latent_core.sdma.options import AUTHORS_EPS, SDMAConfigError, check_score_bias
 
 _MASK_FLOOR = 1e-6  # smallest semantic-mask value, keeps log M finite
 
@@ -364,10 +364,7 @@ def sdma_attention(q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, resp_key
             raise SDMAConfigError(
                 f"attention_kernel={name!r} does not take a score bias (a relative-position attention: T5, the "
                 f"Conformer, ALiBi); use one of {', '.join(sorted(TAKES_SCORE_BIAS))} or 'auto'")
-        expected = (q.size(0), q.size(1), q.size(2), k.size(2))
-        if score_bias.dim() != 4 or any(b not in (1, n) for b, n in zip(score_bias.shape, expected)):
-            raise SDMAConfigError(f"score_bias of shape {tuple(score_bias.shape)} does not broadcast to the scores "
-                                  f"[B, H, T, S] = {list(expected)}")
+        check_score_bias(score_bias, (q.size(0), q.size(1), q.size(2), k.size(2)))
     allowed = None if blocked is None else (~blocked).to(torch.float32)
     return KERNELS[name](AttentionInputs(q, k, v, resp_query, resp_key, mix, authors, blocked, allowed, dropout,
                                          dropout_p, score_bias))

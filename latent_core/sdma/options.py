@@ -3,9 +3,12 @@
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Dict, Mapping, Optional
+from typing import TYPE_CHECKING, Dict, Mapping, Optional, Tuple
 
 from latent_core.errors import PluginConfigError, check_positive_int
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 SDMA_MODES = ("sdma", "sma", "none")
 # What the SDMA modules compute in training (SDMAOptions.reading): the authors' code or the printed equations
@@ -58,6 +61,14 @@ AUTHORS_POSTERIOR_VAR = 0.01
 
 class SDMAConfigError(PluginConfigError):
     """An impossible SDMA hyper-parameter (the message names the option)."""
+
+
+def check_score_bias(score_bias: "Tensor", scores: Tuple[int, int, int, int], caller: str = "") -> None:
+    """Raise :class:`SDMAConfigError` unless ``score_bias`` is 4-D and broadcasts to the ``scores`` shape
+    ``[B, H, T, S]``."""
+    if score_bias.dim() != 4 or any(b not in (1, n) for b, n in zip(score_bias.shape, scores)):
+        raise SDMAConfigError(f"{caller}score_bias of shape {tuple(score_bias.shape)} does not broadcast to the scores "
+                              f"[B, H, T, S] = {list(scores)}")
 
 
 def _option(default, help: str, **metadata):

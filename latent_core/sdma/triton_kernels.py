@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from latent_core.sdma.mixture import LOGVAR_RANGE
-from latent_core.sdma.options import AUTHORS_EPS, LOG_2PI, SDMAConfigError
+from latent_core.sdma.options import AUTHORS_EPS, LOG_2PI, SDMAConfigError, check_score_bias
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # whether Triton's own functions (tl.max, ...) were made for the interpreter: triton.language reads the variable when
@@ -88,9 +88,9 @@ def _profiled(name: str):
 
 
 def check_supported(*tensors: Tensor, option: str = "attention_kernel=triton") -> None:
-    """Raise :class:`SDMAConfigError` where the Triton kernels cannot run these tensors: a CPU tensor outside
-    Triton's interpreter, or float64 (not a GPU path)."""
-    for tensor in tensors:
+    """Raise :class:`SDMAConfigError` where the Triton kernels cannot run these tensors (None: an absent optional
+    input): a CPU tensor outside Triton's interpreter, or float64 (not a GPU path)."""
+    for tensor in (t for t in tensors if t is not None):
         if tensor.dtype == torch.float64:
             raise SDMAConfigError(f"{option}: float64 tensors are not supported by the Triton kernels (no float64 "
                                   "GPU path); use float32/float16/bfloat16, or attention_kernel=explicit")
@@ -676,18 +676,18 @@ class _MixedAttention(torch.autograd.Function):
                 BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages)
         if save:
-            ctx.save_for_backward(q, k, v, resp_query, resp_key, blocked_bytes, bias, out, out_masked, stats,
+            ctx.save_for_backward(q, k, v, resp_query, resp_key, blocked_bytes, score_bias, out, out_masked, stats,
                                   mix_used)
             ctx.shape, ctx.authors, ctx.dropout_p, ctx.seed = shape, authors, float(dropout_p), seed
             ctx.has_blocked = blocked is not None
-            ctx.bias_shape = None if score_bias is None else score_bias.shape
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, resp_query, resp_key, blocked_bytes, bias, out, out_masked, stats, mix_used = ctx.saved_tensors
+        q, k, v, resp_query, resp_key, blocked_bytes, score_bias, out, out_masked, stats, mix_used = ctx.saved_tensors
         B, H, T, S, D, C = ctx.shape
         full = (B, H, T, S)
+        bias = None if score_bias is None else score_bias.expand(*full)
         common = dict(C=C, AUTHORS=ctx.authors, HAS_BLOCKED=ctx.has_blocked, HAS_BIAS=bias is not None,
                       DROPOUT=ctx.dropout_p > 0,
                       EPS=AUTHORS_EPS, FLOOR=PAPER_MASK_FLOOR, DOT_PRECISION=_dot_precision(q.dtype))
@@ -728,7 +728,7 @@ class _MixedAttention(torch.autograd.Function):
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         grad_bias = None
         if bias_grad:
-            broadcast = [dim for dim, size in enumerate(ctx.bias_shape) if size == 1 and full[dim] != 1]
+            broadcast = [dim for dim, size in enumerate(score_bias.shape) if size == 1 and full[dim] != 1]
             grad_bias = (grad_scores.sum(broadcast, keepdim=True) if broadcast else grad_scores).to(bias.dtype)
         return (grad_q, grad_k, grad_v, grad_resp_query.to(resp_query.dtype), grad_resp_key.to(resp_key.dtype),
                 None, None, None, None, None, grad_bias)
@@ -754,7 +754,7 @@ def mixed_attention(q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, resp_ke
     S]`` in float32, then summed over its broadcast dimensions). Returns ``[B, H, T, D]`` in ``q``'s dtype; a query
     whose keys are all blocked gets 0 (as the explicit kernel).
     """
-    check_supported(q, k, v, *(() if score_bias is None else (score_bias,)))
+    check_supported(q, k, v, score_bias)
     B, H, T, D = q.shape
     if k.dim() != 4 or k.shape[:2] != (B, H) or k.size(-1) != D or v.shape != k.shape:
         raise SDMAConfigError(f"mixed_attention: k and v must be [B, H, S, D] = [{B}, {H}, S, {D}], got "
@@ -772,10 +772,7 @@ def mixed_attention(q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, resp_ke
         while blocked.dim() < 4:
             blocked = blocked.unsqueeze(0)
     if score_bias is not None:
-        full = (B, H, T, k.size(2))
-        if score_bias.dim() != 4 or any(b not in (1, n) for b, n in zip(score_bias.shape, full)):
-            raise SDMAConfigError(f"mixed_attention: score_bias of shape {tuple(score_bias.shape)} does not broadcast "
-                                  f"to the scores [B, H, T, S] = {list(full)}")
+        check_score_bias(score_bias, (B, H, T, k.size(2)), caller="mixed_attention: ")
     if seed is None:
         seed = dropout_seed(dropout_p)
     return _MixedAttention.apply(q, k, v, resp_query, resp_key, mix.detach().reshape(()).float(), blocked, authors,

@@ -40,10 +40,10 @@ def _allowed(device, causal):
     return allowed
 
 
-def _run(kernel, q, k, v, resp_q, resp_k, mix, allowed, authors):
+def _run(kernel, q, k, v, resp_q, resp_k, mix, allowed, authors, score_bias=None):
     """A_hat V through the core's one entry point with ``kernel`` its row of the kernel table."""
     out, _ = sdma_attention(q, k, v, resp_q, resp_k, mix, authors=authors, blocked=allowed == 0, kernel=kernel,
-                            need_weights=False, dropout=lambda a: a, dropout_p=0.0)
+                            need_weights=False, dropout=lambda a: a, dropout_p=0.0, score_bias=score_bias)
     return out
 
 
@@ -87,17 +87,13 @@ def test_kernel_with_a_learned_score_bias_matches_float64_reference(device, kern
     bias = 2.0 * torch.randn(1, H, T, T, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     ref_bias = bias.clone().requires_grad_()
     ref_in = [t.detach().double().requires_grad_() for t in _inputs(cpu, torch.float64)]
-    ref, _ = sdma_attention(*ref_in, mix.double(), authors=authors, blocked=_allowed(cpu, False) == 0,
-                            kernel="explicit", need_weights=False, dropout=lambda a: a, dropout_p=0.0,
-                            score_bias=ref_bias)
+    ref = _run("explicit", *ref_in, mix.double(), _allowed(cpu, False).double(), authors, score_bias=ref_bias)
     weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     (ref * weights).sum().backward()
 
     got_bias = bias.to(device, DTYPES[precision]).requires_grad_()
     got_in = _inputs(device, DTYPES[precision])
-    got, _ = sdma_attention(*got_in, mix.to(device), authors=authors, blocked=_allowed(device, False) == 0,
-                            kernel=kernel, need_weights=False, dropout=lambda a: a, dropout_p=0.0,
-                            score_bias=got_bias)
+    got = _run(kernel, *got_in, mix.to(device), _allowed(device, False), authors, score_bias=got_bias)
     (got.float() * weights.to(device).float()).sum().backward()
     errors = {"out": _relative_error(got, ref), "score_bias": _relative_error(got_bias.grad, ref_bias.grad)}
     for name, a, b in zip(("q", "k", "v", "resp_q", "resp_k"), ref_in, got_in):

@@ -43,6 +43,7 @@ from latent_core.errors import command_error
 from latent_core.sdma import AUTHORS_SCRIPT_LOSS_WEIGHTS, SMALLER_DISENTANGLEMENT_WEIGHTS
 from latent_core.redundancy import RedundancyAccumulator
 from pipelines.bleu_bootstrap import corpus_bleu_of, paired_bootstrap_by_seed, sentence_statistics
+from pipelines.runs import slug
 from transformers_plugin.tools.runs import run_missing, seed_interval
 
 SYSTEMS = {"V-T": None, "SDMA-T paper": "paper", "SDMA-T authors": "authors"}
@@ -231,7 +232,7 @@ def fairseq_runs(folder: Path, seeds: List[int], references: List[str]) -> Dict[
     found: Dict[str, Dict[int, dict]] = {}
     for system in SYSTEMS:
         for seed in seeds:
-            run_dir = folder / system.replace(" ", "-") / f"seed{seed}"
+            run_dir = folder / slug(system) / f"seed{seed}"
             if not (run_dir / "evaluation.json").is_file():
                 continue
             evaluation = json.loads((run_dir / "evaluation.json").read_text())
@@ -328,11 +329,9 @@ def main(argv=None) -> int:
     if args.fairseq_runs is not None:
         summary["fairseq_runs"] = [{k: v for k, v in run.items() if k != "stats"} for name, by_seed in runs_of.items()
                                    if name.startswith("fairseq ") for run in by_seed.values()]
-    for system in runs_of:
-        runs = list(runs_of[system].values())
-        if runs:
-            summary[system] = {key: seed_interval([r[key] for r in runs])
-                               for key in ("bleu", "valid_bits_per_token", "LR", "HR")}
+    for system, by_seed in runs_of.items():
+        summary[system] = {key: seed_interval([r[key] for r in by_seed.values()])
+                           for key in ("bleu", "valid_bits_per_token", "LR", "HR")}
     results["summary"] = summary
     results_path.write_text(json.dumps(results, indent=2) + "\n")
     print(f"\nDing de->en, {results['data']['test']} test pairs, beam {args.beam}, sacreBLEU 13a, last weights; "
@@ -340,12 +339,11 @@ def main(argv=None) -> int:
     print(f"{'system':24} {'seeds':>5} {'BLEU':>6} {'interval':>15} {'per seed':>20} {'valid bits/token':>16} "
           f"{'LR':>6} {'HR':>6}")
     for system in runs_of:
-        if system in summary:
-            row, interval = summary[system], bleu["systems"][system]["interval"]
-            per_seed = " / ".join(f"{r['bleu']:.2f}" for _, r in sorted(runs_of[system].items()))
-            print(f"{system:24} {row['bleu']['n']:>5} {bleu['systems'][system]['bleu']:6.2f} "
-                  f"{interval[0]:6.2f}-{interval[1]:<6.2f} {per_seed:>22} {row['valid_bits_per_token']['mean']:16.3f} "
-                  f"{row['LR']['mean']:6.3f} {row['HR']['mean']:6.3f}")
+        row, interval = summary[system], bleu["systems"][system]["interval"]
+        per_seed = " / ".join(f"{r['bleu']:.2f}" for _, r in sorted(runs_of[system].items()))
+        print(f"{system:24} {row['bleu']['n']:>5} {bleu['systems'][system]['bleu']:6.2f} "
+              f"{interval[0]:6.2f}-{interval[1]:<6.2f} {per_seed:>22} {row['valid_bits_per_token']['mean']:16.3f} "
+              f"{row['LR']['mean']:6.3f} {row['HR']['mean']:6.3f}")
     for name, entry in bleu["comparisons"].items():
         print(f"{name}: {entry['difference']:+.2f} BLEU ({entry['interval'][0]:+.2f} to {entry['interval'][1]:+.2f}; "
               f"{100 * entry['share_of_resamples_above_zero']:.1f}% of resamples above 0; "

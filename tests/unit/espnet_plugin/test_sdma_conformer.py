@@ -17,6 +17,7 @@ from espnet_plugin.asr.sdma_attention import (ESPnetConfigError, SDMAMultiHeaded
 from espnet_plugin.tasks.sdma_asr import SDMAASRTask  # noqa: E402
 from latent_core.sdma import SDMACore, recording  # noqa: E402
 
+from conftest import assert_same_step, parameter_gradients  # noqa: E402
 from test_sdma_espnet import tiny_args, tiny_batch  # noqa: E402
 
 SIZES = dict(input_size=20, output_size=32, attention_heads=2, linear_units=64, num_blocks=2, cnn_module_kernel=5,
@@ -131,13 +132,8 @@ def test_every_kernel_takes_the_positional_score_bias_as_the_explicit_one(kernel
         out, out_lengths, _ = model(xs, torch.tensor([17, 13, 9]))
         valid = torch.arange(out.size(1))[None] < out_lengths[:, None]
         out[valid].pow(2).sum().backward()
-        results.append((out[valid].detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
-    (want, want_grads), (got, got_grads) = results
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    assert set(got_grads) == set(want_grads) and any("pos_bias_u" in n for n in got_grads)
-    for name, grad in want_grads.items():
-        torch.testing.assert_close(got_grads[name], grad, rtol=1e-3, atol=1e-5 * max(float(grad.abs().max()), 1.0),
-                                   msg=name)
+        results.append((out[valid].detach(), parameter_gradients(model)))
+    assert_same_step(*results, parameter="pos_bias_u", rtol=1e-4, atol=1e-5)
 
 
 def test_mode_none_is_espnets_conformer():

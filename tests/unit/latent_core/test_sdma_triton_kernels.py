@@ -76,14 +76,16 @@ def blocked_keys(kind, B, T, S):
     return blocked.to(DEVICE)
 
 
-def run(kernel, tensors, mix, blocked, authors, dropout=None, dtype=torch.float32):
-    """(A_hat V, the gradients of q, k, v and both responsibilities) through :func:`sdma_attention`."""
+def run(kernel, tensors, mix, blocked, authors, dropout=None, dtype=torch.float32, score_bias=None):
+    """(A_hat V, the gradients of q, k, v and both responsibilities, and of ``score_bias`` where one is added to the
+    scores) through :func:`sdma_attention`."""
     inputs = [t.detach().to(dtype if i < 3 else torch.float32).requires_grad_() for i, t in enumerate(tensors)]
+    bias = None if score_bias is None else score_bias.detach().to(dtype).requires_grad_()
     out, _ = sdma_attention(*inputs, mix, authors=authors, blocked=blocked, kernel=kernel, need_weights=False,
-                            dropout=dropout or (lambda a: a), dropout_p=0.0)
+                            dropout=dropout or (lambda a: a), dropout_p=0.0, score_bias=bias)
     weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.device)
     (out.float() * weights).sum().backward()
-    return [out.detach().float()] + [t.grad.float() for t in inputs]
+    return [out.detach().float()] + [t.grad.float() for t in inputs] + ([] if bias is None else [bias.grad.float()])
 
 
 NAMES = ("output", "q", "k", "v", "resp_q", "resp_k")
@@ -209,17 +211,6 @@ BIAS_SHAPES = {"per_head": lambda B, H, T, S: (1, H, T, S), "per_sentence": lamb
                "full": lambda B, H, T, S: (B, H, T, S)}
 
 
-def run_biased(kernel, tensors, bias, mix, blocked, authors, dtype=torch.float32):
-    """As :func:`run`, with ``bias`` added to the scores; the bias's gradient last."""
-    inputs = [t.detach().to(dtype if i < 3 else torch.float32).requires_grad_() for i, t in enumerate(tensors)]
-    bias = bias.detach().to(dtype).requires_grad_()
-    out, _ = sdma_attention(*inputs, mix, authors=authors, blocked=blocked, kernel=kernel, need_weights=False,
-                            dropout=lambda a: a, dropout_p=0.0, score_bias=bias)
-    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.device)
-    (out.float() * weights).sum().backward()
-    return [out.detach().float()] + [t.grad.float() for t in inputs] + [bias.grad.float()]
-
-
 def biased_case(authors, masking, shape, bias_shape="per_head"):
     B, H, T, S = shape
     tensors = attention_inputs(B, H, T, S)
@@ -237,8 +228,8 @@ def assert_biased_close(got, want, rtol=1e-5, scale_atol=1e-5):
 @pytest.mark.parametrize("masking", ["none", "padding", "causal"])
 def test_a_score_bias_equals_the_explicit_row_with_it_across_tiles(authors, masking):
     tensors, bias, blocked, mix = biased_case(authors, masking, (2, 2, 20, 35 if masking != "causal" else 20))
-    got = run_biased("triton", tensors, bias, mix, blocked, authors)
-    want = run_biased("explicit", tensors, bias, mix, blocked, authors)
+    got = run("triton", tensors, mix, blocked, authors, score_bias=bias)
+    want = run("explicit", tensors, mix, blocked, authors, score_bias=bias)
     assert_biased_close(got, want)
     # the bias matters here: without it the output moves
     assert (run("triton", tensors, mix, blocked, authors)[0] - got[0]).abs().max() > 1e-2
@@ -247,15 +238,15 @@ def test_a_score_bias_equals_the_explicit_row_with_it_across_tiles(authors, mask
 @pytest.mark.parametrize("bias_shape", ["per_sentence", "full"])
 def test_a_score_bias_broadcast_over_heads_or_sentences_gets_its_summed_gradient(bias_shape):
     tensors, bias, blocked, mix = biased_case(True, "padding", (2, 2, 6, 7), bias_shape)
-    got = run_biased("triton", tensors, bias, mix, blocked, True)
+    got = run("triton", tensors, mix, blocked, True, score_bias=bias)
     assert got[-1].shape == bias.shape
-    assert_biased_close(got, run_biased("explicit", tensors, bias, mix, blocked, True))
+    assert_biased_close(got, run("explicit", tensors, mix, blocked, True, score_bias=bias))
 
 
 def test_a_score_bias_in_half_precision_and_one_without_a_gradient():
     tensors, bias, blocked, mix = biased_case(False, "padding", (2, 2, 6, 7))
-    half = run_biased("triton", tensors, bias, mix, blocked, False, dtype=torch.float16)
-    reference = run_biased("explicit", tensors, bias, mix, blocked, False)
+    half = run("triton", tensors, mix, blocked, False, dtype=torch.float16, score_bias=bias)
+    reference = run("explicit", tensors, mix, blocked, False, score_bias=bias)
     for name, a, b in zip(NAMES + ("score_bias",), half, reference):
         assert torch.isfinite(a).all() and (a - b).abs().max() <= 2e-2 * b.abs().max(), name
     q, k, v, resp_q, resp_k = tensors
@@ -388,7 +379,7 @@ def test_a_planted_bias_defect_in_backward_fails():
     out = module.mixed_attention(*inputs, mix, authors=True, blocked=blocked, score_bias=bias)
     weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.device)
     (out * weights).sum().backward()
-    want = run_biased("explicit", tensors, bias, mix, blocked, True)
+    want = run("explicit", tensors, mix, blocked, True, score_bias=bias)
     torch.testing.assert_close(out.detach(), want[0], rtol=1e-5, atol=1e-5)
     with pytest.raises(AssertionError):
         assert_close([out.detach()] + [t.grad for t in inputs], want[:-1], rtol=1e-4)

@@ -12,6 +12,7 @@ from latent_core.sdma import SDMAConfigError, SDMACore
 from transformers_plugin import attach_sdma, sdma_loss
 from transformers_plugin.attention import set_sdma_updates
 
+from conftest import assert_same_step, parameter_gradients
 from sdma_round_trip import save_and_reload
 
 SIZES = dict(vocab_size=40, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
@@ -110,13 +111,8 @@ def test_every_kernel_takes_the_position_bias_as_the_explicit_one(kernel):
         set_sdma_updates(model, 2000)
         loss = model(**batch()).loss
         loss.backward()
-        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
-    (want, want_grads), (got, got_grads) = results
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    assert set(got_grads) == set(want_grads) and any("relative_attention_bias" in n for n in got_grads)
-    for name, grad in want_grads.items():
-        torch.testing.assert_close(got_grads[name], grad, rtol=1e-3, atol=1e-5 * max(float(grad.abs().max()), 1.0),
-                                   msg=name)
+        results.append((loss.detach(), parameter_gradients(model)))
+    assert_same_step(*results, parameter="relative_attention_bias", rtol=1e-5, atol=1e-6)
 
 
 def test_a_width_apart_from_the_heads_is_refused():

@@ -39,6 +39,7 @@ from pipelines.runs import (
     print_table,
     resumed_update,
     run_streaming,
+    slug,
     stage,
     trained_parameters,
     uncontended_words_per_second,
@@ -55,10 +56,6 @@ SYSTEMS = {
 }
 COMPARISONS = (("SDMA-T paper", "V-T"), ("SDMA-T authors", "V-T"), ("SDMA-T authors", "SDMA-T paper"))
 ARCH = ["--arch", "sdma_transformer_iwslt_de_en_tiny", "--criterion", "sdma_label_smoothed_cross_entropy"]
-
-
-def slug(system: str) -> str:
-    return system.replace(" ", "-")
 
 
 def train(system: str, seed: int, data_bin: Path, save_dir: Path, updates: int) -> Dict:
