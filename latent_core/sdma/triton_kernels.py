@@ -657,7 +657,6 @@ class _MixedAttention(torch.autograd.Function):
         shape = _AttentionShapes(B, H, T, S, D, C)
         full = (B, H, T, S)
         blocked_bytes = None if blocked is None else blocked.expand(*full).view(torch.uint8)
-        bias = None if score_bias is None else score_bias.expand(*full)
         save = any(ctx.needs_input_grad[:5]) or ctx.needs_input_grad[10]
         out = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
         out_masked = torch.empty_like(out) if save else out
@@ -668,10 +667,10 @@ class _MixedAttention(torch.autograd.Function):
         with _profiled("attention_forward"):
             _attention_forward[(triton.cdiv(T, block_t), B * H)](
                 q, k, v, resp_query, resp_key, blocked_bytes if blocked_bytes is not None else q,
-                bias if bias is not None else q, mix, out, out_masked, stats, mix_used, *q.stride(), *k.stride(),
-                *v.stride(), *resp_query.stride(), *resp_key.stride(), *_strides4(blocked_bytes, full),
-                *_strides4(bias, full), H, T, S, D, seed, float(dropout_p), C=C, AUTHORS=authors,
-                HAS_BLOCKED=blocked is not None, HAS_BIAS=bias is not None, DROPOUT=dropout_p > 0, SAVE=save,
+                score_bias if score_bias is not None else q, mix, out, out_masked, stats, mix_used, *q.stride(),
+                *k.stride(), *v.stride(), *resp_query.stride(), *resp_key.stride(), *_strides4(blocked_bytes, full),
+                *_strides4(score_bias, full), H, T, S, D, seed, float(dropout_p), C=C, AUTHORS=authors,
+                HAS_BLOCKED=blocked is not None, HAS_BIAS=score_bias is not None, DROPOUT=dropout_p > 0, SAVE=save,
                 EPS=AUTHORS_EPS, FLOOR=PAPER_MASK_FLOOR, NEG=_NEG, DOT_PRECISION=_dot_precision(q.dtype),
                 BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages)
@@ -687,8 +686,7 @@ class _MixedAttention(torch.autograd.Function):
         q, k, v, resp_query, resp_key, blocked_bytes, score_bias, out, out_masked, stats, mix_used = ctx.saved_tensors
         B, H, T, S, D, C = ctx.shape
         full = (B, H, T, S)
-        bias = None if score_bias is None else score_bias.expand(*full)
-        common = dict(C=C, AUTHORS=ctx.authors, HAS_BLOCKED=ctx.has_blocked, HAS_BIAS=bias is not None,
+        common = dict(C=C, AUTHORS=ctx.authors, HAS_BLOCKED=ctx.has_blocked, HAS_BIAS=score_bias is not None,
                       DROPOUT=ctx.dropout_p > 0,
                       EPS=AUTHORS_EPS, FLOOR=PAPER_MASK_FLOOR, DOT_PRECISION=_dot_precision(q.dtype))
         block_d, block_c = _block(D, 1 << 20), triton.next_power_of_2(C)
@@ -700,11 +698,11 @@ class _MixedAttention(torch.autograd.Function):
                 grad_out, out, out_masked, row_sums, *grad_out.stride(), H, T, D, B * H * T,
                 BLOCK_T=block_t, BLOCK_D=block_d, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         blocked = blocked_bytes if blocked_bytes is not None else q
-        args = (q, k, v, resp_query, resp_key, blocked, bias if bias is not None else q, grad_out, stats, row_sums,
-                mix_used)
+        args = (q, k, v, resp_query, resp_key, blocked, score_bias if score_bias is not None else q, grad_out, stats,
+                row_sums, mix_used)
         strides = (*q.stride(), *k.stride(), *v.stride(), *resp_query.stride(), *resp_key.stride(),
-                   *_strides4(blocked_bytes, full), *_strides4(bias, full), *grad_out.stride(), H, T, S, D, ctx.seed,
-                   ctx.dropout_p)
+                   *_strides4(blocked_bytes, full), *_strides4(score_bias, full), *grad_out.stride(), H, T, S, D,
+                   ctx.seed, ctx.dropout_p)
         grad_k, grad_v = torch.empty(B, H, S, D, dtype=k.dtype, device=k.device), torch.empty(B, H, S, D, dtype=v.dtype, device=v.device)
         grad_resp_key = torch.empty(B, H, S, C, dtype=torch.float32, device=q.device)
         cfg = LAUNCH["attention_backward_keys"]
@@ -717,7 +715,7 @@ class _MixedAttention(torch.autograd.Function):
         grad_resp_query = torch.empty(B, H, T, C, dtype=torch.float32, device=q.device)
         # the bias's gradient is d scores, [B, H, T, S] (the T x S memory a flash kernel otherwise avoids), summed
         # over the dimensions the bias was broadcast along
-        bias_grad = bias is not None and ctx.needs_input_grad[10]
+        bias_grad = score_bias is not None and ctx.needs_input_grad[10]
         grad_scores = torch.empty(full, dtype=torch.float32, device=q.device) if bias_grad else None
         cfg = LAUNCH["attention_backward_queries"]
         block_t, block_s = _block(T, cfg.block_rows), _block(S, cfg.block_cols)
@@ -726,10 +724,7 @@ class _MixedAttention(torch.autograd.Function):
                 *args, grad_q, grad_resp_query, grad_scores if bias_grad else q, *strides, **common,
                 BIAS_GRAD=bias_grad, BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_D=block_d, BLOCK_C=block_c,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        grad_bias = None
-        if bias_grad:
-            broadcast = [dim for dim, size in enumerate(score_bias.shape) if size == 1 and full[dim] != 1]
-            grad_bias = (grad_scores.sum(broadcast, keepdim=True) if broadcast else grad_scores).to(bias.dtype)
+        grad_bias = grad_scores.sum_to_size(score_bias.shape).to(score_bias.dtype) if bias_grad else None
         return (grad_q, grad_k, grad_v, grad_resp_query.to(resp_query.dtype), grad_resp_key.to(resp_key.dtype),
                 None, None, None, None, None, grad_bias)
 

@@ -8,6 +8,7 @@ import pytest
 
 from conftest import DING_DE_EN
 from pipelines.bleu_bootstrap import corpus_bleu_of
+from pipelines.runs import slug
 from transformers_plugin.tools import mt_runs
 
 
@@ -43,7 +44,7 @@ def test_three_systems_with_paired_bleu_and_encoder_lrhr(tmp_path, capsys):
     # these runs' own hypotheses, so each toolkit difference is exactly 0
     fairseq = tmp_path / "readings_runs"
     for run in results["runs"]:
-        run_dir = fairseq / run["system"].replace(" ", "-") / "seed1"
+        run_dir = fairseq / slug(run["system"]) / "seed1"
         run_dir.mkdir(parents=True)
         hypotheses = (tmp_path / run["system"].replace(" ", "_") / "seed1" / "hypotheses.txt").read_text()
         (run_dir / "evaluation.json").write_text(json.dumps({

@@ -211,7 +211,7 @@ BIAS_SHAPES = {"per_head": lambda B, H, T, S: (1, H, T, S), "per_sentence": lamb
                "full": lambda B, H, T, S: (B, H, T, S)}
 
 
-def biased_case(authors, masking, shape, bias_shape="per_head"):
+def biased_case(masking, shape, bias_shape="per_head"):
     B, H, T, S = shape
     tensors = attention_inputs(B, H, T, S)
     bias = 2.0 * torch.randn(BIAS_SHAPES[bias_shape](B, H, T, S), generator=torch.Generator().manual_seed(5))
@@ -227,7 +227,7 @@ def assert_biased_close(got, want, rtol=1e-5, scale_atol=1e-5):
 @pytest.mark.parametrize("authors", [True, False], ids=["authors", "paper"])
 @pytest.mark.parametrize("masking", ["none", "padding", "causal"])
 def test_a_score_bias_equals_the_explicit_row_with_it_across_tiles(authors, masking):
-    tensors, bias, blocked, mix = biased_case(authors, masking, (2, 2, 20, 35 if masking != "causal" else 20))
+    tensors, bias, blocked, mix = biased_case(masking, (2, 2, 20, 35 if masking != "causal" else 20))
     got = run("triton", tensors, mix, blocked, authors, score_bias=bias)
     want = run("explicit", tensors, mix, blocked, authors, score_bias=bias)
     assert_biased_close(got, want)
@@ -237,14 +237,14 @@ def test_a_score_bias_equals_the_explicit_row_with_it_across_tiles(authors, mask
 
 @pytest.mark.parametrize("bias_shape", ["per_sentence", "full"])
 def test_a_score_bias_broadcast_over_heads_or_sentences_gets_its_summed_gradient(bias_shape):
-    tensors, bias, blocked, mix = biased_case(True, "padding", (2, 2, 6, 7), bias_shape)
+    tensors, bias, blocked, mix = biased_case("padding", (2, 2, 6, 7), bias_shape)
     got = run("triton", tensors, mix, blocked, True, score_bias=bias)
     assert got[-1].shape == bias.shape
     assert_biased_close(got, run("explicit", tensors, mix, blocked, True, score_bias=bias))
 
 
 def test_a_score_bias_in_half_precision_and_one_without_a_gradient():
-    tensors, bias, blocked, mix = biased_case(False, "padding", (2, 2, 6, 7))
+    tensors, bias, blocked, mix = biased_case("padding", (2, 2, 6, 7))
     half = run("triton", tensors, mix, blocked, False, dtype=torch.float16, score_bias=bias)
     reference = run("explicit", tensors, mix, blocked, False, score_bias=bias)
     for name, a, b in zip(NAMES + ("score_bias",), half, reference):
@@ -374,7 +374,7 @@ def test_a_planted_bias_defect_in_backward_fails():
     scores = _add_score_bias(scores, BIAS, offs_t, offs_s, mask_t, mask_s, s_bias_t, s_bias_s, HAS_BIAS)
 """, """    scores = _dot(q, tl.trans(k), DOT_PRECISION)
 """)])
-    tensors, bias, blocked, mix = biased_case(True, "padding", (2, 2, 6, 7))
+    tensors, bias, blocked, mix = biased_case("padding", (2, 2, 6, 7))
     inputs = [t.clone().requires_grad_() for t in tensors]
     out = module.mixed_attention(*inputs, mix, authors=True, blocked=blocked, score_bias=bias)
     weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.device)

@@ -52,11 +52,10 @@ import numpy as np
 
 from latent_core.errors import option_flag
 from latent_core.redundancy import ATTENTION_TYPES, COLLAPSE_PEAK
-from pipelines.bleu_bootstrap import paired_bootstrap_by_seed
+from pipelines.bleu_bootstrap import corpus_bleu_of, paired_bootstrap_by_seed, sentence_statistics
 from pipelines.runs import USER_DIR, console_script, generate, last_num_updates, print_table, run_streaming, slug
 from pipelines.runs import stage, write_json
 from user_dir.tools.sdma import quickstart
-from user_dir.tools.sdma.bleu import corpus_bleu_of, sentence_statistics
 from user_dir.tools.sdma.readings_runs import ARCH, SYSTEMS
 
 # one change to a reading, to test a reason the default runs suggest (not among the defaults; --systems)
