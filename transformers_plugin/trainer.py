@@ -1,5 +1,6 @@
 """transformers' ``Trainer`` and ``Seq2SeqTrainer`` for a model with SDMA: the regularisers of eq. (24) added to the
-task loss in training, and the mixing weight g of eq. (11) following the optimizer's update count.
+task loss in training and logged each under its own key, and the mixing weight g of eq. (11) following the
+optimizer's update count.
 
     trainer = SDMATrainer(model=attach_sdma(model), args=TrainingArguments(...), train_dataset=...)
     trainer = SDMASeq2SeqTrainer(model=attach_sdma(bart), args=Seq2SeqTrainingArguments(...), ...)
@@ -11,9 +12,11 @@ from typing import Dict, Optional
 import torch
 from transformers import Seq2SeqTrainer, Trainer, TrainerCallback
 
-from latent_core.sdma import REGULARISER_SCALES, SDMAConfigError
+from latent_core.sdma import LOSS_NAMES, SDMACore
 
-from transformers_plugin.attention import sdma_loss, set_sdma_updates
+from transformers_plugin.attach import set_sdma_updates
+from transformers_plugin.losses import (check_loss_weights, check_regulariser_scale, regulariser_from_terms,
+                                        sdma_terms)
 
 
 class SDMAUpdatesCallback(TrainerCallback):
@@ -35,6 +38,12 @@ class SDMALossMixin:
     ``SDMALossWeights``); evaluation losses (and ``Seq2SeqTrainer``'s generation) stay the task's. Adds
     :class:`SDMAUpdatesCallback`.
 
+    Each logged training step also carries the regularisers under their own keys, as fairseq logs them: ``sdma/kl_z``,
+    ``sdma/kl_q`` (eq. 20), ``sdma/dqq`` (eq. 21, the heads' MI upper bound), ``sdma/dxq`` (eq. 22, the input-query
+    MI lower bound), ``sdma/dv_z``, ``sdma/dv_q`` (eq. 23), each unweighted and per sequence, averaged over the
+    steps since the last log and over the processes; ``sdma/regulariser`` (what was added to the loss) and
+    ``sdma/g``.
+
     ``sdma_regulariser_scale`` weighs the regularisers against the task loss as fairseq's
     ``--sdma-regulariser-scale`` does: ``sentence`` (default; the authors' criterion) adds each sequence's
     regularisers to a token-SUMMED cross-entropy, which here, where the task loss is a mean over its label tokens
@@ -44,12 +53,12 @@ class SDMALossMixin:
 
     def __init__(self, *args, sdma_weights: Optional[Dict[str, float]] = None,
                  sdma_regulariser_scale: str = "sentence", **kwargs):
-        if sdma_regulariser_scale not in REGULARISER_SCALES:
-            raise SDMAConfigError(f"sdma_regulariser_scale={sdma_regulariser_scale!r} is not one of "
-                                  f"{', '.join(REGULARISER_SCALES)}")
+        self.sdma_weights = check_loss_weights(sdma_weights, f"{type(self).__name__}: sdma_weights")
+        self.sdma_regulariser_scale = check_regulariser_scale(sdma_regulariser_scale,
+                                                              f"{type(self).__name__}: sdma_regulariser_scale")
         super().__init__(*args, **kwargs)
-        self.sdma_weights = sdma_weights
-        self.sdma_regulariser_scale = sdma_regulariser_scale
+        self._sdma_logged: Dict[str, torch.Tensor] = {}
+        self._sdma_steps = 0
         self.add_callback(SDMAUpdatesCallback())
 
     def _label_items(self, inputs) -> Optional[int]:
@@ -77,9 +86,31 @@ class SDMALossMixin:
                 if self.args.average_tokens_across_devices and self.args.world_size > 1:
                     factor = float(self.accelerator.num_processes)
             scale = self.sdma_regulariser_scale if items else None
-            regulariser = sdma_loss(self.accelerator.unwrap_model(model), self.sdma_weights, scale, items)
+            terms = sdma_terms(model)
+            regulariser = regulariser_from_terms(terms, self.sdma_weights, scale, items)
+            self._keep_for_log(terms, regulariser)
             loss = loss + factor * regulariser.to(loss.dtype)
         return (loss, outputs) if return_outputs else loss
+
+    def _keep_for_log(self, terms: Dict[str, torch.Tensor], regulariser: torch.Tensor) -> None:
+        values = {name: terms[name].detach().float().mean() for name in LOSS_NAMES}
+        values["regulariser"] = regulariser.detach().float()
+        for name, value in values.items():
+            self._sdma_logged[name] = self._sdma_logged.get(name, 0.0) + value
+        self._sdma_steps += 1
+
+    def log(self, logs: Dict[str, float], *args, **kwargs) -> None:
+        if "loss" in logs and self._sdma_steps:  # a training log: the regularisers since the last one
+            names = list(self._sdma_logged)
+            means = torch.stack([self._sdma_logged[name] for name in names]) / self._sdma_steps
+            if self.args.world_size > 1:
+                means = self._nested_gather(means).view(-1, len(names)).mean(0)
+            logs.update({f"sdma/{name}": round(float(value), 6) for name, value in zip(names, means)})
+            core = next((m for m in self.model.modules() if isinstance(m, SDMACore)), None)
+            if core is not None:
+                logs["sdma/g"] = round(float(core.mix_weight), 6)
+            self._sdma_logged, self._sdma_steps = {}, 0
+        super().log(logs, *args, **kwargs)
 
 
 class SDMATrainer(SDMALossMixin, Trainer):

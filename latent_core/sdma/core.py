@@ -11,7 +11,7 @@ from torch import Tensor
 from latent_core.errors import check_heads_divide
 from latent_core.sdma.mixture import GaussianMixture, log_softmax_clusters
 from latent_core.sdma.options import SDMAConfigError, SDMAOptions, mixing_weight
-from latent_core.sdma.records import ClusteringRecord, active_recording
+from latent_core.sdma.records import ClusteringRecord, SDMARecording, active_recording
 from latent_core.sdma.regularisers import sdma_losses
 
 
@@ -176,13 +176,14 @@ class SDMACore(nn.Module):
     def record(self, log_joint_z: Tensor, log_resp_z: Tensor, query_valid: Tensor,
                log_joint_q: Optional[Tensor] = None, log_resp_q: Optional[Tensor] = None,
                log_joint_k: Optional[Tensor] = None, log_resp_k: Optional[Tensor] = None,
-               log_vars: Optional[Dict[str, Tensor]] = None) -> None:
+               log_vars: Optional[Dict[str, Tensor]] = None, into: Optional[SDMARecording] = None) -> None:
         """Keep this forward pass's clustering in the active :func:`recording` (see
-        :class:`ClusteringRecord` for the arguments). Outside a scope nothing is kept; nor is
+        :class:`ClusteringRecord` for the arguments), or in ``into`` where given (an adapter that keeps the
+        records of each model's forward itself). Outside a scope nothing is kept; nor is
         anything inside backward (activation checkpointing recomputing the forward pass: the
         criterion already took the first pass's records).
         """
-        records = active_recording()
+        records = into if into is not None else active_recording()
         if records is None or torch._C._current_graph_task_id() != -1:
             return
         records.add(self, ClusteringRecord(log_joint_z, log_resp_z, query_valid, log_joint_q, log_resp_q,

@@ -1,11 +1,14 @@
 """What one forward pass records for the regularisers: the clustering of every SDMA attention called
-inside a :func:`recording` scope, and the decoder's real query positions (:func:`real_queries`)."""
+inside a :func:`recording` scope, and the decoder's real query positions (:func:`real_queries`); and
+:func:`tie_to_output`, which keeps the records' parameters visible to distributed training's search for unused
+parameters."""
 
 import contextlib
 import contextvars
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, Optional, Tuple
 
+import torch
 import torch.nn as nn
 from torch import Tensor
 
@@ -34,6 +37,35 @@ class ClusteringRecord:
         """The shapes that decide which records can be stacked into one batched computation."""
         return tuple(None if t is None else tuple(t.shape) for t in (self.log_joint_z, self.log_joint_q,
                                                                       self.log_joint_k))
+
+
+class _TiedToOutput(torch.autograd.Function):
+    """``output`` unchanged, with ``records`` among its inputs and no gradient sent to them."""
+
+    @staticmethod
+    def forward(ctx, output: Tensor, *records: Tensor) -> Tensor:
+        ctx.count = len(records)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return (grad,) + (None,) * ctx.count
+
+
+def tie_to_output(output: Tensor, *records: Optional[Tensor]) -> Tensor:
+    """``output`` (an attention's), unchanged, tied in the autograd graph to the ``records`` of the same call.
+
+    Why: the query GMM of eq. (18) reaches the loss only through the regularisers, computed from the records
+    after the forward. DistributedDataParallel with ``find_unused_parameters=True`` (transformers' Trainer's
+    default) walks the graph from the forward's outputs, counts such parameters unused and marks them ready at
+    once; their gradient, arriving later through the regularisers, is then "marked as ready twice". Tied here
+    they count as used; their one gradient still comes through the regularisers (none flows back through the tie).
+    Without autograd (or records that need no gradient) ``output`` itself.
+    """
+    needed = [t for t in records if t is not None and t.requires_grad]
+    if not needed or not torch.is_grad_enabled():
+        return output
+    return _TiedToOutput.apply(output, *needed)
 
 
 class SDMARecording:

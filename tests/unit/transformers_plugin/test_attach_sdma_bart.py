@@ -11,7 +11,7 @@ from transformers import (BartConfig, BartForConditionalGeneration, MarianConfig
 
 from latent_core.sdma import SDMAConfigError, SDMACore, SDMAOptions, collect_sdma_losses, real_queries, recording
 from transformers_plugin import attach_sdma, sdma_loss
-from transformers_plugin.attention import set_sdma_updates
+from transformers_plugin import set_sdma_updates
 from transformers_plugin.trainer import SDMASeq2SeqTrainer
 
 from sdma_round_trip import save_and_reload
@@ -203,21 +203,23 @@ def test_generate_with_the_cache_equals_the_full_decoding(num_beams):
         torch.testing.assert_close(cached.sequences_scores, full.sequences_scores, atol=1e-5, rtol=1e-5)
 
 
-def test_decoder_mask_at_inference_generates_without_the_cache():
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_decoder_mask_at_inference_generates_with_the_cache_as_without(num_beams):
     model = attach_sdma(seq2seq(), mode="sdma", reading="paper", decoder_mask_at_inference=True)
     set_sdma_updates(model, 3000)
     inputs = batch()
     with torch.no_grad():
-        out = model.generate(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], max_new_tokens=4,
-                             do_sample=False, use_cache=False)
+        kwargs = dict(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], max_new_tokens=4,
+                      do_sample=False, num_beams=num_beams, output_scores=True, return_dict_in_generate=True)
+        cached, full = model.generate(**kwargs, use_cache=True), model.generate(**kwargs, use_cache=False)
         logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                       decoder_input_ids=out[:, :-1]).logits
-    finished = out[:, 1:] != 0
-    assert torch.equal(out[:, 1:][finished], logits.argmax(-1)[finished])
-    with pytest.raises(SDMAConfigError, match="use_cache=False"):
-        with torch.no_grad():
-            model.generate(input_ids=inputs["input_ids"], min_new_tokens=3, max_new_tokens=3, do_sample=False,
-                           use_cache=True)
+                       decoder_input_ids=cached.sequences[:, :-1]).logits
+    assert torch.equal(cached.sequences, full.sequences)
+    for a, b in zip(cached.scores, full.scores):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    if num_beams == 1:
+        finished = cached.sequences[:, 1:] != 0
+        assert torch.equal(cached.sequences[:, 1:][finished], logits.argmax(-1)[finished])
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -282,8 +284,6 @@ def test_seq2seq_trainer_trains_with_the_regularisers(tmp_path):
 
 
 def test_each_cross_attention_reads_its_own_layers_decoder_positions():
-    from transformers_plugin.attention import _PARTNER
-
     model = attach_sdma(seq2seq(), mode="sdma")
     for layer in model.model.decoder.layers:
-        assert _PARTNER[layer.encoder_attn] is layer.self_attn
+        assert layer.encoder_attn.sdma_state.partner is layer.self_attn

@@ -8,7 +8,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from latent_core.sdma import SDMAConfigError, SDMACore, SDMAOptions, collect_sdma_losses, recording
 from transformers_plugin import attach_sdma, sdma_loss
-from transformers_plugin.attention import set_sdma_updates
+from transformers_plugin import set_sdma_updates
 
 from sdma_round_trip import save_and_reload
 
@@ -82,19 +82,23 @@ def test_generate_with_the_cache_equals_the_full_forward():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_decoder_mask_at_inference_needs_the_whole_prefix():
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_decoder_mask_at_inference_generates_with_the_cache_as_without(num_beams):
     model = attach_sdma(gpt2(), mode="sdma", reading="paper", decoder_mask_at_inference=True)
     set_sdma_updates(model, 3000)
     prompt = torch.tensor([[1, 5, 7, 9]])
     with torch.no_grad():
-        full = model.generate(prompt, max_new_tokens=4, do_sample=False, use_cache=False)
-        logits = model(full).logits
-        plain = gpt2()(full).logits
+        kwargs = dict(max_new_tokens=4, do_sample=False, num_beams=num_beams, output_scores=True,
+                      return_dict_in_generate=True)
+        cached, full = model.generate(prompt, **kwargs, use_cache=True), model.generate(prompt, **kwargs, use_cache=False)
+        logits = model(cached.sequences[:1]).logits
+        plain = gpt2()(cached.sequences[:1]).logits
+    assert torch.equal(cached.sequences, full.sequences)
+    for a, b in zip(cached.scores, full.scores):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert (logits - plain).abs().max() > 1e-4  # the mask is applied at inference
-    assert torch.equal(full[0, 4:], logits[0, 3:-1].argmax(-1))  # each generated token is the full forward's argmax
-    with pytest.raises(SDMAConfigError, match="use_cache=False"):
-        with torch.no_grad():
-            model.generate(prompt, max_new_tokens=2, do_sample=False, use_cache=True)
+    if num_beams == 1:
+        assert torch.equal(cached.sequences[0, 4:], logits[0, 3:-1].argmax(-1))
 
 
 @pytest.mark.parametrize("reading", ["authors", "paper"])

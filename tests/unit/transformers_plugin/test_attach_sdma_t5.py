@@ -10,7 +10,7 @@ from transformers import T5Config, T5ForConditionalGeneration
 
 from latent_core.sdma import SDMAConfigError, SDMACore
 from transformers_plugin import attach_sdma, sdma_loss
-from transformers_plugin.attention import set_sdma_updates
+from transformers_plugin import set_sdma_updates
 
 from conftest import assert_same_step, parameter_gradients
 from sdma_round_trip import save_and_reload
@@ -129,8 +129,6 @@ def test_save_pretrained_and_reload(tmp_path):
 
 
 def test_each_cross_attention_reads_its_own_blocks_decoder_positions():
-    from transformers_plugin.attention import _PARTNER
-
     model = attach_sdma(t5(), mode="sdma")
     for block in model.decoder.block:
-        assert _PARTNER[block.layer[1].EncDecAttention] is block.layer[0].SelfAttention
+        assert block.layer[1].EncDecAttention.sdma_state.partner is block.layer[0].SelfAttention
