@@ -88,7 +88,7 @@ class SDMALossMixin:
             scale = self.sdma_regulariser_scale if items else None
             terms = sdma_terms(model)
             regulariser = regulariser_from_terms(terms, self.sdma_weights, scale, items)
-            self._keep_for_log(terms, regulariser)
+            self._keep_for_log(terms, factor * regulariser)
             loss = loss + factor * regulariser.to(loss.dtype)
         return (loss, outputs) if return_outputs else loss
 
@@ -104,7 +104,7 @@ class SDMALossMixin:
             names = list(self._sdma_logged)
             means = torch.stack([self._sdma_logged[name] for name in names]) / self._sdma_steps
             if self.args.world_size > 1:
-                means = self._nested_gather(means).view(-1, len(names)).mean(0)
+                means = self.accelerator.gather(means).view(-1, len(names)).mean(0)
             logs.update({f"sdma/{name}": round(float(value), 6) for name, value in zip(names, means)})
             core = next((m for m in self.model.modules() if isinstance(m, SDMACore)), None)
             if core is not None:
