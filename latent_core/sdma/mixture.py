@@ -33,8 +33,7 @@ class GaussianMixture(nn.Module):
         if init == "authors":
             self.reset_parameters_as_authors()
         self.centroid_grad_scale = float(centroid_grad_scale)
-        if self.centroid_grad_scale != 1.0:
-            self.means.register_hook(self._scale_centroid_grad)
+        self._hook_centroid_grad()
 
     def reset_parameters_as_authors(self) -> None:
         """xavier_normal_ (gain 1) on every GMM parameter, as the authors' init_cluster_params: means
@@ -46,8 +45,18 @@ class GaussianMixture(nn.Module):
         super().__setstate__(state)
         # a deep copy (copy.deepcopy, fairseq's EMA) or an unpickled module holds new Parameters, without the
         # hook: c_g would silently drop to 1 in the copy
-        if self.centroid_grad_scale != 1.0 and not self.means._backward_hooks:
-            self.means.register_hook(self._scale_centroid_grad)
+        if not self.means._backward_hooks:
+            self._hook_centroid_grad()
+
+    def _hook_centroid_grad(self) -> None:
+        """c_g on the means' gradient, also for means frozen now (a frozen copy, e.g. PEFT's of a module it is
+        asked to save, unfrozen later): the hook stays with the tensor whatever its requires_grad becomes."""
+        if self.centroid_grad_scale == 1.0:
+            return
+        frozen = not self.means.requires_grad
+        self.means.requires_grad_(True)
+        self.means.register_hook(self._scale_centroid_grad)
+        self.means.requires_grad_(not frozen)
 
     def _scale_centroid_grad(self, grad: Tensor) -> Tensor:
         return grad * self.centroid_grad_scale
