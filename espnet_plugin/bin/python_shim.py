@@ -7,6 +7,13 @@ and ``espnet2.bin.asr_inference`` as the plugin's launchers (whose training task
 the SDMA update counter and is what multi-GPU workers unpickle), and runs anything else
 (``-m module``, ``-c code`` or ``script.py``) unchanged, except that every ``torch.load``
 reads with ``weights_only=True`` (:mod:`espnet_plugin.safe_loading`).
+
+stdout belongs to the tool: ``asr.sh`` pipes it into its files (``tokenize_text --output -`` into
+``ref.trn``/``hyp.trn`` at scoring). ``python -m espnet_plugin.bin.python_shim`` imports the package
+``espnet_plugin`` before this module runs, so the package's ``__init__`` is where whatever importing the
+plugin and the ESPnet modules it pulls in prints is sent to stderr (ESPnet prints "Failed to import Flash
+Attention ..." to stdout at import). Those modules stay imported, so the tool importing them again prints
+nothing, and this module prints nothing itself.
 """
 
 import runpy
@@ -24,7 +31,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         sys.exit(USAGE)
-    import espnet_plugin  # noqa: F401  (registers the SDMA classes)
+    import espnet_plugin  # noqa: F401  (registers the SDMA classes; its import prints nothing to stdout)
     from espnet_plugin.safe_loading import weights_only_loading
 
     with weights_only_loading():

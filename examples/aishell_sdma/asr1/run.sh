@@ -21,6 +21,20 @@ case "$system" in
   *) echo "run.sh: --system must be sdma or vanilla, got '$system'" >&2; exit 1 ;;
 esac
 
+# The experiment tag names what the config trains: SDMA-T with its reading (sdma_conf.reading, the same on both
+# sides; the plugin's default, authors, where the config leaves it out), or the vanilla transformer.
+readings=$(sed -n 's/^ *reading: *\([A-Za-z_]*\).*/\1/p' "$here/$asr_config" | sort -u)
+case "$system" in
+  sdma) reading=${readings:-authors} ;;
+  vanilla) reading=$readings ;;
+esac
+case "$reading" in
+  ""|authors|paper) ;;
+  *) echo "run.sh: $asr_config: expected one sdma_conf.reading (authors or paper) on both sides, got: ${readings//$'\n'/ }" >&2
+     exit 1 ;;
+esac
+asr_tag=${system}_transformer${reading:+_$reading}
+
 recipe=$ESPNET_ROOT/egs2/aishell/asr1
 if [ ! -x "$recipe/asr.sh" ]; then
   echo "run.sh: $recipe/asr.sh not found: ESPNET_ROOT must be an ESPnet checkout" >&2
@@ -41,7 +55,7 @@ export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
     --speed_perturb_factors "0.9 1.0 1.1" \
     --token_type char \
     --use_lm false \
-    --asr_tag "${system}_transformer_paper" \
+    --asr_tag "$asr_tag" \
     --asr_config "$asr_config" \
     --inference_config conf/decode_asr_sdma_paper.yaml \
     --inference_asr_model valid.acc.ave.pth \
