@@ -18,7 +18,8 @@ from espnet.nets.pytorch_backend.transformer.attention import MultiHeadedAttenti
 from torch import Tensor
 
 from latent_core.errors import PluginConfigError, check_heads_divide, check_positive_int
-from latent_core.sdma import SDMACore, SDMAOptions, authors_linear_init, current_real_queries, sdma_attention
+from latent_core.sdma import (SDMACore, SDMAOptions, authors_linear_init, current_real_queries, sdma_attention,
+                               tie_to_output)
 
 ATTENTION_GROUPS = ("encoder_self", "decoder_self", "decoder_cross")
 
@@ -174,6 +175,7 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         out, self.attn, record = body(query, key, value, mask, need_losses, real_queries)
         if record is not None:
             core.record(*record)
+            out = tie_to_output(out, *record[3:5])  # the query GMM, for DDP's unused-parameter search
         return out
 
     def _forward_paper(self, query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], need_losses: bool,

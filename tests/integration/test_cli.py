@@ -208,6 +208,37 @@ def test_ddp_two_cpu_processes_match_update_freq_two(data_bin, tmp_path, reading
     assert trained_keys
 
 
+def test_pytorch_ddp_with_find_unused_parameters_matches_update_freq_two(data_bin, tmp_path):
+    """torch's DDP with its unused-parameter search (``--ddp-backend pytorch_ddp --find-unused-parameters``, what
+    transformers' Trainer runs by default), 2 CPU processes == one process with --update-freq 2. The query GMM
+    reaches the loss only through the criterion's regularisers, after the forward; tied to the attention output
+    (``latent_core.sdma.tie_to_output``) it counts as used instead of being "marked as ready twice"."""
+    common = ["--max-update", "3", "--dropout", "0", "--sdma-noise-var", "0", "--disable-validation",
+              "--no-epoch-checkpoints", "--max-tokens", "600"]
+    single = tmp_path / "single"
+    run(train_cmd(data_bin, single, *common, "--update-freq", "2"))
+    ddp = tmp_path / "ddp"
+    port = free_port()
+    launcher = [sys.executable, REPO / "tests" / "integration" / "fairseq_cpu_ddp.py"]
+    procs = [
+        subprocess.Popen(
+            [str(c) for c in launcher + train_cmd(data_bin, ddp, *common, "--distributed-world-size", "2",
+                                                  "--distributed-rank", str(rank), "--distributed-no-spawn",
+                                                  "--distributed-init-method", f"tcp://127.0.0.1:{port}",
+                                                  "--distributed-backend", "gloo", "--ddp-backend", "pytorch_ddp",
+                                                  "--find-unused-parameters")[1:]],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+    a = torch.load(single / "checkpoint_last.pt", map_location="cpu")["model"]
+    b = torch.load(ddp / "checkpoint_last.pt", map_location="cpu")["model"]
+    for key in a:
+        assert torch.allclose(a[key].float(), b[key].float(), atol=1e-5), key
+
+
 def test_nan_loss_term_stops_training_naming_it(trained, data_bin, tmp_path):
     """A diverged checkpoint (a NaN GMM mean) stops training with the term's name."""
     save_dir, _ = trained

@@ -24,6 +24,7 @@ from latent_core.sdma import (
     mix_attention,
     reading_semantic_mask,
     sdma_attention,
+    tie_to_output,
 )
 from user_dir.sdma.attention_outputs import AttentionOutputs, output_sink
 
@@ -108,6 +109,7 @@ class SDMAMultiheadAttention(MultiheadAttention):
             need_head_weights, need_losses, real_queries, sink)
         if record is not None:
             core.record(*record)
+            attn = tie_to_output(attn, *record[3:5])  # the query GMM, for DDP's --find-unused-parameters
         return attn, weights
 
     def _sdma_forward(self, query: Tensor, key: Optional[Tensor], value: Optional[Tensor],

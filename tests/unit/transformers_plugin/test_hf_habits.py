@@ -122,6 +122,7 @@ def test_attach_does_not_change_a_config_another_model_shares():
     assert (first(**batch()).last_hidden_state - second(**batch()).last_hidden_state).abs().max() > 1e-4
 
 
+@pytest.mark.integration  # a fresh interpreter without the plugin
 def test_a_save_never_reloads_as_a_silent_vanilla_model(tmp_path):
     model = attach_sdma(LlamaForCausalLM(LlamaConfig(**LLAMA)), mode="sdma", decoder_mask_at_inference=True)
     model.save_pretrained(tmp_path)
