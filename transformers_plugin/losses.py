@@ -59,15 +59,28 @@ def latest_recording(model: nn.Module, caller: str) -> SDMARecording:
     if state.records.recording is None:
         raise SDMAConfigError(f"{caller}: no forward of this model with SDMA has run yet (call attach_sdma, then the "
                               "model, then sdma_loss)")
+    _refuse_sharded_cores(model, caller)
     return state.records.recording
 
 
-def sdma_terms(model: nn.Module) -> Dict[str, Tensor]:
+def _refuse_sharded_cores(model: nn.Module, caller: str) -> None:
+    """The regularisers read the GMMs' variances and priors after the forward, where FSDP has sharded them again
+    (FSDP2's DTensors; FSDP1's freed views)."""
+    for name, parameter in model.named_parameters():
+        if ".sdma." in f".{name}." and (type(parameter).__name__ == "DTensor"
+                                       or parameter.untyped_storage().size() == 0):
+            raise SDMAConfigError(
+                f"{caller}: {name} is sharded (FSDP) after the forward, where the regularisers of eq. (20)-(23) read "
+                "the GMMs; SDMA trains under DistributedDataParallel (torchrun or accelerate launch without FSDP, "
+                "e.g. the Trainer without --fsdp)")
+
+
+def sdma_terms(model: nn.Module, caller: str = "sdma_terms") -> Dict[str, Tensor]:
     """Each regulariser of the model's latest forward, per sequence (``[B]``), by the names of
     :data:`latent_core.sdma.LOSS_NAMES` (``kl_z``, ``kl_q``: eq. 20; ``dqq``: eq. 21, the heads' MI upper bound;
     ``dxq``: eq. 22, the input-query MI lower bound; ``dv_z``, ``dv_q``: eq. 23), unweighted; fairseq logs the same
     names as ``sdma_<name>``. Raises :class:`SDMAConfigError` where a term is not finite."""
-    terms = collect_sdma_losses(model, latest_recording(model, "sdma_terms"))
+    terms = collect_sdma_losses(model, latest_recording(model, caller))
     check_finite(terms, HF_ADVICE)
     return terms
 
@@ -102,7 +115,7 @@ def sdma_loss(model: nn.Module, weights: Optional[Dict[str, float]] = None, regu
                                           or not num_tokens > 0):
         raise SDMAConfigError(f"sdma_loss: regulariser_scale={regulariser_scale!r} needs num_tokens > 0 (the items "
                               f"the task loss averages over), got {num_tokens!r}")
-    return regulariser_from_terms(sdma_terms(model), checked, regulariser_scale, num_tokens)
+    return regulariser_from_terms(sdma_terms(model, "sdma_loss"), checked, regulariser_scale, num_tokens)
 
 
 def sdma_records(model: nn.Module) -> Dict[str, object]:
