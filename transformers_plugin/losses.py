@@ -2,15 +2,17 @@
 the model's latest forward: :func:`sdma_loss` (the weighted sum to add to the task loss), :func:`sdma_terms` (each
 term per sequence, for logging) and :func:`sdma_records` (the clustering itself)."""
 
+import contextlib
 import dataclasses
 import math
-from typing import Dict, Mapping, Optional
+from typing import Dict, Iterator, Mapping, Optional
 
 from torch import Tensor, nn
 
 from latent_core.sdma import (
     REGULARISER_SCALES,
     SDMAConfigError,
+    SDMACore,
     SDMALossWeights,
     SDMARecording,
     check_finite,
@@ -63,16 +65,38 @@ def latest_recording(model: nn.Module, caller: str) -> SDMARecording:
     return state.records.recording
 
 
+@contextlib.contextmanager
+def _gathered_cores(model: nn.Module) -> Iterator[None]:
+    """FSDP2 (``fully_shard``): the regularisers read the GMMs' variances and priors after the forward, where FSDP has
+    sharded them again. The FSDP modules that hold SDMA cores gather their parameters while the regularisers are
+    built (an all-gather on every process, as sdma_loss runs on all) and shard them again; the gradients then
+    accumulate into the same unsharded parameters as the forward's and reach FSDP's reduce-scatter with them."""
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp = {name: module for name, module in model.named_modules() if isinstance(module, FSDPModule)}
+    owners = {}
+    for name, module in model.named_modules():
+        if isinstance(module, SDMACore) and fsdp:
+            owner = max((n for n in fsdp if n == "" or name.startswith(n + ".")), key=len, default=None)
+            if owner is not None:
+                owners[owner] = fsdp[owner]
+    for module in owners.values():
+        module.unshard()
+    try:
+        yield
+    finally:
+        for module in owners.values():
+            module.reshard()
+
+
 def _refuse_sharded_cores(model: nn.Module, caller: str) -> None:
-    """The regularisers read the GMMs' variances and priors after the forward, where FSDP has sharded them again
-    (FSDP2's DTensors; FSDP1's freed views)."""
+    """FSDP1's views of its flat parameters are freed after the forward, where the regularisers read the GMMs."""
     for name, parameter in model.named_parameters():
-        if ".sdma." in f".{name}." and (type(parameter).__name__ == "DTensor"
-                                       or parameter.untyped_storage().size() == 0):
+        if ".sdma." in f".{name}." and type(parameter).__name__ != "DTensor" and parameter.untyped_storage().size() == 0:
             raise SDMAConfigError(
-                f"{caller}: {name} is sharded (FSDP) after the forward, where the regularisers of eq. (20)-(23) read "
-                "the GMMs; SDMA trains under DistributedDataParallel (torchrun or accelerate launch without FSDP, "
-                "e.g. the Trainer without --fsdp)")
+                f"{caller}: {name} is sharded (FSDP1) after the forward, where the regularisers of eq. (20)-(23) read "
+                "the GMMs; SDMA trains under DistributedDataParallel or torch's FSDP2 (fully_shard: the Trainer's "
+                "--fsdp with fsdp_version 2)")
 
 
 def sdma_terms(model: nn.Module, caller: str = "sdma_terms") -> Dict[str, Tensor]:
@@ -80,7 +104,9 @@ def sdma_terms(model: nn.Module, caller: str = "sdma_terms") -> Dict[str, Tensor
     :data:`latent_core.sdma.LOSS_NAMES` (``kl_z``, ``kl_q``: eq. 20; ``dqq``: eq. 21, the heads' MI upper bound;
     ``dxq``: eq. 22, the input-query MI lower bound; ``dv_z``, ``dv_q``: eq. 23), unweighted; fairseq logs the same
     names as ``sdma_<name>``. Raises :class:`SDMAConfigError` where a term is not finite."""
-    terms = collect_sdma_losses(model, latest_recording(model, caller))
+    recording = latest_recording(model, caller)
+    with _gathered_cores(model):
+        terms = collect_sdma_losses(model, recording)
     check_finite(terms, HF_ADVICE)
     return terms
 

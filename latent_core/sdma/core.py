@@ -143,7 +143,7 @@ class SDMACore(nn.Module):
 
             width = gmm.groups * gmm.dim
             rows = torch.cat([z.reshape(-1, width) for z in zs]) if len(zs) > 1 else zs[0].reshape(-1, width)
-            return gaussian_clustering(rows, gmm.means, gmm.log_vars, gmm.prior_logits, scale)
+            return gaussian_clustering(rows, gmm.scaled_means(), gmm.log_vars, gmm.prior_logits, scale)
         log_joint = gmm.log_joint_rows(zs, gmm_terms, scale)
         return log_joint, log_softmax_clusters(log_joint)
 

@@ -33,7 +33,6 @@ class GaussianMixture(nn.Module):
         if init == "authors":
             self.reset_parameters_as_authors()
         self.centroid_grad_scale = float(centroid_grad_scale)
-        self._hook_centroid_grad()
 
     def reset_parameters_as_authors(self) -> None:
         """xavier_normal_ (gain 1) on every GMM parameter, as the authors' init_cluster_params: means
@@ -41,25 +40,13 @@ class GaussianMixture(nn.Module):
         for parameter in (self.prior_logits, self.means, self.log_vars):
             nn.init.xavier_normal_(parameter)
 
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        # a deep copy (copy.deepcopy, fairseq's EMA) or an unpickled module holds new Parameters, without the
-        # hook: c_g would silently drop to 1 in the copy
-        if not self.means._backward_hooks:
-            self._hook_centroid_grad()
-
-    def _hook_centroid_grad(self) -> None:
-        """c_g on the means' gradient, also for means frozen now (a frozen copy, e.g. PEFT's of a module it is
-        asked to save, unfrozen later): the hook stays with the tensor whatever its requires_grad becomes."""
-        if self.centroid_grad_scale == 1.0:
-            return
-        frozen = not self.means.requires_grad
-        self.means.requires_grad_(True)
-        self.means.register_hook(self._scale_centroid_grad)
-        self.means.requires_grad_(not frozen)
-
-    def _scale_centroid_grad(self, grad: Tensor) -> Tensor:
-        return grad * self.centroid_grad_scale
+    def scaled_means(self) -> Tensor:
+        """The means, whose gradient is multiplied by c_g (``centroid_grad_scale``) on its way back: an op at each
+        use rather than a hook on the parameter, which a copy (PEFT's ``modules_to_save``, EMA) or FSDP's
+        parameters (new tensors, sharded and gathered) would not carry."""
+        if self.centroid_grad_scale == 1.0 or not torch.is_grad_enabled():
+            return self.means
+        return _ScaledGradient.apply(self.means, self.centroid_grad_scale)
 
     def log_joint(self, z: Tensor, terms: Optional[Tuple[Tensor, Tensor, Tensor]] = None,
                   scale: float = 1.0) -> Tensor:
@@ -88,7 +75,7 @@ class GaussianMixture(nn.Module):
         flats = [z.to(dtype).reshape(-1, self.groups * self.dim) for z in zs]  # [N_i, G*d]
         with full_precision(flats[0]):
             if torch.is_grad_enabled():
-                out = _GaussianLogJoint.apply(scale, self.means, self.log_vars, self.prior_logits, *flats)
+                out = _GaussianLogJoint.apply(scale, self.scaled_means(), self.log_vars, self.prior_logits, *flats)
             else:
                 # Never cached across calls on the module: fairseq's FP16Optimizer (and EMA, and
                 # anyone writing ``p.data``) changes the parameters without bumping their version
@@ -109,7 +96,7 @@ class GaussianMixture(nn.Module):
         memory-hungry; the reference the fast path is tested against."""
         log_vars = self.log_vars.float().clamp(*LOGVAR_RANGE)
         z = z.to(torch.promote_types(z.dtype, torch.float32)) * scale
-        squared = ((z.unsqueeze(-2) - self.means) ** 2 / log_vars.exp()).sum(-1)  # (z - mu_c)^T Sigma_c^-1 (z - mu_c)
+        squared = ((z.unsqueeze(-2) - self.scaled_means()) ** 2 / log_vars.exp()).sum(-1)  # (z - mu_c)^T Sigma_c^-1 (z - mu_c)
         log_normal = -0.5 * (squared + log_vars.sum(-1) + self.dim * LOG_2PI)  # log N(z | mu_c, Sigma_c)
         return log_normal + self.log_prior()  # + log pi_c
 
@@ -209,6 +196,19 @@ def _gmm_parts(means: Tensor, log_vars: Tensor, prior_logits: Tensor, dtype: tor
         square_term, linear_term = square_term * (scale * scale), linear_term * scale
     weight = _block_diagonal(torch.stack((square_term, linear_term)))  # [2, G*d, C*G]
     return _GMMParts(weight[0], weight[1], bias, means, precision, log_pi, clamped, weight.flatten(0, 1))
+
+
+class _ScaledGradient(torch.autograd.Function):
+    """``x`` unchanged; its gradient multiplied by ``factor`` (c_g of Section IV-A3 on the GMM means)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, factor: float) -> Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad * ctx.factor, None
 
 
 class _GaussianLogJoint(torch.autograd.Function):

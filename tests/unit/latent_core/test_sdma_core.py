@@ -417,20 +417,23 @@ def test_mixed_attention_gradients_equal_autograd_of_eq_2_and_11():
 
 
 def test_a_deep_copy_keeps_the_centroid_gradient_scale():
-    """c_g is a gradient hook on the means; copy.deepcopy (fairseq's EMA, a model duplicated for comparison)
-    makes new Parameters, to which the hook is registered again, once."""
+    """c_g is applied where the means are used, not hooked onto the parameter: copy.deepcopy (fairseq's EMA, PEFT's
+    modules_to_save of a frozen core) and a copy frozen then unfrozen keep it, and it is applied once."""
     import copy
 
     torch.manual_seed(0)
     gmm = GaussianMixture(2, 3, 4, centroid_grad_scale=10.0)
-    copied = copy.deepcopy(copy.deepcopy(gmm))
+    frozen = copy.deepcopy(gmm).requires_grad_(False)
+    copied, thawed = copy.deepcopy(copy.deepcopy(gmm)), copy.deepcopy(frozen).requires_grad_(True)
     z = torch.randn(5, 2, 4)
-    for module in (gmm, copied):
+    for module in (gmm, copied, thawed):
         module.log_joint(z).sum().backward()
     torch.testing.assert_close(copied.means.grad, gmm.means.grad)
+    torch.testing.assert_close(thawed.means.grad, gmm.means.grad)
     plain = GaussianMixture(2, 3, 4)
+    plain.load_state_dict(gmm.state_dict())
     plain.log_joint(z).sum().backward()
-    assert not copy.deepcopy(plain).means._backward_hooks
+    torch.testing.assert_close(gmm.means.grad, 10 * plain.means.grad)
 
 
 @pytest.mark.parametrize("path", ["autograd node", "no grad"])
