@@ -144,7 +144,7 @@ def sdma_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value:
         q, key, value, clustering.resp, clustering.key_resp, core.mix_weight, authors=core.options.authors,
         blocked=blocked, kernel=core.options.attention_kernel, need_weights=bool(kwargs.get("output_attentions")),
         dropout=attention_dropout, dropout_p=dropout, score_bias=kwargs.get("position_bias"))
-    out = _record(module, core, state, clustering, q_cluster, attention_mask, out)
+    out = _record(module, clustering, q_cluster, attention_mask, out)
     return out.transpose(1, 2).contiguous(), weights
 
 
@@ -228,29 +228,31 @@ def _key_responsibilities(state: SDMAAttentionState, resp: Tensor, key: Tensor, 
     return key_resp
 
 
-def _record(module, core, state: SDMAAttentionState, clustering: _Clustering, q_cluster: Tensor,
-            attention_mask: Optional[Tensor], out: Tensor) -> Tensor:
+def _record(module, clustering: _Clustering, q_cluster: Tensor, attention_mask: Optional[Tensor],
+            out: Tensor) -> Tensor:
     """Keep the clustering of this call for the regularisers of eq. (20)-(23) (the queries' GMM of eq. 16-19 on the
     scaled queries) in the model's records; returns ``out`` tied to them (:func:`latent_core.sdma.tie_to_output`,
     for distributed training)."""
+    core, state = module.sdma, module.sdma_state
     B, H, T, _ = q_cluster.shape
-    if state.role == DECODER_SELF and module.training:
-        state.real_queries = real_queries(attention_mask, B, T, out.device)
+    if state.role == DECODER_CROSS:  # the decoder's real positions, which the encoder's mask does not say
+        valid = state.partner.sdma_state.real_queries if state.partner is not None else None
+        if valid is None or valid.shape != (B, T):
+            valid = torch.ones(B, T, device=out.device)
+    else:
+        valid = real_queries(attention_mask, B, T, out.device)
+        if state.role == DECODER_SELF and module.training:
+            state.real_queries = valid
     # an open latent_core.sdma.recording() scope, else the records of the model's forward
-    recording = active_recording() if active_recording() is not None else state.records.recording
+    recording = active_recording()
+    if recording is None:
+        recording = state.records.recording
     if recording is None:  # neither: a submodule called alone
         return out
     log_joint_q = log_resp_q = None
     if core.query_gmm is not None:  # eq. (16)-(19), on the scaled queries
         log_joint_q, log_resp_q = (t.transpose(0, 1) for t in core.cluster_queries(q_cluster.transpose(1, 2),
                                                                                    core.clustering_scale))
-    if state.role == DECODER_CROSS:  # the decoder's real positions, which the encoder's mask does not say
-        partner = state.partner.sdma_state if state.partner is not None else None
-        valid = partner.real_queries if partner is not None else None
-        if valid is None or valid.shape != (B, T):
-            valid = torch.ones(B, T, device=out.device)
-    else:
-        valid = real_queries(attention_mask, B, T, out.device)
     log_joint_k = log_resp_k = None
     if clustering.log_joint_k is not None:
         log_joint_k, log_resp_k = clustering.log_joint_k.transpose(0, 1), clustering.log_resp_k.transpose(0, 1)

@@ -61,22 +61,30 @@ def latest_recording(model: nn.Module, caller: str) -> SDMARecording:
     if state.records.recording is None:
         raise SDMAConfigError(f"{caller}: no forward of this model with SDMA has run yet (call attach_sdma, then the "
                               "model, then sdma_loss)")
-    _refuse_sharded_cores(model, caller)
     return state.records.recording
 
 
 @contextlib.contextmanager
-def _gathered_cores(model: nn.Module) -> Iterator[None]:
+def _gathered_cores(model: nn.Module, caller: str) -> Iterator[None]:
     """FSDP2 (``fully_shard``): the regularisers read the GMMs' variances and priors after the forward, where FSDP has
     sharded them again. The FSDP modules that hold SDMA cores gather their parameters while the regularisers are
     built (an all-gather on every process, as sdma_loss runs on all) and shard them again; the gradients then
-    accumulate into the same unsharded parameters as the forward's and reach FSDP's reduce-scatter with them."""
+    accumulate into the same unsharded parameters as the forward's and reach FSDP's reduce-scatter with them.
+    FSDP1's views of its flat parameters are freed after the forward: refused. Without FSDP, one pass over the
+    modules and nothing else."""
     from torch.distributed.fsdp import FSDPModule
 
-    fsdp = {name: module for name, module in model.named_modules() if isinstance(module, FSDPModule)}
-    owners = {}
+    fsdp, owners = {}, {}
     for name, module in model.named_modules():
-        if isinstance(module, SDMACore) and fsdp:
+        if isinstance(module, FSDPModule):
+            fsdp[name] = module
+        elif isinstance(module, SDMACore):
+            for parameter_name, parameter in module.named_parameters():
+                if type(parameter).__name__ != "DTensor" and parameter.untyped_storage().size() == 0:
+                    raise SDMAConfigError(
+                        f"{caller}: {name}.{parameter_name} is sharded (FSDP1) after the forward, where the "
+                        "regularisers of eq. (20)-(23) read the GMMs; SDMA trains under DistributedDataParallel or "
+                        "torch's FSDP2 (fully_shard: the Trainer's --fsdp with fsdp_version 2)")
             owner = max((n for n in fsdp if n == "" or name.startswith(n + ".")), key=len, default=None)
             if owner is not None:
                 owners[owner] = fsdp[owner]
@@ -89,23 +97,13 @@ def _gathered_cores(model: nn.Module) -> Iterator[None]:
             module.reshard()
 
 
-def _refuse_sharded_cores(model: nn.Module, caller: str) -> None:
-    """FSDP1's views of its flat parameters are freed after the forward, where the regularisers read the GMMs."""
-    for name, parameter in model.named_parameters():
-        if ".sdma." in f".{name}." and type(parameter).__name__ != "DTensor" and parameter.untyped_storage().size() == 0:
-            raise SDMAConfigError(
-                f"{caller}: {name} is sharded (FSDP1) after the forward, where the regularisers of eq. (20)-(23) read "
-                "the GMMs; SDMA trains under DistributedDataParallel or torch's FSDP2 (fully_shard: the Trainer's "
-                "--fsdp with fsdp_version 2)")
-
-
 def sdma_terms(model: nn.Module, caller: str = "sdma_terms") -> Dict[str, Tensor]:
     """Each regulariser of the model's latest forward, per sequence (``[B]``), by the names of
     :data:`latent_core.sdma.LOSS_NAMES` (``kl_z``, ``kl_q``: eq. 20; ``dqq``: eq. 21, the heads' MI upper bound;
     ``dxq``: eq. 22, the input-query MI lower bound; ``dv_z``, ``dv_q``: eq. 23), unweighted; fairseq logs the same
     names as ``sdma_<name>``. Raises :class:`SDMAConfigError` where a term is not finite."""
     recording = latest_recording(model, caller)
-    with _gathered_cores(model):
+    with _gathered_cores(model, caller):
         terms = collect_sdma_losses(model, recording)
     check_finite(terms, HF_ADVICE)
     return terms

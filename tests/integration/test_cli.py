@@ -178,32 +178,39 @@ def test_restore_file_resumes_schedule_and_g(trained, data_bin, tmp_path):
     assert resumed["optimizer_history"][-1]["num_updates"] == 44
 
 
-@pytest.mark.parametrize("reading", ["authors", "paper"])
-def test_ddp_two_cpu_processes_match_update_freq_two(data_bin, tmp_path, reading):
-    """fairseq DDP (gloo, 2 processes) == one process with --update-freq 2 on the same batches."""
-    common = ["--max-update", "3", "--dropout", "0", "--sdma-noise-var", "0", "--disable-validation",
-              "--no-epoch-checkpoints", "--max-tokens", "600", "--sdma-reading", reading]
-    single = tmp_path / "single"
+DDP_COMMON = ["--max-update", "3", "--dropout", "0", "--sdma-noise-var", "0", "--disable-validation",
+              "--no-epoch-checkpoints", "--max-tokens", "600"]
+
+
+def ddp_and_update_freq_two(data_bin, tmp_path, common, ddp_backend, launcher=()):
+    """The final weights of 2 gloo processes (``--ddp-backend``, started with ``launcher`` before fairseq-train's
+    arguments, or fairseq-train itself) and of one process with --update-freq 2 on the same batches."""
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
     run(train_cmd(data_bin, single, *common, "--update-freq", "2"))
-    ddp = tmp_path / "ddp"
     port = free_port()
-    procs = [
-        subprocess.Popen(
-            [str(c) for c in train_cmd(data_bin, ddp, *common, "--distributed-world-size", "2",
-                                       "--distributed-rank", str(rank), "--distributed-no-spawn",
-                                       "--distributed-init-method", f"tcp://127.0.0.1:{port}",
-                                       "--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp")],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for rank in (0, 1)
-    ]
+    procs = []
+    for rank in (0, 1):
+        command = train_cmd(data_bin, ddp, *common, "--distributed-world-size", "2", "--distributed-rank", str(rank),
+                            "--distributed-no-spawn", "--distributed-init-method", f"tcp://127.0.0.1:{port}",
+                            "--distributed-backend", "gloo", *ddp_backend)
+        if launcher:
+            command = [*launcher, *command[1:]]
+        procs.append(subprocess.Popen([str(c) for c in command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
-    a = torch.load(single / "checkpoint_last.pt", map_location="cpu")["model"]
-    b = torch.load(ddp / "checkpoint_last.pt", map_location="cpu")["model"]
+    a, b = (torch.load(d / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"] for d in (single, ddp))
     assert a.keys() == b.keys()
     for key in a:
         assert torch.allclose(a[key].float(), b[key].float(), atol=1e-5), key
+    return a
+
+
+@pytest.mark.parametrize("reading", ["authors", "paper"])
+def test_ddp_two_cpu_processes_match_update_freq_two(data_bin, tmp_path, reading):
+    """fairseq DDP (gloo, 2 processes) == one process with --update-freq 2 on the same batches."""
+    a = ddp_and_update_freq_two(data_bin, tmp_path, [*DDP_COMMON, "--sdma-reading", reading],
+                                ["--ddp-backend", "legacy_ddp"])
     trained_keys = [k for k in a if "feature_gmm.means" in k]
     assert trained_keys
 
@@ -213,30 +220,8 @@ def test_pytorch_ddp_with_find_unused_parameters_matches_update_freq_two(data_bi
     transformers' Trainer runs by default), 2 CPU processes == one process with --update-freq 2. The query GMM
     reaches the loss only through the criterion's regularisers, after the forward; tied to the attention output
     (``latent_core.sdma.tie_to_output``) it counts as used instead of being "marked as ready twice"."""
-    common = ["--max-update", "3", "--dropout", "0", "--sdma-noise-var", "0", "--disable-validation",
-              "--no-epoch-checkpoints", "--max-tokens", "600"]
-    single = tmp_path / "single"
-    run(train_cmd(data_bin, single, *common, "--update-freq", "2"))
-    ddp = tmp_path / "ddp"
-    port = free_port()
-    launcher = [sys.executable, REPO / "tests" / "integration" / "fairseq_cpu_ddp.py"]
-    procs = [
-        subprocess.Popen(
-            [str(c) for c in launcher + train_cmd(data_bin, ddp, *common, "--distributed-world-size", "2",
-                                                  "--distributed-rank", str(rank), "--distributed-no-spawn",
-                                                  "--distributed-init-method", f"tcp://127.0.0.1:{port}",
-                                                  "--distributed-backend", "gloo", "--ddp-backend", "pytorch_ddp",
-                                                  "--find-unused-parameters")[1:]],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for rank in (0, 1)
-    ]
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
-    a = torch.load(single / "checkpoint_last.pt", map_location="cpu")["model"]
-    b = torch.load(ddp / "checkpoint_last.pt", map_location="cpu")["model"]
-    for key in a:
-        assert torch.allclose(a[key].float(), b[key].float(), atol=1e-5), key
+    ddp_and_update_freq_two(data_bin, tmp_path, DDP_COMMON, ["--ddp-backend", "pytorch_ddp", "--find-unused-parameters"],
+                            launcher=[sys.executable, REPO / "tests" / "integration" / "fairseq_cpu_ddp.py"])
 
 
 def test_nan_loss_term_stops_training_naming_it(trained, data_bin, tmp_path):
