@@ -8,6 +8,7 @@ this package. Its files, each readable top to bottom, the direct form of an equa
 * ``options``      the modes, readings and kernels; :class:`SDMAOptions` (Table I) and the weights of eq. (24)
 * ``mixture``      the Gaussian mixtures of eq. (5)/(9) and their log-joint
 * ``attention``    eq. (1), (2), (10), (11): :func:`sdma_attention` and its kernel table :data:`KERNELS`
+* ``reference``    the direct forms the fast paths are tested against (eq. 1, 2, 11 as they read; the kernels' dropout)
 * ``triton_kernels`` the GPU path (``attention_kernel=triton``): Triton kernels with their backward for the
                    clustering of eq. (9) and the masked mixture (imported on first use, not by this package)
 * ``records``      what a forward pass records for the regularisers (:func:`recording`)
@@ -66,9 +67,10 @@ from latent_core.sdma.mixture import (  # noqa: F401
 )
 from latent_core.sdma.attention import (  # noqa: F401
     KERNELS, TAKES_SCORE_BIAS, AttentionInputs, authors_semantic_mask, explicit_kernel, fused_mix_attention, lowrank_kernel,
-    lowrank_mix_attention, mix_attention, mix_attention_direct, reading_semantic_mask, responsibility_product,
-    sdma_attention, sdpa_kernel, select_kernel, semantic_mask, semantic_mask_product, use_fused_kernel,
+    lowrank_mix_attention, mix_attention, reading_semantic_mask, responsibility_product,
+    sdma_attention, sdpa_kernel, select_kernel, semantic_mask, semantic_mask_product,
 )
+from latent_core.sdma.reference import mix_attention_direct  # noqa: F401
 from latent_core.sdma.records import (  # noqa: F401
     ClusteringRecord, SDMARecording, active_recording, current_real_queries, real_queries, recording,
     tie_to_output,

@@ -13,9 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from latent_core.sdma.mixture import full_precision
-from latent_core.sdma.options import AUTHORS_EPS, SDMAConfigError, check_score_bias
-
-_MASK_FLOOR = 1e-6  # smallest semantic-mask value, keeps log M finite
+from latent_core.sdma.options import AUTHORS_EPS, PAPER_MASK_FLOOR, SDMAConfigError, check_score_bias
 
 
 def responsibility_product(resp_query: Tensor, resp_key: Tensor, heads: Optional[int] = None) -> Tensor:
@@ -45,7 +43,7 @@ def semantic_mask_product(resp_query: Tensor, resp_key: Tensor, heads: Optional[
     masked attention of eq. (2), so only the product is kept (plus 1e-6, so a row with no
     overlap falls back to plain attention, never NaN).
     """
-    return responsibility_product(resp_query, resp_key, heads) + _MASK_FLOOR
+    return responsibility_product(resp_query, resp_key, heads) + PAPER_MASK_FLOOR
 
 
 def authors_semantic_mask(resp_query: Tensor, resp_key: Tensor, allowed: Optional[Tensor],
@@ -97,17 +95,6 @@ def mix_attention(scores: Tensor, mask: Optional[Tensor], mix: Tensor, norm_floo
     # advancing the schedule before backward (the authors' ESPnet counter) leaves the graph intact
     mix = mix.detach().to(scores.dtype, copy=True)
     return _MixedAttention.apply(scores, mask.to(scores.dtype), mix, norm_floor)
-
-
-def mix_attention_direct(scores: Tensor, mask: Optional[Tensor], mix: Tensor, norm_floor: float = 0.0) -> Tensor:
-    """:func:`mix_attention` written as eq. (1), (2), (11) read, for autograd to differentiate
-    (it keeps A, M o A and A_bar for backward); the reference the fast path is tested against."""
-    attn = torch.softmax(scores, dim=-1)  # A (eq. 1)
-    if mask is None:
-        return attn
-    masked = attn * mask  # M o A
-    attn_bar = masked / masked.sum(-1, keepdim=True).clamp_min(norm_floor)  # A_bar (eq. 2)
-    return (1 - mix) * attn + mix * attn_bar  # A_hat (eq. 11)
 
 
 class _MixedAttention(torch.autograd.Function):
@@ -225,19 +212,12 @@ def lowrank_mix_attention(q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, r
         num = torch.einsum("bhtc,bhtcd->bhtd", gq, out[..., D:D + C * D].unflatten(-1, (C, D)))
         den = torch.einsum("bhtc,bhtc->bht", gq, out[..., D + C * D:]).unsqueeze(-1)
         if not authors:  # eq. (10) plus the 1e-6 floor of semantic_mask_product
-            masked = (num + _MASK_FLOOR * plain) / (den + _MASK_FLOOR)
+            masked = (num + PAPER_MASK_FLOOR * plain) / (den + PAPER_MASK_FLOOR)
         else:  # r_i = max(sum_c gq_ic sum_{j allowed} gk_jc, eps), then A o M renormalised with eps
             row = (gq * _allowed_key_mass(resp_key.to(wide), allowed)).sum(-1, keepdim=True).clamp_min(AUTHORS_EPS)
             masked = (num / row) / (den / row).clamp_min(AUTHORS_EPS)
         mixed = torch.lerp(plain, masked, mix.detach().to(plain.dtype, copy=True))
     return mixed.to(q.dtype)
-
-
-def use_fused_kernel(kernel: str, device: torch.device, need_weights: bool, dropout_active: bool) -> bool:
-    """Whether a fused kernel (:func:`fused_mix_attention`, or :func:`lowrank_mix_attention` for ``lowrank``)
-    computes this forward pass (see ``SDMAOptions.attention_kernel``). ``auto`` never picks ``lowrank``:
-    measured on an H100 it was 0.48-0.98x the explicit path's speed where sdpa was 1.10-1.84x."""
-    return select_kernel(kernel, device, need_weights, dropout_active) != "explicit"
 
 
 def select_kernel(kernel: str, device: torch.device, need_weights: bool, dropout_active: bool) -> str:

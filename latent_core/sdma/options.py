@@ -53,6 +53,7 @@ REGULARISER_SCALES = ("sentence", "batch", "token")
 
 LOG_2PI = math.log(2.0 * math.pi)  # of the Gaussian log-densities (eq. 9, 20)
 AUTHORS_EPS = 1e-6  # the eps of the authors' F.normalize calls and of their log(1 - p + eps)
+PAPER_MASK_FLOOR = 1e-6  # the paper reading's floor on M of eq. (10): no overlap falls back to plain attention
 # Posterior variance sigma_tilde^2 of eq. (20): Section IV-A3 prints 0.1; the authors' code uses
 # its fixed ``self.var`` = 0.01, the variance of its sampling noise too.
 PAPER_POSTERIOR_VAR = 0.1

@@ -36,7 +36,7 @@ event named ``triton_sdma_*`` (one kernel launch each in ``latent_core.op_counts
 
 import contextlib
 import os
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -45,13 +45,16 @@ import triton
 import triton.language as tl
 
 from latent_core.sdma.mixture import LOGVAR_RANGE
-from latent_core.sdma.options import AUTHORS_EPS, LOG_2PI, SDMAConfigError, check_score_bias
+from latent_core.sdma.options import AUTHORS_EPS, LOG_2PI, PAPER_MASK_FLOOR, SDMAConfigError, check_score_bias
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # whether Triton's own functions (tl.max, ...) were made for the interpreter: triton.language reads the variable when
 # first imported, which may have been before it was set
 _LANGUAGE_INTERPRETED = not isinstance(tl.max, triton.runtime.jit.JITFunction)
-PAPER_MASK_FLOOR = 1e-6  # the paper reading's floor on M (latent_core.sdma.attention._MASK_FLOOR)
+# The arguments a kernel is not compiled again for (Triton specialises an integer argument by whether it is 1 or
+# divisible by 16): the sequence lengths, row counts, the seed and the masks' and biases' broadcast strides vary from
+# batch to batch, and each new combination would be another compile of several seconds on the GPU
+_SIZES = ["T", "S", "N", "G", "H", "NUM_BLOCKS", "total", "seed", "blocked_strides", "bias_strides"]
 _NEG = -1.0e30  # the score of a blocked key (finite: a row with every key blocked stays NaN-free)
 
 
@@ -65,19 +68,82 @@ class LaunchConfig(NamedTuple):
     num_stages: int
 
 
-# Every launch configuration of this module (tune on a GPU here, nowhere else).
-LAUNCH: Dict[str, LaunchConfig] = {
-    "attention_forward": LaunchConfig(64, 64, 4, 2),  # rows: queries, columns: keys
-    "attention_backward_keys": LaunchConfig(64, 64, 4, 1),  # rows: queries (inner loop), columns: keys
-    "attention_backward_queries": LaunchConfig(64, 64, 4, 1),  # rows: queries, columns: keys (inner loop)
-    "row_sums": LaunchConfig(64, 0, 4, 1),
-    "clustering": LaunchConfig(64, 0, 4, 1),  # rows of the input
+# The dot products' inputs, a key of LAUNCH: fp16/bf16 on tensor cores ("half"), fp32 as tf32 where torch allows it
+# (torch.backends.cuda.matmul.allow_tf32), fp32 in full precision ("ieee": CUDA-core FMAs, many more registers).
+INPUT_KINDS = ("half", "tf32", "ieee")
+HEAD_DIMS = (32, 64, 128)  # the head dims LAUNCH is chosen for (BLOCK_D; 16 takes 32's row, above 128 takes 128's)
+
+# Every launch configuration of this module, by (kernel, inputs, BLOCK_D): chosen from the compile report
+# (``sdma-kernels-report``: each row compiles for sm_80 and sm_90 without register spills; tune on a GPU here, nowhere
+# else). rows x columns: attention_forward queries x keys; attention_backward_keys queries (inner loop) x keys;
+# attention_backward_queries queries x keys (inner loop); row_sums and clustering rows.
+LAUNCH: Dict[Tuple[str, str, int], LaunchConfig] = {
+    **{("attention_forward", kind, d): LaunchConfig(32, 32, 8, 2) for kind in INPUT_KINDS for d in HEAD_DIMS},
+    **{("attention_backward_keys", kind, d): LaunchConfig(32, 32, 8, 1) for kind in INPUT_KINDS for d in HEAD_DIMS},
+    **{("attention_backward_queries", kind, d): LaunchConfig(32, 32, 8, 1) for kind in INPUT_KINDS
+       for d in HEAD_DIMS},
+    **{("row_sums", kind, d): LaunchConfig(64, 0, 4, 1) for kind in INPUT_KINDS for d in HEAD_DIMS},
+    **{("clustering", kind, d): LaunchConfig(32, 0, 4, 1) for kind in INPUT_KINDS for d in HEAD_DIMS},
 }
+
+
+def input_kind(dtype: torch.dtype) -> str:
+    """The key of :data:`LAUNCH` (and the dots' precision) for inputs of ``dtype``."""
+    if dtype != torch.float32:
+        return "half"
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+
+
+def launch_config(kernel: str, head_dim: int, dtype: torch.dtype) -> LaunchConfig:
+    """The row of :data:`LAUNCH` for ``kernel`` at ``head_dim`` (rounded up to a power of two in 32..128) and
+    ``dtype``'s inputs."""
+    block_d = min(128, max(32, triton.next_power_of_2(head_dim)))
+    return LAUNCH[(kernel, input_kind(dtype), block_d)]
 
 
 def _block(size: int, limit: int) -> int:
     """A power-of-two tile edge for ``size`` elements, at least 16 (``tl.dot``), at most ``limit``."""
     return max(16, min(limit, triton.next_power_of_2(max(size, 1))))
+
+
+# What the compile report installs around a model's forward and backward (intercept_launches, record_calls)
+_INTERCEPT: Optional[Callable] = None
+_CALLS: Optional[List[dict]] = None
+
+
+@contextlib.contextmanager
+def intercept_launches(hook: Callable):
+    """Within the scope, every launch calls ``hook(name, kernel, grid, args, constexprs, launch_config)``
+    instead of running (the compile report compiles it for a GPU it does not have); tensors on any device, ``meta``
+    included, are accepted."""
+    global _INTERCEPT
+    previous, _INTERCEPT = _INTERCEPT, hook
+    try:
+        yield
+    finally:
+        _INTERCEPT = previous
+
+
+@contextlib.contextmanager
+def record_calls():
+    """Within the scope, each call of :func:`gaussian_clustering` and :func:`mixed_attention` (forward and backward)
+    appends what decides its kernels' code to the yielded list (a dict per call: dtype, clusters, reading, masks and
+    score bias by broadcast pattern, dropout, which gradients backward computed)."""
+    global _CALLS
+    previous, _CALLS = _CALLS, []
+    try:
+        yield _CALLS
+    finally:
+        _CALLS = previous
+
+
+def _launch(name: str, kernel, grid, args: tuple, constexprs: dict, cfg: LaunchConfig) -> None:
+    """Run one kernel (one profiler event ``triton_sdma_<name>``), or hand it to :func:`intercept_launches`' hook."""
+    if _INTERCEPT is not None:
+        _INTERCEPT(name, kernel, grid, args, constexprs, cfg)
+        return
+    with _profiled(name):
+        kernel[grid](*args, **constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _profiled(name: str):
@@ -87,6 +153,13 @@ def _profiled(name: str):
     return contextlib.nullcontext()
 
 
+def _broadcast_pattern(tensor: Optional[Tensor]) -> Optional[List[int]]:
+    """Which of a ``[B, H, T, S]`` mask's or bias's dimensions are its own (1) or broadcast (0); None: absent."""
+    if tensor is None:
+        return None
+    return [int(size != 1) for size in tensor.shape[-4:]]
+
+
 def check_supported(*tensors: Tensor, option: str = "attention_kernel=triton") -> None:
     """Raise :class:`SDMAConfigError` where the Triton kernels cannot run these tensors (None: an absent optional
     input): a CPU tensor outside Triton's interpreter, or float64 (not a GPU path)."""
@@ -94,6 +167,8 @@ def check_supported(*tensors: Tensor, option: str = "attention_kernel=triton") -
         if tensor.dtype == torch.float64:
             raise SDMAConfigError(f"{option}: float64 tensors are not supported by the Triton kernels (no float64 "
                                   "GPU path); use float32/float16/bfloat16, or attention_kernel=explicit")
+        if _INTERCEPT is not None:
+            continue
         if tensor.device.type != "cuda" and INTERPRETED and not _LANGUAGE_INTERPRETED:
             raise SDMAConfigError(
                 f"{option}: TRITON_INTERPRET=1 was set after triton.language had been imported (by torch.utils."
@@ -132,10 +207,13 @@ def _log_joint_tile(x, MEANS, LOG_VARS, PRIOR, g, offs_c, offs_d, mask_d, D, lv_
     return joint
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SIZES)
 def _clustering_forward(X, MEANS, LOG_VARS, PRIOR, LOG_JOINT, LOG_RESP, N, G, D, stride_xn, scale, lv_min, lv_max,
                         C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
                         LOG_2PI_: tl.constexpr):
+    """The clustering of eq. (9) for ``BLOCK_N`` rows of one group (head): log p(z, c) and log p(c | z) of ``scale *
+    X`` under the group's GMM, written clusters-first to ``LOG_JOINT`` and ``LOG_RESP`` [C, N, G]. Grid: (row
+    blocks, G)."""
     pid_n = tl.program_id(0)
     g = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -155,12 +233,15 @@ def _clustering_forward(X, MEANS, LOG_VARS, PRIOR, LOG_JOINT, LOG_RESP, N, G, D,
     tl.store(LOG_RESP + out, log_resp, mask=store)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SIZES)
 def _clustering_backward(X, MEANS, LOG_VARS, PRIOR, GRAD_JOINT, GRAD_RESP, GRAD_X, PARTIAL_MU, PARTIAL_LV, PARTIAL_PI,
                          N, G, D, stride_xn, stride_gxn, scale, lv_min, lv_max,
                          C: tl.constexpr, HAS_GRAD_JOINT: tl.constexpr, HAS_GRAD_RESP: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
                          LOG_2PI_: tl.constexpr):
+    """The backward of :func:`_clustering_forward` for ``BLOCK_N`` rows of one group: the input's gradient
+    (``GRAD_X``) and this block's sums of the means', log-variances' and prior logits' gradients (``PARTIAL_*``,
+    reduced by :func:`_clustering_parameter_grads`). Grid: (row blocks, G)."""
     pid_n = tl.program_id(0)
     g = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -202,7 +283,7 @@ def _clustering_backward(X, MEANS, LOG_VARS, PRIOR, GRAD_JOINT, GRAD_RESP, GRAD_
              mask=mask_n[:, None] & mask_d[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SIZES)
 def _clustering_parameter_grads(LOG_VARS, PRIOR, PARTIAL_MU, PARTIAL_LV, PARTIAL_PI, GRAD_MU, GRAD_LV, GRAD_PRIOR,
                                 NUM_BLOCKS, G, D, lv_min, lv_max,
                                 C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -240,19 +321,23 @@ class _GaussianClustering(torch.autograd.Function):
     def forward(ctx, x, means, log_vars, prior_logits, scale):
         groups, clusters, dim = means.shape
         rows = x.size(0)
-        cfg = LAUNCH["clustering"]
+        cfg = launch_config("clustering", dim, x.dtype)
         block_n, block_d, block_c = _block(rows, cfg.block_rows), _block(dim, 1 << 20), triton.next_power_of_2(clusters)
         log_joint = torch.empty(clusters, rows, groups, dtype=torch.float32, device=x.device)
         log_resp = torch.empty_like(log_joint)
         if x.stride(-1) != 1:
             x = x.contiguous()
-        with _profiled("clustering_forward"):
-            _clustering_forward[(triton.cdiv(rows, block_n), groups)](
-                x, means, log_vars, prior_logits, log_joint, log_resp, rows, groups, dim, x.stride(0), float(scale),
-                *LOGVAR_RANGE, C=clusters, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_C=block_c, LOG_2PI_=LOG_2PI,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        _launch("clustering_forward", _clustering_forward, (triton.cdiv(rows, block_n), groups),
+                (x, means, log_vars, prior_logits, log_joint, log_resp, rows, groups, dim, x.stride(0), float(scale),
+                 *LOGVAR_RANGE),
+                dict(C=clusters, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_C=block_c, LOG_2PI_=LOG_2PI), cfg)
         ctx.save_for_backward(x, means, log_vars, prior_logits)
         ctx.scale = float(scale)
+        ctx.call = None
+        if _CALLS is not None:
+            ctx.call = dict(kind="clustering", dtype=str(x.dtype).replace("torch.", ""), clusters=clusters,
+                            groups=groups, head_dim=dim)
+            _CALLS.append(ctx.call)
         return log_joint.movedim(0, -1), log_resp.movedim(0, -1)
 
     @staticmethod
@@ -260,9 +345,11 @@ class _GaussianClustering(torch.autograd.Function):
         x, means, log_vars, prior_logits = ctx.saved_tensors
         groups, clusters, dim = means.shape
         rows = x.size(0)
-        cfg = LAUNCH["clustering"]
+        cfg = launch_config("clustering", dim, x.dtype)
         block_n, block_d, block_c = _block(rows, cfg.block_rows), _block(dim, 1 << 20), triton.next_power_of_2(clusters)
         num_blocks = triton.cdiv(rows, block_n)
+        if ctx.call is not None:
+            ctx.call.update(grad_joint=grad_joint is not None, grad_resp=grad_resp is not None)
 
         def clusters_first_storage(grad):  # [N, G, C] -> a contiguous [C, N, G]
             return None if grad is None else grad.movedim(-1, 0).contiguous()
@@ -272,21 +359,18 @@ class _GaussianClustering(torch.autograd.Function):
         partial_mu = torch.empty(num_blocks, groups, clusters, block_d, dtype=torch.float32, device=x.device)
         partial_lv = torch.empty_like(partial_mu)
         partial_pi = torch.empty(num_blocks, groups, clusters, dtype=torch.float32, device=x.device)
-        with _profiled("clustering_backward"):
-            _clustering_backward[(num_blocks, groups)](
-                x, means, log_vars, prior_logits, grad_joint if grad_joint is not None else x,
-                grad_resp if grad_resp is not None else x, grad_x, partial_mu, partial_lv, partial_pi,
-                rows, groups, dim, x.stride(0), grad_x.stride(0), ctx.scale, *LOGVAR_RANGE, C=clusters,
-                HAS_GRAD_JOINT=grad_joint is not None, HAS_GRAD_RESP=grad_resp is not None, BLOCK_N=block_n,
-                BLOCK_D=block_d, BLOCK_C=block_c, LOG_2PI_=LOG_2PI, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages)
+        _launch("clustering_backward", _clustering_backward, (num_blocks, groups),
+                (x, means, log_vars, prior_logits, grad_joint if grad_joint is not None else x,
+                 grad_resp if grad_resp is not None else x, grad_x, partial_mu, partial_lv, partial_pi,
+                 rows, groups, dim, x.stride(0), grad_x.stride(0), ctx.scale, *LOGVAR_RANGE),
+                dict(C=clusters, HAS_GRAD_JOINT=grad_joint is not None, HAS_GRAD_RESP=grad_resp is not None,
+                     BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_C=block_c, LOG_2PI_=LOG_2PI), cfg)
         grad_means, grad_log_vars = torch.empty_like(means), torch.empty_like(log_vars)
         grad_prior = torch.empty_like(prior_logits)
-        with _profiled("clustering_parameter_grads"):
-            _clustering_parameter_grads[(groups,)](
-                log_vars, prior_logits, partial_mu, partial_lv, partial_pi, grad_means, grad_log_vars, grad_prior,
-                num_blocks, groups, dim, *LOGVAR_RANGE, C=clusters, BLOCK_D=block_d, BLOCK_C=block_c,
-                num_warps=1, num_stages=1)
+        _launch("clustering_parameter_grads", _clustering_parameter_grads, (groups,),
+                (log_vars, prior_logits, partial_mu, partial_lv, partial_pi, grad_means, grad_log_vars, grad_prior,
+                 num_blocks, groups, dim, *LOGVAR_RANGE),
+                dict(C=clusters, BLOCK_D=block_d, BLOCK_C=block_c), LaunchConfig(0, 0, 1, 1))
         return grad_x, grad_means, grad_log_vars, grad_prior, None
 
 
@@ -317,34 +401,45 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _responsibility_product(GQ, GK, offs_t, offs_s, mask_t, mask_s, stride_gq_t, stride_gq_c, stride_gk_s,
-                            stride_gk_c, C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
+def _head(BASE, strides, b, h):
+    """Where sentence ``b``, head ``h`` of a ``[B, H, rows, columns]`` tensor with ``strides`` (4, in elements)
+    starts (a mask or bias broadcast along a dimension has stride 0 there)."""
+    return BASE + b * strides[0] + h * strides[1]
+
+
+@triton.jit
+def _tile(HEAD, strides, rows, cols):
+    """Pointers to the ``[len(rows), len(cols)]`` tile of one head (``HEAD`` from :func:`_head`)."""
+    return HEAD + rows[:, None] * strides[2] + cols[None, :] * strides[3]
+
+
+@triton.jit
+def _responsibility_product(GQ, gq_strides, GK, gk_strides, offs_t, offs_s, mask_t, mask_s, C: tl.constexpr,
+                            BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
     """sum_c p(c|z_i) p(c|z_j) for a ``[BLOCK_T, BLOCK_S]`` tile (eq. 10 before its normaliser)."""
     product = tl.zeros((BLOCK_T, BLOCK_S), tl.float32)
     for c in tl.static_range(C):
-        gq = tl.load(GQ + offs_t * stride_gq_t + c * stride_gq_c, mask=mask_t, other=0.0).to(tl.float32)
-        gk = tl.load(GK + offs_s * stride_gk_s + c * stride_gk_c, mask=mask_s, other=0.0).to(tl.float32)
+        gq = tl.load(GQ + offs_t * gq_strides[2] + c * gq_strides[3], mask=mask_t, other=0.0).to(tl.float32)
+        gk = tl.load(GK + offs_s * gk_strides[2] + c * gk_strides[3], mask=mask_s, other=0.0).to(tl.float32)
         product += gq[:, None] * gk[None, :]
     return product
 
 
 @triton.jit
-def _allowed_tile(BLOCKED, offs_t, offs_s, mask_t, mask_s, stride_m_t, stride_m_s, HAS_BLOCKED: tl.constexpr):
+def _allowed_tile(BLOCKED, blocked_strides, offs_t, offs_s, mask_t, mask_s, HAS_BLOCKED: tl.constexpr):
     """Which (query, key) pairs of the tile exist and may attend (not padding, not a future key)."""
     allowed = mask_t[:, None] & mask_s[None, :]
     if HAS_BLOCKED:
-        blocked = tl.load(BLOCKED + offs_t[:, None] * stride_m_t + offs_s[None, :] * stride_m_s, mask=allowed, other=1)
+        blocked = tl.load(_tile(BLOCKED, blocked_strides, offs_t, offs_s), mask=allowed, other=1)
         allowed = allowed & (blocked == 0)
     return allowed
 
 
 @triton.jit
-def _add_score_bias(scores, BIAS, offs_t, offs_s, mask_t, mask_s, stride_bias_t, stride_bias_s,
-                    HAS_BIAS: tl.constexpr):
+def _add_score_bias(scores, BIAS, bias_strides, offs_t, offs_s, mask_t, mask_s, HAS_BIAS: tl.constexpr):
     """The scores of the tile plus the score bias (a relative-position term added before eq. (1)), in fp32."""
     if HAS_BIAS:
-        bias = tl.load(BIAS + offs_t[:, None] * stride_bias_t + offs_s[None, :] * stride_bias_s,
-                       mask=mask_t[:, None] & mask_s[None, :], other=0.0)
+        bias = tl.load(_tile(BIAS, bias_strides, offs_t, offs_s), mask=mask_t[:, None] & mask_s[None, :], other=0.0)
         scores = scores + bias.to(tl.float32)
     return scores
 
@@ -356,28 +451,29 @@ def _dropout_scale(seed, dropout_p, bh, T, S, offs_t, offs_s):
     return tl.where(keep, 1.0 / (1.0 - dropout_p), 0.0)
 
 
-@triton.jit
-def _attention_forward(Q, K, V, GQ, GK, BLOCKED, BIAS, MIX, OUT, OUT_MASKED, STATS, MIX_USED,
-                       s_q_b, s_q_h, s_q_t, s_q_d, s_k_b, s_k_h, s_k_s, s_k_d, s_v_b, s_v_h, s_v_s, s_v_d,
-                       s_gq_b, s_gq_h, s_gq_t, s_gq_c, s_gk_b, s_gk_h, s_gk_s, s_gk_c, s_m_b, s_m_h, s_m_t, s_m_s,
-                       s_bias_b, s_bias_h, s_bias_t, s_bias_s, H, T, S, D, seed, dropout_p,
+@triton.jit(do_not_specialize=_SIZES)
+def _attention_forward(Q, q_strides, K, k_strides, V, v_strides, GQ, gq_strides, GK, gk_strides,
+                       BLOCKED, blocked_strides, BIAS, bias_strides, MIX, OUT, OUT_MASKED, STATS, MIX_USED,
+                       H, T, S, D, seed, dropout_p,
                        C: tl.constexpr, AUTHORS: tl.constexpr, HAS_BLOCKED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       DROPOUT: tl.constexpr,
-                       SAVE: tl.constexpr, EPS: tl.constexpr, FLOOR: tl.constexpr, NEG: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr,
+                       DROPOUT: tl.constexpr, SAVE: tl.constexpr, EPS: tl.constexpr, FLOOR: tl.constexpr,
+                       NEG: tl.constexpr, DOT_PRECISION: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A_hat V of eq. (11) for ``BLOCK_T`` queries of one (sentence, head): one pass over the keys with an online
+    softmax, accumulating sum_j A_ij v_j and sum_j M_ij A_ij v_j side by side (M rebuilt per tile from p(c|z), eq.
+    10). Writes ``OUT`` [B, H, T, D] and, with ``SAVE`` (a backward follows), the masked branch ``OUT_MASKED``,
+    ``STATS`` [3, B*H, T] (log-sum-exp, r_i, Z_i) and the g it used (``MIX_USED``). Grid: (query blocks, B*H)."""
     pid_t = tl.program_id(0)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
     mask_t, mask_d = offs_t < T, offs_d < D
-    q = tl.load(Q + b * s_q_b + h * s_q_h + offs_t[:, None] * s_q_t + offs_d[None, :] * s_q_d,
-                mask=mask_t[:, None] & mask_d[None, :], other=0.0)
-    K, V = K + b * s_k_b + h * s_k_h, V + b * s_v_b + h * s_v_h
-    GQ, GK = GQ + b * s_gq_b + h * s_gq_h, GK + b * s_gk_b + h * s_gk_h
-    BLOCKED = BLOCKED + b * s_m_b + h * s_m_h
-    BIAS = BIAS + b * s_bias_b + h * s_bias_h
+    q = tl.load(_tile(_head(Q, q_strides, b, h), q_strides, offs_t, offs_d), mask=mask_t[:, None] & mask_d[None, :],
+                other=0.0)
+    K, V = _head(K, k_strides, b, h), _head(V, v_strides, b, h)
+    GQ, GK = _head(GQ, gq_strides, b, h), _head(GK, gk_strides, b, h)
+    BLOCKED, BIAS = _head(BLOCKED, blocked_strides, b, h), _head(BIAS, bias_strides, b, h)
     row_max = tl.full((BLOCK_T,), NEG, tl.float32)
     row_sum = tl.zeros((BLOCK_T,), tl.float32)  # l_i = sum_j exp(s_ij - m_i)
     masked_sum = tl.zeros((BLOCK_T,), tl.float32)  # sum_j exp(s_ij - m_i) P_ij
@@ -387,17 +483,17 @@ def _attention_forward(Q, K, V, GQ, GK, BLOCKED, BIAS, MIX, OUT, OUT_MASKED, STA
     for start in range(0, S, BLOCK_S):
         offs_s = start + tl.arange(0, BLOCK_S)
         mask_s = offs_s < S
-        k = tl.load(K + offs_s[None, :] * s_k_s + offs_d[:, None] * s_k_d, mask=mask_s[None, :] & mask_d[:, None],
-                    other=0.0)
+        k_t = K + offs_s[None, :] * k_strides[2] + offs_d[:, None] * k_strides[3]  # k transposed, [BLOCK_D, BLOCK_S]
+        k = tl.load(k_t, mask=mask_s[None, :] & mask_d[:, None], other=0.0)
         scores = _dot(q, k, DOT_PRECISION)  # [BLOCK_T, BLOCK_S]
-        scores = _add_score_bias(scores, BIAS, offs_t, offs_s, mask_t, mask_s, s_bias_t, s_bias_s, HAS_BIAS)
-        allowed = _allowed_tile(BLOCKED, offs_t, offs_s, mask_t, mask_s, s_m_t, s_m_s, HAS_BLOCKED)
+        scores = _add_score_bias(scores, BIAS, bias_strides, offs_t, offs_s, mask_t, mask_s, HAS_BIAS)
+        allowed = _allowed_tile(BLOCKED, blocked_strides, offs_t, offs_s, mask_t, mask_s, HAS_BLOCKED)
         scores = tl.where(allowed, scores, NEG)
         new_max = tl.maximum(row_max, tl.max(scores, 1))
         weights = tl.where(allowed, tl.exp(scores - new_max[:, None]), 0.0)
         rescale = tl.exp(row_max - new_max)
-        product = _responsibility_product(GQ, GK, offs_t, offs_s, mask_t, mask_s, s_gq_t, s_gq_c, s_gk_s, s_gk_c,
-                                          C, BLOCK_T, BLOCK_S)
+        product = _responsibility_product(GQ, gq_strides, GK, gk_strides, offs_t, offs_s, mask_t, mask_s, C,
+                                          BLOCK_T, BLOCK_S)
         if AUTHORS:
             mask_norm += tl.sum(tl.where(allowed, product, 0.0), 1)
             semantic = product
@@ -410,8 +506,7 @@ def _attention_forward(Q, K, V, GQ, GK, BLOCKED, BIAS, MIX, OUT, OUT_MASKED, STA
             keep = _dropout_scale(seed, dropout_p, bh, T, S, offs_t, offs_s)
             weights *= keep
             masked *= keep
-        v = tl.load(V + offs_s[:, None] * s_v_s + offs_d[None, :] * s_v_d, mask=mask_s[:, None] & mask_d[None, :],
-                    other=0.0)
+        v = tl.load(_tile(V, v_strides, offs_s, offs_d), mask=mask_s[:, None] & mask_d[None, :], other=0.0)
         acc_plain = acc_plain * rescale[:, None] + _dot(weights.to(v.dtype), v, DOT_PRECISION)
         acc_masked = acc_masked * rescale[:, None] + _dot(masked.to(v.dtype), v, DOT_PRECISION)
         row_max = new_max
@@ -444,17 +539,17 @@ def _attention_forward(Q, K, V, GQ, GK, BLOCKED, BIAS, MIX, OUT, OUT_MASKED, STA
             tl.store(MIX_USED, mix)
 
 
-@triton.jit
-def _attention_row_sums(GRAD_OUT, OUT, OUT_MASKED, ROW_SUMS, s_g_b, s_g_h, s_g_t, s_g_d, H, T, D, total,
+@triton.jit(do_not_specialize=_SIZES)
+def _attention_row_sums(GRAD_OUT, grad_out_strides, OUT, OUT_MASKED, ROW_SUMS, H, T, D, total,
                         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """dO_i . O_i and dO_i . O_bar_i, per row."""
+    """dO_i . O_i and dO_i . O_bar_i, per row (``ROW_SUMS`` [2, B*H, T]). Grid: (query blocks, B*H)."""
     pid_t = tl.program_id(0)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
     tile = (offs_t < T)[:, None] & (offs_d < D)[None, :]
-    grad = tl.load(GRAD_OUT + b * s_g_b + h * s_g_h + offs_t[:, None] * s_g_t + offs_d[None, :] * s_g_d, mask=tile,
+    grad = tl.load(_tile(_head(GRAD_OUT, grad_out_strides, b, h), grad_out_strides, offs_t, offs_d), mask=tile,
                    other=0.0).to(tl.float32)
     rows = (bh * T + offs_t)[:, None] * D + offs_d[None, :]
     out = tl.load(OUT + rows, mask=tile, other=0.0).to(tl.float32)
@@ -477,20 +572,20 @@ def _row_statistics(STATS, ROW_SUMS, bh, T, offs_t, mask_t):
 
 
 @triton.jit
-def _attention_backward_tile(q, k, v, grad_out, lse, norm_r, mass, dot_all, dot_masked, mix, GQ, GK, BLOCKED, BIAS,
-                             offs_t, offs_s, mask_t, mask_s, s_gq_t, s_gq_c, s_gk_s, s_gk_c, s_m_t, s_m_s,
-                             s_bias_t, s_bias_s, bh, T, S, seed, dropout_p,
+def _attention_backward_tile(q, k, v, grad_out, lse, norm_r, mass, dot_all, dot_masked, mix,
+                             GQ, gq_strides, GK, gk_strides, BLOCKED, blocked_strides, BIAS, bias_strides,
+                             offs_t, offs_s, mask_t, mask_s, bh, T, S, seed, dropout_p,
                              C: tl.constexpr, AUTHORS: tl.constexpr, HAS_BLOCKED: tl.constexpr, HAS_BIAS: tl.constexpr,
                              DROPOUT: tl.constexpr, EPS: tl.constexpr, FLOOR: tl.constexpr,
                              DOT_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
     """For one ``[BLOCK_T, BLOCK_S]`` tile: (d scores, d P for the responsibilities, the dropped A_hat), from the
     forward pass's row statistics (see the module docstring for the formulas)."""
-    allowed = _allowed_tile(BLOCKED, offs_t, offs_s, mask_t, mask_s, s_m_t, s_m_s, HAS_BLOCKED)
+    allowed = _allowed_tile(BLOCKED, blocked_strides, offs_t, offs_s, mask_t, mask_s, HAS_BLOCKED)
     scores = _dot(q, tl.trans(k), DOT_PRECISION)
-    scores = _add_score_bias(scores, BIAS, offs_t, offs_s, mask_t, mask_s, s_bias_t, s_bias_s, HAS_BIAS)
+    scores = _add_score_bias(scores, BIAS, bias_strides, offs_t, offs_s, mask_t, mask_s, HAS_BIAS)
     attn = tl.where(allowed, tl.exp(scores - lse[:, None]), 0.0)  # A
-    product = _responsibility_product(GQ, GK, offs_t, offs_s, mask_t, mask_s, s_gq_t, s_gq_c, s_gk_s, s_gk_c,
-                                      C, BLOCK_T, BLOCK_S)
+    product = _responsibility_product(GQ, gq_strides, GK, gk_strides, offs_t, offs_s, mask_t, mask_s, C,
+                                      BLOCK_T, BLOCK_S)
     if AUTHORS:
         semantic = product / norm_r[:, None]  # M
         norm_z = tl.maximum(mass, EPS)
@@ -517,17 +612,17 @@ def _attention_backward_tile(q, k, v, grad_out, lse, norm_r, mass, dot_all, dot_
     return grad_scores, grad_product, mixed
 
 
-@triton.jit
-def _attention_backward_keys(Q, K, V, GQ, GK, BLOCKED, BIAS, GRAD_OUT, STATS, ROW_SUMS, MIX_USED, GRAD_K, GRAD_V,
-                             GRAD_GK, s_q_b, s_q_h, s_q_t, s_q_d, s_k_b, s_k_h, s_k_s, s_k_d, s_v_b, s_v_h, s_v_s,
-                             s_v_d, s_gq_b, s_gq_h, s_gq_t, s_gq_c, s_gk_b, s_gk_h, s_gk_s, s_gk_c,
-                             s_m_b, s_m_h, s_m_t, s_m_s, s_bias_b, s_bias_h, s_bias_t, s_bias_s,
-                             s_g_b, s_g_h, s_g_t, s_g_d, H, T, S, D, seed, dropout_p,
+@triton.jit(do_not_specialize=_SIZES)
+def _attention_backward_keys(Q, q_strides, K, k_strides, V, v_strides, GQ, gq_strides, GK, gk_strides,
+                             BLOCKED, blocked_strides, BIAS, bias_strides, GRAD_OUT, grad_out_strides,
+                             STATS, ROW_SUMS, MIX_USED, GRAD_K, GRAD_V, GRAD_GK, H, T, S, D, seed, dropout_p,
                              C: tl.constexpr, AUTHORS: tl.constexpr, HAS_BLOCKED: tl.constexpr, HAS_BIAS: tl.constexpr,
                              DROPOUT: tl.constexpr, EPS: tl.constexpr, FLOOR: tl.constexpr,
-                             DOT_PRECISION: tl.constexpr,
-                             BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                             BLOCK_C: tl.constexpr):
+                             DOT_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
+                             BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The keys' side of eq. (11)'s backward for ``BLOCK_S`` keys of one (sentence, head): one pass over the queries
+    accumulating dk, dv and d p(c|z_j) (``GRAD_K``, ``GRAD_V`` [B, H, S, D], ``GRAD_GK`` [B, H, S, C]).
+    Grid: (key blocks, B*H)."""
     pid_s = tl.program_id(0)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
@@ -536,12 +631,11 @@ def _attention_backward_keys(Q, K, V, GQ, GK, BLOCKED, BIAS, GRAD_OUT, STATS, RO
     offs_c = tl.arange(0, BLOCK_C)
     mask_s, mask_d = offs_s < S, offs_d < D
     kv_tile = mask_s[:, None] & mask_d[None, :]
-    k = tl.load(K + b * s_k_b + h * s_k_h + offs_s[:, None] * s_k_s + offs_d[None, :] * s_k_d, mask=kv_tile, other=0.0)
-    v = tl.load(V + b * s_v_b + h * s_v_h + offs_s[:, None] * s_v_s + offs_d[None, :] * s_v_d, mask=kv_tile, other=0.0)
-    Q, GRAD_OUT = Q + b * s_q_b + h * s_q_h, GRAD_OUT + b * s_g_b + h * s_g_h
-    GQ, GK = GQ + b * s_gq_b + h * s_gq_h, GK + b * s_gk_b + h * s_gk_h
-    BLOCKED = BLOCKED + b * s_m_b + h * s_m_h
-    BIAS = BIAS + b * s_bias_b + h * s_bias_h
+    k = tl.load(_tile(_head(K, k_strides, b, h), k_strides, offs_s, offs_d), mask=kv_tile, other=0.0)
+    v = tl.load(_tile(_head(V, v_strides, b, h), v_strides, offs_s, offs_d), mask=kv_tile, other=0.0)
+    Q, GRAD_OUT = _head(Q, q_strides, b, h), _head(GRAD_OUT, grad_out_strides, b, h)
+    GQ, GK = _head(GQ, gq_strides, b, h), _head(GK, gk_strides, b, h)
+    BLOCKED, BIAS = _head(BLOCKED, blocked_strides, b, h), _head(BIAS, bias_strides, b, h)
     mix = tl.load(MIX_USED)
     grad_k = tl.zeros((BLOCK_S, BLOCK_D), tl.float32)
     grad_v = tl.zeros((BLOCK_S, BLOCK_D), tl.float32)
@@ -550,18 +644,17 @@ def _attention_backward_keys(Q, K, V, GQ, GK, BLOCKED, BIAS, GRAD_OUT, STATS, RO
         offs_t = start + tl.arange(0, BLOCK_T)
         mask_t = offs_t < T
         q_tile = mask_t[:, None] & mask_d[None, :]
-        q = tl.load(Q + offs_t[:, None] * s_q_t + offs_d[None, :] * s_q_d, mask=q_tile, other=0.0)
-        grad_out = tl.load(GRAD_OUT + offs_t[:, None] * s_g_t + offs_d[None, :] * s_g_d, mask=q_tile, other=0.0)
-        grad_out = grad_out.to(q.dtype)
+        q = tl.load(_tile(Q, q_strides, offs_t, offs_d), mask=q_tile, other=0.0)
+        grad_out = tl.load(_tile(GRAD_OUT, grad_out_strides, offs_t, offs_d), mask=q_tile, other=0.0).to(q.dtype)
         lse, norm_r, mass, dot_all, dot_masked = _row_statistics(STATS, ROW_SUMS, bh, T, offs_t, mask_t)
         grad_scores, grad_product, mixed = _attention_backward_tile(
-            q, k, v, grad_out, lse, norm_r, mass, dot_all, dot_masked, mix, GQ, GK, BLOCKED, BIAS, offs_t, offs_s,
-            mask_t, mask_s, s_gq_t, s_gq_c, s_gk_s, s_gk_c, s_m_t, s_m_s, s_bias_t, s_bias_s, bh, T, S, seed,
-            dropout_p, C, AUTHORS, HAS_BLOCKED, HAS_BIAS, DROPOUT, EPS, FLOOR, DOT_PRECISION, BLOCK_T, BLOCK_S)
+            q, k, v, grad_out, lse, norm_r, mass, dot_all, dot_masked, mix, GQ, gq_strides, GK, gk_strides,
+            BLOCKED, blocked_strides, BIAS, bias_strides, offs_t, offs_s, mask_t, mask_s, bh, T, S, seed, dropout_p,
+            C, AUTHORS, HAS_BLOCKED, HAS_BIAS, DROPOUT, EPS, FLOOR, DOT_PRECISION, BLOCK_T, BLOCK_S)
         grad_v += _dot(tl.trans(mixed.to(grad_out.dtype)), grad_out, DOT_PRECISION)
         grad_k += _dot(tl.trans(grad_scores.to(q.dtype)), q, DOT_PRECISION)
         for c in tl.static_range(C):
-            gq = tl.load(GQ + offs_t * s_gq_t + c * s_gq_c, mask=mask_t, other=0.0).to(tl.float32)
+            gq = tl.load(GQ + offs_t * gq_strides[2] + c * gq_strides[3], mask=mask_t, other=0.0).to(tl.float32)
             grad_gk += tl.where(offs_c[None, :] == c, tl.sum(grad_product * gq[:, None], 0)[:, None], 0.0)
     rows = (bh * S + offs_s)[:, None]
     tl.store(GRAD_K + rows * D + offs_d[None, :], grad_k.to(GRAD_K.dtype.element_ty), mask=kv_tile)
@@ -569,19 +662,18 @@ def _attention_backward_keys(Q, K, V, GQ, GK, BLOCKED, BIAS, GRAD_OUT, STATS, RO
     tl.store(GRAD_GK + rows * C + offs_c[None, :], grad_gk, mask=mask_s[:, None] & (offs_c[None, :] < C))
 
 
-@triton.jit
-def _attention_backward_queries(Q, K, V, GQ, GK, BLOCKED, BIAS, GRAD_OUT, STATS, ROW_SUMS, MIX_USED, GRAD_Q,
-                                GRAD_GQ, GRAD_BIAS, s_q_b, s_q_h, s_q_t, s_q_d, s_k_b, s_k_h, s_k_s, s_k_d,
-                                s_v_b, s_v_h, s_v_s, s_v_d, s_gq_b, s_gq_h, s_gq_t, s_gq_c,
-                                s_gk_b, s_gk_h, s_gk_s, s_gk_c,
-                                s_m_b, s_m_h, s_m_t, s_m_s, s_bias_b, s_bias_h, s_bias_t, s_bias_s,
-                                s_g_b, s_g_h, s_g_t, s_g_d, H, T, S, D, seed, dropout_p,
+@triton.jit(do_not_specialize=_SIZES)
+def _attention_backward_queries(Q, q_strides, K, k_strides, V, v_strides, GQ, gq_strides, GK, gk_strides,
+                                BLOCKED, blocked_strides, BIAS, bias_strides, GRAD_OUT, grad_out_strides,
+                                STATS, ROW_SUMS, MIX_USED, GRAD_Q, GRAD_GQ, GRAD_BIAS, H, T, S, D, seed, dropout_p,
                                 C: tl.constexpr, AUTHORS: tl.constexpr, HAS_BLOCKED: tl.constexpr,
-                                HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr,
-                                DROPOUT: tl.constexpr, EPS: tl.constexpr, FLOOR: tl.constexpr,
-                                DOT_PRECISION: tl.constexpr,
+                                HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, DROPOUT: tl.constexpr,
+                                EPS: tl.constexpr, FLOOR: tl.constexpr, DOT_PRECISION: tl.constexpr,
                                 BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
                                 BLOCK_C: tl.constexpr):
+    """The queries' side of eq. (11)'s backward for ``BLOCK_T`` queries of one (sentence, head): one pass over the
+    keys accumulating dq and d p(c|z_i) (``GRAD_Q`` [B, H, T, D], ``GRAD_GQ`` [B, H, T, C]) and, with
+    ``BIAS_GRAD``, writing d scores (``GRAD_BIAS`` [B, H, T, S]). Grid: (query blocks, B*H)."""
     pid_t = tl.program_id(0)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
@@ -590,13 +682,12 @@ def _attention_backward_queries(Q, K, V, GQ, GK, BLOCKED, BIAS, GRAD_OUT, STATS,
     offs_c = tl.arange(0, BLOCK_C)
     mask_t, mask_d = offs_t < T, offs_d < D
     q_tile = mask_t[:, None] & mask_d[None, :]
-    q = tl.load(Q + b * s_q_b + h * s_q_h + offs_t[:, None] * s_q_t + offs_d[None, :] * s_q_d, mask=q_tile, other=0.0)
-    grad_out = tl.load(GRAD_OUT + b * s_g_b + h * s_g_h + offs_t[:, None] * s_g_t + offs_d[None, :] * s_g_d,
+    q = tl.load(_tile(_head(Q, q_strides, b, h), q_strides, offs_t, offs_d), mask=q_tile, other=0.0)
+    grad_out = tl.load(_tile(_head(GRAD_OUT, grad_out_strides, b, h), grad_out_strides, offs_t, offs_d),
                        mask=q_tile, other=0.0).to(q.dtype)
-    K, V = K + b * s_k_b + h * s_k_h, V + b * s_v_b + h * s_v_h
-    GQ, GK = GQ + b * s_gq_b + h * s_gq_h, GK + b * s_gk_b + h * s_gk_h
-    BLOCKED = BLOCKED + b * s_m_b + h * s_m_h
-    BIAS = BIAS + b * s_bias_b + h * s_bias_h
+    K, V = _head(K, k_strides, b, h), _head(V, v_strides, b, h)
+    GQ, GK = _head(GQ, gq_strides, b, h), _head(GK, gk_strides, b, h)
+    BLOCKED, BIAS = _head(BLOCKED, blocked_strides, b, h), _head(BIAS, bias_strides, b, h)
     mix = tl.load(MIX_USED)
     lse, norm_r, mass, dot_all, dot_masked = _row_statistics(STATS, ROW_SUMS, bh, T, offs_t, mask_t)
     grad_q = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
@@ -605,18 +696,18 @@ def _attention_backward_queries(Q, K, V, GQ, GK, BLOCKED, BIAS, GRAD_OUT, STATS,
         offs_s = start + tl.arange(0, BLOCK_S)
         mask_s = offs_s < S
         kv_tile = mask_s[:, None] & mask_d[None, :]
-        k = tl.load(K + offs_s[:, None] * s_k_s + offs_d[None, :] * s_k_d, mask=kv_tile, other=0.0)
-        v = tl.load(V + offs_s[:, None] * s_v_s + offs_d[None, :] * s_v_d, mask=kv_tile, other=0.0)
+        k = tl.load(_tile(K, k_strides, offs_s, offs_d), mask=kv_tile, other=0.0)
+        v = tl.load(_tile(V, v_strides, offs_s, offs_d), mask=kv_tile, other=0.0)
         grad_scores, grad_product, _ = _attention_backward_tile(
-            q, k, v, grad_out, lse, norm_r, mass, dot_all, dot_masked, mix, GQ, GK, BLOCKED, BIAS, offs_t, offs_s,
-            mask_t, mask_s, s_gq_t, s_gq_c, s_gk_s, s_gk_c, s_m_t, s_m_s, s_bias_t, s_bias_s, bh, T, S, seed,
-            dropout_p, C, AUTHORS, HAS_BLOCKED, HAS_BIAS, DROPOUT, EPS, FLOOR, DOT_PRECISION, BLOCK_T, BLOCK_S)
+            q, k, v, grad_out, lse, norm_r, mass, dot_all, dot_masked, mix, GQ, gq_strides, GK, gk_strides,
+            BLOCKED, blocked_strides, BIAS, bias_strides, offs_t, offs_s, mask_t, mask_s, bh, T, S, seed, dropout_p,
+            C, AUTHORS, HAS_BLOCKED, HAS_BIAS, DROPOUT, EPS, FLOOR, DOT_PRECISION, BLOCK_T, BLOCK_S)
         grad_q += _dot(grad_scores.to(k.dtype), k, DOT_PRECISION)
         if BIAS_GRAD:  # d bias = d scores, one [T, S] tile per (query block, key block): reduced to its shape outside
             tl.store(GRAD_BIAS + (bh * T + offs_t[:, None]) * S + offs_s[None, :], grad_scores,
                      mask=mask_t[:, None] & mask_s[None, :])
         for c in tl.static_range(C):
-            gk = tl.load(GK + offs_s * s_gk_s + c * s_gk_c, mask=mask_s, other=0.0).to(tl.float32)
+            gk = tl.load(GK + offs_s * gk_strides[2] + c * gk_strides[3], mask=mask_s, other=0.0).to(tl.float32)
             grad_gq += tl.where(offs_c[None, :] == c, tl.sum(grad_product * gk[None, :], 1)[:, None], 0.0)
     rows = (bh * T + offs_t)[:, None]
     tl.store(GRAD_Q + rows * D + offs_d[None, :], grad_q.to(GRAD_Q.dtype.element_ty), mask=q_tile)
@@ -624,7 +715,7 @@ def _attention_backward_queries(Q, K, V, GQ, GK, BLOCKED, BIAS, GRAD_OUT, STATS,
 
 
 def _strides4(tensor: Optional[Tensor], shape) -> Tuple[int, int, int, int]:
-    """The 4 strides of ``tensor`` broadcast to ``shape`` (0 along broadcast dimensions)."""
+    """The 4 strides of ``tensor`` broadcast to ``shape`` (0 along broadcast dimensions; all 0 for an absent one)."""
     if tensor is None:
         return (0, 0, 0, 0)
     return tuple(tensor.expand(*shape).stride())
@@ -640,10 +731,11 @@ class _AttentionShapes(NamedTuple):
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
-    """fp32 products in full precision (the GPU default, tf32, rounds inputs to 10 bits); halves on tensor cores."""
+    """fp32 products in full precision unless torch allows tf32 (``torch.backends.cuda.matmul.allow_tf32``, which
+    rounds inputs to 10 bits); halves on tensor cores."""
     if dtype == torch.bfloat16 and INTERPRETED:
         return "widen"
-    return "ieee" if dtype == torch.float32 else "tf32"
+    return "ieee" if input_kind(dtype) == "ieee" else "tf32"
 
 
 class _MixedAttention(torch.autograd.Function):
@@ -662,18 +754,23 @@ class _MixedAttention(torch.autograd.Function):
         out_masked = torch.empty_like(out) if save else out
         stats = torch.empty(3, B * H, T, dtype=torch.float32, device=q.device) if save else out
         mix_used = torch.empty((), dtype=torch.float32, device=q.device)
-        cfg = LAUNCH["attention_forward"]
+        cfg = launch_config("attention_forward", D, q.dtype)
         block_t, block_s, block_d = _block(T, cfg.block_rows), _block(S, cfg.block_cols), _block(D, 1 << 20)
-        with _profiled("attention_forward"):
-            _attention_forward[(triton.cdiv(T, block_t), B * H)](
-                q, k, v, resp_query, resp_key, blocked_bytes if blocked_bytes is not None else q,
-                score_bias if score_bias is not None else q, mix, out, out_masked, stats, mix_used, *q.stride(),
-                *k.stride(), *v.stride(), *resp_query.stride(), *resp_key.stride(), *_strides4(blocked_bytes, full),
-                *_strides4(score_bias, full), H, T, S, D, seed, float(dropout_p), C=C, AUTHORS=authors,
-                HAS_BLOCKED=blocked is not None, HAS_BIAS=score_bias is not None, DROPOUT=dropout_p > 0, SAVE=save,
-                EPS=AUTHORS_EPS, FLOOR=PAPER_MASK_FLOOR, NEG=_NEG, DOT_PRECISION=_dot_precision(q.dtype),
-                BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages)
+        _launch("attention_forward", _attention_forward, (triton.cdiv(T, block_t), B * H),
+                (q, q.stride(), k, k.stride(), v, v.stride(), resp_query, resp_query.stride(), resp_key,
+                 resp_key.stride(), blocked_bytes if blocked_bytes is not None else q, _strides4(blocked_bytes, full),
+                 score_bias if score_bias is not None else q, _strides4(score_bias, full), mix, out, out_masked,
+                 stats, mix_used, H, T, S, D, seed, float(dropout_p)),
+                dict(C=C, AUTHORS=authors, HAS_BLOCKED=blocked is not None, HAS_BIAS=score_bias is not None,
+                     DROPOUT=dropout_p > 0, SAVE=save, EPS=AUTHORS_EPS, FLOOR=PAPER_MASK_FLOOR, NEG=_NEG,
+                     DOT_PRECISION=_dot_precision(q.dtype), BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_D=block_d), cfg)
+        ctx.call = None
+        if _CALLS is not None:
+            ctx.call = dict(kind="attention", dtype=str(q.dtype).replace("torch.", ""), clusters=C, head_dim=D,
+                            authors=bool(authors), blocked=_broadcast_pattern(blocked),
+                            score_bias=_broadcast_pattern(score_bias), dropout=dropout_p > 0, backward=False,
+                            bias_grad=False)
+            _CALLS.append(ctx.call)
         if save:
             ctx.save_for_backward(q, k, v, resp_query, resp_key, blocked_bytes, score_bias, out, out_masked, stats,
                                   mix_used)
@@ -686,44 +783,43 @@ class _MixedAttention(torch.autograd.Function):
         q, k, v, resp_query, resp_key, blocked_bytes, score_bias, out, out_masked, stats, mix_used = ctx.saved_tensors
         B, H, T, S, D, C = ctx.shape
         full = (B, H, T, S)
+        bias_grad = score_bias is not None and ctx.needs_input_grad[10]
+        if ctx.call is not None:
+            ctx.call.update(backward=True, bias_grad=bias_grad)
         common = dict(C=C, AUTHORS=ctx.authors, HAS_BLOCKED=ctx.has_blocked, HAS_BIAS=score_bias is not None,
-                      DROPOUT=ctx.dropout_p > 0,
-                      EPS=AUTHORS_EPS, FLOOR=PAPER_MASK_FLOOR, DOT_PRECISION=_dot_precision(q.dtype))
+                      DROPOUT=ctx.dropout_p > 0, EPS=AUTHORS_EPS, FLOOR=PAPER_MASK_FLOOR,
+                      DOT_PRECISION=_dot_precision(q.dtype))
         block_d, block_c = _block(D, 1 << 20), triton.next_power_of_2(C)
         row_sums = torch.empty(2, B * H, T, dtype=torch.float32, device=q.device)
-        cfg = LAUNCH["row_sums"]
+        cfg = launch_config("row_sums", D, q.dtype)
         block_t = _block(T, cfg.block_rows)
-        with _profiled("attention_row_sums"):
-            _attention_row_sums[(triton.cdiv(T, block_t), B * H)](
-                grad_out, out, out_masked, row_sums, *grad_out.stride(), H, T, D, B * H * T,
-                BLOCK_T=block_t, BLOCK_D=block_d, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        blocked = blocked_bytes if blocked_bytes is not None else q
-        args = (q, k, v, resp_query, resp_key, blocked, score_bias if score_bias is not None else q, grad_out, stats,
-                row_sums, mix_used)
-        strides = (*q.stride(), *k.stride(), *v.stride(), *resp_query.stride(), *resp_key.stride(),
-                   *_strides4(blocked_bytes, full), *_strides4(score_bias, full), *grad_out.stride(), H, T, S, D,
-                   ctx.seed, ctx.dropout_p)
-        grad_k, grad_v = torch.empty(B, H, S, D, dtype=k.dtype, device=k.device), torch.empty(B, H, S, D, dtype=v.dtype, device=v.device)
+        _launch("attention_row_sums", _attention_row_sums, (triton.cdiv(T, block_t), B * H),
+                (grad_out, grad_out.stride(), out, out_masked, row_sums, H, T, D, B * H * T),
+                dict(BLOCK_T=block_t, BLOCK_D=block_d), cfg)
+        inputs = (q, q.stride(), k, k.stride(), v, v.stride(), resp_query, resp_query.stride(), resp_key,
+                  resp_key.stride(), blocked_bytes if blocked_bytes is not None else q, _strides4(blocked_bytes, full),
+                  score_bias if score_bias is not None else q, _strides4(score_bias, full), grad_out,
+                  grad_out.stride(), stats, row_sums, mix_used)
+        sizes = (H, T, S, D, ctx.seed, ctx.dropout_p)
+        grad_k = torch.empty(B, H, S, D, dtype=k.dtype, device=k.device)
+        grad_v = torch.empty(B, H, S, D, dtype=v.dtype, device=v.device)
         grad_resp_key = torch.empty(B, H, S, C, dtype=torch.float32, device=q.device)
-        cfg = LAUNCH["attention_backward_keys"]
+        cfg = launch_config("attention_backward_keys", D, q.dtype)
         block_t, block_s = _block(T, cfg.block_rows), _block(S, cfg.block_cols)
-        with _profiled("attention_backward_keys"):
-            _attention_backward_keys[(triton.cdiv(S, block_s), B * H)](
-                *args, grad_k, grad_v, grad_resp_key, *strides, **common, BLOCK_T=block_t, BLOCK_S=block_s,
-                BLOCK_D=block_d, BLOCK_C=block_c, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        _launch("attention_backward_keys", _attention_backward_keys, (triton.cdiv(S, block_s), B * H),
+                (*inputs, grad_k, grad_v, grad_resp_key, *sizes),
+                dict(**common, BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_D=block_d, BLOCK_C=block_c), cfg)
         grad_q = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
         grad_resp_query = torch.empty(B, H, T, C, dtype=torch.float32, device=q.device)
         # the bias's gradient is d scores, [B, H, T, S] (the T x S memory a flash kernel otherwise avoids), summed
         # over the dimensions the bias was broadcast along
-        bias_grad = score_bias is not None and ctx.needs_input_grad[10]
         grad_scores = torch.empty(full, dtype=torch.float32, device=q.device) if bias_grad else None
-        cfg = LAUNCH["attention_backward_queries"]
+        cfg = launch_config("attention_backward_queries", D, q.dtype)
         block_t, block_s = _block(T, cfg.block_rows), _block(S, cfg.block_cols)
-        with _profiled("attention_backward_queries"):
-            _attention_backward_queries[(triton.cdiv(T, block_t), B * H)](
-                *args, grad_q, grad_resp_query, grad_scores if bias_grad else q, *strides, **common,
-                BIAS_GRAD=bias_grad, BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_D=block_d, BLOCK_C=block_c,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        _launch("attention_backward_queries", _attention_backward_queries, (triton.cdiv(T, block_t), B * H),
+                (*inputs, grad_q, grad_resp_query, grad_scores if bias_grad else q, *sizes),
+                dict(**common, BIAS_GRAD=bias_grad, BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_D=block_d,
+                     BLOCK_C=block_c), cfg)
         grad_bias = grad_scores.sum_to_size(score_bias.shape).to(score_bias.dtype) if bias_grad else None
         return (grad_q, grad_k, grad_v, grad_resp_query.to(resp_query.dtype), grad_resp_key.to(resp_key.dtype),
                 None, None, None, None, None, grad_bias)
@@ -775,7 +871,9 @@ def mixed_attention(q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, resp_ke
 
 
 @triton.jit
-def _dropout_keep(OUT, seed, dropout_p, T, S, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
+def dropout_keep(OUT, seed, dropout_p, T, S, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The scales :func:`mixed_attention` multiplies A_hat by for ``seed`` (``OUT`` [B*H, T, S]; grid (query tiles,
+    key tiles, B*H)): read by :func:`latent_core.sdma.reference.dropout_scales`."""
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
     bh = tl.program_id(2)
@@ -786,14 +884,5 @@ def _dropout_keep(OUT, seed, dropout_p, T, S, BLOCK_T: tl.constexpr, BLOCK_S: tl
              mask=(offs_t < T)[:, None] & (offs_s < S)[None, :])
 
 
-def dropout_scales(seed: int, dropout_p: float, B: int, H: int, T: int, S: int, device="cpu") -> Tensor:
-    """The dropout :func:`mixed_attention` applies to A_hat for ``seed``: ``[B, H, T, S]`` float32, 1 / (1 - p) where a
-    weight is kept, 0 where it is dropped (to reproduce a call with the explicit kernel, in tests and analysis)."""
-    out = torch.empty(B, H, T, S, dtype=torch.float32, device=device)
-    _dropout_keep[(triton.cdiv(T, 16), triton.cdiv(S, 16), B * H)](out, seed, float(dropout_p), T, S, BLOCK_T=16,
-                                                                     BLOCK_S=16)
-    return out
-
-
 __all__ = ["LAUNCH", "LaunchConfig", "INTERPRETED", "check_supported", "gaussian_clustering", "mixed_attention",
-           "dropout_seed", "dropout_scales"]
+           "dropout_seed", "intercept_launches", "record_calls", "launch_config"]

@@ -25,22 +25,23 @@ import torch
 
 import latent_core.sdma.triton_kernels as triton_kernels
 from latent_core.sdma import AUTHORS_EPS, GaussianMixture, SDMAConfigError, log_softmax_clusters, sdma_attention
-from latent_core.sdma.triton_kernels import LaunchConfig, dropout_scales, gaussian_clustering, mixed_attention
+from latent_core.sdma.reference import dropout_scales
+from latent_core.sdma.triton_kernels import LaunchConfig, gaussian_clustering, mixed_attention
 
 if not triton_kernels.INTERPRETED and not torch.cuda.is_available():
     pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1 (tests/conftest.py sets it)", allow_module_level=True)
 
 pytestmark = pytest.mark.interpreter
 DEVICE = "cpu" if triton_kernels.INTERPRETED else "cuda"
-SMALL_TILES = {name: LaunchConfig(16, 16 if cfg.block_cols else 0, cfg.num_warps, cfg.num_stages)
-               for name, cfg in triton_kernels.LAUNCH.items()}
+SMALL_TILES = {key: LaunchConfig(16, 16 if cfg.block_cols else 0, cfg.num_warps, cfg.num_stages)
+               for key, cfg in triton_kernels.LAUNCH.items()}
 
 
 @pytest.fixture(autouse=True)
 def small_tiles(monkeypatch):
     """16 x 16 tiles: the shapes below then span several tiles and end inside one."""
-    for name, cfg in SMALL_TILES.items():
-        monkeypatch.setitem(triton_kernels.LAUNCH, name, cfg)
+    for key, cfg in SMALL_TILES.items():
+        monkeypatch.setitem(triton_kernels.LAUNCH, key, cfg)
 
 
 def attention_inputs(B=2, H=2, T=5, S=7, D=8, C=4, seed=0, near_empty=None):
@@ -333,8 +334,8 @@ def planted(replacements):
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    for name, cfg in SMALL_TILES.items():
-        module.LAUNCH[name] = cfg
+    for key, cfg in SMALL_TILES.items():
+        module.LAUNCH[key] = cfg
     return module
 
 
@@ -371,7 +372,7 @@ def test_planted_attention_defects_fail(defect, case):
 def test_a_planted_bias_defect_in_backward_fails():
     """The bias left out of the backward's recomputed scores: the forward is right, every gradient wrong."""
     module = planted([("""    scores = _dot(q, tl.trans(k), DOT_PRECISION)
-    scores = _add_score_bias(scores, BIAS, offs_t, offs_s, mask_t, mask_s, s_bias_t, s_bias_s, HAS_BIAS)
+    scores = _add_score_bias(scores, BIAS, bias_strides, offs_t, offs_s, mask_t, mask_s, HAS_BIAS)
 """, """    scores = _dot(q, tl.trans(k), DOT_PRECISION)
 """)])
     tensors, bias, blocked, mix = biased_case("padding", (2, 2, 6, 7))

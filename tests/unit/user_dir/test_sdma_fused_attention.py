@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from latent_core.sdma import (SDMAConfigError, SDMAOptions, fused_mix_attention, mix_attention, recording, sdma_losses,
-                               use_fused_kernel)
+                               select_kernel)
 from user_dir.sdma.fairseq_attention import SDMAMultiheadAttention
 
 E, H, T, B = 32, 4, 7, 3
@@ -125,15 +125,15 @@ def test_padding_never_leaks_through_the_fused_path():
 
 def test_kernel_choice():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert not use_fused_kernel("auto", cpu, need_weights=False, dropout_active=False)
-    assert use_fused_kernel("auto", cuda, need_weights=False, dropout_active=False)
-    assert not use_fused_kernel("auto", cuda, need_weights=True, dropout_active=False)
-    assert not use_fused_kernel("auto", cuda, need_weights=False, dropout_active=True)
-    assert use_fused_kernel("sdpa", cpu, need_weights=False, dropout_active=True)
-    assert use_fused_kernel("lowrank", cpu, need_weights=False, dropout_active=True)
-    assert not use_fused_kernel("lowrank", cuda, need_weights=True, dropout_active=False)
-    assert not use_fused_kernel("sdpa", cpu, need_weights=True, dropout_active=False)
-    assert not use_fused_kernel("explicit", cuda, need_weights=False, dropout_active=False)
+    assert select_kernel("auto", cpu, need_weights=False, dropout_active=False) == "explicit"
+    assert select_kernel("auto", cuda, need_weights=False, dropout_active=False) == "sdpa"
+    assert select_kernel("auto", cuda, need_weights=True, dropout_active=False) == "explicit"
+    assert select_kernel("auto", cuda, need_weights=False, dropout_active=True) == "explicit"
+    assert select_kernel("sdpa", cpu, need_weights=False, dropout_active=True) == "sdpa"
+    assert select_kernel("lowrank", cpu, need_weights=False, dropout_active=True) == "lowrank"
+    assert select_kernel("lowrank", cuda, need_weights=True, dropout_active=False) == "explicit"
+    assert select_kernel("sdpa", cpu, need_weights=True, dropout_active=False) == "explicit"
+    assert select_kernel("explicit", cuda, need_weights=False, dropout_active=False) == "explicit"
     with pytest.raises(SDMAConfigError, match="--sdma-attention-kernel='flash'"):
         SDMAOptions(attention_kernel="flash").validate()
 

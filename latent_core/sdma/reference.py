@@ -1,0 +1,34 @@
+"""The direct forms the fast paths are held to: each equation written as it reads, for autograd to differentiate
+(no custom backward, no fusion, no kernels of our own). Tests compare the autograd Functions of ``attention.py``, the
+Triton kernels of ``triton_kernels.py`` and the GMM's batched clustering against these."""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def mix_attention_direct(scores: Tensor, mask: Optional[Tensor], mix: Tensor, norm_floor: float = 0.0) -> Tensor:
+    """A_hat of eq. (1), (2), (11) from pre-softmax ``scores`` and the unnormalised mask M (``[..., T, S]``), as
+    :func:`latent_core.sdma.attention.mix_attention` computes it in one autograd node; ``norm_floor`` the authors'
+    eps on the row sums of M o A."""
+    attn = torch.softmax(scores, dim=-1)  # A (eq. 1)
+    if mask is None:
+        return attn
+    masked = attn * mask  # M o A
+    attn_bar = masked / masked.sum(-1, keepdim=True).clamp_min(norm_floor)  # A_bar (eq. 2)
+    return (1 - mix) * attn + mix * attn_bar  # A_hat (eq. 11)
+
+
+def dropout_scales(seed: int, dropout_p: float, B: int, H: int, T: int, S: int, device="cpu") -> Tensor:
+    """The dropout :func:`latent_core.sdma.triton_kernels.mixed_attention` applies to A_hat for ``seed``: ``[B, H, T,
+    S]`` float32, 1 / (1 - p) where a weight is kept, 0 where it is dropped (the same Philox draw), so that the
+    explicit path can reproduce a call of the kernel."""
+    import triton
+
+    from latent_core.sdma.triton_kernels import dropout_keep
+
+    out = torch.empty(B, H, T, S, dtype=torch.float32, device=device)
+    dropout_keep[(triton.cdiv(T, 16), triton.cdiv(S, 16), B * H)](out, seed, float(dropout_p), T, S, BLOCK_T=16,
+                                                                    BLOCK_S=16)
+    return out
