@@ -149,17 +149,11 @@ class _GMMParts(NamedTuple):
     precision: Tensor  # [G, C, d], sigma^-2 of the clamped log-variances
     log_pi: Tensor  # [G, C]
     clamped_log_vars: Tensor  # [G, C, d]
-    weight: Tensor  # [2*G*d, C*G]: W_sq above W_lin (they are views of it), for one product with [z*z, z]
 
 
 def _rows(flats: Sequence[Tensor]) -> Tensor:
     """The inputs' rows as one ``[N, G*d]`` (the input itself when there is one)."""
     return flats[0] if len(flats) == 1 else torch.cat(flats)
-
-
-def _squares_beside(flat: Tensor) -> Tensor:
-    """``[N, G*d]`` -> ``[N, 2*G*d]``: [z*z, z], the input of the one product with :attr:`_GMMParts.weight`."""
-    return torch.cat((flat * flat, flat), dim=1)
 
 
 def _block_diagonal(weights: Tensor) -> Tensor:
@@ -195,7 +189,7 @@ def _gmm_parts(means: Tensor, log_vars: Tensor, prior_logits: Tensor, dtype: tor
     if scale != 1.0:
         square_term, linear_term = square_term * (scale * scale), linear_term * scale
     weight = _block_diagonal(torch.stack((square_term, linear_term)))  # [2, G*d, C*G]
-    return _GMMParts(weight[0], weight[1], bias, means, precision, log_pi, clamped, weight.flatten(0, 1))
+    return _GMMParts(weight[0], weight[1], bias, means, precision, log_pi, clamped)
 
 
 class _ScaledGradient(torch.autograd.Function):
@@ -215,10 +209,11 @@ class _GaussianLogJoint(torch.autograd.Function):
     """log pi_c + log N(z | mu_c, diag sigma_c^2) for G independent GMMs, ``[N, G*d] -> [N, C*G]``.
 
     The squared Mahalanobis distance is expanded as z^2 . (1/sigma^2) - 2 z . (mu/sigma^2)
-    + const, with the G groups' weights as block-diagonal ``[G*d, C*G]`` matrices stacked into one
-    ``[2*G*d, C*G]``: one matrix product of [z*z, z] (forward, and each of the two in backward), no
-    ``[N, G, C, d]`` temporary. Of the ``[N, ...]`` tensors only ``z`` is saved (it is also saved by the
-    q/k/v projections, so this costs no extra memory); ``[z*z, z]`` is recomputed in the backward pass.
+    + const, with the G groups' weights as block-diagonal ``[G*d, C*G]`` matrices W_sq and W_lin:
+    b + (z*z) W_sq + z W_lin, two matrix products per input into its rows of the output (no ``[N, G, C, d]``
+    temporary, and no ``[N, 2*G*d]`` concatenation of [z*z, z] or of several inputs: on a CPU those copies cost
+    more than the products). Of the ``[N, ...]`` tensors only ``z`` is saved (it is also saved by the q/k/v
+    projections, so this costs no extra memory); z*z is recomputed in the backward pass.
     An input scale s (the authors' x / 10) multiplies the weights (W_sq s^2, W_lin s), not the input. The parameters' gradients are
     written out (below) rather than differentiated through the expansion: under half of
     the ATen ops, which on a GPU are kernel launches at these small sizes.
@@ -230,30 +225,39 @@ class _GaussianLogJoint(torch.autograd.Function):
         ctx.save_for_backward(log_vars, *parts, *flats)
         ctx.param_dtypes = (means.dtype, log_vars.dtype, prior_logits.dtype)
         ctx.scale = scale
-        return torch.addmm(parts.bias, _squares_beside(_rows(flats)), parts.weight)
+        if len(flats) == 1:
+            flat = flats[0]
+            return torch.addmm(parts.bias, flat * flat, parts.weight_sq).addmm_(flat, parts.weight_lin)
+        out = flats[0].new_empty(sum(f.size(0) for f in flats), parts.bias.numel())
+        for flat, rows in zip(flats, out.split([f.size(0) for f in flats])):
+            torch.addmm(parts.bias, flat * flat, parts.weight_sq, out=rows).addmm_(flat, parts.weight_lin)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
-        log_vars, _, _, _, means, precision, log_pi, clamped, weight, *flats = ctx.saved_tensors
+        log_vars, weight_sq, weight_lin, _, means, precision, log_pi, clamped, *flats = ctx.saved_tensors
         groups, clusters, _ = means.shape
-        flat = _rows(flats)
-        width = flat.size(1)
+        grads = grad.split([f.size(0) for f in flats]) if len(flats) > 1 else (grad,)
         grad_flats = [None] * len(flats)
         if any(ctx.needs_input_grad[4:]):
-            # d/dz [(z*z) W_sq + z W_lin] = 2 z o (g W_sq^T) + g W_lin^T (the weights carry the scale);
-            # g [W_sq; W_lin]^T gives both products side by side
-            both = torch.mm(grad, weight.t())  # [N, 2*G*d]
-            grad_flat = torch.addcmul(both[:, width:], flat, both[:, :width], value=2.0)
-            grad_flats = grad_flat.split([f.size(0) for f in flats])
+            # d/dz [(z*z) W_sq + z W_lin] = 2 z o (g W_sq^T) + g W_lin^T (the weights carry the scale)
+            grad_flats = [torch.mm(g, weight_sq.t()).mul_(flat).addmm_(g, weight_lin.t(), beta=2.0)
+                          for flat, g in zip(flats, grads)]
         if not any(ctx.needs_input_grad[1:4]):
             return (None, None, None, None, *grad_flats)
         # gradients of W_sq = -P/2, W_lin = mu P and b = log pi - (mu^2 P + log sigma^2)/2 - const,
         # P = sigma^-2 = exp(-clamped log-variance), of the scaled input s z: (s z)^2 and s z, with s
         # folded into the small results
         scale = ctx.scale
-        grad_weight = torch.mm(_squares_beside(flat).t(), grad)  # [2*G*d, C*G]: d/dW_sq above d/dW_lin
-        grad_sq = _diagonal_blocks(grad_weight[:width], groups, clusters)  # [G, C, d]
-        grad_lin = _diagonal_blocks(grad_weight[width:], groups, clusters)
+        grad_weight_sq = grad_weight_lin = None
+        for flat, g in zip(flats, grads):  # [G*d, C*G] each, summed over the inputs
+            if grad_weight_sq is None:
+                grad_weight_sq, grad_weight_lin = torch.mm((flat * flat).t(), g), torch.mm(flat.t(), g)
+            else:
+                grad_weight_sq.addmm_((flat * flat).t(), g)
+                grad_weight_lin.addmm_(flat.t(), g)
+        grad_sq = _diagonal_blocks(grad_weight_sq, groups, clusters)  # [G, C, d]
+        grad_lin = _diagonal_blocks(grad_weight_lin, groups, clusters)
         if scale != 1.0:
             grad_sq, grad_lin = grad_sq * (scale * scale), grad_lin * scale
         grad_bias = grad.sum(0).view(clusters, groups).t()  # [G, C]
