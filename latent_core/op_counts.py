@@ -119,7 +119,7 @@ def _launches_a_kernel(packet, op: str) -> bool:
     return op not in _NO_KERNEL and not any(getattr(packet, o).is_view for o in packet.overloads())
 
 
-def count_launches(fn: Callable[[], object]) -> Dict[str, int]:
+def count_launches(fn: Callable[[], object], by_source: bool = False) -> Dict:
     """Kernel launches of running ``fn`` once, from the profiler: ``{"aten", "inductor", "launches"}``.
 
     ``aten``: ATen ops that run a kernel, outside compiled graphs and inside them (inductor calls matrix products
@@ -128,27 +128,47 @@ def count_launches(fn: Callable[[], object]) -> Dict[str, int]:
     its dispatch mode, under which ``torch.compile``'d functions would run eager); ``inductor``: the kernels inductor
     generated that ran (``cpp_fused_*`` on a CPU, visible when ``torch._inductor.config.cpp.enable_kernel_profile``
     was on while they were compiled; ``triton_*`` on CUDA); ``launches``: their sum, one launch each on a GPU.
+
+    ``by_source``: also ``"by_source"``, the launches per innermost :func:`latent_core.profiling.source_range` they
+    ran in (``"other"`` outside every one); a backward launch counts where the forward op that made its autograd
+    node ran (the profiler's sequence numbers link the two).
     """
     from torch.profiler import ProfilerActivity, profile
+
+    from latent_core.profiling import PREFIX
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     counts = {"aten": 0, "inductor": 0}
+    sources: Dict[str, int] = {}
+    node_source: Dict[int, str] = {}  # autograd sequence number -> the source of the forward op that made the node
 
-    def visit(event) -> None:
+    def visit(event, source: str) -> None:
         name = event.name
+        if name.startswith(PREFIX):
+            source = name[len(PREFIX):]
+        elif name.startswith("autograd::engine::evaluate_function"):
+            source = node_source.get(event.sequence_nr, "other")
+        elif event.sequence_nr >= 0 and event.sequence_nr not in node_source:
+            node_source[event.sequence_nr] = source
+        launched = 0
         if name.startswith("aten::"):
             packet = _aten_op(name)
             if packet is not None and not _decomposes(packet):
-                counts["aten"] += _launches_a_kernel(packet, name.removeprefix("aten::"))
+                launched = _launches_a_kernel(packet, name.removeprefix("aten::"))
+                counts["aten"] += launched
+                sources[source] = sources.get(source, 0) + launched
                 return
         elif "cpp_fused" in name or name.startswith("triton_"):
             counts["inductor"] += 1
+            sources[source] = sources.get(source, 0) + 1
             return
         for child in event.cpu_children:
-            visit(child)
+            visit(child, source)
 
-    for event in prof.events():
-        if event.cpu_parent is None:
-            visit(event)
-    return {**counts, "launches": counts["aten"] + counts["inductor"]}
+    for event in sorted((e for e in prof.events() if e.cpu_parent is None), key=lambda e: e.time_range.start):
+        visit(event, "other")
+    result = {**counts, "launches": counts["aten"] + counts["inductor"]}
+    if by_source:
+        result["by_source"] = dict(sorted(sources.items()))
+    return result

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from latent_core.profiling import source_range
 from latent_core.sdma.mixture import full_precision
 from latent_core.sdma.options import AUTHORS_EPS, PAPER_MASK_FLOOR, SDMAConfigError, check_score_bias
 
@@ -345,6 +346,7 @@ def sdma_attention(q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, resp_key
                 f"attention_kernel={name!r} does not take a score bias (a relative-position attention: T5, the "
                 f"Conformer, ALiBi); use one of {', '.join(sorted(TAKES_SCORE_BIAS))} or 'auto'")
         check_score_bias(score_bias, (q.size(0), q.size(1), q.size(2), k.size(2)))
-    allowed = None if blocked is None else (~blocked).to(torch.float32)
-    return KERNELS[name](AttentionInputs(q, k, v, resp_query, resp_key, mix, authors, blocked, allowed, dropout,
-                                         dropout_p, score_bias))
+    with source_range("mixture"):
+        allowed = None if blocked is None else (~blocked).to(torch.float32)
+        return KERNELS[name](AttentionInputs(q, k, v, resp_query, resp_key, mix, authors, blocked, allowed, dropout,
+                                             dropout_p, score_bias))

@@ -414,15 +414,31 @@ def _tile(HEAD, strides, rows, cols):
 
 
 @triton.jit
-def _responsibility_product(GQ, gq_strides, GK, gk_strides, offs_t, offs_s, mask_t, mask_s, C: tl.constexpr,
-                            BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
-    """sum_c p(c|z_i) p(c|z_j) for a ``[BLOCK_T, BLOCK_S]`` tile (eq. 10 before its normaliser)."""
-    product = tl.zeros((BLOCK_T, BLOCK_S), tl.float32)
-    for c in tl.static_range(C):
-        gq = tl.load(GQ + offs_t * gq_strides[2] + c * gq_strides[3], mask=mask_t, other=0.0).to(tl.float32)
-        gk = tl.load(GK + offs_s * gk_strides[2] + c * gk_strides[3], mask=mask_s, other=0.0).to(tl.float32)
-        product += gq[:, None] * gk[None, :]
-    return product
+def _row_tile(HEAD, strides, rows, cols):
+    """:func:`_tile` of a tensor contiguous along its last dimension (a mask or bias; ``strides`` the first 3): one
+    vector load per row of the tile, whatever its other strides."""
+    return HEAD + rows[:, None] * strides[2] + cols[None, :]
+
+
+@triton.jit
+def _query_responsibilities(GQ, gq_strides, offs_t, mask_t, offs_c, C: tl.constexpr):
+    """p(c | z_i) of a block of queries, ``[BLOCK_T, BLOCK_C]`` float32 (columns past C zero)."""
+    return tl.load(_tile(GQ, gq_strides, offs_t, offs_c), mask=mask_t[:, None] & (offs_c < C)[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _key_responsibilities(GK, gk_strides, offs_s, mask_s, offs_c, C: tl.constexpr):
+    """p(c | z_j) of a block of keys, ``[BLOCK_S, BLOCK_C]`` float32 (columns past C zero)."""
+    return tl.load(_tile(GK, gk_strides, offs_s, offs_c), mask=mask_s[:, None] & (offs_c < C)[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _responsibility_product(gq, gk, RESP_PRECISION: tl.constexpr):
+    """sum_c p(c|z_i) p(c|z_j) for a ``[BLOCK_T, BLOCK_S]`` tile (eq. 10 before its normaliser): M has rank C, one
+    matrix product of the two blocks' responsibilities (fp32 to fp32 precision: ``tf32x3`` on tensor cores)."""
+    return tl.dot(gq, tl.trans(gk), input_precision=RESP_PRECISION)
 
 
 @triton.jit
@@ -430,7 +446,7 @@ def _allowed_tile(BLOCKED, blocked_strides, offs_t, offs_s, mask_t, mask_s, HAS_
     """Which (query, key) pairs of the tile exist and may attend (not padding, not a future key)."""
     allowed = mask_t[:, None] & mask_s[None, :]
     if HAS_BLOCKED:
-        blocked = tl.load(_tile(BLOCKED, blocked_strides, offs_t, offs_s), mask=allowed, other=1)
+        blocked = tl.load(_row_tile(BLOCKED, blocked_strides, offs_t, offs_s), mask=allowed, other=1)
         allowed = allowed & (blocked == 0)
     return allowed
 
@@ -439,7 +455,8 @@ def _allowed_tile(BLOCKED, blocked_strides, offs_t, offs_s, mask_t, mask_s, HAS_
 def _add_score_bias(scores, BIAS, bias_strides, offs_t, offs_s, mask_t, mask_s, HAS_BIAS: tl.constexpr):
     """The scores of the tile plus the score bias (a relative-position term added before eq. (1)), in fp32."""
     if HAS_BIAS:
-        bias = tl.load(_tile(BIAS, bias_strides, offs_t, offs_s), mask=mask_t[:, None] & mask_s[None, :], other=0.0)
+        bias = tl.load(_row_tile(BIAS, bias_strides, offs_t, offs_s), mask=mask_t[:, None] & mask_s[None, :],
+                       other=0.0)
         scores = scores + bias.to(tl.float32)
     return scores
 
@@ -457,8 +474,8 @@ def _attention_forward(Q, q_strides, K, k_strides, V, v_strides, GQ, gq_strides,
                        H, T, S, D, seed, dropout_p,
                        C: tl.constexpr, AUTHORS: tl.constexpr, HAS_BLOCKED: tl.constexpr, HAS_BIAS: tl.constexpr,
                        DROPOUT: tl.constexpr, SAVE: tl.constexpr, EPS: tl.constexpr, FLOOR: tl.constexpr,
-                       NEG: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                       NEG: tl.constexpr, DOT_PRECISION: tl.constexpr, RESP_PRECISION: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
     """A_hat V of eq. (11) for ``BLOCK_T`` queries of one (sentence, head): one pass over the keys with an online
     softmax, accumulating sum_j A_ij v_j and sum_j M_ij A_ij v_j side by side (M rebuilt per tile from p(c|z), eq.
     10). Writes ``OUT`` [B, H, T, D] and, with ``SAVE`` (a backward follows), the masked branch ``OUT_MASKED``,
@@ -474,6 +491,8 @@ def _attention_forward(Q, q_strides, K, k_strides, V, v_strides, GQ, gq_strides,
     K, V = _head(K, k_strides, b, h), _head(V, v_strides, b, h)
     GQ, GK = _head(GQ, gq_strides, b, h), _head(GK, gk_strides, b, h)
     BLOCKED, BIAS = _head(BLOCKED, blocked_strides, b, h), _head(BIAS, bias_strides, b, h)
+    offs_c = tl.arange(0, BLOCK_C)
+    gq = _query_responsibilities(GQ, gq_strides, offs_t, mask_t, offs_c, C)
     row_max = tl.full((BLOCK_T,), NEG, tl.float32)
     row_sum = tl.zeros((BLOCK_T,), tl.float32)  # l_i = sum_j exp(s_ij - m_i)
     masked_sum = tl.zeros((BLOCK_T,), tl.float32)  # sum_j exp(s_ij - m_i) P_ij
@@ -492,8 +511,8 @@ def _attention_forward(Q, q_strides, K, k_strides, V, v_strides, GQ, gq_strides,
         new_max = tl.maximum(row_max, tl.max(scores, 1))
         weights = tl.where(allowed, tl.exp(scores - new_max[:, None]), 0.0)
         rescale = tl.exp(row_max - new_max)
-        product = _responsibility_product(GQ, gq_strides, GK, gk_strides, offs_t, offs_s, mask_t, mask_s, C,
-                                          BLOCK_T, BLOCK_S)
+        gk = _key_responsibilities(GK, gk_strides, offs_s, mask_s, offs_c, C)
+        product = _responsibility_product(gq, gk, RESP_PRECISION)
         if AUTHORS:
             mask_norm += tl.sum(tl.where(allowed, product, 0.0), 1)
             semantic = product
@@ -572,20 +591,19 @@ def _row_statistics(STATS, ROW_SUMS, bh, T, offs_t, mask_t):
 
 
 @triton.jit
-def _attention_backward_tile(q, k, v, grad_out, lse, norm_r, mass, dot_all, dot_masked, mix,
-                             GQ, gq_strides, GK, gk_strides, BLOCKED, blocked_strides, BIAS, bias_strides,
+def _attention_backward_tile(q, k, v, grad_out, gq, gk, lse, norm_r, mass, dot_all, dot_masked, mix,
+                             BLOCKED, blocked_strides, BIAS, bias_strides,
                              offs_t, offs_s, mask_t, mask_s, bh, T, S, seed, dropout_p,
-                             C: tl.constexpr, AUTHORS: tl.constexpr, HAS_BLOCKED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             AUTHORS: tl.constexpr, HAS_BLOCKED: tl.constexpr, HAS_BIAS: tl.constexpr,
                              DROPOUT: tl.constexpr, EPS: tl.constexpr, FLOOR: tl.constexpr,
-                             DOT_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
+                             DOT_PRECISION: tl.constexpr, RESP_PRECISION: tl.constexpr):
     """For one ``[BLOCK_T, BLOCK_S]`` tile: (d scores, d P for the responsibilities, the dropped A_hat), from the
     forward pass's row statistics (see the module docstring for the formulas)."""
     allowed = _allowed_tile(BLOCKED, blocked_strides, offs_t, offs_s, mask_t, mask_s, HAS_BLOCKED)
     scores = _dot(q, tl.trans(k), DOT_PRECISION)
     scores = _add_score_bias(scores, BIAS, bias_strides, offs_t, offs_s, mask_t, mask_s, HAS_BIAS)
     attn = tl.where(allowed, tl.exp(scores - lse[:, None]), 0.0)  # A
-    product = _responsibility_product(GQ, gq_strides, GK, gk_strides, offs_t, offs_s, mask_t, mask_s, C,
-                                      BLOCK_T, BLOCK_S)
+    product = _responsibility_product(gq, gk, RESP_PRECISION)
     if AUTHORS:
         semantic = product / norm_r[:, None]  # M
         norm_z = tl.maximum(mass, EPS)
@@ -618,8 +636,8 @@ def _attention_backward_keys(Q, q_strides, K, k_strides, V, v_strides, GQ, gq_st
                              STATS, ROW_SUMS, MIX_USED, GRAD_K, GRAD_V, GRAD_GK, H, T, S, D, seed, dropout_p,
                              C: tl.constexpr, AUTHORS: tl.constexpr, HAS_BLOCKED: tl.constexpr, HAS_BIAS: tl.constexpr,
                              DROPOUT: tl.constexpr, EPS: tl.constexpr, FLOOR: tl.constexpr,
-                             DOT_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
-                             BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
+                             DOT_PRECISION: tl.constexpr, RESP_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr,
+                             BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
     """The keys' side of eq. (11)'s backward for ``BLOCK_S`` keys of one (sentence, head): one pass over the queries
     accumulating dk, dv and d p(c|z_j) (``GRAD_K``, ``GRAD_V`` [B, H, S, D], ``GRAD_GK`` [B, H, S, C]).
     Grid: (key blocks, B*H)."""
@@ -637,6 +655,7 @@ def _attention_backward_keys(Q, q_strides, K, k_strides, V, v_strides, GQ, gq_st
     GQ, GK = _head(GQ, gq_strides, b, h), _head(GK, gk_strides, b, h)
     BLOCKED, BIAS = _head(BLOCKED, blocked_strides, b, h), _head(BIAS, bias_strides, b, h)
     mix = tl.load(MIX_USED)
+    gk = _key_responsibilities(GK, gk_strides, offs_s, mask_s, offs_c, C)
     grad_k = tl.zeros((BLOCK_S, BLOCK_D), tl.float32)
     grad_v = tl.zeros((BLOCK_S, BLOCK_D), tl.float32)
     grad_gk = tl.zeros((BLOCK_S, BLOCK_C), tl.float32)
@@ -647,15 +666,14 @@ def _attention_backward_keys(Q, q_strides, K, k_strides, V, v_strides, GQ, gq_st
         q = tl.load(_tile(Q, q_strides, offs_t, offs_d), mask=q_tile, other=0.0)
         grad_out = tl.load(_tile(GRAD_OUT, grad_out_strides, offs_t, offs_d), mask=q_tile, other=0.0).to(q.dtype)
         lse, norm_r, mass, dot_all, dot_masked = _row_statistics(STATS, ROW_SUMS, bh, T, offs_t, mask_t)
+        gq = _query_responsibilities(GQ, gq_strides, offs_t, mask_t, offs_c, C)
         grad_scores, grad_product, mixed = _attention_backward_tile(
-            q, k, v, grad_out, lse, norm_r, mass, dot_all, dot_masked, mix, GQ, gq_strides, GK, gk_strides,
-            BLOCKED, blocked_strides, BIAS, bias_strides, offs_t, offs_s, mask_t, mask_s, bh, T, S, seed, dropout_p,
-            C, AUTHORS, HAS_BLOCKED, HAS_BIAS, DROPOUT, EPS, FLOOR, DOT_PRECISION, BLOCK_T, BLOCK_S)
+            q, k, v, grad_out, gq, gk, lse, norm_r, mass, dot_all, dot_masked, mix, BLOCKED, blocked_strides, BIAS,
+            bias_strides, offs_t, offs_s, mask_t, mask_s, bh, T, S, seed, dropout_p, AUTHORS, HAS_BLOCKED, HAS_BIAS,
+            DROPOUT, EPS, FLOOR, DOT_PRECISION, RESP_PRECISION)
         grad_v += _dot(tl.trans(mixed.to(grad_out.dtype)), grad_out, DOT_PRECISION)
         grad_k += _dot(tl.trans(grad_scores.to(q.dtype)), q, DOT_PRECISION)
-        for c in tl.static_range(C):
-            gq = tl.load(GQ + offs_t * gq_strides[2] + c * gq_strides[3], mask=mask_t, other=0.0).to(tl.float32)
-            grad_gk += tl.where(offs_c[None, :] == c, tl.sum(grad_product * gq[:, None], 0)[:, None], 0.0)
+        grad_gk += tl.dot(tl.trans(grad_product), gq, input_precision=RESP_PRECISION)  # sum_i dP_ij p(c|z_i)
     rows = (bh * S + offs_s)[:, None]
     tl.store(GRAD_K + rows * D + offs_d[None, :], grad_k.to(GRAD_K.dtype.element_ty), mask=kv_tile)
     tl.store(GRAD_V + rows * D + offs_d[None, :], grad_v.to(GRAD_V.dtype.element_ty), mask=kv_tile)
@@ -669,8 +687,8 @@ def _attention_backward_queries(Q, q_strides, K, k_strides, V, v_strides, GQ, gq
                                 C: tl.constexpr, AUTHORS: tl.constexpr, HAS_BLOCKED: tl.constexpr,
                                 HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, DROPOUT: tl.constexpr,
                                 EPS: tl.constexpr, FLOOR: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                                BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                                BLOCK_C: tl.constexpr):
+                                RESP_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
+                                BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
     """The queries' side of eq. (11)'s backward for ``BLOCK_T`` queries of one (sentence, head): one pass over the
     keys accumulating dq and d p(c|z_i) (``GRAD_Q`` [B, H, T, D], ``GRAD_GQ`` [B, H, T, C]) and, with
     ``BIAS_GRAD``, writing d scores (``GRAD_BIAS`` [B, H, T, S]). Grid: (query blocks, B*H)."""
@@ -690,6 +708,7 @@ def _attention_backward_queries(Q, q_strides, K, k_strides, V, v_strides, GQ, gq
     BLOCKED, BIAS = _head(BLOCKED, blocked_strides, b, h), _head(BIAS, bias_strides, b, h)
     mix = tl.load(MIX_USED)
     lse, norm_r, mass, dot_all, dot_masked = _row_statistics(STATS, ROW_SUMS, bh, T, offs_t, mask_t)
+    gq = _query_responsibilities(GQ, gq_strides, offs_t, mask_t, offs_c, C)
     grad_q = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
     grad_gq = tl.zeros((BLOCK_T, BLOCK_C), tl.float32)
     for start in range(0, S, BLOCK_S):
@@ -698,27 +717,30 @@ def _attention_backward_queries(Q, q_strides, K, k_strides, V, v_strides, GQ, gq
         kv_tile = mask_s[:, None] & mask_d[None, :]
         k = tl.load(_tile(K, k_strides, offs_s, offs_d), mask=kv_tile, other=0.0)
         v = tl.load(_tile(V, v_strides, offs_s, offs_d), mask=kv_tile, other=0.0)
+        gk = _key_responsibilities(GK, gk_strides, offs_s, mask_s, offs_c, C)
         grad_scores, grad_product, _ = _attention_backward_tile(
-            q, k, v, grad_out, lse, norm_r, mass, dot_all, dot_masked, mix, GQ, gq_strides, GK, gk_strides,
-            BLOCKED, blocked_strides, BIAS, bias_strides, offs_t, offs_s, mask_t, mask_s, bh, T, S, seed, dropout_p,
-            C, AUTHORS, HAS_BLOCKED, HAS_BIAS, DROPOUT, EPS, FLOOR, DOT_PRECISION, BLOCK_T, BLOCK_S)
+            q, k, v, grad_out, gq, gk, lse, norm_r, mass, dot_all, dot_masked, mix, BLOCKED, blocked_strides, BIAS,
+            bias_strides, offs_t, offs_s, mask_t, mask_s, bh, T, S, seed, dropout_p, AUTHORS, HAS_BLOCKED, HAS_BIAS,
+            DROPOUT, EPS, FLOOR, DOT_PRECISION, RESP_PRECISION)
         grad_q += _dot(grad_scores.to(k.dtype), k, DOT_PRECISION)
         if BIAS_GRAD:  # d bias = d scores, one [T, S] tile per (query block, key block): reduced to its shape outside
             tl.store(GRAD_BIAS + (bh * T + offs_t[:, None]) * S + offs_s[None, :], grad_scores,
                      mask=mask_t[:, None] & mask_s[None, :])
-        for c in tl.static_range(C):
-            gk = tl.load(GK + offs_s * gk_strides[2] + c * gk_strides[3], mask=mask_s, other=0.0).to(tl.float32)
-            grad_gq += tl.where(offs_c[None, :] == c, tl.sum(grad_product * gk[None, :], 1)[:, None], 0.0)
+        grad_gq += tl.dot(grad_product, gk, input_precision=RESP_PRECISION)  # sum_j dP_ij p(c|z_j)
     rows = (bh * T + offs_t)[:, None]
     tl.store(GRAD_Q + rows * D + offs_d[None, :], grad_q.to(GRAD_Q.dtype.element_ty), mask=q_tile)
     tl.store(GRAD_GQ + rows * C + offs_c[None, :], grad_gq, mask=mask_t[:, None] & (offs_c[None, :] < C))
 
 
-def _strides4(tensor: Optional[Tensor], shape) -> Tuple[int, int, int, int]:
-    """The 4 strides of ``tensor`` broadcast to ``shape`` (0 along broadcast dimensions; all 0 for an absent one)."""
+def _rows_of(tensor: Optional[Tensor], shape) -> Tuple[Optional[Tensor], Tuple[int, int, int]]:
+    """``tensor`` broadcast to ``shape`` ``[B, H, T, S]`` with unit stride along S (copied along S where it was
+    broadcast there), and its strides along B, H, T (0 where broadcast); an absent tensor: (None, zeros)."""
     if tensor is None:
-        return (0, 0, 0, 0)
-    return tuple(tensor.expand(*shape).stride())
+        return None, (0, 0, 0)
+    expanded = tensor.expand(*shape)
+    if expanded.stride(-1) != 1:
+        expanded = tensor.expand(*tensor.shape[:-1], shape[-1]).contiguous().expand(*shape)
+    return expanded, tuple(expanded.stride()[:3])
 
 
 class _AttentionShapes(NamedTuple):
@@ -728,6 +750,11 @@ class _AttentionShapes(NamedTuple):
     S: int
     D: int
     C: int
+
+
+# The responsibilities' products (M of eq. 10 and its gradients): float32 on both sides, to float32 precision on
+# tensor cores (three tf32 products; one fp32 'ieee' dot would run on CUDA cores with several times the registers)
+_RESP_PRECISION = "ieee" if INTERPRETED else "tf32x3"
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -748,7 +775,8 @@ class _MixedAttention(torch.autograd.Function):
         S, C = k.size(2), resp_query.size(-1)
         shape = _AttentionShapes(B, H, T, S, D, C)
         full = (B, H, T, S)
-        blocked_bytes = None if blocked is None else blocked.expand(*full).view(torch.uint8)
+        blocked_bytes, blocked_strides = _rows_of(None if blocked is None else blocked.view(torch.uint8), full)
+        bias_rows, bias_strides = _rows_of(score_bias, full)
         save = any(ctx.needs_input_grad[:5]) or ctx.needs_input_grad[10]
         out = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
         out_masked = torch.empty_like(out) if save else out
@@ -758,12 +786,13 @@ class _MixedAttention(torch.autograd.Function):
         block_t, block_s, block_d = _block(T, cfg.block_rows), _block(S, cfg.block_cols), _block(D, 1 << 20)
         _launch("attention_forward", _attention_forward, (triton.cdiv(T, block_t), B * H),
                 (q, q.stride(), k, k.stride(), v, v.stride(), resp_query, resp_query.stride(), resp_key,
-                 resp_key.stride(), blocked_bytes if blocked_bytes is not None else q, _strides4(blocked_bytes, full),
-                 score_bias if score_bias is not None else q, _strides4(score_bias, full), mix, out, out_masked,
+                 resp_key.stride(), blocked_bytes if blocked_bytes is not None else q, blocked_strides,
+                 bias_rows if bias_rows is not None else q, bias_strides, mix, out, out_masked,
                  stats, mix_used, H, T, S, D, seed, float(dropout_p)),
                 dict(C=C, AUTHORS=authors, HAS_BLOCKED=blocked is not None, HAS_BIAS=score_bias is not None,
                      DROPOUT=dropout_p > 0, SAVE=save, EPS=AUTHORS_EPS, FLOOR=PAPER_MASK_FLOOR, NEG=_NEG,
-                     DOT_PRECISION=_dot_precision(q.dtype), BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_D=block_d), cfg)
+                     DOT_PRECISION=_dot_precision(q.dtype), RESP_PRECISION=_RESP_PRECISION, BLOCK_T=block_t,
+                     BLOCK_S=block_s, BLOCK_D=block_d, BLOCK_C=_block(C, 1 << 20)), cfg)
         ctx.call = None
         if _CALLS is not None:
             ctx.call = dict(kind="attention", dtype=str(q.dtype).replace("torch.", ""), clusters=C, head_dim=D,
@@ -772,24 +801,27 @@ class _MixedAttention(torch.autograd.Function):
                             bias_grad=False)
             _CALLS.append(ctx.call)
         if save:
-            ctx.save_for_backward(q, k, v, resp_query, resp_key, blocked_bytes, score_bias, out, out_masked, stats,
+            ctx.save_for_backward(q, k, v, resp_query, resp_key, blocked_bytes, bias_rows, out, out_masked, stats,
                                   mix_used)
+            ctx.strides = (blocked_strides, bias_strides)
+            ctx.bias_shape = None if score_bias is None else score_bias.shape
             ctx.shape, ctx.authors, ctx.dropout_p, ctx.seed = shape, authors, float(dropout_p), seed
             ctx.has_blocked = blocked is not None
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, resp_query, resp_key, blocked_bytes, score_bias, out, out_masked, stats, mix_used = ctx.saved_tensors
+        q, k, v, resp_query, resp_key, blocked_bytes, bias_rows, out, out_masked, stats, mix_used = ctx.saved_tensors
+        blocked_strides, bias_strides = ctx.strides
         B, H, T, S, D, C = ctx.shape
         full = (B, H, T, S)
-        bias_grad = score_bias is not None and ctx.needs_input_grad[10]
+        bias_grad = bias_rows is not None and ctx.needs_input_grad[10]
         if ctx.call is not None:
             ctx.call.update(backward=True, bias_grad=bias_grad)
-        common = dict(C=C, AUTHORS=ctx.authors, HAS_BLOCKED=ctx.has_blocked, HAS_BIAS=score_bias is not None,
+        common = dict(C=C, AUTHORS=ctx.authors, HAS_BLOCKED=ctx.has_blocked, HAS_BIAS=bias_rows is not None,
                       DROPOUT=ctx.dropout_p > 0, EPS=AUTHORS_EPS, FLOOR=PAPER_MASK_FLOOR,
-                      DOT_PRECISION=_dot_precision(q.dtype))
-        block_d, block_c = _block(D, 1 << 20), triton.next_power_of_2(C)
+                      DOT_PRECISION=_dot_precision(q.dtype), RESP_PRECISION=_RESP_PRECISION)
+        block_d, block_c = _block(D, 1 << 20), _block(C, 1 << 20)
         row_sums = torch.empty(2, B * H, T, dtype=torch.float32, device=q.device)
         cfg = launch_config("row_sums", D, q.dtype)
         block_t = _block(T, cfg.block_rows)
@@ -797,8 +829,8 @@ class _MixedAttention(torch.autograd.Function):
                 (grad_out, grad_out.stride(), out, out_masked, row_sums, H, T, D, B * H * T),
                 dict(BLOCK_T=block_t, BLOCK_D=block_d), cfg)
         inputs = (q, q.stride(), k, k.stride(), v, v.stride(), resp_query, resp_query.stride(), resp_key,
-                  resp_key.stride(), blocked_bytes if blocked_bytes is not None else q, _strides4(blocked_bytes, full),
-                  score_bias if score_bias is not None else q, _strides4(score_bias, full), grad_out,
+                  resp_key.stride(), blocked_bytes if blocked_bytes is not None else q, blocked_strides,
+                  bias_rows if bias_rows is not None else q, bias_strides, grad_out,
                   grad_out.stride(), stats, row_sums, mix_used)
         sizes = (H, T, S, D, ctx.seed, ctx.dropout_p)
         grad_k = torch.empty(B, H, S, D, dtype=k.dtype, device=k.device)
@@ -820,7 +852,7 @@ class _MixedAttention(torch.autograd.Function):
                 (*inputs, grad_q, grad_resp_query, grad_scores if bias_grad else q, *sizes),
                 dict(**common, BIAS_GRAD=bias_grad, BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_D=block_d,
                      BLOCK_C=block_c), cfg)
-        grad_bias = grad_scores.sum_to_size(score_bias.shape).to(score_bias.dtype) if bias_grad else None
+        grad_bias = grad_scores.sum_to_size(ctx.bias_shape).to(bias_rows.dtype) if bias_grad else None
         return (grad_q, grad_k, grad_v, grad_resp_query.to(resp_query.dtype), grad_resp_key.to(resp_key.dtype),
                 None, None, None, None, None, grad_bias)
 

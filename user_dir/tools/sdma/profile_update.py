@@ -33,6 +33,7 @@ On a CPU the same code runs (no kernel columns), so the step is tested without a
 """
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -50,6 +51,7 @@ from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from latent_core.op_counts import count_launches, count_traffic  # noqa: E402
+from latent_core.profiling import source_range  # noqa: E402
 from pipelines.runs import print_table, write_json
 from latent_core.sdma import READINGS
 from user_dir.tools.sdma.step_timing import (MODELS, STEP_CONFIGS, StepSetting, build_for_updates, forward_backward,
@@ -59,6 +61,50 @@ from user_dir.tools.sdma.step_timing import (MODELS, STEP_CONFIGS, StepSetting, 
 VARIANTS = {**{name: (mode, "auto") for name, mode in MODELS.items()},
             "SMA-T triton": ("sma", "triton"), "SDMA-T triton": ("sdma", "triton")}
 COUNT_SENTENCES = 2  # the batch an interpreted variant is counted on
+
+
+# where a model's launches come from (latent_core.profiling.source_range): each attention module's forward is
+# "attention" (its projections and layout), and inside it SDMA's steps name themselves
+SOURCES = ("attention", "noise", "clustering", "mixture", "regularisers", "other")
+
+
+def attention_modules(model) -> list:
+    from fairseq.modules import MultiheadAttention
+
+    return [m for m in model.modules() if isinstance(m, MultiheadAttention)]
+
+
+@contextlib.contextmanager
+def attention_sources(model):
+    """Each attention module's forward inside a ``source::attention`` profiler range (module hooks)."""
+    handles = []
+    for module in attention_modules(model):
+        open_ranges = []
+
+        def enter(_module, _args, open_ranges=open_ranges):
+            open_ranges.append(source_range("attention"))
+            open_ranges[-1].__enter__()
+
+        def leave(_module, _args, _out, open_ranges=open_ranges):
+            open_ranges.pop().__exit__(None, None, None)
+
+        handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def launches_by_source(model, criterion, sample) -> Dict:
+    """One forward + backward's launches by source: ``{"total": {source: n}, "per_attention_module": {source: n / the
+    number of attention modules}}`` (``other``, the rest of the model and the loss, only in total)."""
+    with attention_sources(model):
+        counted = count_launches(lambda: forward_backward(model, criterion, sample), by_source=True)
+    modules = len(attention_modules(model))
+    total = {source: counted["by_source"].get(source, 0) for source in SOURCES}
+    return {"total": total, "modules": modules,
+            "per_attention_module": {s: n / modules for s, n in total.items() if s != "other"}}
 
 
 def _synchronize(device: torch.device) -> None:
@@ -82,10 +128,12 @@ def count_model(config: str, name: str, setting: StepSetting, device: torch.devi
         forward_backward(model, criterion, sample)  # the first call: the interpreter rewrites the kernels
         model.zero_grad(set_to_none=True)
         counts[variant] = count_launches(lambda: forward_backward(model, criterion, sample))
+        if variant == name:
+            sources = launches_by_source(model, criterion, sample)
     own = counts[name]
     return {"interpreted": True, "count_batch": [COUNT_SENTENCES, setting.tokens],
             "model_launches": own["launches"], "triton_kernels": own["inductor"],
-            "vt_model_launches_same_batch": counts["V-T"]["launches"],
+            "vt_model_launches_same_batch": counts["V-T"]["launches"], "sources": sources,
             "model_launches_vs_vt": own["launches"] / counts["V-T"]["launches"],
             "params": sum(p.numel() for p in model.parameters())}
 
@@ -101,6 +149,7 @@ def profile_model(config: str, name: str, setting: StepSetting, device: torch.de
         training_update(model, criterion, optimizer, sample)
     _synchronize(device)
     model_launches = count_launches(lambda: forward_backward(model, criterion, sample))
+    sources = launches_by_source(model, criterion, sample)
     optimizer_launches = count_launches(optimizer.step)
     optimizer.zero_grad(set_to_none=True)
     traffic = count_traffic(lambda: training_update(model, criterion, optimizer, sample))
@@ -125,6 +174,7 @@ def profile_model(config: str, name: str, setting: StepSetting, device: torch.de
         "optimizer_launches": optimizer_launches["launches"],
         "params": sum(p.numel() for p in model.parameters()),
         "aten_ops": traffic["ops"] + traffic["matmul_ops"],
+        "sources": sources,
     }
     if device.type == "cuda":  # the kernels, by their GPU time
         ranked = [e for e in events if e.device_type == DeviceType.CUDA]
@@ -210,6 +260,12 @@ def main(argv=None) -> int:
     print_table(rows, list(rows[-1].keys()),
                 f"One training update, {args.config}, {report['device']}, batch {args.sentences} x {args.tokens}, "
                 f"{args.reading} reading (median of {args.updates})")
+    source_rows = [{"model": name, **{s: r["sources"]["per_attention_module"][s] for s in SOURCES if s != "other"},
+                    "all modules": sum(r["sources"]["total"][s] for s in SOURCES if s != "other"),
+                    "rest of the model": r["sources"]["total"]["other"]} for name, r in report["models"].items()]
+    print_table(source_rows, list(source_rows[0].keys()),
+                "Launches of one forward + backward per attention module, by source (attention: the module's "
+                "projections and layout; regularisers: eq. (20)-(23) of all layers, divided by the modules)")
     for name, r in report["models"].items():
         if "top_ops" in r:
             print(f"{name}: " + ", ".join(f"{op['name']} {op['self_ms_per_update']:.2f} ms" for op in r["top_ops"][:6]))

@@ -1,0 +1,16 @@
+"""Named profiler ranges around the steps of a model that a launch count attributes its kernels to
+(:func:`latent_core.op_counts.count_launches` with ``by_source``). They cost one flag check when no profiler runs."""
+
+import contextlib
+
+import torch
+
+PREFIX = "source::"
+
+
+def source_range(name: str):
+    """A profiler range ``source::<name>`` while a profiler runs (nothing otherwise): the kernels launched inside it,
+    and in backward those of the autograd nodes it created, count as ``name``'s."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(PREFIX + name)
+    return contextlib.nullcontext()
