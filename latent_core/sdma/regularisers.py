@@ -251,34 +251,58 @@ def authors_token_given_cluster(log_joint_q: Tensor) -> Tuple[Tensor, Tensor]:
     return _TokenGivenCluster.apply(log_joint_q, None, True)
 
 
+def _pair_probabilities(p_token_given_c: Tensor, resp_q: Tensor) -> Tensor:
+    """p_hh' = sum_c p(q^h | c) p(c | q^h') (eq. 16) of clusters-first ``[C, L, T, B, H]`` inputs: ``[L, T, B, H, H']``,
+    one batched product over the positions (a broadcast product summed over c writes C times as much)."""
+    num_clusters, *lead, heads = p_token_given_c.shape
+    by_position = lambda x: x.view(num_clusters, -1, heads).permute(1, 2, 0)  # [L T B, H, C], a view
+    return torch.bmm(by_position(p_token_given_c), by_position(resp_q).transpose(1, 2)).view(*lead, heads, heads)
+
+
+def _off_diagonal_weights(weights: Tensor, heads: int) -> Tensor:
+    """-weights on the off-diagonal pairs h != h', ``[T, B, H, H']``."""
+    return weights[:, :, None, None] * (torch.eye(heads, device=weights.device, dtype=weights.dtype) - 1.0)
+
+
+def _one_minus_pair(p_pair: Tensor, authors: bool) -> Tuple[Tensor, Tensor, float]:
+    """(1 - p, log(1 - p), the clamp's upper limit) with the authors' 1 - min(p, 1) + 1e-6 or the exact clamp at
+    1 - 1e-6."""
+    if authors:
+        one_minus = 1.0 - p_pair.clamp(max=1.0) + AUTHORS_EPS
+        return one_minus, torch.log(one_minus), 1.0
+    clamped = p_pair.clamp(max=1.0 - 1e-6)
+    return 1.0 - clamped, torch.log1p(-clamped), 1.0 - 1e-6
+
+
+def _head_mi_value(p_token_given_c: Tensor, resp_q: Tensor, weights: Tensor, authors: bool) -> Tensor:
+    """:class:`_HeadMI`'s value alone (no gradient: the diagnostics' other reading)."""
+    p_pair = _pair_probabilities(p_token_given_c, resp_q)
+    return (_one_minus_pair(p_pair, authors)[1] * _off_diagonal_weights(weights, p_pair.size(-1))).sum((0, 1, 3, 4))
+
+
 class _HeadMI(torch.autograd.Function):
     """Eq. (21) per token from p(q_i^h | c) and p(c | q_i^h') (clusters-first): sum_{h != h'} -log(1 - p_hh'),
-    p_hh' = sum_c p(q_i^h | c) p(c | q_i^h') (eq. 16), with the authors' or the exact clamp."""
+    p_hh' = sum_c p(q_i^h | c) p(c | q_i^h') (eq. 16), with the authors' or the exact clamp. The sums over c
+    (forward) and over h' or h (backward) are batched products over the positions."""
 
     @staticmethod
     def forward(ctx, p_token_given_c, resp_q, weights, authors):
-        p_pair = (p_token_given_c[..., :, None] * resp_q[..., None, :]).sum(0)  # [L, T, B, H, H']
-        n_h = p_pair.size(-1)
-        # -weights on the off-diagonal pairs h != h', [T, B, H, H']
-        neg_pair_weights = weights[:, :, None, None] * (torch.eye(n_h, device=p_pair.device, dtype=p_pair.dtype) - 1.0)
-        if authors:
-            one_minus = 1.0 - p_pair.clamp(max=1.0) + AUTHORS_EPS
-            log_one_minus = torch.log(one_minus)
-            in_range = p_pair <= 1.0
-        else:
-            one_minus = 1.0 - p_pair.clamp(max=1.0 - 1e-6)
-            log_one_minus = torch.log1p(-p_pair.clamp(max=1.0 - 1e-6))
-            in_range = p_pair <= 1.0 - 1e-6
-        ctx.save_for_backward(p_token_given_c, resp_q, one_minus, in_range * neg_pair_weights)
+        p_pair = _pair_probabilities(p_token_given_c, resp_q)  # [L, T, B, H, H']
+        neg_pair_weights = _off_diagonal_weights(weights, p_pair.size(-1))
+        one_minus, log_one_minus, limit = _one_minus_pair(p_pair, authors)
+        ctx.save_for_backward(p_token_given_c, resp_q, one_minus, (p_pair <= limit) * neg_pair_weights)
         return (log_one_minus * neg_pair_weights).sum((0, 1, 3, 4))
 
     @staticmethod
     def backward(ctx, grad):
         p_token_given_c, resp_q, one_minus, neg_slope_weights = ctx.saved_tensors
+        num_clusters, heads = resp_q.size(0), resp_q.size(-1)
         # d(-log(1 - p))/dp = 1 / (1 - p) where the clamp passes p
-        grad_pair = neg_slope_weights * (-grad)[:, None, None] / one_minus
-        grad_p = (grad_pair * resp_q[..., None, :]).sum(-1)  # sum_h' g_hh' p(c | q^h')
-        grad_resp = (grad_pair * p_token_given_c[..., :, None]).sum(-2)  # sum_h g_hh' p(q^h | c)
+        grad_pair = (neg_slope_weights * (-grad)[:, None, None] / one_minus).view(-1, heads, heads)  # [L T B, H, H']
+        by_cluster = lambda x: x.view(num_clusters, -1, heads).transpose(0, 1)  # [L T B, C, H], a view
+        # sum_h' g_hh' p(c | q^h') and sum_h g_hh' p(q^h | c), as [L T B, C, H] viewed clusters-first
+        grad_p = torch.bmm(by_cluster(resp_q), grad_pair.transpose(1, 2)).transpose(0, 1).view_as(resp_q)
+        grad_resp = torch.bmm(by_cluster(p_token_given_c), grad_pair).transpose(0, 1).view_as(resp_q)
         return grad_p, grad_resp, None, None
 
 
@@ -305,31 +329,41 @@ def head_mi_upper_bound(log_joint_q: Tensor, resp_q: Tensor, valid: Tensor, auth
 
 class _QueryInputMI(torch.autograd.Function):
     """Eq. (22) per token: f(q_i, x_i) - log sum_j exp f(q_i, x_j) with f(q_i, x_j) = sum_c p(c|q_i) p(c|q_j)
-    (eq. 19), over the sentence's real tokens j; the critic is one batched product per layer and head."""
+    (eq. 19), over the sentence's real tokens j; the critic is one batched product per layer and head.
+
+    f is a sum of products of probabilities, in [0, 1], so the normaliser is summed from exp(f) without the
+    max shift of a logsumexp (no overflow): the exponentials, kept for the backward pass, are the softmax
+    numerators, and f(q_i, x_i) is the critic's diagonal. ``valid`` None: every position is real (the authors
+    reading, whose normaliser runs over the padded length), no mask."""
 
     @staticmethod
     def forward(ctx, resp_q, valid, weights):
         num_clusters, num_layers, length, batch, heads = resp_q.shape
         by_head = resp_q.permute(1, 3, 4, 2, 0).reshape(-1, length, num_clusters)  # [L B H, T, C]
-        critic = torch.bmm(by_head, by_head.transpose(1, 2)).view(num_layers, batch, heads, length, length)
-        key_pad = (valid <= 0).t()[None, :, None, None, :]  # [1, B, 1, 1, T_j]
-        critic.masked_fill_(key_pad, float("-inf"))
-        log_norm = torch.logsumexp(critic, dim=-1)  # [L, B, H, T_i]
-        log_ratio = (resp_q * resp_q).sum(0) - log_norm.permute(0, 3, 1, 2)  # [L, T, B, H]
-        ctx.save_for_backward(by_head, critic, log_norm, weights)
-        return _per_sentence(log_ratio, weights)
+        critic = torch.bmm(by_head, by_head.transpose(1, 2))  # f(q_i, x_j), [L B H, T_i, T_j]
+        own = critic.diagonal(dim1=1, dim2=2).clone()  # f(q_i, x_i), [L B H, T]
+        exp_critic = critic.exp_()
+        if valid is not None:
+            key_pad = (valid <= 0).t()[None, :, None, None, :]  # [1, B, 1, 1, T_j]
+            exp_critic.view(num_layers, batch, heads, length, length).masked_fill_(key_pad, 0.0)
+        norm = exp_critic.sum(-1)  # [L B H, T_i]
+        log_ratio = (own - norm.log()).view(num_layers, batch, heads, length)
+        ctx.save_for_backward(by_head, exp_critic, norm, weights)
+        ctx.shape = resp_q.shape
+        return (log_ratio * weights.t()[None, :, None, :]).sum((0, 2, 3))
 
     @staticmethod
     def backward(ctx, grad):
-        by_head, critic, log_norm, weights = ctx.saved_tensors
-        num_layers, batch, heads, length, _ = critic.shape
-        grad_token = (weights * grad).t()[None, :, None, :, None]  # [1, B, 1, T_i, 1]
-        # softmax_j f(q_i, x_j) weighted by the upstream gradient of row i
-        weighted_softmax = torch.exp(critic - log_norm[..., None]) * grad_token
-        symmetric = (weighted_softmax + weighted_softmax.transpose(-1, -2)).view(-1, length, length)
-        # d/dR_i: 2 g_i R_i (the diagonal f(q_i, x_i)) - sum_j (W_ij + W_ji) R_j (the normaliser)
-        scaled = (by_head.view(num_layers, batch, heads, length, -1) * grad_token).view_as(by_head)
-        grad_by_head = torch.baddbmm(scaled, symmetric, by_head, beta=2.0, alpha=-1.0)
+        by_head, exp_critic, norm, weights = ctx.saved_tensors
+        num_clusters, num_layers, length, batch, heads = ctx.shape
+        grad_token = (weights * grad).t()[None, :, None, :].expand(num_layers, batch, heads, length)
+        grad_token = grad_token.reshape(-1, length)  # g_i, [L B H, T_i]
+        # W_ij = g_i softmax_j f(q_i, x_j); d/dR_i: 2 g_i R_i (the diagonal f(q_i, x_i)) - sum_j (W_ij + W_ji) R_j,
+        # i.e. -sum_j S_ij R_j with S = W + W^T - 2 diag(g)
+        weighted_softmax = exp_critic * (grad_token / norm)[..., None]
+        symmetric = weighted_softmax + weighted_softmax.transpose(-1, -2)
+        symmetric.diagonal(dim1=1, dim2=2).sub_(grad_token, alpha=2.0)
+        grad_by_head = torch.baddbmm(by_head, symmetric, by_head, beta=0.0, alpha=-1.0)
         return grad_by_head.view(num_layers, batch, heads, length, -1).permute(4, 0, 3, 1, 2), None, None
 
 
@@ -477,11 +511,11 @@ def group_terms(layers: Dict[str, List[Tensor]], log_vars: Dict[str, List[Tensor
             authors_p, clamped = authors_token_given_cluster(log_joint_q_cf)
         p_token_given_c = authors_p if authors else token_given_cluster(log_joint_q_cf, valid)
         losses["dqq"] = _HeadMI.apply(p_token_given_c, resp_q_cf, weights.per_head_pair, authors)
-        losses["dxq"] = _QueryInputMI.apply(resp_q_cf, valid, weights.per_head)
+        losses["dxq"] = _QueryInputMI.apply(resp_q_cf, None if authors else valid, weights.per_head)
         if diagnose:
             with torch.no_grad():
                 other_p = token_given_cluster(log_joint_q_cf, valid) if authors else authors_p
-                other = _HeadMI.apply(other_p, resp_q_cf, weights.per_head_pair, not authors)
+                other = _head_mi_value(other_p, resp_q_cf, weights.per_head_pair, not authors)
                 exact, theirs = (other, losses["dqq"]) if authors else (losses["dqq"], other)
                 sums["dqq_clamped"] = clamped.sum()
                 sums["dqq_normalisers"] = clamped.new_full((), clamped.numel(), dtype=torch.float32)

@@ -327,6 +327,22 @@ def test_head_mi_upper_bound_eq21(authors, p_given):
                                     (log_joint_q, resp_q), fast_mode=True)
 
 
+@pytest.mark.parametrize("authors", [False, True], ids=["paper", "authors"])
+def test_head_mi_value_of_the_diagnostics_eq21(authors):
+    """The forward-only L_Dqq of the diagnostics (the other reading's) equals the direct form's value."""
+    log_joint_q, log_resp_q = _clustering(_generator(9), torch.float64, spread=2.0)
+    resp_q = clusters_first(log_resp_q).exp().detach()
+    valid = torch.ones(LENGTH, BATCH, dtype=torch.float64) if authors else _padded()
+    log_joint_cf = clusters_first(log_joint_q).detach()
+    p = (regularisers.authors_token_given_cluster(log_joint_cf)[0] if authors
+         else regularisers.token_given_cluster(log_joint_cf, valid))
+    weights = regularisers._SentenceWeights(valid, LAYERS, HEADS).per_head_pair
+    value = regularisers._head_mi_value(p, resp_q, weights, authors)
+    reference = direct_head_mi_upper_bound(log_joint_q.detach(), resp_q.movedim(0, -1), valid, authors,
+                                           p_token_given_c=p)
+    torch.testing.assert_close(value, reference, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("padded", [False, True], ids=["full", "padded"])
 def test_query_input_mi_lower_bound_eq22(padded):
     _, log_resp_q = _clustering(_generator(6), torch.float64, spread=2.0)
