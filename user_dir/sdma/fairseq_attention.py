@@ -140,6 +140,9 @@ class SDMAMultiheadAttention(MultiheadAttention):
             # their causal self-attention masks the future only (pad keys stay visible to pad queries)
             key_padding_mask = None
 
+        # fairseq's first layers get the embeddings as a transposed view: one copy here, not one in each of the
+        # clustering and the q, k, v projections (each reshapes its input)
+        query = query.contiguous()
         # eq. (8): one noisy sample z, clustered (eq. 9) and projected (Algorithm 1)
         z_cluster, z = core.sample(query, self.training)
         cross_keys = key is not None and not self.self_attention
