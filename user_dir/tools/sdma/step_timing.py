@@ -17,8 +17,16 @@ read and write), the memory traffic and per-op overhead that the FLOPs bound doe
 The batch mirrors the quickstart data that ``fairseq-train`` sees in the benchmark:
 ``sentences`` sentences of ``tokens`` tokens (EOS included) on both sides, no padding,
 dictionaries of ``vocab`` entries (shared embeddings).
+
+Alone (without the rest of ``make bench``), one reading at a time:
+
+    python -m user_dir.tools.sdma.step_timing --configs tiny,tiny2x2 --reading paper [--rounds 7] [--threads 1]
+
+``--threads`` sets torch's CPU threads (default: torch's, as in ``make bench``); on a machine shared with
+other work one thread gives steadier ratios (a descheduled second thread stalls every parallel op).
 """
 
+import argparse
 import statistics
 import time
 from dataclasses import dataclass
@@ -157,3 +165,29 @@ def table_rows(timing: Dict):
             "elementwise ops": r["elementwise_ops"],
         })
     return rows
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default="tiny,tiny2x2", help=f"comma-separated, of {', '.join(STEP_CONFIGS)}")
+    p.add_argument("--reading", choices=READINGS, default=StepSetting.reading)
+    p.add_argument("--rounds", type=int, default=StepSetting.rounds)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    args = p.parse_args(argv)
+    configs = [c for c in args.configs.split(",") if c]
+    for config in configs:
+        if config not in STEP_CONFIGS:
+            p.error(f"--configs: unknown configuration {config!r} (one of {', '.join(STEP_CONFIGS)})")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    from pipelines.runs import print_table
+
+    setting = StepSetting(rounds=args.rounds, reading=args.reading)
+    for config in configs:
+        rows = table_rows(time_updates(config, setting))
+        print_table(rows, list(rows[0].keys()), f"update timing, {config}, {args.reading} reading, "
+                                                f"{torch.get_num_threads()} threads (ratios: V-T time / model time)")
+
+
+if __name__ == "__main__":
+    main()
