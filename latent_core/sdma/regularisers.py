@@ -152,36 +152,41 @@ def _vade_kl(log_joint, log_resp, resp, trace_precision, posterior_var, log_prio
 
 class _ClusterDiversity(torch.autograd.Function):
     """Eq. (23) per layer and head from the masked responsibilities C (``resp * valid``) and the Gram matrix
-    G = C^T C: diag_weight sum_i (s_i - 1)^2 + off_weight (||G||_F^2 - sum_i s_i^2), s_i = ||C_i||^2."""
+    G = C^T C: diag_weight sum_i (s_i - 1)^2 + off_weight (||G||_F^2 - sum_i s_i^2), s_i = ||C_i||^2.
+    ``valid`` None: every position is real (no mask). Worked on per layer, sentence and head (``[L B H, C, T]``)."""
 
     @staticmethod
     def forward(ctx, resp, valid, diag_weight, off_weight, sentence_weights):
         num_clusters, num_layers, length, batch, heads = resp.shape
-        valid_cf = valid[None, None, :, :, None]
-        masked = resp * valid_cf  # [C, L, T, B, H]
+        masked = resp if valid is None else resp * valid[None, None, :, :, None]  # C, [C, L, T, B, H]
         by_head = masked.permute(1, 3, 4, 0, 2).reshape(-1, num_clusters, length)  # [L B H, C, T]
         gram = torch.bmm(by_head, by_head.transpose(1, 2))  # C^T C, [L B H, C, C]
-        self_sim = (masked * masked).sum(0)  # s_i, [L, T, B, H]
+        self_sim = (by_head * by_head).sum(1)  # s_i, [L B H, T]
         self_sim_minus_one = self_sim - 1.0
-        diag = (self_sim_minus_one * self_sim_minus_one * valid[:, :, None]).sum(1)  # [L, B, H]
-        off = (gram * gram).sum((1, 2)).view(num_layers, batch, heads) - (self_sim * self_sim).sum(1)
-        per_head = torch.add(off * off_weight, diag, alpha=diag_weight)
-        ctx.save_for_backward(by_head, gram, self_sim, self_sim_minus_one, valid, sentence_weights)
+        squared_error = self_sim_minus_one * self_sim_minus_one
+        if valid is not None:  # a padded position's s_i is 0, its (s_i - 1)^2 is not
+            squared_error = squared_error.view(num_layers, batch, heads, length) * valid.t()[None, :, None, :]
+        diag = squared_error.sum(-1)
+        off = (gram * gram).sum((1, 2)) - (self_sim * self_sim).sum(-1)
+        per_head = torch.add(off * off_weight, diag.view_as(off), alpha=diag_weight).view(num_layers, batch, heads)
+        ctx.save_for_backward(by_head, gram, self_sim, sentence_weights)
         ctx.diag_weight, ctx.off_weight, ctx.shape = diag_weight, off_weight, resp.shape
         return (per_head * sentence_weights[:, None]).sum((0, 2))
 
     @staticmethod
     def backward(ctx, grad):
-        by_head, gram, self_sim, self_sim_minus_one, valid, sentence_weights = ctx.saved_tensors
+        by_head, gram, self_sim, sentence_weights = ctx.saved_tensors
         num_clusters, num_layers, length, batch, heads = ctx.shape
-        # d/dC_i: 4 [diag_weight (s_i - 1) valid_i - off_weight s_i] C_i + 4 off_weight (G C^T)_i; d C/d resp = valid
-        coefficient = torch.addcmul(self_sim * -ctx.off_weight, self_sim_minus_one, valid[:, :, None],
-                                    value=ctx.diag_weight)  # [L, T, B, H]
-        coefficient = coefficient.permute(0, 2, 3, 1).reshape(-1, 1, length)  # [L B H, 1, T]
-        grad_masked = torch.baddbmm(by_head * coefficient, gram, by_head, alpha=ctx.off_weight)  # [L B H, C, T]
-        scale = (4.0 * grad * sentence_weights)[:, None] * valid.t()  # [B, T]
-        grad_resp = grad_masked.view(num_layers, batch, heads, num_clusters, length) * scale[:, None, None, :]
-        return grad_resp.permute(3, 0, 4, 1, 2), None, None, None, None
+        # d/dC_i: 4 [diag_weight (s_i - 1) - off_weight s_i] C_i + 4 off_weight (G C^T)_i, times the sentence's
+        # weight; d C/d resp = valid, which the result already carries (C_i = 0 at a padded position, and so is
+        # every term above), as does the first term's valid_i
+        scale = (4.0 * grad * sentence_weights)[None, :, None].expand(num_layers, batch, heads).reshape(-1)  # [L B H]
+        coefficient = torch.add(self_sim * (-ctx.off_weight), self_sim, alpha=ctx.diag_weight)
+        coefficient = coefficient.sub_(ctx.diag_weight).mul_(scale[:, None])  # [L B H, T]
+        gram = gram * (ctx.off_weight * scale)[:, None, None]
+        grad_by_head = torch.baddbmm(by_head * coefficient[:, None, :], gram, by_head)  # [L B H, C, T]
+        return grad_by_head.view(num_layers, batch, heads, num_clusters, length).permute(3, 0, 4, 1, 2), \
+            None, None, None, None
 
 
 def cluster_diversity(resp: Tensor, valid: Tensor, alpha: float, beta: float, squared: bool = True) -> Tensor:
@@ -196,9 +201,12 @@ def cluster_diversity(resp: Tensor, valid: Tensor, alpha: float, beta: float, sq
     return _cluster_diversity(resp, _SentenceWeights(valid, resp.size(0), resp.size(-2)), alpha, beta, squared)
 
 
-def _cluster_diversity(resp: Tensor, weights: "_SentenceWeights", alpha: float, beta: float, squared: bool) -> Tensor:
+def _cluster_diversity(resp: Tensor, weights: "_SentenceWeights", alpha: float, beta: float, squared: bool,
+                       unmasked: bool = False) -> Tensor:
+    """``unmasked``: ``weights.valid`` is all ones (the authors' padded length), so no mask is applied."""
     diag_weight, off_weight = (alpha * alpha, beta * beta) if squared else (alpha, beta)
-    return _ClusterDiversity.apply(clusters_first(resp), weights.valid, diag_weight, off_weight, weights.per_gram)
+    return _ClusterDiversity.apply(clusters_first(resp), None if unmasked else weights.valid, diag_weight, off_weight,
+                                   weights.per_gram)
 
 
 class _TokenGivenCluster(torch.autograd.Function):
@@ -477,7 +485,7 @@ def group_terms(layers: Dict[str, List[Tensor]], log_vars: Dict[str, List[Tensor
 
     losses = {
         "kl_z": _vade_kl(log_joint_z, log_resp_z, resp_z, trace_z, s2("z"), log_prior_z, weights, head_dim),
-        "dv_z": _cluster_diversity(resp_z, weights, alpha, beta, squared=not authors),
+        "dv_z": _cluster_diversity(resp_z, weights, alpha, beta, squared=not authors, unmasked=authors),
     }
     sums: Dict[str, Tensor] = {}
     if authors and "log_joint_k" in layers:
@@ -489,7 +497,8 @@ def group_terms(layers: Dict[str, List[Tensor]], log_vars: Dict[str, List[Tensor
         weights_k = _SentenceWeights(valid_k, num_layers, num_heads)
         losses["kl_z"] = losses["kl_z"] + _vade_kl(log_joint_k, log_resp_k, resp_k, trace_z, s2("k"), log_prior_z,
                                                    weights_k, head_dim)
-        losses["dv_z"] = losses["dv_z"] + _cluster_diversity(resp_k, weights_k, alpha, beta, squared=False)
+        losses["dv_z"] = losses["dv_z"] + _cluster_diversity(resp_k, weights_k, alpha, beta, squared=False,
+                                                             unmasked=True)
     if diagnose:
         with torch.no_grad():
             hardest = clusters_first(resp_z).amax(0)  # [L, T, B, H]
@@ -504,7 +513,7 @@ def group_terms(layers: Dict[str, List[Tensor]], log_vars: Dict[str, List[Tensor
         trace_q = _StackedTracePrecision.apply(*q_log_vars).expand(heads)
         log_prior_q = log_prior(torch.stack(q_prior_logits)).expand(heads) if authors else None
         losses["kl_q"] = _vade_kl(log_joint_q, log_resp_q, resp_q, trace_q, s2("q"), log_prior_q, weights, head_dim)
-        losses["dv_q"] = _cluster_diversity(resp_q, weights, alpha, beta, squared=not authors)
+        losses["dv_q"] = _cluster_diversity(resp_q, weights, alpha, beta, squared=not authors, unmasked=authors)
         log_joint_q_cf, resp_q_cf = clusters_first(log_joint_q), clusters_first(resp_q)
         authors_p = clamped = None
         if authors or diagnose:

@@ -271,6 +271,25 @@ def test_cluster_diversity_eq23(squared, padded):
                                     fast_mode=True)
 
 
+@pytest.mark.parametrize("squared", [False, True], ids=["authors_form", "squared"])
+def test_cluster_diversity_eq23_unmasked(squared):
+    """The authors' padded length: no mask at all (``unmasked``) equals the direct form with every position real."""
+    _, log_resp = _clustering(_generator(4), torch.float64)
+    resp = clusters_first(log_resp).exp().movedim(0, -1).detach().requires_grad_()
+    valid = torch.ones(LENGTH, BATCH, dtype=torch.float64)
+
+    def unmasked(r, v, alpha, beta, squared):
+        weights = regularisers._SentenceWeights(v, r.size(0), r.size(-2))
+        return regularisers._cluster_diversity(r, weights, alpha, beta, squared, unmasked=True)
+
+    def run(fn):
+        value = fn(resp, valid, 1.25, 0.75, squared)
+        return value, _grads(value, [resp])
+
+    _assert_same(*run(unmasked), *run(direct_cluster_diversity))
+    assert torch.autograd.gradcheck(lambda r: unmasked(r, valid, 1.25, 0.75, squared), (resp,), fast_mode=True)
+
+
 def _far_below_the_layer_max(log_joint_q):
     """Shift one sentence far below the others, so the authors' normalisers of that sentence sit at their clamp."""
     shift = torch.zeros_like(log_joint_q)
