@@ -63,39 +63,60 @@ def _per_sentence(per_token: Tensor, weights: Tensor) -> Tensor:
 # references of tests/unit/latent_core/test_sdma_regulariser_functions.py.
 
 
+def _token_weighted_sum(x: Tensor, grad_token: Tensor) -> Tensor:
+    """sum_{t,b} x * grad_token of clusters-first ``x [C, L, T, B, H]`` (contiguous) and ``grad_token [T, B, 1]``:
+    ``[L, H, C]``, as one product over the positions (no ``[C, L, T, B, H]`` temporary)."""
+    num_clusters, num_layers, length, batch, heads = x.shape
+    summed = torch.matmul(grad_token.reshape(1, length * batch), x.view(num_clusters * num_layers, -1, heads))
+    return summed.view(num_clusters, num_layers, heads).permute(1, 2, 0)
+
+
 class _VadeKL(torch.autograd.Function):
     """Eq. (20) per token: 0.5 s2 sum_c q(c) tr(Sigma_c^-1) + log q(c=0|z) - log p(z, c=0) - d/2 log(2 pi e s2)
-    [authors: + sum_c (log pi_c - log q(c)) (q(c) + pi_c), i.e. - KL(q(c) || pi) + KL(pi || q(c))]."""
+    [authors: + sum_c (log pi_c - log q(c)) (q(c) + pi_c), i.e. - KL(q(c) || pi) + KL(pi || q(c))].
+
+    With the authors' term and one s2 for every position, both sums over c are one:
+    sum_c (q_c + pi_c) u_c - s2/2 sum_c pi_c tr_c with u_c = log pi_c + s2/2 tr_c - log q_c, which is also the
+    gradient with respect to q_c."""
 
     @staticmethod
     def forward(ctx, log_joint, log_resp, resp, trace_precision, posterior_var, log_prior, weights, dim):
         trace_cf = trace_precision.permute(2, 0, 1)[:, :, None, None, :]  # [C, L, 1, 1, H]
-        trace = (resp * trace_cf).sum(0)  # sum_c q(c) tr(Sigma_c^-1), [L, T, B, H]
         log_ratio = log_resp[0] - log_joint[0]  # -log p(z)
-        learned_var = isinstance(posterior_var, Tensor)
+        learned_var, authors = isinstance(posterior_var, Tensor), log_prior is not None
+        trace = resp_plus_prior = prior = slope = None
+        if authors:
+            log_prior_cf = log_prior.permute(2, 0, 1)[:, :, None, None, :]
+            prior = log_prior_cf.exp()
+            resp_plus_prior = resp + prior
         if learned_var:
+            trace = (resp * trace_cf).sum(0)  # sum_c q(c) tr(Sigma_c^-1), [L, T, B, H]
             per_token = torch.addcmul(log_ratio, posterior_var, trace, value=0.5)
             per_token = torch.sub(per_token, torch.log(posterior_var), alpha=0.5 * dim)
             per_token = per_token - 0.5 * dim * (LOG_2PI + 1.0)
+            if authors:
+                slope = log_prior_cf - log_resp  # log pi_c - log q_c
+                per_token = per_token + (slope * resp_plus_prior).sum(0)
         else:
-            per_token = torch.add(log_ratio, trace, alpha=0.5 * posterior_var)
-            per_token = per_token - 0.5 * dim * (LOG_2PI + math.log(posterior_var) + 1.0)
-        prior_minus_resp = resp_plus_prior = prior = None
-        if log_prior is not None:
-            log_prior_cf = log_prior.permute(2, 0, 1)[:, :, None, None, :]
-            prior = log_prior_cf.exp()
-            prior_minus_resp = log_prior_cf - log_resp
-            resp_plus_prior = resp + prior
-            per_token = per_token + (prior_minus_resp * resp_plus_prior).sum(0)
+            constant = 0.5 * dim * (LOG_2PI + math.log(posterior_var) + 1.0)
+            if authors:
+                half_trace = trace_cf * (0.5 * posterior_var)
+                slope = torch.sub(log_prior_cf + half_trace, log_resp)  # u_c
+                # sum_c pi_c s2/2 tr_c, [L, 1, 1, H], taken out of the sum over c
+                constant = (prior * half_trace).sum(0) + constant
+                per_token = torch.sub(log_ratio + (slope * resp_plus_prior).sum(0), constant)
+            else:
+                trace = (resp * trace_cf).sum(0)
+                per_token = torch.add(log_ratio, trace, alpha=0.5 * posterior_var) - constant
         ctx.save_for_backward(resp, trace_cf, posterior_var if learned_var else None, trace if learned_var else None,
-                              prior, prior_minus_resp, resp_plus_prior, weights)
-        ctx.learned_var, ctx.authors = learned_var, log_prior is not None
+                              prior, slope, resp_plus_prior, weights)
+        ctx.learned_var, ctx.authors = learned_var, authors
         ctx.posterior_var, ctx.dim = (None if learned_var else posterior_var), dim
         return _per_sentence(per_token, weights)
 
     @staticmethod
     def backward(ctx, grad):
-        resp, trace_cf, posterior_var, trace, prior, prior_minus_resp, resp_plus_prior, weights = ctx.saved_tensors
+        resp, trace_cf, posterior_var, trace, prior, slope, resp_plus_prior, weights = ctx.saved_tensors
         grad_token = (weights * grad)[:, :, None]  # [T, B, 1]: d out / d per_token
         grad_log_joint = torch.zeros_like(resp)
         grad_log_joint[0].sub_(grad_token)
@@ -108,19 +129,29 @@ class _VadeKL(torch.autograd.Function):
         # d/d resp_c of 0.5 s2 resp_c tr_c, per token: half_var_grad * tr_c
         half_var_grad = (posterior_var * grad_token * 0.5 if ctx.learned_var
                          else grad_token * (0.5 * ctx.posterior_var))
-        grad_resp = trace_cf * half_var_grad
-        if ctx.authors:
-            grad_resp = torch.addcmul(grad_resp, prior_minus_resp, grad_token)
-        grad_trace = (resp * half_var_grad).sum((2, 3)).permute(1, 2, 0) if ctx.needs_input_grad[3] else None
+        if ctx.authors and not ctx.learned_var:
+            grad_resp = slope * grad_token  # u_c
+        else:
+            grad_resp = trace_cf * half_var_grad
+            if ctx.authors:
+                grad_resp = torch.addcmul(grad_resp, slope, grad_token)
+        grad_trace = None
+        if ctx.needs_input_grad[3]:
+            if ctx.learned_var:
+                grad_trace = (resp * half_var_grad).sum((2, 3)).permute(1, 2, 0)
+            else:  # sum_{t,b} q_c g s2/2 (the authors' u_c carries s2/2 tr_c, the constant takes its pi_c part back)
+                grad_trace = _token_weighted_sum(resp, grad_token) * (0.5 * ctx.posterior_var)
         grad_var = None
         if ctx.learned_var and ctx.needs_input_grad[4]:
             # 0.5 tr - d / (2 s2)
             grad_var = torch.add(trace, posterior_var.reciprocal(), alpha=-ctx.dim) * (0.5 * grad_token)
         grad_log_prior = None
         if ctx.authors and ctx.needs_input_grad[5]:
-            # d/d log pi_c of (log pi_c - log q_c)(q_c + pi_c)
-            grad_log_prior = (torch.addcmul(resp_plus_prior, prior_minus_resp, prior) * grad_token).sum((2, 3))
-            grad_log_prior = grad_log_prior.permute(1, 2, 0)
+            # d/d log pi_c of (log pi_c - log q_c)(q_c + pi_c): q_c + pi_c + pi_c (log pi_c - log q_c)
+            grad_log_prior = _token_weighted_sum(torch.addcmul(resp_plus_prior, slope, prior), grad_token)
+            if not ctx.learned_var:  # slope is u_c = log pi_c - log q_c + s2/2 tr_c: its pi_c s2/2 tr_c is the constant's
+                grad_log_prior = grad_log_prior - (prior * trace_cf * (0.5 * ctx.posterior_var))[:, :, 0, 0].permute(
+                    1, 2, 0) * grad_token.sum()
         return grad_log_joint, grad_log_resp, grad_resp, grad_trace, grad_var, grad_log_prior, None, None
 
 
