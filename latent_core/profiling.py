@@ -2,6 +2,8 @@
 (:func:`latent_core.op_counts.count_launches` with ``by_source``). They cost one flag check when no profiler runs."""
 
 import contextlib
+import functools
+from typing import Callable
 
 import torch
 
@@ -14,3 +16,19 @@ def source_range(name: str):
     if torch.autograd.profiler._is_profiler_enabled:
         return torch.profiler.record_function(PREFIX + name)
     return contextlib.nullcontext()
+
+
+def sourced(name: str) -> Callable:
+    """Decorate a function so that what it launches counts as ``name``'s (:func:`source_range` around each call)."""
+
+    def decorate(function: Callable) -> Callable:
+        @functools.wraps(function)
+        def in_range(*args, **kwargs):
+            if not torch.autograd.profiler._is_profiler_enabled:
+                return function(*args, **kwargs)
+            with torch.profiler.record_function(PREFIX + name):
+                return function(*args, **kwargs)
+
+        return in_range
+
+    return decorate

@@ -9,6 +9,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from latent_core.errors import check_heads_divide
+from latent_core.profiling import sourced
 from latent_core.sdma.mixture import GaussianMixture, log_softmax_clusters
 from latent_core.sdma.options import SDMAConfigError, SDMAOptions, mixing_weight
 from latent_core.sdma.records import ClusteringRecord, SDMARecording, active_recording
@@ -56,6 +57,7 @@ class SDMACore(nn.Module):
         return self.options.mode != "none" and (training or self.options.mask_at_inference)
 
     # -- clustering -------------------------------------------------------------
+    @sourced("noise")
     def perturb(self, x: Tensor, training: bool, log_var: Optional[Tensor] = None) -> Tensor:
         """z = x + sigma * eps in training (eq. 8, variance ``noise_var``).
 
@@ -133,6 +135,7 @@ class SDMACore(nn.Module):
         log_joint, log_resp = self._cluster_rows(self.query_gmm, [q.reshape(-1, 1, self.head_dim)], None, scale)
         return log_joint.reshape(*lead, -1), log_resp.reshape(*lead, -1)
 
+    @sourced("clustering")
     def _cluster_rows(self, gmm: GaussianMixture, zs: Sequence[Tensor],
                       gmm_terms: Optional[Tuple[Tensor, Tensor, Tensor]], scale: float) -> Tuple[Tensor, Tensor]:
         """(log p(z, c), log p(c | z)) of eq. (9) for the rows of ``zs`` (``[..., G, d]`` each) in order, ``[N, G,

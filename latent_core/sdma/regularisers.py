@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from latent_core.profiling import sourced
 from latent_core.sdma.mixture import LOGVAR_RANGE, clusters_first, full_precision, log_prior
 from latent_core.sdma.options import (AUTHORS_EPS, LOG_2PI, LOSS_NAMES, LOSS_WEIGHTS, REGULARISER_SCALES,
                                       SDMAConfigError)
@@ -455,6 +456,7 @@ def _accumulate(into: Dict[str, Tensor], name: str, value: Tensor) -> None:
 _LAYER_FIELDS = ("log_joint_z", "log_resp_z", "log_joint_q", "log_resp_q", "log_joint_k", "log_resp_k")
 
 
+@sourced("regularisers")
 def sdma_losses(items: List[Tuple[nn.Module, ClusteringRecord]],
                 diagnostics: Optional[Dict[str, Tensor]] = None) -> Dict[str, Tensor]:
     """The regularisers of SDMA modules of ONE attention type, per sentence (``[B]`` each).

@@ -73,17 +73,31 @@ class LaunchConfig(NamedTuple):
 INPUT_KINDS = ("half", "tf32", "ieee")
 HEAD_DIMS = (32, 64, 128)  # the head dims LAUNCH is chosen for (BLOCK_D; 16 takes 32's row, above 128 takes 128's)
 
-# Every launch configuration of this module, by (kernel, inputs, BLOCK_D): chosen from the compile report
-# (``sdma-kernels-report``: each row compiles for sm_80 and sm_90 without register spills; tune on a GPU here, nowhere
-# else). rows x columns: attention_forward queries x keys; attention_backward_keys queries (inner loop) x keys;
-# attention_backward_queries queries x keys (inner loop); row_sums and clustering rows.
+# Every launch configuration of this module, by (kernel, inputs, BLOCK_D): LaunchConfig(rows, columns, num_warps,
+# num_stages), chosen by ``sdma-kernels-report --search`` (the first tile, most work per program first, under which
+# every recorded call compiles for sm_80 and sm_90 without a register spill, then checked on every recorded call;
+# tune on a GPU here, nowhere else). rows x columns: attention_forward queries x keys; attention_backward_keys queries
+# (its inner loop) x keys; attention_backward_queries queries x keys (its inner loop); row_sums and clustering rows.
+# fp32 without tf32 ("ieee": CUDA-core dots) still spills a few bytes in some rows and 1,436 bytes in
+# attention_backward_keys at head dim 128 (16 x 16): on a GPU allow tf32 or train in fp16/bf16 (benchmark.md,
+# "Compiled for the GPU without one").
+_ATTENTION_TILES = {  # (inputs, BLOCK_D) -> forward, backward over the keys, backward over the queries
+    ("half", 32): ((64, 32, 4, 2), (32, 32, 8, 2), (32, 32, 8, 2)),
+    ("half", 64): ((32, 32, 8, 2), (32, 32, 8, 2), (32, 16, 4, 1)),
+    ("half", 128): ((32, 32, 8, 1), (32, 32, 4, 1), (32, 32, 8, 2)),
+    ("tf32", 32): ((32, 32, 8, 2), (32, 32, 4, 1), (32, 32, 4, 1)),
+    ("tf32", 64): ((32, 32, 8, 2), (32, 32, 8, 2), (32, 16, 4, 1)),
+    ("tf32", 128): ((32, 32, 8, 1), (32, 32, 4, 1), (32, 16, 4, 1)),
+    ("ieee", 32): ((32, 32, 4, 2), (32, 32, 8, 2), (32, 16, 4, 1)),
+    ("ieee", 64): ((32, 32, 8, 2), (16, 16, 4, 1), (16, 16, 4, 1)),
+    ("ieee", 128): ((16, 16, 4, 1), (16, 16, 4, 1), (16, 16, 4, 1)),
+}
 LAUNCH: Dict[Tuple[str, str, int], LaunchConfig] = {
-    **{("attention_forward", kind, d): LaunchConfig(32, 32, 8, 2) for kind in INPUT_KINDS for d in HEAD_DIMS},
-    **{("attention_backward_keys", kind, d): LaunchConfig(32, 32, 8, 1) for kind in INPUT_KINDS for d in HEAD_DIMS},
-    **{("attention_backward_queries", kind, d): LaunchConfig(32, 32, 8, 1) for kind in INPUT_KINDS
-       for d in HEAD_DIMS},
+    **{(kernel, kind, d): LaunchConfig(*tiles[i]) for (kind, d), tiles in _ATTENTION_TILES.items()
+       for i, kernel in enumerate(("attention_forward", "attention_backward_keys", "attention_backward_queries"))},
     **{("row_sums", kind, d): LaunchConfig(64, 0, 4, 1) for kind in INPUT_KINDS for d in HEAD_DIMS},
-    **{("clustering", kind, d): LaunchConfig(32, 0, 4, 1) for kind in INPUT_KINDS for d in HEAD_DIMS},
+    **{("clustering", kind, d): LaunchConfig(32, 0, 8 if d == 128 else 4, 1) for kind in INPUT_KINDS
+       for d in HEAD_DIMS},
 }
 
 
@@ -437,7 +451,7 @@ def _key_responsibilities(GK, gk_strides, offs_s, mask_s, offs_c, C: tl.constexp
 @triton.jit
 def _responsibility_product(gq, gk, RESP_PRECISION: tl.constexpr):
     """sum_c p(c|z_i) p(c|z_j) for a ``[BLOCK_T, BLOCK_S]`` tile (eq. 10 before its normaliser): M has rank C, one
-    matrix product of the two blocks' responsibilities (fp32 to fp32 precision: ``tf32x3`` on tensor cores)."""
+    matrix product of the two blocks' responsibilities, in float32."""
     return tl.dot(gq, tl.trans(gk), input_precision=RESP_PRECISION)
 
 
@@ -752,9 +766,11 @@ class _AttentionShapes(NamedTuple):
     C: int
 
 
-# The responsibilities' products (M of eq. 10 and its gradients): float32 on both sides, to float32 precision on
-# tensor cores (three tf32 products; one fp32 'ieee' dot would run on CUDA cores with several times the registers)
-_RESP_PRECISION = "ieee" if INTERPRETED else "tf32x3"
+# The responsibilities' products (M of eq. 10 and its gradients): float32 in full precision. Their inner dimension is
+# the clusters (at most a few dozen), so CUDA-core FMAs cost little, and they hold fewer registers than the tensor
+# cores' layouts: compiled for sm_90 at head dim 128, the backward kernels fit 32 x 32 tiles without a spill where
+# tf32 or tf32x3 products spill at every tile size down to 16 x 16 (sdma-kernels-report)
+_RESP_PRECISION = "ieee"
 
 
 def _dot_precision(dtype: torch.dtype) -> str:

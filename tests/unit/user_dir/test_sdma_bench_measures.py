@@ -89,6 +89,36 @@ def test_launch_counter_agrees_with_the_dispatch_count_eager():
                                                  "launches": traffic["ops"] + traffic["matmul_ops"]}
 
 
+def test_launches_by_source_follow_their_autograd_nodes_into_backward():
+    """Each launch counts where it ran: inside a source range, or (backward) where the op that made its autograd
+    node ran; a custom Function's backward counts with its forward."""
+    from latent_core.op_counts import count_launches
+    from latent_core.profiling import source_range
+
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2
+
+    x = torch.randn(4, 4, requires_grad=True)
+
+    def step():
+        with source_range("noise"):
+            y = x + torch.randn(4, 4)  # randn, add; backward: nothing (add passes the gradient on)
+        with source_range("mixture"):
+            y = Double.apply(y).exp()  # mul, exp; backward: mul, mul
+        y.sin().sum().backward()  # sin, sum, the seed's fill; backward: cos, mul, the expand of sum (a view)
+
+    counted = count_launches(step, by_source=True)
+    assert counted["by_source"] == {"noise": 2, "mixture": 4, "other": 5}
+    assert sum(counted["by_source"].values()) == counted["launches"]
+    assert "by_source" not in count_launches(step)
+
+
 @pytest.mark.integration  # inductor compiles C++: minutes on a cold cache, out of the unit tier
 def test_launch_counter_sees_inductors_kernels_compiled():
     """count_launches of a ``torch.compile``'d function: the extern matrix products plus the fused kernels
@@ -135,6 +165,12 @@ def test_update_profile_counts_ops_and_names_the_costliest():
         assert r["ms_per_update"] > 0 and "kernels" not in r
         assert r["top_ops"] and all(op["name"].startswith("aten::") for op in r["top_ops"])
     assert [row["model"] for row in profile_update.table_rows(report)] == ["V-T", "SMA-T", "SDMA-T"]
+    for r in models.values():  # every launch of the forward + backward attributed to one source; the first forward
+        # of the process (warmup=0) launches 3 more for lazy initialisation than the recount
+        assert 0 <= r["model_launches"] - sum(r["sources"]["total"].values()) <= 3 and r["sources"]["modules"] == 6
+    vanilla, sdma = models["V-T"]["sources"]["total"], models["SDMA-T"]["sources"]["total"]
+    assert vanilla["clustering"] == vanilla["mixture"] == vanilla["noise"] == 0 and vanilla["attention"] > 0
+    assert sdma["clustering"] > 0 and sdma["mixture"] > 0 and sdma["noise"] > 0
 
 
 @pytest.mark.interpreter

@@ -52,9 +52,8 @@ REPLAY_B, REPLAY_H, REPLAY_T = 2, 2, 250
 DEFAULT_JSON = Path("outputs/sdma_kernels/report.json")
 # --search: LaunchConfig(rows, columns, num_warps, num_stages) tried in this order (most work per program first)
 CANDIDATES = {
-    "tiles": [(64, 64, 4, 2), (64, 64, 8, 2), (64, 32, 4, 2), (32, 64, 4, 2), (64, 32, 8, 2), (32, 64, 8, 2),
-              (32, 32, 4, 2), (32, 32, 8, 2), (32, 32, 4, 1), (16, 32, 4, 1), (32, 16, 4, 1), (16, 16, 4, 1),
-              (16, 16, 2, 1)],
+    "tiles": [(64, 64, 4, 2), (64, 64, 8, 2), (64, 32, 4, 2), (32, 64, 4, 2), (32, 32, 4, 2), (32, 32, 8, 2),
+              (32, 32, 4, 1), (32, 16, 4, 1), (16, 32, 4, 1), (16, 16, 4, 1), (16, 16, 2, 1)],
     "rows": [(64, 0, 4, 1), (32, 0, 4, 1), (32, 0, 8, 1), (16, 0, 4, 1), (16, 0, 8, 1), (16, 0, 2, 1)],
 }
 SEARCHED = {"attention_forward": "tiles", "attention_backward_keys": "tiles", "attention_backward_queries": "tiles",
@@ -361,7 +360,9 @@ def search(calls: List[Dict], inputs: Sequence[str], head_dims: Sequence[int],
                 key = (row_name, kind, head_dim)
                 original = triton_kernels.LAUNCH[key]
                 found = None
-                for candidate in CANDIDATES[family]:
+                # fp32 operands take twice the registers of halves: their search starts at 32 x 32 tiles
+                candidates = CANDIDATES[family] if kind == "half" or family != "tiles" else CANDIDATES[family][4:]
+                for candidate in candidates:
                     triton_kernels.LAUNCH[key] = triton_kernels.LaunchConfig(*candidate)
                     rows = compile_calls(calls, names, [head_dim], only=kernels)
                     spill = max((r["spill_stores"] for r in rows), default=0)

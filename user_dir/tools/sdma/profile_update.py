@@ -99,6 +99,7 @@ def attention_sources(model):
 def launches_by_source(model, criterion, sample) -> Dict:
     """One forward + backward's launches by source: ``{"total": {source: n}, "per_attention_module": {source: n / the
     number of attention modules}}`` (``other``, the rest of the model and the loss, only in total)."""
+    model.zero_grad(set_to_none=True)  # as the other counts: backward writes fresh gradients, no accumulation
     with attention_sources(model):
         counted = count_launches(lambda: forward_backward(model, criterion, sample), by_source=True)
     modules = len(attention_modules(model))
