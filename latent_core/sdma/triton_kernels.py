@@ -29,7 +29,8 @@ floor), A_bar = W / N, A_hat = (1 - g) A + g A_bar, dA_hat_ij = dO_i . v_j):
 
 Kernels are written within what the GPU compiler accepts (``tl.dot`` operands padded to at least 16 in every
 dimension, power-of-two blocks, no float64); every launch configuration is in :data:`LAUNCH`, so a GPU run can tune
-them in one place. On a CPU they run in Triton's interpreter (``TRITON_INTERPRET=1`` set before this module is first
+them in one place. ``sdma-kernels-report`` compiles every launch the adapters' models make for sm_80 and sm_90 without
+a GPU (:func:`record_calls`, :func:`intercept_launches`): registers, spills, shared memory. On a CPU they run in Triton's interpreter (``TRITON_INTERPRET=1`` set before this module is first
 imported): that is how the tests hold them to the explicit path. Each launch is recorded for the profiler as one
 event named ``triton_sdma_*`` (one kernel launch each in ``latent_core.op_counts.count_launches``).
 """
