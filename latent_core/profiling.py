@@ -10,12 +10,17 @@ import torch
 PREFIX = "source::"
 
 
+def profiler_range(label: str):
+    """``torch.profiler.record_function(label)`` while a profiler runs, nothing otherwise."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(label)
+    return contextlib.nullcontext()
+
+
 def source_range(name: str):
     """A profiler range ``source::<name>`` while a profiler runs (nothing otherwise): the kernels launched inside it,
     and in backward those of the autograd nodes it created, count as ``name``'s."""
-    if torch.autograd.profiler._is_profiler_enabled:
-        return torch.profiler.record_function(PREFIX + name)
-    return contextlib.nullcontext()
+    return profiler_range(PREFIX + name)
 
 
 def sourced(name: str) -> Callable:
@@ -24,9 +29,7 @@ def sourced(name: str) -> Callable:
     def decorate(function: Callable) -> Callable:
         @functools.wraps(function)
         def in_range(*args, **kwargs):
-            if not torch.autograd.profiler._is_profiler_enabled:
-                return function(*args, **kwargs)
-            with torch.profiler.record_function(PREFIX + name):
+            with source_range(name):
                 return function(*args, **kwargs)
 
         return in_range

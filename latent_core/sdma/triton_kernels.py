@@ -30,7 +30,8 @@ floor), A_bar = W / N, A_hat = (1 - g) A + g A_bar, dA_hat_ij = dO_i . v_j):
 Kernels are written within what the GPU compiler accepts (``tl.dot`` operands padded to at least 16 in every
 dimension, power-of-two blocks, no float64); every launch configuration is in :data:`LAUNCH`, so a GPU run can tune
 them in one place. ``sdma-kernels-report`` compiles every launch the adapters' models make for sm_80 and sm_90 without
-a GPU (:func:`record_calls`, :func:`intercept_launches`): registers, spills, shared memory. On a CPU they run in Triton's interpreter (``TRITON_INTERPRET=1`` set before this module is first
+a GPU (:func:`record_calls`, :func:`intercept_launches`): registers, spills, shared memory. On a CPU they run in
+Triton's interpreter (``TRITON_INTERPRET=1`` set before this module is first
 imported): that is how the tests hold them to the explicit path. Each launch is recorded for the profiler as one
 event named ``triton_sdma_*`` (one kernel launch each in ``latent_core.op_counts.count_launches``).
 """
@@ -45,6 +46,7 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
+from latent_core.profiling import profiler_range
 from latent_core.sdma.mixture import LOGVAR_RANGE
 from latent_core.sdma.options import AUTHORS_EPS, LOG_2PI, PAPER_MASK_FLOOR, SDMAConfigError, check_score_bias
 
@@ -163,9 +165,7 @@ def _launch(name: str, kernel, grid, args: tuple, constexprs: dict, cfg: LaunchC
 
 def _profiled(name: str):
     """A profiler range named like a generated kernel, so that a profile counts each launch as one kernel."""
-    if torch.autograd.profiler._is_profiler_enabled:
-        return torch.profiler.record_function(f"triton_sdma_{name}")
-    return contextlib.nullcontext()
+    return profiler_range(f"triton_sdma_{name}")
 
 
 def _broadcast_pattern(tensor: Optional[Tensor]) -> Optional[List[int]]:

@@ -177,7 +177,7 @@ def replay(call: Dict, head_dim: int, dtype: torch.dtype) -> None:
     B, H, T, C = REPLAY_B, REPLAY_H, REPLAY_T, call["clusters"]
     if call["kind"] == "clustering":
         G = call["groups"]
-        params = dtype if dtype != torch.float32 else torch.float32
+        params = dtype  # the GMM in the model's dtype (fairseq --fp16 halves it)
         grad = "grad_joint" in call
         x = _meta(B * T, G * head_dim, dtype=dtype, grad=grad)
         means, log_vars = _meta(G, C, head_dim, dtype=params, grad=grad), _meta(G, C, head_dim, dtype=params, grad=grad)
