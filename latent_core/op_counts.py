@@ -14,13 +14,26 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, bmm_flop, mm_flop
+
+
+def _mm_flops(self_shape, a_shape, b_shape, *args, **kwargs) -> int:
+    return mm_flop(a_shape, b_shape)
+
+
+def _bmm_flops(self_shape, a_shape, b_shape, *args, **kwargs) -> int:
+    return bmm_flop(a_shape, b_shape)
+
+
+# FlopCounterMode's registry has the out-of-place products only; an in-place ``addmm_`` / ``baddbmm_``
+# (accumulating a second product into the first's result, as the SDMA mixtures do) would go uncounted
+_IN_PLACE_PRODUCTS = {torch.ops.aten.addmm_: _mm_flops, torch.ops.aten.baddbmm_: _bmm_flops}
 
 
 @contextmanager
 def _counting():
-    """FlopCounterMode with the math SDPA backend (whose matmuls the counter sees)."""
-    counter = FlopCounterMode(display=False)
+    """FlopCounterMode with the math SDPA backend (whose matmuls the counter sees), counting in-place products."""
+    counter = FlopCounterMode(display=False, custom_mapping=_IN_PLACE_PRODUCTS)
     with sdpa_kernel(SDPBackend.MATH), counter:
         yield counter
 
@@ -40,7 +53,7 @@ def count_flops(fn: Callable[[], object]) -> Tuple[int, Dict[str, int], object]:
 
 # ATen ops FlopCounterMode counts (matrix products); everything else that is not a view is
 # "elementwise work" for :class:`TrafficCounter`
-_MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "convolution", "_convolution",
+_MATMUL_OPS = ("mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "addbmm", "matmul", "convolution", "_convolution",
                "convolution_backward", "_scaled_dot_product_flash_attention_for_cpu",
                "_scaled_dot_product_flash_attention_for_cpu_backward")
 

@@ -75,7 +75,8 @@ def sdma_overhead_band(d, s: FlopsSetting, disentangle: bool):
       implementation may avoid the product; lower bound 0); the authors reading (default) adds
       the cross-attention keys' diversity, so the clustered keys count too.
     * SDMA only: the query GMM (eq. 18), one d_k-dimensional GMM applied to each head's
-      query, 4 * E * C_q per query (exact); L_Dqq (eq. 21) 2 * H^2 * C_q per query, L_Dxq's
+      query, 4 * E * C_q per query (exact); L_Dqq (eq. 21) 2 * H^2 * C_q per query, twice (the
+      criterion also logs it in the other reading, a second p_hh' product of eq. 16), L_Dxq's
       critic (eq. 22) 2 * H * C_q * queries^2 per sentence, the query diversity
       2 * H * C_q^2 per query, all at most.
     """
@@ -90,7 +91,7 @@ def sdma_overhead_band(d, s: FlopsSetting, disentangle: bool):
     if disentangle:
         query_gmm = 4 * E * Cq * queries
         lower += query_gmm
-        upper += (query_gmm + 2 * H * H * Cq * queries + 2 * H * Cq * B * (Le * S * S + 2 * Ld * T * T)
+        upper += (query_gmm + 2 * 2 * H * H * Cq * queries + 2 * H * Cq * B * (Le * S * S + 2 * Ld * T * T)
                   + 2 * H * Cq * Cq * queries)
     return lower, upper
 
