@@ -482,7 +482,7 @@ def sdma_losses(items: List[Tuple[nn.Module, ClusteringRecord]],
         losses, sums = group_terms(layers, log_vars, gmm_parameters, first.valid, authors=o.authors,
                                    head_dim=first_core.head_dim, num_heads=first_core.num_heads,
                                    posterior_var=o.kl_posterior_var, alpha=o.diversity_alpha, beta=o.diversity_beta,
-                                   diagnose=diagnostics is not None)
+                                   diagnose=diagnostics is not None, fused=o.attention_kernel == "triton")
     for name, value in sums.items():
         _accumulate(diagnostics, name, value)
     return losses
@@ -491,13 +491,15 @@ def sdma_losses(items: List[Tuple[nn.Module, ClusteringRecord]],
 def group_terms(layers: Dict[str, List[Tensor]], log_vars: Dict[str, List[Tensor]],
                 gmm_parameters: Dict[str, Tuple[List[Tensor], List[Tensor]]], real_queries: Tensor, *, authors: bool,
                 head_dim: int, num_heads: int, posterior_var: float, alpha: float, beta: float,
-                diagnose: bool) -> Tuple[Dict[str, Tensor], Dict[str, Tensor]]:
+                diagnose: bool, fused: bool = False) -> Tuple[Dict[str, Tensor], Dict[str, Tensor]]:
     """Eq. (20)-(23) of one attention type from tensors alone: ``(losses, diagnostic sums)``.
 
     ``layers``: the :class:`ClusteringRecord` fields, one ``[T, B, n_h, C]`` tensor per layer each;
     ``log_vars``: the learned posterior log-variances per layer (``z``, ``q``, ``k``), if any;
     ``gmm_parameters``: ``{"z": (log-variances, prior logits) per layer, "q": ...}`` of the feature and query
-    GMMs; ``real_queries`` ``[T, B]``; ``posterior_var`` sigma_tilde^2 where no learned one is given.
+    GMMs; ``real_queries`` ``[T, B]``; ``posterior_var`` sigma_tilde^2 where no learned one is given; ``fused``: eq.
+    (20) and (23) in the Triton kernels of :mod:`latent_core.sdma.triton_regularisers` (``attention_kernel=triton``),
+    where sigma_tilde^2 is a number.
     """
     real = real_queries.float()
     # the authors average over the padded length and normalise over pad tokens too
@@ -506,7 +508,6 @@ def group_terms(layers: Dict[str, List[Tensor]], log_vars: Dict[str, List[Tensor
     weights = _SentenceWeights(valid, num_layers, num_heads)
     log_joint_z = _stack_layers(layers["log_joint_z"])
     log_resp_z = _stack_layers(layers["log_resp_z"])
-    resp_z = log_resp_z.exp()
     z_log_vars, z_prior_logits = gmm_parameters["z"]
     trace_z = _StackedTracePrecision.apply(*z_log_vars)  # [L, H, C]
     log_prior_z = log_prior(torch.stack(z_prior_logits)) if authors else None
@@ -516,25 +517,34 @@ def group_terms(layers: Dict[str, List[Tensor]], log_vars: Dict[str, List[Tensor
             return posterior_var
         return torch.stack([v.float() for v in log_vars[kind]]).exp()
 
-    losses = {
-        "kl_z": _vade_kl(log_joint_z, log_resp_z, resp_z, trace_z, s2("z"), log_prior_z, weights, head_dim),
-        "dv_z": _cluster_diversity(resp_z, weights, alpha, beta, squared=not authors, unmasked=authors),
-    }
+    def kl_and_diversity(log_joint, log_resp, trace, variance, prior, term_weights):
+        """Eq. (20) and (23) of one GMM's layers (the authors' diversity unsquared, over the padded length)."""
+        if fused and not isinstance(variance, Tensor):
+            from latent_core.sdma.triton_regularisers import feature_terms
+
+            diag_weight, off_weight = (alpha, beta) if authors else (alpha * alpha, beta * beta)
+            return feature_terms(clusters_first(log_joint), clusters_first(log_resp), trace, prior,
+                                 term_weights.per_head, None if authors else term_weights.valid,
+                                 term_weights.per_gram, variance, head_dim, diag_weight, off_weight)
+        resp = log_resp.exp()
+        return (_vade_kl(log_joint, log_resp, resp, trace, variance, prior, term_weights, head_dim),
+                _cluster_diversity(resp, term_weights, alpha, beta, squared=not authors, unmasked=authors))
+
+    losses = dict(zip(("kl_z", "dv_z"), kl_and_diversity(log_joint_z, log_resp_z, trace_z, s2("z"), log_prior_z,
+                                                         weights)))
     sums: Dict[str, Tensor] = {}
     if authors and "log_joint_k" in layers:
         # cross-attention: the (noisy) encoder keys' KL and diversity, over the padded source length
         log_joint_k = _stack_layers(layers["log_joint_k"])
         log_resp_k = _stack_layers(layers["log_resp_k"])
-        resp_k = log_resp_k.exp()
         valid_k = log_joint_k.new_ones(log_joint_k.shape[1:3], dtype=torch.float32)  # [S, B]: padded length
         weights_k = _SentenceWeights(valid_k, num_layers, num_heads)
-        losses["kl_z"] = losses["kl_z"] + _vade_kl(log_joint_k, log_resp_k, resp_k, trace_z, s2("k"), log_prior_z,
-                                                   weights_k, head_dim)
-        losses["dv_z"] = losses["dv_z"] + _cluster_diversity(resp_k, weights_k, alpha, beta, squared=False,
-                                                             unmasked=True)
+        kl_k, dv_k = kl_and_diversity(log_joint_k, log_resp_k, trace_z, s2("k"), log_prior_z, weights_k)
+        losses["kl_z"] = losses["kl_z"] + kl_k
+        losses["dv_z"] = losses["dv_z"] + dv_k
     if diagnose:
         with torch.no_grad():
-            hardest = clusters_first(resp_z).amax(0)  # [L, T, B, H]
+            hardest = clusters_first(log_resp_z).amax(0).exp()  # max_c p(c|z), [L, T, B, H]
             sums["hardness_sum"] = (hardest * real[None, :, :, None]).sum()
             sums["hardness_count"] = real.sum() * hardest.size(0) * hardest.size(-1)
     if "log_joint_q" in layers:
@@ -545,8 +555,8 @@ def group_terms(layers: Dict[str, List[Tensor]], log_vars: Dict[str, List[Tensor
         heads = (len(q_log_vars), num_heads, -1)  # one query GMM shared by the heads: [L, 1, C] -> [L, H, C]
         trace_q = _StackedTracePrecision.apply(*q_log_vars).expand(heads)
         log_prior_q = log_prior(torch.stack(q_prior_logits)).expand(heads) if authors else None
-        losses["kl_q"] = _vade_kl(log_joint_q, log_resp_q, resp_q, trace_q, s2("q"), log_prior_q, weights, head_dim)
-        losses["dv_q"] = _cluster_diversity(resp_q, weights, alpha, beta, squared=not authors, unmasked=authors)
+        losses["kl_q"], losses["dv_q"] = kl_and_diversity(log_joint_q, log_resp_q, trace_q, s2("q"), log_prior_q,
+                                                          weights)
         log_joint_q_cf, resp_q_cf = clusters_first(log_joint_q), clusters_first(resp_q)
         authors_p = clamped = None
         if authors or diagnose:

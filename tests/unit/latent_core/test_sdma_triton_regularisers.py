@@ -1,0 +1,183 @@
+"""The fused feature-GMM regularisers (eq. 20 and 23, :func:`feature_terms`) equal the eager terms, in Triton's
+interpreter on the CPU.
+
+Values and the gradients of log p(z, c), log p(c|z), tr(Sigma^-1) and log pi against ``_VadeKL`` and
+``_ClusterDiversity`` (which tests/unit/latent_core/test_sdma_regulariser_functions.py holds to the direct forms):
+both readings (the authors' categorical term, their unsquared and unmasked diversity), padded sentences, lengths
+across several position tiles and ending inside one, a trace broadcast over the heads (the query GMM's, one per
+layer), one cluster more than a power of two. Planted defects in the kernels (a dropped position weight, the Gram
+term's weight on the diagonal one, a dropped prior term) make the same checks fail.
+"""
+
+import importlib.util
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import latent_core.sdma.triton_kernels as triton_kernels
+from latent_core.sdma import regularisers
+from latent_core.sdma.triton_kernels import LaunchConfig
+
+if not triton_kernels.INTERPRETED and not torch.cuda.is_available():
+    pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1 (tests/conftest.py sets it)", allow_module_level=True)
+
+import latent_core.sdma.triton_regularisers as triton_regularisers  # noqa: E402
+
+pytestmark = pytest.mark.interpreter
+DEVICE = "cpu" if triton_kernels.INTERPRETED else "cuda"
+
+
+@pytest.fixture(autouse=True)
+def small_tiles(monkeypatch):
+    """16 positions per step: the lengths below span several steps and end inside one."""
+    monkeypatch.setattr(triton_regularisers, "LAUNCH", LaunchConfig(16, 0, 4, 1))
+
+
+def inputs(L=2, T=37, B=3, H=2, C=5, seed=0, shared_trace=False, authors=True):
+    g = torch.Generator().manual_seed(seed)
+    log_joint = (3.0 * torch.randn(C, L, T, B, H, generator=g) - 20.0).to(DEVICE).requires_grad_()
+    log_resp = torch.log_softmax(2.0 * torch.randn(C, L, T, B, H, generator=g), 0).to(DEVICE).requires_grad_()
+    trace = torch.rand(L, 1 if shared_trace else H, C, generator=g).mul(30.0).add(5.0).to(DEVICE).requires_grad_()
+    log_prior = torch.log_softmax(torch.randn(L, 1 if shared_trace else H, C, generator=g), -1).to(DEVICE)
+    log_prior.requires_grad_()
+    valid = torch.ones(T, B, device=DEVICE)
+    valid[T - 9:, 1] = 0.0  # a padded sentence
+    valid[1:, 2] = 0.0  # a one-token sentence
+    return log_joint, log_resp, trace, (log_prior if authors else None), valid
+
+
+def both(log_joint, log_resp, trace, log_prior, valid, squared, unmasked, posterior_var=1.0, dim=16):
+    """(eager KL, eager diversity), (fused KL, fused diversity)."""
+    L, H = log_joint.size(1), log_joint.size(-1)
+    traces = trace.expand(L, H, trace.size(-1))
+    priors = None if log_prior is None else log_prior.expand(L, H, log_prior.size(-1))
+    weights = regularisers._SentenceWeights(valid, L, H)
+    alpha, beta = 1.0, 0.7
+    diag_weight, off_weight = (alpha * alpha, beta * beta) if squared else (alpha, beta)
+    eager = (regularisers._VadeKL.apply(log_joint, log_resp, log_resp.exp(), traces, posterior_var, priors,
+                                        weights.per_head, dim),
+             regularisers._ClusterDiversity.apply(log_resp.exp(), None if unmasked else valid, diag_weight,
+                                                  off_weight, weights.per_gram))
+    fused = triton_regularisers.feature_terms(log_joint, log_resp, traces, priors, weights.per_head,
+                                              None if unmasked else valid, weights.per_gram, posterior_var, dim,
+                                              diag_weight, off_weight)
+    return eager, fused
+
+
+def gradients(outputs, tensors, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    cotangents = [torch.randn(o.shape, generator=g).to(o.device) for o in outputs]
+    return torch.autograd.grad(outputs, tensors, cotangents, allow_unused=True)
+
+
+CASES = [  # (authors, squared, unmasked, shared trace): the authors' reading runs unsquared and unmasked
+    (True, False, True, False),
+    (False, True, False, False),
+    (True, False, True, True),
+    (False, True, False, True),
+]
+
+
+@pytest.mark.parametrize("authors, squared, unmasked, shared", CASES)
+def test_values_and_gradients_equal_the_eager_terms(authors, squared, unmasked, shared):
+    log_joint, log_resp, trace, log_prior, valid = inputs(shared_trace=shared, authors=authors)
+    (kl, dv), (fused_kl, fused_dv) = both(log_joint, log_resp, trace, log_prior, valid, squared, unmasked,
+                                          posterior_var=0.8)
+    torch.testing.assert_close(fused_kl, kl, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused_dv, dv, rtol=1e-5, atol=1e-5)
+    wrt = [log_joint, log_resp, trace] + ([log_prior] if authors else [])
+    for fused, eager in zip(gradients((fused_kl, fused_dv), wrt), gradients((kl, dv), wrt)):
+        torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-6)
+
+
+def test_one_term_alone_has_a_gradient():
+    log_joint, log_resp, trace, log_prior, valid = inputs(T=5)
+    (_, dv), (_, fused_dv) = both(log_joint, log_resp, trace, log_prior, valid, squared=False, unmasked=True)
+    torch.testing.assert_close(torch.autograd.grad(fused_dv.sum(), log_resp)[0],
+                               torch.autograd.grad(dv.sum(), log_resp)[0], rtol=1e-4, atol=1e-6)
+
+
+def _planted(tmp: Path, old: str, new: str):
+    """triton_regularisers with ``old`` replaced by ``new`` in its source, imported under another name."""
+    source = Path(triton_regularisers.__file__).read_text()
+    assert source.count(old) >= 1, old
+    path = tmp / "planted_triton_regularisers.py"
+    path.write_text(source.replace(old, new))
+    spec = importlib.util.spec_from_file_location("planted_triton_regularisers", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    module.LAUNCH = LaunchConfig(16, 0, 4, 1)
+    return module
+
+
+PLANTED = [
+    ("a dropped position weight", "kl += weight * (per_token - constant)", "kl += (per_token - constant)"),
+    ("the Gram term weighted as the diagonal", "+ off_weight * tl.dot(masked, gram",
+     "+ diag_weight * tl.dot(masked, gram"),
+    ("a dropped prior term", "(resp * slope - resp - pi[None, :])", "(resp * slope - resp)"),
+]
+
+
+@pytest.mark.parametrize("what, old, new", PLANTED, ids=[p[0] for p in PLANTED])
+def test_a_planted_defect_fails(what, old, new):
+    with tempfile.TemporaryDirectory() as tmp:
+        module = _planted(Path(tmp), old, new)
+        log_joint, log_resp, trace, log_prior, valid = inputs(T=20)
+        L, H = log_joint.size(1), log_joint.size(-1)
+        weights = regularisers._SentenceWeights(valid, L, H)
+        args = (log_joint, log_resp, trace, log_prior, valid)
+        (kl, dv), _ = both(*args, squared=False, unmasked=True)
+        fused = module.feature_terms(log_joint, log_resp, trace, log_prior, weights.per_head, None, weights.per_gram,
+                                     1.0, 16, 1.0, 0.7)
+        wrt = [log_joint, log_resp, trace, log_prior]
+        values_equal = all(torch.allclose(f, e, rtol=1e-5, atol=1e-5) for f, e in zip(fused, (kl, dv)))
+        grads_equal = all(torch.allclose(f, e, rtol=1e-4, atol=1e-6)
+                          for f, e in zip(gradients(fused, wrt), gradients((kl, dv), wrt)))
+        assert not (values_equal and grads_equal), what
+
+
+def records(authors, L=2, T=9, S=11, B=2, H=2, C=3, Cq=5, d=8, seed=3):
+    """group_terms' inputs of an SDMA attention type: the feature, query and (the authors' cross-attention) key
+    clustering per layer, with the GMMs' parameters."""
+    g = torch.Generator().manual_seed(seed)
+    leaf = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE).requires_grad_()
+    layers = {"log_joint_z": [leaf(T, B, H, C) for _ in range(L)], "log_resp_z": [leaf(T, B, H, C) for _ in range(L)],
+              "log_joint_q": [leaf(T, B, H, Cq) for _ in range(L)], "log_resp_q": [leaf(T, B, H, Cq) for _ in range(L)]}
+    if authors:
+        layers.update(log_joint_k=[leaf(S, B, H, C) for _ in range(L)], log_resp_k=[leaf(S, B, H, C) for _ in range(L)])
+    parameters = {"z": ([leaf(H, C, d) for _ in range(L)], [leaf(H, C) for _ in range(L)]),
+                  "q": ([leaf(1, Cq, d) for _ in range(L)], [leaf(1, Cq) for _ in range(L)])}
+    valid = torch.ones(T, B, device=DEVICE)
+    valid[6:, 1] = 0.0
+    return layers, parameters, valid
+
+
+@pytest.mark.parametrize("authors", [True, False], ids=["authors", "paper"])
+def test_group_terms_fused_equal_eager(authors):
+    """All terms of an attention type (eq. 20-23 of the feature, query and key clustering) with ``fused`` (the
+    kernels' KL and diversity) and without: values and every input's gradient."""
+    layers, parameters, valid = records(authors)
+    results = {}
+    for fused in (False, True):
+        normalised = {name: [torch.log_softmax(t, -1) if "resp" in name else t for t in tensors]
+                      for name, tensors in layers.items()}
+        losses, _ = regularisers.group_terms(normalised, {}, parameters, valid, authors=authors, head_dim=8,
+                                             num_heads=2, posterior_var=1.0, alpha=1.0, beta=0.5, diagnose=True,
+                                             fused=fused)
+        leaves = [t for tensors in layers.values() for t in tensors] + [
+            t for kind in parameters.values() for group in kind for t in group]
+        total = sum((i + 1.0) * value.sum() for i, (_, value) in enumerate(sorted(losses.items())))
+        results[fused] = ({k: v.detach() for k, v in losses.items()},
+                          torch.autograd.grad(total, leaves, allow_unused=True))  # the paper's prior: unused
+    (eager, eager_grads), (fused, fused_grads) = results[False], results[True]
+    assert eager.keys() == fused.keys() and {"kl_z", "dv_z", "kl_q", "dv_q"} <= set(fused)
+    for name in eager:
+        torch.testing.assert_close(fused[name], eager[name], rtol=1e-5, atol=1e-5, msg=name)
+    assert [g is None for g in fused_grads] == [g is None for g in eager_grads]
+    for fused_grad, eager_grad in zip(fused_grads, eager_grads):
+        if eager_grad is not None:
+            torch.testing.assert_close(fused_grad, eager_grad, rtol=1e-4, atol=1e-6)
