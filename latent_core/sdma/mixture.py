@@ -90,16 +90,6 @@ class GaussianMixture(nn.Module):
         # [N, C*G] (columns cluster-major) -> storage [C, N, G], viewed as [N, G, C]
         return out.view(-1, self.num_clusters, self.groups).transpose(0, 1).contiguous().movedim(0, -1)
 
-    def log_joint_direct(self, z: Tensor, scale: float = 1.0) -> Tensor:
-        """:meth:`log_joint` written as eq. (9) reads (of ``scale * z``), ``[..., G, d] -> [..., G, C]``: a
-        ``[..., G, C, d]`` difference per cluster instead of two matrix products. Slow and
-        memory-hungry; the reference the fast path is tested against."""
-        log_vars = self.log_vars.float().clamp(*LOGVAR_RANGE)
-        z = z.to(torch.promote_types(z.dtype, torch.float32)) * scale
-        squared = ((z.unsqueeze(-2) - self.scaled_means()) ** 2 / log_vars.exp()).sum(-1)  # (z - mu_c)^T Sigma_c^-1 (z - mu_c)
-        log_normal = -0.5 * (squared + log_vars.sum(-1) + self.dim * LOG_2PI)  # log N(z | mu_c, Sigma_c)
-        return log_normal + self.log_prior()  # + log pi_c
-
     def inference_terms(self, dtype: torch.dtype = torch.float32) -> Tuple[Tensor, Tensor, Tensor]:
         """The expanded log-density of the CURRENT parameters, ``([G*d, C*G], [G*d, C*G], [C*G])``."""
         with torch.no_grad():

@@ -7,6 +7,20 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from latent_core.sdma.mixture import LOGVAR_RANGE, GaussianMixture
+from latent_core.sdma.options import LOG_2PI
+
+
+def log_joint_direct(gmm: GaussianMixture, z: Tensor, scale: float = 1.0) -> Tensor:
+    """log pi_c + log N(s z | mu_c, Sigma_c) of eq. (9) for ``gmm``'s groups, ``[..., G, d] -> [..., G, C]``, as it
+    reads: a ``[..., G, C, d]`` difference per cluster (what :meth:`GaussianMixture.log_joint` computes with two matrix
+    products). Slow and memory-hungry."""
+    log_vars = gmm.log_vars.float().clamp(*LOGVAR_RANGE)
+    z = z.to(torch.promote_types(z.dtype, torch.float32)) * scale
+    squared = ((z.unsqueeze(-2) - gmm.scaled_means()) ** 2 / log_vars.exp()).sum(-1)  # (z - mu_c)^T Sigma_c^-1 (z - mu_c)
+    log_normal = -0.5 * (squared + log_vars.sum(-1) + gmm.dim * LOG_2PI)  # log N(z | mu_c, Sigma_c)
+    return log_normal + gmm.log_prior()  # + log pi_c
+
 
 def mix_attention_direct(scores: Tensor, mask: Optional[Tensor], mix: Tensor, norm_floor: float = 0.0) -> Tensor:
     """A_hat of eq. (1), (2), (11) from pre-softmax ``scores`` and the unnormalised mask M (``[..., T, S]``), as

@@ -497,9 +497,9 @@ def group_terms(layers: Dict[str, List[Tensor]], log_vars: Dict[str, List[Tensor
     ``layers``: the :class:`ClusteringRecord` fields, one ``[T, B, n_h, C]`` tensor per layer each;
     ``log_vars``: the learned posterior log-variances per layer (``z``, ``q``, ``k``), if any;
     ``gmm_parameters``: ``{"z": (log-variances, prior logits) per layer, "q": ...}`` of the feature and query
-    GMMs; ``real_queries`` ``[T, B]``; ``posterior_var`` sigma_tilde^2 where no learned one is given; ``fused``: eq.
-    (20) and (23) in the Triton kernels of :mod:`latent_core.sdma.triton_regularisers` (``attention_kernel=triton``),
-    where sigma_tilde^2 is a number.
+    GMMs; ``real_queries`` ``[T, B]``; ``posterior_var`` sigma_tilde^2 where no learned one is given; ``fused``: the
+    Triton kernels of :mod:`latent_core.sdma.triton_regularisers` (``attention_kernel=triton``): eq. (21)-(22), and
+    eq. (20) and (23) where sigma_tilde^2 is a number.
     """
     real = real_queries.float()
     # the authors average over the padded length and normalise over pad tokens too
@@ -550,27 +550,39 @@ def group_terms(layers: Dict[str, List[Tensor]], log_vars: Dict[str, List[Tensor
     if "log_joint_q" in layers:
         log_joint_q = _stack_layers(layers["log_joint_q"])
         log_resp_q = _stack_layers(layers["log_resp_q"])
-        resp_q = log_resp_q.exp()
         q_log_vars, q_prior_logits = gmm_parameters["q"]
         heads = (len(q_log_vars), num_heads, -1)  # one query GMM shared by the heads: [L, 1, C] -> [L, H, C]
         trace_q = _StackedTracePrecision.apply(*q_log_vars).expand(heads)
         log_prior_q = log_prior(torch.stack(q_prior_logits)).expand(heads) if authors else None
         losses["kl_q"], losses["dv_q"] = kl_and_diversity(log_joint_q, log_resp_q, trace_q, s2("q"), log_prior_q,
                                                           weights)
-        log_joint_q_cf, resp_q_cf = clusters_first(log_joint_q), clusters_first(resp_q)
-        authors_p = clamped = None
-        if authors or diagnose:
-            authors_p, clamped = authors_token_given_cluster(log_joint_q_cf)
-        p_token_given_c = authors_p if authors else token_given_cluster(log_joint_q_cf, valid)
-        losses["dqq"] = _HeadMI.apply(p_token_given_c, resp_q_cf, weights.per_head_pair, authors)
-        losses["dxq"] = _QueryInputMI.apply(resp_q_cf, None if authors else valid, weights.per_head)
+        log_joint_q_cf = clusters_first(log_joint_q)
+        if fused:
+            from latent_core.sdma.triton_regularisers import query_terms
+
+            losses["dqq"], losses["dxq"], other, clamped = query_terms(
+                log_joint_q_cf, clusters_first(log_resp_q), valid, weights.per_head, weights.per_head_pair, authors)
+            clamped_count = clamped
+        else:
+            resp_q_cf = clusters_first(log_resp_q.exp())
+            authors_p = clamped = None
+            if authors or diagnose:
+                authors_p, clamped = authors_token_given_cluster(log_joint_q_cf)
+            p_token_given_c = authors_p if authors else token_given_cluster(log_joint_q_cf, valid)
+            losses["dqq"] = _HeadMI.apply(p_token_given_c, resp_q_cf, weights.per_head_pair, authors)
+            losses["dxq"] = _QueryInputMI.apply(resp_q_cf, None if authors else valid, weights.per_head)
+            if diagnose:
+                with torch.no_grad():
+                    other_p = token_given_cluster(log_joint_q_cf, valid) if authors else authors_p
+                    other = _head_mi_value(other_p, resp_q_cf, weights.per_head_pair, not authors)
+                    clamped_count = clamped.sum()
         if diagnose:
             with torch.no_grad():
-                other_p = token_given_cluster(log_joint_q_cf, valid) if authors else authors_p
-                other = _head_mi_value(other_p, resp_q_cf, weights.per_head_pair, not authors)
                 exact, theirs = (other, losses["dqq"]) if authors else (losses["dqq"], other)
-                sums["dqq_clamped"] = clamped.sum()
-                sums["dqq_normalisers"] = clamped.new_full((), clamped.numel(), dtype=torch.float32)
+                sums["dqq_clamped"] = clamped_count
+                # one normaliser per cluster, layer, sentence and head
+                sums["dqq_normalisers"] = torch.full((), log_joint_q_cf.numel() // log_joint_q_cf.size(2),
+                                                     dtype=torch.float32, device=log_joint_q_cf.device)
                 sums["dqq_authors"] = theirs.sum()
                 sums["dqq_exact"] = exact.sum()
     return losses, sums

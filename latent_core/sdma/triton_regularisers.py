@@ -1,5 +1,5 @@
-"""The feature-GMM regularisers of eq. (20) and (23) in Triton kernels: one launch forward and one backward for all
-layers of an attention type (``attention_kernel=triton``).
+"""The regularisers of eq. (20)-(23) in Triton kernels, for all layers of an attention type at once
+(``attention_kernel=triton``).
 
 The eager terms (:class:`latent_core.sdma.regularisers._VadeKL`, ``_ClusterDiversity``) are a few dozen ATen ops each
 way; on a GPU each is a kernel launch. Here one program per (layer, sentence, head) walks the positions once:
@@ -11,6 +11,15 @@ way; on a GPU each is a kernel launch. Here one program per (layer, sentence, he
   4 [w_d (s_i - 1) - w_o s_i] C_i + 4 w_o G C_i), d/d log p(z, c=0) (the KL's -log p(z)), and per program the sums
   over its positions of the gradients of tr(Sigma_c^-1) and of log pi_c (the authors' categorical term); one ``sum``
   over the sentences gives the parameters' gradients.
+
+The query terms, :func:`query_terms` (eq. 21 and 22), one program per (layer, sentence) over all heads:
+
+* the normalisers of p(q_i^h | c) over the tokens (eq. 17) in both readings, one program per (layer, sentence,
+  head); then L_Dqq (eq. 21) from p(q^h | q^h') = sum_c p(q^h | c) p(c | q^h') for every pair of heads, in the
+  reading and (for the logged diagnostics) in the other one, and L_Dxq (eq. 22) with the critic f(q_i, x_j) =
+  sum_c p(c|q_i) p(c|q_j) (eq. 19) tile by tile over the keys, keeping each row's normaliser sum_j exp f for backward;
+* backward: a pass for sum_i P dP per head and cluster (the softmax over the tokens), then the gradients of
+  log p(q, c) and log p(c|q) tile by tile (eq. 22's 2 g_i R_i - sum_j (W_ij + W_ji) R_j over the key tiles).
 
 Inputs are clusters-first ``[C, L, T, B, H]`` (:func:`latent_core.sdma.mixture.clusters_first`), as the eager terms
 take them. The learned posterior variance (ESPnet's ``var_estimation``: one s2 per position) stays on the eager
@@ -27,7 +36,7 @@ import triton
 import triton.language as tl
 
 from latent_core.sdma import triton_kernels as kernels
-from latent_core.sdma.options import LOG_2PI
+from latent_core.sdma.options import AUTHORS_EPS, LOG_2PI
 
 _SIZES = ["L", "T", "B", "H"]
 
@@ -187,9 +196,11 @@ class _FeatureTerms(torch.autograd.Function):
                          half_var, base_constant, float(diag_weight), float(off_weight)),
                         dict(C=clusters, AUTHORS=authors, MASKED=valid is not None, BLOCK_T=block_t, BLOCK_C=block_c),
                         cfg)
-        if kernels._CALLS is not None:
-            kernels._CALLS.append(dict(kind="feature_terms", clusters=clusters, authors=authors,
-                                       masked=valid is not None))
+        ctx.call = None
+        if kernels._CALLS is not None:  # float32 whatever the model's dtype; d_k only enters the constant
+            ctx.call = dict(kind="feature_terms", dtype="float32", head_dim=dim, clusters=clusters, authors=authors,
+                            masked=valid is not None, backward=False)
+            kernels._CALLS.append(ctx.call)
         ctx.save_for_backward(log_resp, trace, log_prior, weights, valid, per_gram, gram)
         ctx.constants = (half_var, float(diag_weight), float(off_weight), block_t, block_c)
         totals = sums.sum((1, 3))
@@ -201,6 +212,8 @@ class _FeatureTerms(torch.autograd.Function):
         half_var, diag_weight, off_weight, block_t, block_c = ctx.constants
         clusters, layers, length, batch, heads = log_resp.shape
         authors = log_prior is not None
+        if ctx.call is not None:
+            ctx.call.update(backward=True)
         zeros = log_resp.new_zeros(batch)
         grad_kl = zeros if grad_kl is None else grad_kl.contiguous()
         grad_dv = zeros if grad_dv is None else grad_dv.contiguous()
@@ -239,3 +252,300 @@ def feature_terms(log_joint: Tensor, log_resp: Tensor, trace_precision: Tensor, 
     return _FeatureTerms.apply(log_joint.contiguous(), log_resp.contiguous(), trace_precision.float(),
                                None if log_prior is None else log_prior.float(), contiguous(weights),
                                contiguous(valid), contiguous(per_gram), posterior_var, dim, diag_weight, off_weight)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The query terms of eq. (21) and (22)
+# ----------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _query_tile(X, h, layer, b, offs_t, offs_c, L, T, B, H):
+    """Offsets and mask of the ``[BLOCK_T, BLOCK_C]`` tile of head ``h`` at positions ``offs_t`` of a clusters-first
+    ``[C, L, T, B, H]`` tensor with C = the mask's columns."""
+    return X + offs_c[None, :] * (L * T * B * H) + (layer * T * B * H + offs_t * (B * H) + b * H + h)[:, None]
+
+
+@triton.jit
+def _token_given_cluster(LOG_JOINT, LOG_NORMS, h, layer, b, offs_t, offs_c, tile, valid, L, T, B, H,
+                         C: tl.constexpr, BLOCK_C: tl.constexpr):
+    """p(q_i^h | c) of eq. (17) at a tile of head ``h``: the exact softmax over the real tokens and the authors'
+    exp(x - layer max) / max(sum, 1e-6), from the normalisers of the first pass."""
+    x = tl.load(_query_tile(LOG_JOINT, h, layer, b, offs_t, offs_c, L, T, B, H), mask=tile, other=0.0)
+    norms = LOG_NORMS + ((layer * B + b) * H + h) * BLOCK_C + offs_c
+    exact = tl.where(tile & (valid[:, None] > 0), tl.exp(x - tl.load(norms)[None, :]), 0.0)
+    theirs = tl.where(tile, tl.exp(x - tl.load(norms + L * B * H * BLOCK_C)[None, :]), 0.0)
+    return exact, theirs
+
+
+@triton.jit
+def _responsibilities(LOG_RESP, h, layer, b, offs_t, offs_c, tile, L, T, B, H):
+    """p(c | q_i^h) at a tile of head ``h`` (0 outside it)."""
+    return tl.where(tile, tl.exp(tl.load(_query_tile(LOG_RESP, h, layer, b, offs_t, offs_c, L, T, B, H), mask=tile,
+                                         other=0.0)), 0.0)
+
+
+@triton.jit
+def _pair_slope(p, AUTHORS: tl.constexpr, EPS: tl.constexpr):
+    """(-log(1 - p) of eq. 21 with the reading's clamp, its derivative d/dp)."""
+    if AUTHORS:  # -log(1 - min(p, 1) + eps)
+        one_minus = 1.0 - tl.minimum(p, 1.0) + EPS
+        return -tl.log(one_minus), tl.where(p <= 1.0, 1.0 / one_minus, 0.0)
+    clamped = tl.minimum(p, 1.0 - EPS)  # -log1p(-min(p, 1 - 1e-6))
+    return -tl.log(1.0 - clamped), tl.where(p <= 1.0 - EPS, 1.0 / (1.0 - clamped), 0.0)
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def _query_normalisers(LOG_JOINT, VALID, LAYER_MAX, LOG_NORMS, RAW_NORMS, L, T, B, H, C: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The normalisers of p(q_i^h | c) over the tokens for one layer, sentence and head (program ``(l * B + b) * H +
+    h``): ``LOG_NORMS[0]`` log sum_{i real} exp(x_i) (the exact softmax), ``LOG_NORMS[1]`` layer max + log max(sum_i
+    exp(x_i - layer max), 1e-6) (the authors'), ``RAW_NORMS`` the authors' sum before its clamp."""
+    pid = tl.program_id(0)
+    h = pid % H
+    b = (pid // H) % B
+    layer = pid // (H * B)
+    offs_c = tl.arange(0, BLOCK_C)
+    mask_c = offs_c < C
+    layer_max = tl.load(LAYER_MAX + layer)
+    running_max = tl.full((BLOCK_C,), float("-inf"), tl.float32)
+    running_sum = tl.zeros((BLOCK_C,), tl.float32)
+    theirs = tl.zeros((BLOCK_C,), tl.float32)
+    for start in range(0, T, BLOCK_T):
+        offs_t = start + tl.arange(0, BLOCK_T)
+        mask_t = offs_t < T
+        tile = mask_t[:, None] & mask_c[None, :]
+        x = tl.load(_query_tile(LOG_JOINT, h, layer, b, offs_t, offs_c, L, T, B, H), mask=tile, other=float("-inf"))
+        theirs += tl.sum(tl.where(tile, tl.exp(x - layer_max), 0.0), 0)
+        valid = tl.load(VALID + offs_t * B + b, mask=mask_t, other=0.0)
+        x = tl.where(valid[:, None] > 0, x, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(x, 0))
+        shift = tl.where(new_max > float("-inf"), new_max, 0.0)
+        running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift[None, :]), 0)
+        running_max = new_max
+    out = pid * BLOCK_C + offs_c
+    tl.store(LOG_NORMS + out, running_max + tl.log(running_sum))
+    tl.store(LOG_NORMS + L * B * H * BLOCK_C + out, layer_max + tl.log(tl.maximum(theirs, 1e-6)))
+    tl.store(RAW_NORMS + out, tl.where(mask_c, theirs, 1.0))
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def _query_terms_forward(LOG_JOINT, LOG_RESP, VALID, W_HEAD, W_PAIR, LOG_NORMS, CRITIC_NORMS, SUMS, L, T, B,
+                         H: tl.constexpr, C: tl.constexpr, AUTHORS: tl.constexpr, EPS: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Eq. (21) and (22) of one layer and sentence (program ``l * B + b``), all heads: ``SUMS[0]`` L_Dqq in the
+    reading, ``SUMS[1]`` in the other reading (a diagnostic), ``SUMS[2]`` L_Dxq; ``CRITIC_NORMS`` [L, B, H, T]
+    sum_{j real} exp f(q_i, x_j) (kept for backward)."""
+    pid = tl.program_id(0)
+    b = pid % B
+    layer = pid // B
+    offs_c = tl.arange(0, BLOCK_C)
+    mask_c = offs_c < C
+    dqq = tl.zeros((BLOCK_T,), tl.float32)
+    dqq_other = tl.zeros((BLOCK_T,), tl.float32)
+    dxq = tl.zeros((BLOCK_T,), tl.float32)
+    for start in range(0, T, BLOCK_T):
+        offs_t = start + tl.arange(0, BLOCK_T)
+        mask_t = offs_t < T
+        tile = mask_t[:, None] & mask_c[None, :]
+        valid = tl.load(VALID + offs_t * B + b, mask=mask_t, other=0.0)
+        w_pair = tl.load(W_PAIR + offs_t * B + b, mask=mask_t, other=0.0)
+        w_head = tl.load(W_HEAD + offs_t * B + b, mask=mask_t, other=0.0)
+        for h in tl.static_range(H):
+            exact, theirs = _token_given_cluster(LOG_JOINT, LOG_NORMS, h, layer, b, offs_t, offs_c, tile, valid,
+                                                 L, T, B, H, C, BLOCK_C)
+            for h2 in tl.static_range(H):
+                if h2 != h:  # p(q^h | q^h') = sum_c p(q^h | c) p(c | q^h') (eq. 16)
+                    resp = _responsibilities(LOG_RESP, h2, layer, b, offs_t, offs_c, tile, L, T, B, H)
+                    exact_term, _ = _pair_slope(tl.sum(exact * resp, 1), False, EPS)
+                    their_term, _ = _pair_slope(tl.sum(theirs * resp, 1), True, EPS)
+                    if AUTHORS:
+                        dqq += w_pair * their_term
+                        dqq_other += w_pair * exact_term
+                    else:
+                        dqq += w_pair * exact_term
+                        dqq_other += w_pair * their_term
+            # eq. (22): f(q_i, x_j) = sum_c p(c|q_i) p(c|q_j) (eq. 19), log softmax over the real j at j = i
+            resp_i = _responsibilities(LOG_RESP, h, layer, b, offs_t, offs_c, tile, L, T, B, H)
+            norm = tl.zeros((BLOCK_T,), tl.float32)
+            for key_start in range(0, T, BLOCK_T):
+                offs_j = key_start + tl.arange(0, BLOCK_T)
+                mask_j = offs_j < T
+                tile_j = mask_j[:, None] & mask_c[None, :]
+                resp_j = _responsibilities(LOG_RESP, h, layer, b, offs_j, offs_c, tile_j, L, T, B, H)
+                critic = tl.dot(resp_i, tl.trans(resp_j), input_precision="ieee")
+                key_valid = tl.load(VALID + offs_j * B + b, mask=mask_j, other=0.0) > 0
+                norm += tl.sum(tl.where(key_valid[None, :], tl.exp(critic), 0.0), 1)
+            own = tl.sum(resp_i * resp_i, 1)
+            dxq += tl.where(w_head != 0, w_head * (own - tl.log(norm)), 0.0)
+            tl.store(CRITIC_NORMS + ((layer * B + b) * H + h) * T + offs_t, norm, mask=mask_t)
+    tl.store(SUMS + pid, tl.sum(dqq, 0))
+    tl.store(SUMS + L * B + pid, tl.sum(dqq_other, 0))
+    tl.store(SUMS + 2 * L * B + pid, tl.sum(dxq, 0))
+
+
+@triton.jit
+def _reading_p(LOG_JOINT, LOG_NORMS, h, layer, b, offs_t, offs_c, tile, valid, L, T, B, H, C: tl.constexpr,
+               AUTHORS: tl.constexpr, BLOCK_C: tl.constexpr):
+    exact, theirs = _token_given_cluster(LOG_JOINT, LOG_NORMS, h, layer, b, offs_t, offs_c, tile, valid, L, T, B, H,
+                                         C, BLOCK_C)
+    if AUTHORS:
+        return theirs
+    return exact
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def _query_terms_backward(LOG_JOINT, LOG_RESP, VALID, W_HEAD, W_PAIR, LOG_NORMS, RAW_NORMS, CRITIC_NORMS, GRAD_DQQ,
+                          GRAD_DXQ, GRAD_LOG_JOINT, GRAD_LOG_RESP, L, T, B, H: tl.constexpr, C: tl.constexpr,
+                          AUTHORS: tl.constexpr, EPS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                          BLOCK_H: tl.constexpr):
+    """The backward of :func:`_query_terms_forward` for one layer and sentence: d/d log p(q, c) (through p(q | c),
+    a softmax over the tokens: P (dP - sum_i P dP), the authors' clamped normalisers constant) and d/d log p(c | q)
+    (eq. 21's p(c | q^h') and eq. 22's critic: 2 g_i R_i - sum_j (W_ij + W_ji) R_j, W_ij = g_i softmax_j f_ij)."""
+    pid = tl.program_id(0)
+    b = pid % B
+    layer = pid // B
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_c = offs_c < C
+    grad_pair = tl.load(GRAD_DQQ + b)
+    grad_head = tl.load(GRAD_DXQ + b)
+    # pass A: sum_i P dP per head and cluster (the softmax over the tokens' backward)
+    through_norm = tl.zeros((BLOCK_H, BLOCK_C), tl.float32)
+    for start in range(0, T, BLOCK_T):
+        offs_t = start + tl.arange(0, BLOCK_T)
+        mask_t = offs_t < T
+        tile = mask_t[:, None] & mask_c[None, :]
+        valid = tl.load(VALID + offs_t * B + b, mask=mask_t, other=0.0)
+        scale = tl.load(W_PAIR + offs_t * B + b, mask=mask_t, other=0.0) * grad_pair
+        for h in tl.static_range(H):
+            p_token = _reading_p(LOG_JOINT, LOG_NORMS, h, layer, b, offs_t, offs_c, tile, valid, L, T, B, H, C,
+                                 AUTHORS, BLOCK_C)
+            grad_p = tl.zeros((BLOCK_T, BLOCK_C), tl.float32)
+            for h2 in tl.static_range(H):
+                if h2 != h:  # d/d p(q^h | c) of p(q^h | q^h2)
+                    resp = _responsibilities(LOG_RESP, h2, layer, b, offs_t, offs_c, tile, L, T, B, H)
+                    _, slope = _pair_slope(tl.sum(p_token * resp, 1), AUTHORS, EPS)
+                    grad_p += (scale * slope)[:, None] * resp
+            through_norm += tl.where(offs_h[:, None] == h, tl.sum(p_token * grad_p, 0)[None, :], 0.0)
+    if AUTHORS:  # a clamped normaliser is a constant
+        raw = tl.load(RAW_NORMS + ((layer * B + b) * H + offs_h[:, None]) * BLOCK_C + offs_c[None, :],
+                      mask=(offs_h[:, None] < H), other=1.0)
+        through_norm = tl.where(raw < EPS, 0.0, through_norm)
+    # pass B: the gradients, tile by tile
+    for start in range(0, T, BLOCK_T):
+        offs_t = start + tl.arange(0, BLOCK_T)
+        mask_t = offs_t < T
+        tile = mask_t[:, None] & mask_c[None, :]
+        valid = tl.load(VALID + offs_t * B + b, mask=mask_t, other=0.0)
+        scale = tl.load(W_PAIR + offs_t * B + b, mask=mask_t, other=0.0) * grad_pair
+        grad_token = tl.load(W_HEAD + offs_t * B + b, mask=mask_t, other=0.0) * grad_head  # g_i of eq. (22)
+        for h in tl.static_range(H):
+            p_token = _reading_p(LOG_JOINT, LOG_NORMS, h, layer, b, offs_t, offs_c, tile, valid, L, T, B, H, C,
+                                 AUTHORS, BLOCK_C)
+            resp_i = _responsibilities(LOG_RESP, h, layer, b, offs_t, offs_c, tile, L, T, B, H)
+            grad_p = tl.zeros((BLOCK_T, BLOCK_C), tl.float32)
+            grad_resp = tl.zeros((BLOCK_T, BLOCK_C), tl.float32)
+            for h2 in tl.static_range(H):
+                if h2 != h:
+                    resp = _responsibilities(LOG_RESP, h2, layer, b, offs_t, offs_c, tile, L, T, B, H)
+                    _, slope = _pair_slope(tl.sum(p_token * resp, 1), AUTHORS, EPS)
+                    grad_p += (scale * slope)[:, None] * resp
+                    # p(c | q^h) enters p(q^h2 | q^h)
+                    p_other = _reading_p(LOG_JOINT, LOG_NORMS, h2, layer, b, offs_t, offs_c, tile, valid, L, T, B, H,
+                                         C, AUTHORS, BLOCK_C)
+                    _, slope = _pair_slope(tl.sum(p_other * resp_i, 1), AUTHORS, EPS)
+                    grad_resp += (scale * slope)[:, None] * p_other
+            row = tl.sum(tl.where(offs_h[:, None] == h, through_norm, 0.0), 0)
+            tl.store(_query_tile(GRAD_LOG_JOINT, h, layer, b, offs_t, offs_c, L, T, B, H),
+                     p_token * (grad_p - row[None, :]), mask=tile)
+            # eq. (22)
+            norms = CRITIC_NORMS + ((layer * B + b) * H + h) * T
+            norm_i = tl.load(norms + offs_t, mask=mask_t, other=1.0)
+            row_weight = tl.where(grad_token != 0, grad_token / norm_i, 0.0)  # g_i / n_i
+            key_valid_i = tl.load(VALID + offs_t * B + b, mask=mask_t, other=0.0) > 0
+            grad_resp += 2.0 * grad_token[:, None] * resp_i
+            for key_start in range(0, T, BLOCK_T):
+                offs_j = key_start + tl.arange(0, BLOCK_T)
+                mask_j = offs_j < T
+                tile_j = mask_j[:, None] & mask_c[None, :]
+                resp_j = _responsibilities(LOG_RESP, h, layer, b, offs_j, offs_c, tile_j, L, T, B, H)
+                exp_critic = tl.exp(tl.dot(resp_i, tl.trans(resp_j), input_precision="ieee"))
+                key_valid_j = tl.load(VALID + offs_j * B + b, mask=mask_j, other=0.0) > 0
+                grad_token_j = tl.load(W_HEAD + offs_j * B + b, mask=mask_j, other=0.0) * grad_head
+                norm_j = tl.load(norms + offs_j, mask=mask_j, other=1.0)
+                column_weight = tl.where(grad_token_j != 0, grad_token_j / norm_j, 0.0)  # g_j / n_j
+                weights = (tl.where(key_valid_j[None, :], exp_critic * row_weight[:, None], 0.0)
+                           + tl.where(key_valid_i[:, None], exp_critic * column_weight[None, :], 0.0))
+                grad_resp -= tl.dot(weights, resp_j, input_precision="ieee")
+            tl.store(_query_tile(GRAD_LOG_RESP, h, layer, b, offs_t, offs_c, L, T, B, H), resp_i * grad_resp,
+                     mask=tile)
+
+
+class _QueryTerms(torch.autograd.Function):
+    """``(log p(q, c), log p(c|q)) [C, L, T, B, H], ...) -> (L_Dqq of eq. 21, L_Dqq in the other reading, L_Dxq of
+    eq. 22, the authors' clamped normalisers)`` (see :func:`query_terms`)."""
+
+    @staticmethod
+    def forward(ctx, log_joint, log_resp, valid, w_head, w_pair, authors):
+        clusters, layers, length, batch, heads = log_resp.shape
+        cfg = LAUNCH
+        block_t, block_c = kernels._block(length, cfg.block_rows), kernels._block(clusters, 1 << 20)
+        device = log_resp.device
+        layer_max = log_joint.amax(dim=(0, 2, 3, 4))  # the authors' one max per layer
+        log_norms = torch.empty(2, layers, batch, heads, block_c, dtype=torch.float32, device=device)
+        raw_norms = torch.empty(layers, batch, heads, block_c, dtype=torch.float32, device=device)
+        kernels._launch("query_normalisers", _query_normalisers, (layers * batch * heads,),
+                        (log_joint, valid, layer_max, log_norms, raw_norms, layers, length, batch, heads),
+                        dict(C=clusters, BLOCK_T=block_t, BLOCK_C=block_c), cfg)
+        critic_norms = torch.empty(layers, batch, heads, length, dtype=torch.float32, device=device)
+        sums = torch.empty(3, layers, batch, dtype=torch.float32, device=device)
+        kernels._launch("query_terms_forward", _query_terms_forward, (layers * batch,),
+                        (log_joint, log_resp, valid, w_head, w_pair, log_norms, critic_norms, sums, layers, length,
+                         batch),
+                        dict(H=heads, C=clusters, AUTHORS=authors, EPS=AUTHORS_EPS, BLOCK_T=block_t, BLOCK_C=block_c),
+                        cfg)
+        ctx.call = None
+        if kernels._CALLS is not None:
+            ctx.call = dict(kind="query_terms", dtype="float32", head_dim=0, clusters=clusters, heads=heads,
+                            authors=authors, backward=False)
+            kernels._CALLS.append(ctx.call)
+        ctx.save_for_backward(log_joint, log_resp, valid, w_head, w_pair, log_norms, raw_norms, critic_norms)
+        ctx.authors, ctx.blocks = authors, (block_t, block_c)
+        totals = sums.sum(1)
+        clamped = (raw_norms[..., :clusters] < AUTHORS_EPS).sum()
+        ctx.mark_non_differentiable(totals[1], clamped)
+        return totals[0], totals[2], totals[1], clamped
+
+    @staticmethod
+    def backward(ctx, grad_dqq, grad_dxq, _other, _clamped):
+        log_joint, log_resp, valid, w_head, w_pair, log_norms, raw_norms, critic_norms = ctx.saved_tensors
+        clusters, layers, length, batch, heads = log_resp.shape
+        block_t, block_c = ctx.blocks
+        if ctx.call is not None:
+            ctx.call.update(backward=True)
+        zeros = log_resp.new_zeros(batch)
+        grad_dqq = zeros if grad_dqq is None else grad_dqq.contiguous()
+        grad_dxq = zeros if grad_dxq is None else grad_dxq.contiguous()
+        grad_log_joint, grad_log_resp = torch.empty_like(log_joint), torch.empty_like(log_resp)
+        kernels._launch("query_terms_backward", _query_terms_backward, (layers * batch,),
+                        (log_joint, log_resp, valid, w_head, w_pair, log_norms, raw_norms, critic_norms, grad_dqq,
+                         grad_dxq, grad_log_joint, grad_log_resp, layers, length, batch),
+                        dict(H=heads, C=clusters, AUTHORS=ctx.authors, EPS=AUTHORS_EPS, BLOCK_T=block_t,
+                             BLOCK_C=block_c, BLOCK_H=triton.next_power_of_2(heads)), LAUNCH)
+        return grad_log_joint, grad_log_resp, None, None, None, None
+
+
+def query_terms(log_joint: Tensor, log_resp: Tensor, valid: Tensor, w_head: Tensor, w_pair: Tensor,
+                authors: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(L_Dqq of eq. 21, L_Dxq of eq. 22, L_Dqq in the other reading, the number of the authors' clamped
+    normalisers) of one attention type's layers; the first three ``[B]``, the third and fourth without gradient.
+
+    ``log_joint``, ``log_resp``: the query GMM's log p(q, c) and log p(c|q), clusters-first ``[C, L, T, B, H]``
+    float32; ``valid`` ``[T, B]`` the tokens p(q | c) is normalised over and the keys of eq. (22)'s softmax;
+    ``w_head``, ``w_pair`` ``[T, B]``: eq. (22)'s and eq. (21)'s per-token weights; ``authors``: their normaliser
+    exp(x - layer max) / max(sum, 1e-6) and -log(1 - min(p, 1) + 1e-6) (else the exact softmax and
+    -log(1 - min(p, 1 - 1e-6))). Equal to ``_HeadMI`` and ``_QueryInputMI`` of :mod:`latent_core.sdma.regularisers`.
+    """
+    kernels.check_supported(log_resp, option="attention_kernel=triton (the regularisers)")
+    return _QueryTerms.apply(log_joint.float().contiguous(), log_resp.float().contiguous(), valid.float().contiguous(),
+                             w_head.float().contiguous(), w_pair.float().contiguous(), bool(authors))

@@ -37,7 +37,9 @@ def test_every_adapters_model_was_recorded(report):
     assert models == set(MODEL_STEPS)
     kinds = {(call["kind"], call.get("authors"), call.get("score_bias") is not None) for call in report["calls"]}
     assert {("clustering", None, False), ("attention", True, False), ("attention", False, False),
-            ("attention", True, True)} <= kinds  # both readings, and the Conformer's score bias
+            ("attention", True, True), ("feature_terms", True, False),
+            ("feature_terms", False, False), ("query_terms", True, False),
+            ("query_terms", False, False)} <= kinds  # both readings, the Conformer's score bias, eq. (20)-(23)
 
 
 def test_every_launch_compiles_without_spills_within_shared_memory(report):
@@ -47,7 +49,8 @@ def test_every_launch_compiles_without_spills_within_shared_memory(report):
     kernels = {row["kernel"] for row in launches}
     assert kernels == {"attention_forward", "attention_row_sums", "attention_backward_keys",
                        "attention_backward_queries", "clustering_forward", "clustering_backward",
-                       "clustering_parameter_grads"}
+                       "clustering_parameter_grads", "feature_terms_forward", "feature_terms_backward",
+                       "query_normalisers", "query_terms_forward", "query_terms_backward"}
     spilling = [(r["kernel"], r["inputs"], r["head_dim"], r["arch"], r["spill_stores"]) for r in launches
                 if r["spill_stores"] or r["spill_loads"]]
     assert not spilling, spilling

@@ -159,25 +159,103 @@ def records(authors, L=2, T=9, S=11, B=2, H=2, C=3, Cq=5, d=8, seed=3):
 @pytest.mark.parametrize("authors", [True, False], ids=["authors", "paper"])
 def test_group_terms_fused_equal_eager(authors):
     """All terms of an attention type (eq. 20-23 of the feature, query and key clustering) with ``fused`` (the
-    kernels' KL and diversity) and without: values and every input's gradient."""
+    kernels) and without: values, the diagnostic sums, and every input's gradient."""
     layers, parameters, valid = records(authors)
     results = {}
     for fused in (False, True):
         normalised = {name: [torch.log_softmax(t, -1) if "resp" in name else t for t in tensors]
                       for name, tensors in layers.items()}
-        losses, _ = regularisers.group_terms(normalised, {}, parameters, valid, authors=authors, head_dim=8,
+        losses, sums = regularisers.group_terms(normalised, {}, parameters, valid, authors=authors, head_dim=8,
                                              num_heads=2, posterior_var=1.0, alpha=1.0, beta=0.5, diagnose=True,
                                              fused=fused)
         leaves = [t for tensors in layers.values() for t in tensors] + [
             t for kind in parameters.values() for group in kind for t in group]
         total = sum((i + 1.0) * value.sum() for i, (_, value) in enumerate(sorted(losses.items())))
-        results[fused] = ({k: v.detach() for k, v in losses.items()},
+        results[fused] = ({k: v.detach() for k, v in {**losses, **sums}.items()},
                           torch.autograd.grad(total, leaves, allow_unused=True))  # the paper's prior: unused
     (eager, eager_grads), (fused, fused_grads) = results[False], results[True]
-    assert eager.keys() == fused.keys() and {"kl_z", "dv_z", "kl_q", "dv_q"} <= set(fused)
-    for name in eager:
+    assert eager.keys() == fused.keys() and {"kl_z", "dv_z", "kl_q", "dv_q", "dqq", "dxq", "dqq_clamped",
+                                             "dqq_exact", "dqq_authors", "hardness_sum"} <= set(fused)
+    for name in eager:  # the losses and the diagnostic sums
         torch.testing.assert_close(fused[name], eager[name], rtol=1e-5, atol=1e-5, msg=name)
     assert [g is None for g in fused_grads] == [g is None for g in eager_grads]
     for fused_grad, eager_grad in zip(fused_grads, eager_grads):
         if eager_grad is not None:
             torch.testing.assert_close(fused_grad, eager_grad, rtol=1e-4, atol=1e-6)
+
+
+def query_inputs(L=2, T=37, B=3, H=3, C=5, seed=4, spread=3.0):
+    g = torch.Generator().manual_seed(seed)
+    log_joint = (spread * torch.randn(C, L, T, B, H, generator=g) - 30.0).to(DEVICE).requires_grad_()
+    log_resp = torch.log_softmax(2.0 * torch.randn(C, L, T, B, H, generator=g), 0).to(DEVICE).requires_grad_()
+    valid = torch.ones(T, B, device=DEVICE)
+    valid[T - 9:, 1] = 0.0
+    valid[1:, 2] = 0.0
+    return log_joint, log_resp, valid
+
+
+def eager_query_terms(log_joint, log_resp, valid, authors):
+    """(L_Dqq, L_Dxq, L_Dqq in the other reading, clamped normalisers) of the eager terms, as group_terms forms
+    them (the authors' reading normalises over the padded length: ``valid`` all ones there)."""
+    L, H = log_joint.size(1), log_joint.size(-1)
+    weights = regularisers._SentenceWeights(valid, L, H)
+    theirs, clamped = regularisers.authors_token_given_cluster(log_joint)
+    exact = regularisers.token_given_cluster(log_joint, valid)
+    resp = log_resp.exp()
+    dqq = regularisers._HeadMI.apply(theirs if authors else exact, resp, weights.per_head_pair, authors)
+    dxq = regularisers._QueryInputMI.apply(resp, None if authors else valid, weights.per_head)
+    with torch.no_grad():
+        other = regularisers._head_mi_value(exact if authors else theirs, resp, weights.per_head_pair, not authors)
+    return dqq, dxq, other, clamped.sum()
+
+
+@pytest.mark.parametrize("authors", [True, False], ids=["authors", "paper"])
+@pytest.mark.parametrize("spread", [3.0, 40.0], ids=["spread", "clamped"])
+def test_query_terms_equal_the_eager_terms(authors, spread):
+    """Eq. (21) and (22): values, the other reading's L_Dqq, the count of the authors' clamped normalisers (spread
+    40: most of them), and the gradients of log p(q, c) and log p(c|q)."""
+    log_joint, log_resp, valid = query_inputs(spread=spread)
+    if authors:
+        valid = torch.ones_like(valid)
+    L, H = log_joint.size(1), log_joint.size(-1)
+    weights = regularisers._SentenceWeights(valid, L, H)
+    dqq, dxq, other, clamped = eager_query_terms(log_joint, log_resp, valid, authors)
+    fused = triton_regularisers.query_terms(log_joint, log_resp, valid, weights.per_head, weights.per_head_pair,
+                                            authors)
+    normalisers = log_joint.numel() // log_joint.size(2)  # one per cluster, layer, sentence and head
+    assert (0 < int(clamped) < normalisers) if spread > 10 else int(clamped) == 0
+    for name, got, want in zip(("dqq", "dxq", "other", "clamped"), fused, (dqq, dxq, other, clamped)):
+        torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-5, atol=1e-5, msg=name)
+    wrt = [log_joint, log_resp]
+    for got, want in zip(gradients(fused[:2], wrt), gradients((dqq, dxq), wrt)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+QUERY_PLANTED = [
+    ("the critic's transposed term dropped", "+ tl.where(key_valid_i[:, None], exp_critic * column_weight[None, :], 0.0)",
+     ""),
+    ("the pair weights of eq. (21) as eq. (22)'s", "w_pair = tl.load(W_PAIR + offs_t * B + b, mask=mask_t, other=0.0)",
+     "w_pair = tl.load(W_HEAD + offs_t * B + b, mask=mask_t, other=0.0)"),
+    ("the authors' clamp ignored in backward", "through_norm = tl.where(raw < EPS, 0.0, through_norm)",
+     "through_norm = through_norm"),
+    ("padded keys in eq. (22)'s normaliser", "norm += tl.sum(tl.where(key_valid[None, :], tl.exp(critic), 0.0), 1)",
+     "norm += tl.sum(tl.where(mask_j[None, :], tl.exp(critic), 0.0), 1)"),
+]
+
+
+@pytest.mark.parametrize("what, old, new", QUERY_PLANTED, ids=[p[0] for p in QUERY_PLANTED])
+def test_a_planted_defect_in_the_query_terms_fails(what, old, new):
+    authors = "authors" in what
+    with tempfile.TemporaryDirectory() as tmp:
+        module = _planted(Path(tmp), old, new)
+        log_joint, log_resp, valid = query_inputs(T=20, spread=40.0 if authors else 3.0)
+        if authors:
+            valid = torch.ones_like(valid)
+        weights = regularisers._SentenceWeights(valid, log_joint.size(1), log_joint.size(-1))
+        expected = eager_query_terms(log_joint, log_resp, valid, authors)[:2]
+        fused = module.query_terms(log_joint, log_resp, valid, weights.per_head, weights.per_head_pair, authors)[:2]
+        wrt = [log_joint, log_resp]
+        values_equal = all(torch.allclose(f, e, rtol=1e-5, atol=1e-5) for f, e in zip(fused, expected))
+        grads_equal = all(torch.allclose(f, e, rtol=1e-4, atol=1e-6)
+                          for f, e in zip(gradients(fused, wrt), gradients(expected, wrt)))
+        assert not (values_equal and grads_equal), what

@@ -62,7 +62,8 @@ SEARCHED = {"attention_forward": "tiles", "attention_backward_keys": "tiles", "a
 LAUNCH_ROW = {"attention_forward": "attention_forward", "attention_backward_keys": "attention_backward_keys",
               "attention_backward_queries": "attention_backward_queries", "attention_row_sums": "row_sums",
               "clustering_forward": "clustering", "clustering_backward": "clustering",
-              "clustering_parameter_grads": None}
+              "clustering_parameter_grads": None, "feature_terms_forward": None, "feature_terms_backward": None,
+              "query_normalisers": None, "query_terms_forward": None, "query_terms_backward": None}
 
 
 # ------------------------------------------------------------------------------------------------ 1. record
@@ -188,6 +189,29 @@ def replay(call: Dict, head_dim: int, dtype: torch.dtype) -> None:
             torch.autograd.backward(outputs, [torch.empty_like(o) for o in outputs])
         return
     grad = call["backward"]
+    if call["kind"] == "feature_terms":  # float32 whatever the model's dtype (the regularisers' inputs are)
+        from latent_core.sdma.triton_regularisers import feature_terms
+
+        L = 2
+        log_joint, log_resp = (_meta(C, L, T, B, H, dtype=torch.float32, grad=grad) for _ in range(2))
+        trace = _meta(L, H, C, dtype=torch.float32, grad=grad)
+        log_prior = _meta(L, H, C, dtype=torch.float32, grad=grad) if call["authors"] else None
+        weights = _meta(T, B, dtype=torch.float32)
+        terms = feature_terms(log_joint, log_resp, trace, log_prior, weights, weights if call["masked"] else None,
+                              _meta(B, dtype=torch.float32), 1.0, head_dim, 1.0, 1.0)
+        if grad:
+            torch.autograd.backward(terms, [torch.empty_like(t) for t in terms])
+        return
+    if call["kind"] == "query_terms":  # float32, the model's heads (the kernels loop over them)
+        from latent_core.sdma.triton_regularisers import query_terms
+
+        L, H = 2, call["heads"]
+        log_joint, log_resp = (_meta(C, L, T, B, H, dtype=torch.float32, grad=grad) for _ in range(2))
+        weights = _meta(T, B, dtype=torch.float32)
+        terms = query_terms(log_joint, log_resp, weights, weights, weights, call["authors"])[:2]
+        if grad:
+            torch.autograd.backward(terms, [torch.empty_like(t) for t in terms])
+        return
     q = _meta(B, H, T, head_dim, dtype=dtype, grad=grad)
     k, v = _meta(B, H, T, head_dim, dtype=dtype, grad=grad), _meta(B, H, T, head_dim, dtype=dtype, grad=grad)
     resp_query, resp_key = _meta(B, H, T, C, dtype=torch.float32, grad=grad), _meta(B, H, T, C, dtype=torch.float32,
