@@ -437,6 +437,35 @@ class _StackedTracePrecision(torch.autograd.Function):
         return tuple(g.to(dtype) for g, dtype in zip(slope * grad[..., None], ctx.dtypes))
 
 
+class _StackedGMMs:
+    """One attention type's GMMs (one per layer, of G groups: the heads, or one shared by them), stacked once and
+    formed on first use: ``log_vars`` ``[L, G, C, d]`` and ``prior_logits`` ``[L, G, C]`` (the Triton kernels read
+    them), ``trace`` tr(Sigma_c^-1) and ``log_prior`` (the authors' reading only) ``[L, H, C]``, expanded over the
+    heads (the eager terms)."""
+
+    def __init__(self, log_vars: List[Tensor], prior_logits: List[Tensor], authors: bool, num_heads: int):
+        self._log_vars, self._prior_logits, self.authors, self.num_heads = log_vars, prior_logits, authors, num_heads
+
+    @cached_property
+    def log_vars(self) -> Tensor:
+        return torch.stack(self._log_vars)
+
+    @cached_property
+    def prior_logits(self) -> Tensor:
+        return torch.stack(self._prior_logits)
+
+    @cached_property
+    def trace(self) -> Tensor:
+        trace = _StackedTracePrecision.apply(*self._log_vars)  # [L, G, C]
+        return trace.expand(len(self._log_vars), self.num_heads, -1)
+
+    @cached_property
+    def log_prior(self) -> Optional[Tensor]:
+        if not self.authors:
+            return None
+        return log_prior(self.prior_logits).expand(len(self._log_vars), self.num_heads, -1)
+
+
 def _stack_layers(tensors: List[Tensor]) -> Tensor:
     """``L x [T, B, H, C]`` -> ``[L, T, B, H, C]``, stored clusters-first (``[C, L, T, B, H]``)."""
     return torch.stack([clusters_first(t) for t in tensors], dim=1).movedim(0, -1)
@@ -508,30 +537,27 @@ def group_terms(layers: Dict[str, List[Tensor]], log_vars: Dict[str, List[Tensor
     weights = _SentenceWeights(valid, num_layers, num_heads)
     log_joint_z = _stack_layers(layers["log_joint_z"])
     log_resp_z = _stack_layers(layers["log_resp_z"])
-    z_log_vars, z_prior_logits = gmm_parameters["z"]
-    trace_z = _StackedTracePrecision.apply(*z_log_vars)  # [L, H, C]
-    log_prior_z = log_prior(torch.stack(z_prior_logits)) if authors else None
+    z_gmms = _StackedGMMs(*gmm_parameters["z"], authors, num_heads)
 
     def s2(kind):  # sigma_tilde^2: the option's number, or the learned [L, T, B, H]
         if kind not in log_vars:
             return posterior_var
         return torch.stack([v.float() for v in log_vars[kind]]).exp()
 
-    def kl_and_diversity(log_joint, log_resp, trace, variance, prior, term_weights):
+    def kl_and_diversity(log_joint, log_resp, gmms: _StackedGMMs, variance, term_weights):
         """Eq. (20) and (23) of one GMM's layers (the authors' diversity unsquared, over the padded length)."""
         if fused and not isinstance(variance, Tensor):
             from latent_core.sdma.triton_regularisers import feature_terms
 
             diag_weight, off_weight = (alpha, beta) if authors else (alpha * alpha, beta * beta)
-            return feature_terms(clusters_first(log_joint), clusters_first(log_resp), trace, prior,
-                                 term_weights.per_head, None if authors else term_weights.valid,
-                                 term_weights.per_gram, variance, head_dim, diag_weight, off_weight)
+            return feature_terms(clusters_first(log_joint), clusters_first(log_resp), gmms.log_vars,
+                                 gmms.prior_logits if authors else None, term_weights.valid, not authors, variance,
+                                 diag_weight, off_weight)
         resp = log_resp.exp()
-        return (_vade_kl(log_joint, log_resp, resp, trace, variance, prior, term_weights, head_dim),
+        return (_vade_kl(log_joint, log_resp, resp, gmms.trace, variance, gmms.log_prior, term_weights, head_dim),
                 _cluster_diversity(resp, term_weights, alpha, beta, squared=not authors, unmasked=authors))
 
-    losses = dict(zip(("kl_z", "dv_z"), kl_and_diversity(log_joint_z, log_resp_z, trace_z, s2("z"), log_prior_z,
-                                                         weights)))
+    losses = dict(zip(("kl_z", "dv_z"), kl_and_diversity(log_joint_z, log_resp_z, z_gmms, s2("z"), weights)))
     sums: Dict[str, Tensor] = {}
     if authors and "log_joint_k" in layers:
         # cross-attention: the (noisy) encoder keys' KL and diversity, over the padded source length
@@ -539,7 +565,7 @@ def group_terms(layers: Dict[str, List[Tensor]], log_vars: Dict[str, List[Tensor
         log_resp_k = _stack_layers(layers["log_resp_k"])
         valid_k = log_joint_k.new_ones(log_joint_k.shape[1:3], dtype=torch.float32)  # [S, B]: padded length
         weights_k = _SentenceWeights(valid_k, num_layers, num_heads)
-        kl_k, dv_k = kl_and_diversity(log_joint_k, log_resp_k, trace_z, s2("k"), log_prior_z, weights_k)
+        kl_k, dv_k = kl_and_diversity(log_joint_k, log_resp_k, z_gmms, s2("k"), weights_k)
         losses["kl_z"] = losses["kl_z"] + kl_k
         losses["dv_z"] = losses["dv_z"] + dv_k
     if diagnose:
@@ -550,12 +576,8 @@ def group_terms(layers: Dict[str, List[Tensor]], log_vars: Dict[str, List[Tensor
     if "log_joint_q" in layers:
         log_joint_q = _stack_layers(layers["log_joint_q"])
         log_resp_q = _stack_layers(layers["log_resp_q"])
-        q_log_vars, q_prior_logits = gmm_parameters["q"]
-        heads = (len(q_log_vars), num_heads, -1)  # one query GMM shared by the heads: [L, 1, C] -> [L, H, C]
-        trace_q = _StackedTracePrecision.apply(*q_log_vars).expand(heads)
-        log_prior_q = log_prior(torch.stack(q_prior_logits)).expand(heads) if authors else None
-        losses["kl_q"], losses["dv_q"] = kl_and_diversity(log_joint_q, log_resp_q, trace_q, s2("q"), log_prior_q,
-                                                          weights)
+        q_gmms = _StackedGMMs(*gmm_parameters["q"], authors, num_heads)  # one query GMM shared by the heads
+        losses["kl_q"], losses["dv_q"] = kl_and_diversity(log_joint_q, log_resp_q, q_gmms, s2("q"), weights)
         log_joint_q_cf = clusters_first(log_joint_q)
         if fused:
             from latent_core.sdma.triton_regularisers import query_terms

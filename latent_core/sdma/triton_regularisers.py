@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from latent_core.sdma import triton_kernels as kernels
+from latent_core.sdma.mixture import LOGVAR_RANGE
 from latent_core.sdma.options import AUTHORS_EPS, LOG_2PI
 
 _SIZES = ["L", "T", "B", "H"]
@@ -51,13 +52,44 @@ def _responsibility_tile(LOG_RESP, pos, plane, offs_c, mask_t, mask_c):
     return tl.where(tile, log_resp, 0.0), resp, tile
 
 
+@triton.jit
+def _gmm_terms(LOG_VARS, PRIOR_LOGITS, layer, g, G, D, lv_min, lv_max, offs_c, mask_c, C: tl.constexpr,
+               BLOCK_D: tl.constexpr, AUTHORS: tl.constexpr):
+    """(tr(Sigma_c^-1) = sum_d exp(-clamped log-variance), log pi_c, pi_c) of GMM ``g`` of layer ``layer``
+    (``LOG_VARS`` [L, G, C, D], ``PRIOR_LOGITS`` [L, G, C]), ``[BLOCK_C]`` each (0 past C)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    tile = mask_c[:, None] & (offs_d < D)[None, :]
+    log_vars = tl.load(LOG_VARS + ((layer * G + g) * C + offs_c[:, None]) * D + offs_d[None, :], mask=tile,
+                       other=0.0).to(tl.float32)
+    trace = tl.sum(tl.where(tile, tl.exp(-tl.minimum(tl.maximum(log_vars, lv_min), lv_max)), 0.0), 1)
+    log_pi = tl.zeros_like(trace)
+    pi = tl.zeros_like(trace)
+    if AUTHORS:
+        logits = tl.load(PRIOR_LOGITS + (layer * G + g) * C + offs_c, mask=mask_c, other=float("-inf")).to(tl.float32)
+        shifted = logits - tl.max(logits, 0)
+        log_pi = tl.where(mask_c, shifted - tl.log(tl.sum(tl.exp(shifted), 0)), 0.0)
+        pi = tl.where(mask_c, tl.exp(log_pi), 0.0)
+    return trace, log_pi, pi
+
+
+@triton.jit
+def _real_tokens(VALID, b, T, B, BLOCK_T: tl.constexpr):
+    """n_q: the sentence's real tokens (at least 1), the sum of its ``VALID`` column."""
+    count = tl.zeros((BLOCK_T,), tl.float32)
+    for start in range(0, T, BLOCK_T):
+        offs_t = start + tl.arange(0, BLOCK_T)
+        count += tl.load(VALID + offs_t * B + b, mask=offs_t < T, other=0.0)
+    return tl.maximum(tl.sum(count, 0), 1.0)
+
+
 @triton.jit(do_not_specialize=_SIZES)
-def _feature_terms_forward(LOG_JOINT, LOG_RESP, TRACE, trace_strides, LOG_PRIOR, prior_strides, WEIGHTS, VALID,
-                           PER_GRAM, SUMS, GRAM, L, T, B, H, half_var, base_constant, diag_weight, off_weight,
-                           C: tl.constexpr, AUTHORS: tl.constexpr, MASKED: tl.constexpr, BLOCK_T: tl.constexpr,
-                           BLOCK_C: tl.constexpr):
-    """Eq. (20) and (23) of one layer, sentence and head (program ``(l * B + b) * H + h``): ``SUMS[0]`` the
-    weighted KL, ``SUMS[1]`` the weighted diversity, ``GRAM`` G = C^T C ``[BLOCK_C, BLOCK_C]``."""
+def _feature_terms_forward(LOG_JOINT, LOG_RESP, LOG_VARS, PRIOR_LOGITS, VALID, SUMS, GRAM, L, T, B, H, G, D, half_var,
+                           base_constant, diag_weight, off_weight, lv_min, lv_max, C: tl.constexpr,
+                           AUTHORS: tl.constexpr, MASKED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
+    """Eq. (20) and (23) of one layer, sentence and head (program ``(l * B + b) * H + h``, GMM ``h % G``):
+    ``SUMS[0]`` the KL summed with the weights 1 / (n_q L H) over the real tokens, ``SUMS[1]`` the diversity
+    weighted 1 / (n_q^2 L H), ``GRAM`` G = C^T C ``[BLOCK_C, BLOCK_C]``."""
     pid = tl.program_id(0)
     h = pid % H
     b = (pid // H) % B
@@ -66,15 +98,12 @@ def _feature_terms_forward(LOG_JOINT, LOG_RESP, TRACE, trace_strides, LOG_PRIOR,
     base = layer * T * B * H + b * H + h
     offs_c = tl.arange(0, BLOCK_C)
     mask_c = offs_c < C
-    trace = tl.load(TRACE + layer * trace_strides[0] + h * trace_strides[1] + offs_c * trace_strides[2],
-                    mask=mask_c, other=0.0)
+    trace, log_pi, pi = _gmm_terms(LOG_VARS, PRIOR_LOGITS, layer, h % G, G, D, lv_min, lv_max, offs_c, mask_c, C,
+                                   BLOCK_D, AUTHORS)
     constant = base_constant
-    if AUTHORS:
-        log_pi = tl.load(LOG_PRIOR + layer * prior_strides[0] + h * prior_strides[1] + offs_c * prior_strides[2],
-                         mask=mask_c, other=0.0)
-        pi = tl.where(mask_c, tl.exp(log_pi), 0.0)
-        # sum_c pi_c s2/2 tr_c, taken out of the sum over c (see _VadeKL)
+    if AUTHORS:  # sum_c pi_c s2/2 tr_c, taken out of the sum over c (see _VadeKL)
         constant += tl.sum(pi * half_var * trace, 0)
+    n_q = _real_tokens(VALID, b, T, B, BLOCK_T)
     kl = tl.zeros((BLOCK_T,), tl.float32)
     diag = tl.zeros((BLOCK_T,), tl.float32)
     self_sim_squares = tl.zeros((BLOCK_T,), tl.float32)
@@ -92,32 +121,28 @@ def _feature_terms_forward(LOG_JOINT, LOG_RESP, TRACE, trace_strides, LOG_PRIOR,
             per_token += tl.sum(tl.where(tile, (resp + pi[None, :]) * slope, 0.0), 1)
         else:  # + s2/2 sum_c q_c tr_c
             per_token += half_var * tl.sum(resp * trace[None, :], 1)
-        weight = tl.load(WEIGHTS + offs_t * B + b, mask=mask_t, other=0.0)
-        kl += weight * (per_token - constant)
-        if MASKED:
-            valid = tl.load(VALID + offs_t * B + b, mask=mask_t, other=0.0)
-        else:
-            valid = tl.where(mask_t, 1.0, 0.0)
+        real = tl.load(VALID + offs_t * B + b, mask=mask_t, other=0.0)
+        kl += real * (per_token - constant)
+        valid = real if MASKED else tl.where(mask_t, 1.0, 0.0)
         masked = resp * valid[:, None]  # C_i
         gram += tl.dot(tl.trans(masked), masked, input_precision="ieee")
         self_sim = tl.sum(masked * masked, 1)  # s_i
         diag += valid * (self_sim - 1.0) * (self_sim - 1.0)
         self_sim_squares += self_sim * self_sim
     off = tl.sum(tl.sum(gram * gram, 1), 0) - tl.sum(self_sim_squares, 0)
-    diversity = (diag_weight * tl.sum(diag, 0) + off_weight * off) * tl.load(PER_GRAM + b)
-    tl.store(SUMS + pid, tl.sum(kl, 0))
-    tl.store(SUMS + L * B * H + pid, diversity)
+    tl.store(SUMS + pid, tl.sum(kl, 0) / (n_q * (L * H)))
+    tl.store(SUMS + L * B * H + pid, (diag_weight * tl.sum(diag, 0) + off_weight * off) / (n_q * n_q * (L * H)))
     tl.store(GRAM + pid * BLOCK_C * BLOCK_C + offs_c[:, None] * BLOCK_C + offs_c[None, :], gram)
 
 
 @triton.jit(do_not_specialize=_SIZES)
-def _feature_terms_backward(LOG_RESP, TRACE, trace_strides, LOG_PRIOR, prior_strides, WEIGHTS, VALID, PER_GRAM, GRAM,
-                            GRAD_KL, GRAD_DV, GRAD_LOG_JOINT, GRAD_LOG_RESP, PARTIAL, L, T, B, H, half_var,
-                            diag_weight, off_weight, C: tl.constexpr, AUTHORS: tl.constexpr, MASKED: tl.constexpr,
-                            BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+def _feature_terms_backward(LOG_RESP, LOG_VARS, PRIOR_LOGITS, VALID, GRAM, GRAD_KL, GRAD_DV, GRAD_LOG_JOINT,
+                            GRAD_LOG_RESP, PARTIAL, L, T, B, H, G, D, half_var, diag_weight, off_weight, lv_min,
+                            lv_max, C: tl.constexpr, AUTHORS: tl.constexpr, MASKED: tl.constexpr,
+                            BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
     """The backward of :func:`_feature_terms_forward` for one layer, sentence and head: ``GRAD_LOG_JOINT`` and
     ``GRAD_LOG_RESP`` at its positions (clusters-first), and ``PARTIAL[0]`` / ``PARTIAL[1]`` ``[L, B, H, C]`` its
-    sums of the gradients of tr(Sigma_c^-1) and log pi_c."""
+    sums of the gradients of tr(Sigma_c^-1) and log pi_c (:func:`_feature_parameter_grads` adds them up)."""
     pid = tl.program_id(0)
     h = pid % H
     b = (pid // H) % B
@@ -126,15 +151,12 @@ def _feature_terms_backward(LOG_RESP, TRACE, trace_strides, LOG_PRIOR, prior_str
     base = layer * T * B * H + b * H + h
     offs_c = tl.arange(0, BLOCK_C)
     mask_c = offs_c < C
-    trace = tl.load(TRACE + layer * trace_strides[0] + h * trace_strides[1] + offs_c * trace_strides[2],
-                    mask=mask_c, other=0.0)
-    if AUTHORS:
-        log_pi = tl.load(LOG_PRIOR + layer * prior_strides[0] + h * prior_strides[1] + offs_c * prior_strides[2],
-                         mask=mask_c, other=0.0)
-        pi = tl.where(mask_c, tl.exp(log_pi), 0.0)
+    trace, log_pi, pi = _gmm_terms(LOG_VARS, PRIOR_LOGITS, layer, h % G, G, D, lv_min, lv_max, offs_c, mask_c, C,
+                                   BLOCK_D, AUTHORS)
     gram = tl.load(GRAM + pid * BLOCK_C * BLOCK_C + offs_c[:, None] * BLOCK_C + offs_c[None, :])
-    grad_kl = tl.load(GRAD_KL + b)
-    diversity_scale = 4.0 * tl.load(GRAD_DV + b) * tl.load(PER_GRAM + b)
+    n_q = _real_tokens(VALID, b, T, B, BLOCK_T)
+    grad_kl = tl.load(GRAD_KL + b) / (n_q * (L * H))
+    diversity_scale = 4.0 * tl.load(GRAD_DV + b) / (n_q * n_q * (L * H))
     grad_trace = tl.zeros((BLOCK_C,), tl.float32)
     grad_log_pi = tl.zeros((BLOCK_C,), tl.float32)
     for start in range(0, T, BLOCK_T):
@@ -142,7 +164,8 @@ def _feature_terms_backward(LOG_RESP, TRACE, trace_strides, LOG_PRIOR, prior_str
         mask_t = offs_t < T
         pos = base + offs_t * (B * H)
         log_resp, resp, tile = _responsibility_tile(LOG_RESP, pos, plane, offs_c, mask_t, mask_c)
-        grad_token = tl.load(WEIGHTS + offs_t * B + b, mask=mask_t, other=0.0) * grad_kl  # d out / d per_token
+        real = tl.load(VALID + offs_t * B + b, mask=mask_t, other=0.0)
+        grad_token = real * grad_kl  # d out / d per_token
         first = tl.where(offs_c[None, :] == 0, 1.0, 0.0)
         # d(-log p(z)) = d(log q_0 - log p(z, 0))
         tl.store(GRAD_LOG_JOINT + offs_c[None, :] * plane + pos[:, None], -grad_token[:, None] * first, mask=tile)
@@ -155,10 +178,7 @@ def _feature_terms_backward(LOG_RESP, TRACE, trace_strides, LOG_PRIOR, prior_str
         else:
             grad_log_resp += grad_token[:, None] * half_var * trace[None, :] * resp
         grad_trace += half_var * tl.sum(grad_token[:, None] * resp, 0)
-        if MASKED:
-            valid = tl.load(VALID + offs_t * B + b, mask=mask_t, other=0.0)
-        else:
-            valid = tl.where(mask_t, 1.0, 0.0)
+        valid = real if MASKED else tl.where(mask_t, 1.0, 0.0)
         masked = resp * valid[:, None]
         self_sim = tl.sum(masked * masked, 1)
         coefficient = diag_weight * (self_sim - 1.0) - off_weight * self_sim
@@ -169,49 +189,82 @@ def _feature_terms_backward(LOG_RESP, TRACE, trace_strides, LOG_PRIOR, prior_str
     tl.store(PARTIAL + (L * B * H + pid) * C + offs_c, grad_log_pi, mask=mask_c)
 
 
+@triton.jit(do_not_specialize=_SIZES)
+def _feature_parameter_grads(LOG_VARS, PRIOR_LOGITS, PARTIAL, GRAD_LOG_VARS, GRAD_PRIOR_LOGITS, L, B, H, G, D,
+                             lv_min, lv_max, C: tl.constexpr, AUTHORS: tl.constexpr, BLOCK_C: tl.constexpr,
+                             BLOCK_D: tl.constexpr):
+    """The GMMs' gradients from the programs' partial sums (program ``l * G + g``: the sentences, and the heads
+    sharing the GMM): d tr / d log-variance = -exp(-v) inside the clamp's range, and the log-softmax's backward."""
+    pid = tl.program_id(0)
+    g = pid % G
+    layer = pid // G
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_c = offs_c < C
+    grad_trace = tl.zeros((BLOCK_C,), tl.float32)
+    grad_log_pi = tl.zeros((BLOCK_C,), tl.float32)
+    for b in range(0, B):
+        for h in range(g, H, G):
+            program = (layer * B + b) * H + h
+            grad_trace += tl.load(PARTIAL + program * C + offs_c, mask=mask_c, other=0.0)
+            grad_log_pi += tl.load(PARTIAL + (L * B * H + program) * C + offs_c, mask=mask_c, other=0.0)
+    tile = mask_c[:, None] & (offs_d < D)[None, :]
+    params = ((layer * G + g) * C + offs_c[:, None]) * D + offs_d[None, :]
+    log_vars = tl.load(LOG_VARS + params, mask=tile, other=0.0).to(tl.float32)
+    inside = (log_vars >= lv_min) & (log_vars <= lv_max)
+    tl.store(GRAD_LOG_VARS + params, tl.where(inside, -grad_trace[:, None] * tl.exp(-log_vars), 0.0), mask=tile)
+    if AUTHORS:
+        logits = tl.load(PRIOR_LOGITS + (layer * G + g) * C + offs_c, mask=mask_c, other=float("-inf")).to(tl.float32)
+        pi = tl.exp(logits - tl.max(logits, 0))
+        pi = pi / tl.sum(pi, 0)
+        tl.store(GRAD_PRIOR_LOGITS + (layer * G + g) * C + offs_c, grad_log_pi - pi * tl.sum(grad_log_pi, 0),
+                 mask=mask_c)
+
+
 # 32 positions per step: the [32, C] tiles and the C x C Gram matrix are small
 LAUNCH = kernels.LaunchConfig(32, 0, 4, 1)
 
 
 class _FeatureTerms(torch.autograd.Function):
-    """``(log p(z, c), log p(c|z)) [C, L, T, B, H], tr(Sigma^-1) [L, H, C], log pi [L, H, C] or None, ...) ->
-    (KL of eq. 20, diversity of eq. 23)``, each ``[B]`` (see :func:`feature_terms`)."""
+    """``(log p(z, c), log p(c|z)) [C, L, T, B, H], log-variances [L, G, C, d], prior logits [L, G, C] or None,
+    ...) -> (KL of eq. 20, diversity of eq. 23)``, each ``[B]`` (see :func:`feature_terms`)."""
 
     @staticmethod
-    def forward(ctx, log_joint, log_resp, trace, log_prior, weights, valid, per_gram, posterior_var, dim,
-                diag_weight, off_weight):
+    def forward(ctx, log_joint, log_resp, log_vars, prior_logits, valid, masked, posterior_var, diag_weight,
+                off_weight):
         clusters, layers, length, batch, heads = log_resp.shape
-        authors = log_prior is not None
-        cfg = LAUNCH
-        block_t, block_c = kernels._block(length, cfg.block_rows), kernels._block(clusters, 1 << 20)
+        groups, dim = log_vars.size(1), log_vars.size(-1)
+        authors = prior_logits is not None
+        block_t, block_c = kernels._block(length, LAUNCH.block_rows), kernels._block(clusters, 1 << 20)
+        block_d = triton.next_power_of_2(dim)
         programs = layers * batch * heads
         sums = torch.empty(2, layers, batch, heads, dtype=torch.float32, device=log_resp.device)
         gram = torch.empty(programs, block_c, block_c, dtype=torch.float32, device=log_resp.device)
         half_var = 0.5 * float(posterior_var)
         base_constant = 0.5 * dim * (LOG_2PI + math.log(posterior_var) + 1.0)
-        prior = log_prior if authors else trace
         kernels._launch("feature_terms_forward", _feature_terms_forward, (programs,),
-                        (log_joint, log_resp, trace, trace.stride(), prior, prior.stride(), weights,
-                         valid if valid is not None else weights, per_gram, sums, gram, layers, length, batch, heads,
-                         half_var, base_constant, float(diag_weight), float(off_weight)),
-                        dict(C=clusters, AUTHORS=authors, MASKED=valid is not None, BLOCK_T=block_t, BLOCK_C=block_c),
-                        cfg)
+                        (log_joint, log_resp, log_vars, prior_logits if authors else log_vars, valid, sums, gram,
+                         layers, length, batch, heads, groups, dim, half_var, base_constant, float(diag_weight),
+                         float(off_weight), *LOGVAR_RANGE),
+                        dict(C=clusters, AUTHORS=authors, MASKED=masked, BLOCK_T=block_t, BLOCK_C=block_c,
+                             BLOCK_D=block_d), LAUNCH)
         ctx.call = None
-        if kernels._CALLS is not None:  # float32 whatever the model's dtype; d_k only enters the constant
-            ctx.call = dict(kind="feature_terms", dtype="float32", head_dim=dim, clusters=clusters, authors=authors,
-                            masked=valid is not None, backward=False)
+        if kernels._CALLS is not None:  # float32 whatever the model's dtype
+            ctx.call = dict(kind="feature_terms", dtype="float32", head_dim=dim, clusters=clusters, groups=groups,
+                            authors=authors, masked=masked, backward=False)
             kernels._CALLS.append(ctx.call)
-        ctx.save_for_backward(log_resp, trace, log_prior, weights, valid, per_gram, gram)
-        ctx.constants = (half_var, float(diag_weight), float(off_weight), block_t, block_c)
+        ctx.save_for_backward(log_resp, log_vars, prior_logits, valid, gram)
+        ctx.constants = (masked, half_var, float(diag_weight), float(off_weight), block_t, block_c, block_d)
         totals = sums.sum((1, 3))
         return totals[0], totals[1]
 
     @staticmethod
     def backward(ctx, grad_kl, grad_dv):
-        log_resp, trace, log_prior, weights, valid, per_gram, gram = ctx.saved_tensors
-        half_var, diag_weight, off_weight, block_t, block_c = ctx.constants
+        log_resp, log_vars, prior_logits, valid, gram = ctx.saved_tensors
+        masked, half_var, diag_weight, off_weight, block_t, block_c, block_d = ctx.constants
         clusters, layers, length, batch, heads = log_resp.shape
-        authors = log_prior is not None
+        groups, dim = log_vars.size(1), log_vars.size(-1)
+        authors = prior_logits is not None
         if ctx.call is not None:
             ctx.call.update(backward=True)
         zeros = log_resp.new_zeros(batch)
@@ -220,38 +273,44 @@ class _FeatureTerms(torch.autograd.Function):
         grad_log_joint = torch.empty_like(log_resp)
         grad_log_resp = torch.empty_like(log_resp)
         partial = torch.empty(2, layers, batch, heads, clusters, dtype=torch.float32, device=log_resp.device)
-        prior = log_prior if authors else trace
+        prior = prior_logits if authors else log_vars
+        constexprs = dict(C=clusters, AUTHORS=authors, BLOCK_C=block_c, BLOCK_D=block_d)
         kernels._launch("feature_terms_backward", _feature_terms_backward, (layers * batch * heads,),
-                        (log_resp, trace, trace.stride(), prior, prior.stride(), weights,
-                         valid if valid is not None else weights, per_gram, gram, grad_kl, grad_dv, grad_log_joint,
-                         grad_log_resp, partial, layers, length, batch, heads, half_var, diag_weight, off_weight),
-                        dict(C=clusters, AUTHORS=authors, MASKED=valid is not None, BLOCK_T=block_t, BLOCK_C=block_c),
-                        LAUNCH)
-        parameter_grads = partial.sum(2)  # [2, L, H, C]
-        grad_trace = parameter_grads[0] if ctx.needs_input_grad[2] else None
-        grad_log_prior = parameter_grads[1] if authors and ctx.needs_input_grad[3] else None
-        return (grad_log_joint, grad_log_resp, grad_trace, grad_log_prior, None, None, None, None, None, None, None)
+                        (log_resp, log_vars, prior, valid, gram, grad_kl, grad_dv, grad_log_joint, grad_log_resp,
+                         partial, layers, length, batch, heads, groups, dim, half_var, diag_weight, off_weight,
+                         *LOGVAR_RANGE),
+                        dict(constexprs, MASKED=masked, BLOCK_T=block_t), LAUNCH)
+        grad_log_vars = torch.empty(log_vars.shape, dtype=torch.float32, device=log_vars.device)
+        grad_prior = torch.empty(prior.shape, dtype=torch.float32, device=prior.device) if authors else grad_log_vars
+        kernels._launch("feature_parameter_grads", _feature_parameter_grads, (layers * groups,),
+                        (log_vars, prior, partial, grad_log_vars, grad_prior, layers, batch, heads, groups, dim,
+                         *LOGVAR_RANGE), constexprs, kernels.LaunchConfig(0, 0, 1, 1))
+        return (grad_log_joint, grad_log_resp, grad_log_vars.to(log_vars.dtype),
+                grad_prior.to(prior_logits.dtype) if authors else None, None, None, None, None, None)
 
 
-def feature_terms(log_joint: Tensor, log_resp: Tensor, trace_precision: Tensor, log_prior: Optional[Tensor],
-                  weights: Tensor, valid: Optional[Tensor], per_gram: Tensor, posterior_var: float, dim: int,
-                  diag_weight: float, off_weight: float) -> Tuple[Tensor, Tensor]:
+def feature_terms(log_joint: Tensor, log_resp: Tensor, log_vars: Tensor, prior_logits: Optional[Tensor],
+                  valid: Tensor, masked: bool, posterior_var: float, diag_weight: float,
+                  off_weight: float) -> Tuple[Tensor, Tensor]:
     """(KL of eq. 20, cluster diversity of eq. 23) per sentence, ``[B]`` each, of one attention type's layers.
 
     ``log_joint``, ``log_resp``: log p(z, c) and log p(c|z), clusters-first ``[C, L, T, B, H]`` float32 (only
-    ``log_joint[0]`` is read: -log p(z) = log p(c=0|z) - log p(z, c=0)); ``trace_precision`` tr(Sigma_c^-1)
-    ``[L, H, C]`` (broadcast views accepted); ``log_prior`` log pi ``[L, H, C]``: the authors' categorical term
-    KL(pi || q(c)) (None: the paper's); ``weights`` ``[T, B]`` the KL's per-position weights; ``valid`` ``[T, B]``
-    the positions the diversity counts (None: all); ``per_gram`` ``[B]`` the diversity's weight;
-    ``posterior_var`` s2 (a number); ``dim`` d_k; ``diag_weight``, ``off_weight`` the diversity's weights of its
-    diagonal and off-diagonal entries. Equal to ``_VadeKL`` and ``_ClusterDiversity`` of
-    :mod:`latent_core.sdma.regularisers` with the same arguments.
+    ``log_joint[0]`` is read: -log p(z) = log p(c=0|z) - log p(z, c=0)); ``log_vars`` the layers' GMM log-variances
+    ``[L, G, C, d]`` (G = H: one GMM per head; G = 1: one shared by the heads, the query GMM), clamped to
+    :data:`LOGVAR_RANGE` in tr(Sigma_c^-1); ``prior_logits`` ``[L, G, C]``: the authors' categorical term
+    KL(pi || q(c)) (None: the paper's); ``valid`` ``[T, B]`` the real tokens n_q counts and the KL's per-token
+    weights 1 / (n_q L H) sum over; ``masked``: the diversity counts the real tokens only (else every position, the
+    authors' padded length), weighted 1 / (n_q^2 L H); ``posterior_var`` s2 (a number); ``diag_weight``,
+    ``off_weight`` the diversity's weights of its diagonal and off-diagonal entries. Equal to ``_VadeKL`` and
+    ``_ClusterDiversity`` of :mod:`latent_core.sdma.regularisers` with the same arguments.
     """
     kernels.check_supported(log_resp, option="attention_kernel=triton (the regularisers)")
-    contiguous = lambda t: None if t is None else t.float().contiguous()
-    return _FeatureTerms.apply(log_joint.contiguous(), log_resp.contiguous(), trace_precision.float(),
-                               None if log_prior is None else log_prior.float(), contiguous(weights),
-                               contiguous(valid), contiguous(per_gram), posterior_var, dim, diag_weight, off_weight)
+    if log_vars.dim() != 4 or log_resp.size(-1) % log_vars.size(1) or log_vars.size(2) != log_resp.size(0):
+        raise ValueError(f"feature_terms: log_vars must be [L, G, C, d] with G dividing the heads "
+                         f"({log_resp.size(-1)}) and C = {log_resp.size(0)}, got {list(log_vars.shape)}")
+    return _FeatureTerms.apply(log_joint.float().contiguous(), log_resp.float().contiguous(), log_vars.contiguous(),
+                               None if prior_logits is None else prior_logits.contiguous(),
+                               valid.float().contiguous(), bool(masked), posterior_var, diag_weight, off_weight)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -323,7 +382,8 @@ def _query_normalisers(LOG_JOINT, VALID, LAYER_MAX, LOG_NORMS, RAW_NORMS, L, T, 
         running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(x - shift[None, :]), 0)
         running_max = new_max
     out = pid * BLOCK_C + offs_c
-    tl.store(LOG_NORMS + out, running_max + tl.log(running_sum))
+    # a column with no real token (past C, or an empty sentence): -inf, its p(q | c) 0
+    tl.store(LOG_NORMS + out, running_max + tl.log(tl.maximum(running_sum, 1e-30)))
     tl.store(LOG_NORMS + L * B * H * BLOCK_C + out, layer_max + tl.log(tl.maximum(theirs, 1e-6)))
     tl.store(RAW_NORMS + out, tl.where(mask_c, theirs, 1.0))
 

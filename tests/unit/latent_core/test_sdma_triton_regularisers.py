@@ -1,11 +1,11 @@
 """The fused feature-GMM regularisers (eq. 20 and 23, :func:`feature_terms`) equal the eager terms, in Triton's
 interpreter on the CPU.
 
-Values and the gradients of log p(z, c), log p(c|z), tr(Sigma^-1) and log pi against ``_VadeKL`` and
+Values and the gradients of log p(z, c), log p(c|z), the GMMs' log-variances and prior logits against ``_VadeKL`` and
 ``_ClusterDiversity`` (which tests/unit/latent_core/test_sdma_regulariser_functions.py holds to the direct forms):
 both readings (the authors' categorical term, their unsquared and unmasked diversity), padded sentences, lengths
-across several position tiles and ending inside one, a trace broadcast over the heads (the query GMM's, one per
-layer), one cluster more than a power of two. Planted defects in the kernels (a dropped position weight, the Gram
+across several position tiles and ending inside one, one GMM per head and one shared by the heads (the query GMM),
+log-variances outside the clamp's range, one cluster more than a power of two. Planted defects in the kernels (a dropped position weight, the Gram
 term's weight on the diagonal one, a dropped prior term) make the same checks fail.
 """
 
@@ -36,34 +36,40 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(triton_regularisers, "LAUNCH", LaunchConfig(16, 0, 4, 1))
 
 
-def inputs(L=2, T=37, B=3, H=2, C=5, seed=0, shared_trace=False, authors=True):
+def inputs(L=2, T=37, B=3, H=2, C=5, d=16, seed=0, shared=False, authors=True):
+    """log p(z, c), log p(c|z) (clusters-first), the layers' GMM log-variances (some outside the clamp's range) and
+    prior logits (``shared``: one GMM for all heads), the real tokens."""
     g = torch.Generator().manual_seed(seed)
+    G = 1 if shared else H
     log_joint = (3.0 * torch.randn(C, L, T, B, H, generator=g) - 20.0).to(DEVICE).requires_grad_()
     log_resp = torch.log_softmax(2.0 * torch.randn(C, L, T, B, H, generator=g), 0).to(DEVICE).requires_grad_()
-    trace = torch.rand(L, 1 if shared_trace else H, C, generator=g).mul(30.0).add(5.0).to(DEVICE).requires_grad_()
-    log_prior = torch.log_softmax(torch.randn(L, 1 if shared_trace else H, C, generator=g), -1).to(DEVICE)
-    log_prior.requires_grad_()
+    log_vars = (3.0 * torch.randn(L, G, C, d, generator=g)).to(DEVICE)
+    log_vars[0, 0, 0, :3] = torch.tensor([-12.0, 11.0, 9.5])  # clamped: no gradient
+    log_vars.requires_grad_()
+    prior_logits = torch.randn(L, G, C, generator=g).to(DEVICE).requires_grad_()
     valid = torch.ones(T, B, device=DEVICE)
     valid[T - 9:, 1] = 0.0  # a padded sentence
     valid[1:, 2] = 0.0  # a one-token sentence
-    return log_joint, log_resp, trace, (log_prior if authors else None), valid
+    return log_joint, log_resp, log_vars, (prior_logits if authors else None), valid
 
 
-def both(log_joint, log_resp, trace, log_prior, valid, squared, unmasked, posterior_var=1.0, dim=16):
-    """(eager KL, eager diversity), (fused KL, fused diversity)."""
-    L, H = log_joint.size(1), log_joint.size(-1)
-    traces = trace.expand(L, H, trace.size(-1))
-    priors = None if log_prior is None else log_prior.expand(L, H, log_prior.size(-1))
-    weights = regularisers._SentenceWeights(valid, L, H)
+def both(log_joint, log_resp, log_vars, prior_logits, valid, squared, unmasked, posterior_var=1.0):
+    """(eager KL, eager diversity), (fused KL, fused diversity). The eager terms run in float64 (from the same float32
+    leaves): the authors' KL subtracts sum_c pi_c s2/2 tr_c from a sum that carries it, with traces of 10^4 here, which
+    costs the float32 eager gradients of log pi more than the kernels' direct form."""
+    L, H, d = log_joint.size(1), log_joint.size(-1), log_vars.size(-1)
+    trace = regularisers._StackedTracePrecision.apply(*log_vars.unbind(0)).double().expand(L, H, -1)
+    log_prior = None if prior_logits is None else torch.log_softmax(prior_logits.double(), -1).expand(L, H, -1)
+    weights = regularisers._SentenceWeights(valid.double(), L, H)
     alpha, beta = 1.0, 0.7
     diag_weight, off_weight = (alpha * alpha, beta * beta) if squared else (alpha, beta)
-    eager = (regularisers._VadeKL.apply(log_joint, log_resp, log_resp.exp(), traces, posterior_var, priors,
-                                        weights.per_head, dim),
-             regularisers._ClusterDiversity.apply(log_resp.exp(), None if unmasked else valid, diag_weight,
-                                                  off_weight, weights.per_gram))
-    fused = triton_regularisers.feature_terms(log_joint, log_resp, traces, priors, weights.per_head,
-                                              None if unmasked else valid, weights.per_gram, posterior_var, dim,
-                                              diag_weight, off_weight)
+    log_joint_64, log_resp_64 = log_joint.double(), log_resp.double()
+    eager = (regularisers._VadeKL.apply(log_joint_64, log_resp_64, log_resp_64.exp(), trace, posterior_var, log_prior,
+                                        weights.per_head, d).float(),
+             regularisers._ClusterDiversity.apply(log_resp_64.exp(), None if unmasked else valid.double(), diag_weight,
+                                                  off_weight, weights.per_gram).float())
+    fused = triton_regularisers.feature_terms(log_joint, log_resp, log_vars, prior_logits, valid, not unmasked,
+                                              posterior_var, diag_weight, off_weight)
     return eager, fused
 
 
@@ -83,19 +89,19 @@ CASES = [  # (authors, squared, unmasked, shared trace): the authors' reading ru
 
 @pytest.mark.parametrize("authors, squared, unmasked, shared", CASES)
 def test_values_and_gradients_equal_the_eager_terms(authors, squared, unmasked, shared):
-    log_joint, log_resp, trace, log_prior, valid = inputs(shared_trace=shared, authors=authors)
-    (kl, dv), (fused_kl, fused_dv) = both(log_joint, log_resp, trace, log_prior, valid, squared, unmasked,
+    log_joint, log_resp, log_vars, prior_logits, valid = inputs(shared=shared, authors=authors)
+    (kl, dv), (fused_kl, fused_dv) = both(log_joint, log_resp, log_vars, prior_logits, valid, squared, unmasked,
                                           posterior_var=0.8)
     torch.testing.assert_close(fused_kl, kl, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused_dv, dv, rtol=1e-5, atol=1e-5)
-    wrt = [log_joint, log_resp, trace] + ([log_prior] if authors else [])
+    wrt = [log_joint, log_resp, log_vars] + ([prior_logits] if authors else [])
     for fused, eager in zip(gradients((fused_kl, fused_dv), wrt), gradients((kl, dv), wrt)):
         torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-6)
 
 
 def test_one_term_alone_has_a_gradient():
-    log_joint, log_resp, trace, log_prior, valid = inputs(T=5)
-    (_, dv), (_, fused_dv) = both(log_joint, log_resp, trace, log_prior, valid, squared=False, unmasked=True)
+    log_joint, log_resp, log_vars, prior_logits, valid = inputs(T=5)
+    (_, dv), (_, fused_dv) = both(log_joint, log_resp, log_vars, prior_logits, valid, squared=False, unmasked=True)
     torch.testing.assert_close(torch.autograd.grad(fused_dv.sum(), log_resp)[0],
                                torch.autograd.grad(dv.sum(), log_resp)[0], rtol=1e-4, atol=1e-6)
 
@@ -115,7 +121,9 @@ def _planted(tmp: Path, old: str, new: str):
 
 
 PLANTED = [
-    ("a dropped position weight", "kl += weight * (per_token - constant)", "kl += (per_token - constant)"),
+    ("a dropped position weight", "kl += real * (per_token - constant)", "kl += (per_token - constant)"),
+    ("the log-variance clamp dropped in backward", "tl.where(inside, -grad_trace[:, None] * tl.exp(-log_vars), 0.0)",
+     "-grad_trace[:, None] * tl.exp(-log_vars)"),
     ("the Gram term weighted as the diagonal", "+ off_weight * tl.dot(masked, gram",
      "+ diag_weight * tl.dot(masked, gram"),
     ("a dropped prior term", "(resp * slope - resp - pi[None, :])", "(resp * slope - resp)"),
@@ -126,14 +134,10 @@ PLANTED = [
 def test_a_planted_defect_fails(what, old, new):
     with tempfile.TemporaryDirectory() as tmp:
         module = _planted(Path(tmp), old, new)
-        log_joint, log_resp, trace, log_prior, valid = inputs(T=20)
-        L, H = log_joint.size(1), log_joint.size(-1)
-        weights = regularisers._SentenceWeights(valid, L, H)
-        args = (log_joint, log_resp, trace, log_prior, valid)
-        (kl, dv), _ = both(*args, squared=False, unmasked=True)
-        fused = module.feature_terms(log_joint, log_resp, trace, log_prior, weights.per_head, None, weights.per_gram,
-                                     1.0, 16, 1.0, 0.7)
-        wrt = [log_joint, log_resp, trace, log_prior]
+        log_joint, log_resp, log_vars, prior_logits, valid = inputs(T=20)
+        (kl, dv), _ = both(log_joint, log_resp, log_vars, prior_logits, valid, squared=False, unmasked=True)
+        fused = module.feature_terms(log_joint, log_resp, log_vars, prior_logits, valid, False, 1.0, 1.0, 0.7)
+        wrt = [log_joint, log_resp, log_vars, prior_logits]
         values_equal = all(torch.allclose(f, e, rtol=1e-5, atol=1e-5) for f, e in zip(fused, (kl, dv)))
         grads_equal = all(torch.allclose(f, e, rtol=1e-4, atol=1e-6)
                           for f, e in zip(gradients(fused, wrt), gradients((kl, dv), wrt)))
