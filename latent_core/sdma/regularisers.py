@@ -582,9 +582,9 @@ def group_terms(layers: Dict[str, List[Tensor]], log_vars: Dict[str, List[Tensor
         if fused:
             from latent_core.sdma.triton_regularisers import query_terms
 
-            losses["dqq"], losses["dxq"], other, clamped = query_terms(
-                log_joint_q_cf, clusters_first(log_resp_q), valid, weights.per_head, weights.per_head_pair, authors)
-            clamped_count = clamped
+            losses["dqq"], losses["dxq"], other, clamped = query_terms(log_joint_q_cf, clusters_first(log_resp_q),
+                                                                       valid, authors)
+            clamped_count = clamped.sum()
         else:
             resp_q_cf = clusters_first(log_resp_q.exp())
             authors_p = clamped = None

@@ -389,17 +389,23 @@ def _query_normalisers(LOG_JOINT, VALID, LAYER_MAX, LOG_NORMS, RAW_NORMS, L, T, 
 
 
 @triton.jit(do_not_specialize=_SIZES)
-def _query_terms_forward(LOG_JOINT, LOG_RESP, VALID, W_HEAD, W_PAIR, LOG_NORMS, CRITIC_NORMS, SUMS, L, T, B,
+def _query_terms_forward(LOG_JOINT, LOG_RESP, VALID, LOG_NORMS, RAW_NORMS, CRITIC_NORMS, SUMS, L, T, B,
                          H: tl.constexpr, C: tl.constexpr, AUTHORS: tl.constexpr, EPS: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Eq. (21) and (22) of one layer and sentence (program ``l * B + b``), all heads: ``SUMS[0]`` L_Dqq in the
-    reading, ``SUMS[1]`` in the other reading (a diagnostic), ``SUMS[2]`` L_Dxq; ``CRITIC_NORMS`` [L, B, H, T]
-    sum_{j real} exp f(q_i, x_j) (kept for backward)."""
+    """Eq. (21) and (22) of one layer and sentence (program ``l * B + b``), all heads, weighted 1 / (n_q L H^2) and
+    1 / (n_q L H) over the real tokens: ``SUMS[0]`` L_Dqq in the reading, ``SUMS[1]`` in the other reading (a
+    diagnostic), ``SUMS[2]`` L_Dxq, ``SUMS[3]`` how many of the authors' normalisers sit at their clamp;
+    ``CRITIC_NORMS`` [L, B, H, T] sum_{j real} exp f(q_i, x_j) (kept for backward)."""
     pid = tl.program_id(0)
     b = pid % B
     layer = pid // B
     offs_c = tl.arange(0, BLOCK_C)
     mask_c = offs_c < C
+    per_head = 1.0 / (_real_tokens(VALID, b, T, B, BLOCK_T) * (L * H))
+    clamped = tl.zeros((BLOCK_C,), tl.float32)
+    for h in tl.static_range(H):
+        raw = tl.load(RAW_NORMS + ((layer * B + b) * H + h) * BLOCK_C + offs_c)
+        clamped += tl.where(mask_c & (raw < EPS), 1.0, 0.0)
     dqq = tl.zeros((BLOCK_T,), tl.float32)
     dqq_other = tl.zeros((BLOCK_T,), tl.float32)
     dxq = tl.zeros((BLOCK_T,), tl.float32)
@@ -408,8 +414,8 @@ def _query_terms_forward(LOG_JOINT, LOG_RESP, VALID, W_HEAD, W_PAIR, LOG_NORMS, 
         mask_t = offs_t < T
         tile = mask_t[:, None] & mask_c[None, :]
         valid = tl.load(VALID + offs_t * B + b, mask=mask_t, other=0.0)
-        w_pair = tl.load(W_PAIR + offs_t * B + b, mask=mask_t, other=0.0)
-        w_head = tl.load(W_HEAD + offs_t * B + b, mask=mask_t, other=0.0)
+        w_head = valid * per_head
+        w_pair = w_head / H
         for h in tl.static_range(H):
             exact, theirs = _token_given_cluster(LOG_JOINT, LOG_NORMS, h, layer, b, offs_t, offs_c, tile, valid,
                                                  L, T, B, H, C, BLOCK_C)
@@ -441,6 +447,7 @@ def _query_terms_forward(LOG_JOINT, LOG_RESP, VALID, W_HEAD, W_PAIR, LOG_NORMS, 
     tl.store(SUMS + pid, tl.sum(dqq, 0))
     tl.store(SUMS + L * B + pid, tl.sum(dqq_other, 0))
     tl.store(SUMS + 2 * L * B + pid, tl.sum(dxq, 0))
+    tl.store(SUMS + 3 * L * B + pid, tl.sum(clamped, 0))
 
 
 @triton.jit
@@ -454,7 +461,7 @@ def _reading_p(LOG_JOINT, LOG_NORMS, h, layer, b, offs_t, offs_c, tile, valid, L
 
 
 @triton.jit(do_not_specialize=_SIZES)
-def _query_terms_backward(LOG_JOINT, LOG_RESP, VALID, W_HEAD, W_PAIR, LOG_NORMS, RAW_NORMS, CRITIC_NORMS, GRAD_DQQ,
+def _query_terms_backward(LOG_JOINT, LOG_RESP, VALID, LOG_NORMS, RAW_NORMS, CRITIC_NORMS, GRAD_DQQ,
                           GRAD_DXQ, GRAD_LOG_JOINT, GRAD_LOG_RESP, L, T, B, H: tl.constexpr, C: tl.constexpr,
                           AUTHORS: tl.constexpr, EPS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
                           BLOCK_H: tl.constexpr):
@@ -467,8 +474,9 @@ def _query_terms_backward(LOG_JOINT, LOG_RESP, VALID, W_HEAD, W_PAIR, LOG_NORMS,
     offs_c = tl.arange(0, BLOCK_C)
     offs_h = tl.arange(0, BLOCK_H)
     mask_c = offs_c < C
-    grad_pair = tl.load(GRAD_DQQ + b)
-    grad_head = tl.load(GRAD_DXQ + b)
+    per_head = 1.0 / (_real_tokens(VALID, b, T, B, BLOCK_T) * (L * H))
+    grad_pair = tl.load(GRAD_DQQ + b) * per_head / H
+    grad_head = tl.load(GRAD_DXQ + b) * per_head
     # pass A: sum_i P dP per head and cluster (the softmax over the tokens' backward)
     through_norm = tl.zeros((BLOCK_H, BLOCK_C), tl.float32)
     for start in range(0, T, BLOCK_T):
@@ -476,7 +484,7 @@ def _query_terms_backward(LOG_JOINT, LOG_RESP, VALID, W_HEAD, W_PAIR, LOG_NORMS,
         mask_t = offs_t < T
         tile = mask_t[:, None] & mask_c[None, :]
         valid = tl.load(VALID + offs_t * B + b, mask=mask_t, other=0.0)
-        scale = tl.load(W_PAIR + offs_t * B + b, mask=mask_t, other=0.0) * grad_pair
+        scale = valid * grad_pair
         for h in tl.static_range(H):
             p_token = _reading_p(LOG_JOINT, LOG_NORMS, h, layer, b, offs_t, offs_c, tile, valid, L, T, B, H, C,
                                  AUTHORS, BLOCK_C)
@@ -497,8 +505,8 @@ def _query_terms_backward(LOG_JOINT, LOG_RESP, VALID, W_HEAD, W_PAIR, LOG_NORMS,
         mask_t = offs_t < T
         tile = mask_t[:, None] & mask_c[None, :]
         valid = tl.load(VALID + offs_t * B + b, mask=mask_t, other=0.0)
-        scale = tl.load(W_PAIR + offs_t * B + b, mask=mask_t, other=0.0) * grad_pair
-        grad_token = tl.load(W_HEAD + offs_t * B + b, mask=mask_t, other=0.0) * grad_head  # g_i of eq. (22)
+        scale = valid * grad_pair
+        grad_token = valid * grad_head  # g_i of eq. (22)
         for h in tl.static_range(H):
             p_token = _reading_p(LOG_JOINT, LOG_NORMS, h, layer, b, offs_t, offs_c, tile, valid, L, T, B, H, C,
                                  AUTHORS, BLOCK_C)
@@ -531,7 +539,7 @@ def _query_terms_backward(LOG_JOINT, LOG_RESP, VALID, W_HEAD, W_PAIR, LOG_NORMS,
                 resp_j = _responsibilities(LOG_RESP, h, layer, b, offs_j, offs_c, tile_j, L, T, B, H)
                 exp_critic = tl.exp(tl.dot(resp_i, tl.trans(resp_j), input_precision="ieee"))
                 key_valid_j = tl.load(VALID + offs_j * B + b, mask=mask_j, other=0.0) > 0
-                grad_token_j = tl.load(W_HEAD + offs_j * B + b, mask=mask_j, other=0.0) * grad_head
+                grad_token_j = tl.load(VALID + offs_j * B + b, mask=mask_j, other=0.0) * grad_head
                 norm_j = tl.load(norms + offs_j, mask=mask_j, other=1.0)
                 column_weight = tl.where(grad_token_j != 0, grad_token_j / norm_j, 0.0)  # g_j / n_j
                 weights = (tl.where(key_valid_j[None, :], exp_critic * row_weight[:, None], 0.0)
@@ -546,7 +554,7 @@ class _QueryTerms(torch.autograd.Function):
     eq. 22, the authors' clamped normalisers)`` (see :func:`query_terms`)."""
 
     @staticmethod
-    def forward(ctx, log_joint, log_resp, valid, w_head, w_pair, authors):
+    def forward(ctx, log_joint, log_resp, valid, authors):
         clusters, layers, length, batch, heads = log_resp.shape
         cfg = LAUNCH
         block_t, block_c = kernels._block(length, cfg.block_rows), kernels._block(clusters, 1 << 20)
@@ -558,10 +566,9 @@ class _QueryTerms(torch.autograd.Function):
                         (log_joint, valid, layer_max, log_norms, raw_norms, layers, length, batch, heads),
                         dict(C=clusters, BLOCK_T=block_t, BLOCK_C=block_c), cfg)
         critic_norms = torch.empty(layers, batch, heads, length, dtype=torch.float32, device=device)
-        sums = torch.empty(3, layers, batch, dtype=torch.float32, device=device)
+        sums = torch.empty(4, layers, batch, dtype=torch.float32, device=device)
         kernels._launch("query_terms_forward", _query_terms_forward, (layers * batch,),
-                        (log_joint, log_resp, valid, w_head, w_pair, log_norms, critic_norms, sums, layers, length,
-                         batch),
+                        (log_joint, log_resp, valid, log_norms, raw_norms, critic_norms, sums, layers, length, batch),
                         dict(H=heads, C=clusters, AUTHORS=authors, EPS=AUTHORS_EPS, BLOCK_T=block_t, BLOCK_C=block_c),
                         cfg)
         ctx.call = None
@@ -569,16 +576,15 @@ class _QueryTerms(torch.autograd.Function):
             ctx.call = dict(kind="query_terms", dtype="float32", head_dim=0, clusters=clusters, heads=heads,
                             authors=authors, backward=False)
             kernels._CALLS.append(ctx.call)
-        ctx.save_for_backward(log_joint, log_resp, valid, w_head, w_pair, log_norms, raw_norms, critic_norms)
+        ctx.save_for_backward(log_joint, log_resp, valid, log_norms, raw_norms, critic_norms)
         ctx.authors, ctx.blocks = authors, (block_t, block_c)
         totals = sums.sum(1)
-        clamped = (raw_norms[..., :clusters] < AUTHORS_EPS).sum()
-        ctx.mark_non_differentiable(totals[1], clamped)
-        return totals[0], totals[2], totals[1], clamped
+        ctx.mark_non_differentiable(totals[1], totals[3])
+        return totals[0], totals[2], totals[1], totals[3]
 
     @staticmethod
     def backward(ctx, grad_dqq, grad_dxq, _other, _clamped):
-        log_joint, log_resp, valid, w_head, w_pair, log_norms, raw_norms, critic_norms = ctx.saved_tensors
+        log_joint, log_resp, valid, log_norms, raw_norms, critic_norms = ctx.saved_tensors
         clusters, layers, length, batch, heads = log_resp.shape
         block_t, block_c = ctx.blocks
         if ctx.call is not None:
@@ -588,24 +594,24 @@ class _QueryTerms(torch.autograd.Function):
         grad_dxq = zeros if grad_dxq is None else grad_dxq.contiguous()
         grad_log_joint, grad_log_resp = torch.empty_like(log_joint), torch.empty_like(log_resp)
         kernels._launch("query_terms_backward", _query_terms_backward, (layers * batch,),
-                        (log_joint, log_resp, valid, w_head, w_pair, log_norms, raw_norms, critic_norms, grad_dqq,
+                        (log_joint, log_resp, valid, log_norms, raw_norms, critic_norms, grad_dqq,
                          grad_dxq, grad_log_joint, grad_log_resp, layers, length, batch),
                         dict(H=heads, C=clusters, AUTHORS=ctx.authors, EPS=AUTHORS_EPS, BLOCK_T=block_t,
                              BLOCK_C=block_c, BLOCK_H=triton.next_power_of_2(heads)), LAUNCH)
-        return grad_log_joint, grad_log_resp, None, None, None, None
+        return grad_log_joint, grad_log_resp, None, None
 
 
-def query_terms(log_joint: Tensor, log_resp: Tensor, valid: Tensor, w_head: Tensor, w_pair: Tensor,
+def query_terms(log_joint: Tensor, log_resp: Tensor, valid: Tensor,
                 authors: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(L_Dqq of eq. 21, L_Dxq of eq. 22, L_Dqq in the other reading, the number of the authors' clamped
-    normalisers) of one attention type's layers; the first three ``[B]``, the third and fourth without gradient.
+    normalisers) per sentence, ``[B]`` each, of one attention type's layers; the third and fourth without gradient.
 
     ``log_joint``, ``log_resp``: the query GMM's log p(q, c) and log p(c|q), clusters-first ``[C, L, T, B, H]``
-    float32; ``valid`` ``[T, B]`` the tokens p(q | c) is normalised over and the keys of eq. (22)'s softmax;
-    ``w_head``, ``w_pair`` ``[T, B]``: eq. (22)'s and eq. (21)'s per-token weights; ``authors``: their normaliser
+    float32; ``valid`` ``[T, B]`` the real tokens: those p(q | c) is normalised over, the keys of eq. (22)'s softmax,
+    and the queries the terms average over (1 / (n_q L H^2) and 1 / (n_q L H)); ``authors``: their normaliser
     exp(x - layer max) / max(sum, 1e-6) and -log(1 - min(p, 1) + 1e-6) (else the exact softmax and
     -log(1 - min(p, 1 - 1e-6))). Equal to ``_HeadMI`` and ``_QueryInputMI`` of :mod:`latent_core.sdma.regularisers`.
     """
     kernels.check_supported(log_resp, option="attention_kernel=triton (the regularisers)")
     return _QueryTerms.apply(log_joint.float().contiguous(), log_resp.float().contiguous(), valid.float().contiguous(),
-                             w_head.float().contiguous(), w_pair.float().contiguous(), bool(authors))
+                             bool(authors))

@@ -208,7 +208,7 @@ def replay(call: Dict, head_dim: int, dtype: torch.dtype) -> None:
         L, H = 2, call["heads"]
         log_joint, log_resp = (_meta(C, L, T, B, H, dtype=torch.float32, grad=grad) for _ in range(2))
         weights = _meta(T, B, dtype=torch.float32)
-        terms = query_terms(log_joint, log_resp, weights, weights, weights, call["authors"])[:2]
+        terms = query_terms(log_joint, log_resp, weights, call["authors"])[:2]
         if grad:
             torch.autograd.backward(terms, [torch.empty_like(t) for t in terms])
         return
