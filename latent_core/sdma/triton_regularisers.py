@@ -35,7 +35,7 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from latent_core.sdma import triton_kernels as kernels
+import latent_core.sdma.triton_kernels as kernels
 from latent_core.sdma.mixture import LOGVAR_RANGE
 from latent_core.sdma.options import AUTHORS_EPS, LOG_2PI
 
