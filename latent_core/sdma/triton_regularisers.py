@@ -27,7 +27,7 @@ path. The tests hold values and gradients to the eager terms in Triton's interpr
 """
 
 import math
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -40,6 +40,7 @@ from latent_core.sdma.mixture import LOGVAR_RANGE
 from latent_core.sdma.options import AUTHORS_EPS, LOG_2PI
 
 _SIZES = ["L", "T", "B", "H"]
+_QUERY_SIZES = ["L", "T", "B"]  # the query terms loop over the heads: H is a constant of their code
 
 
 @triton.jit
@@ -221,8 +222,23 @@ def _feature_parameter_grads(LOG_VARS, PRIOR_LOGITS, PARTIAL, GRAD_LOG_VARS, GRA
                  mask=mask_c)
 
 
-# 32 positions per step: the [32, C] tiles and the C x C Gram matrix are small
-LAUNCH = kernels.LaunchConfig(32, 0, 4, 1)
+# Positions per step and warps, per kernel and its backward. Chosen with sdma-kernels-report: no spill for any
+# recorded call on sm_80 and sm_90 (ptxas spills a few bytes of the query kernels at some other tile sizes, at well under
+# its register limit; tests/integration/test_sdma_kernels_report.py holds them to none)
+LAUNCH: Dict[str, kernels.LaunchConfig] = {
+    "feature_terms": kernels.LaunchConfig(32, 0, 4, 1),
+    "query_normalisers": kernels.LaunchConfig(16, 0, 4, 1),
+    "query_terms": kernels.LaunchConfig(32, 0, 4, 1),
+}
+
+
+def _output_grads(first: Optional[Tensor], second: Optional[Tensor], batch: int, device) -> Tuple[Tensor, Tensor]:
+    """The two per-sentence outputs' gradients, zeros for one that got none (autograd does not materialise them:
+    ``set_materialize_grads(False)``, so the diagnostics' outputs cost no zeros)."""
+    if first is None or second is None:
+        zeros = torch.zeros(batch, dtype=torch.float32, device=device)
+        first, second = (zeros if first is None else first), (zeros if second is None else second)
+    return first.contiguous(), second.contiguous()
 
 
 class _FeatureTerms(torch.autograd.Function):
@@ -232,10 +248,12 @@ class _FeatureTerms(torch.autograd.Function):
     @staticmethod
     def forward(ctx, log_joint, log_resp, log_vars, prior_logits, valid, masked, posterior_var, diag_weight,
                 off_weight):
+        ctx.set_materialize_grads(False)
         clusters, layers, length, batch, heads = log_resp.shape
         groups, dim = log_vars.size(1), log_vars.size(-1)
         authors = prior_logits is not None
-        block_t, block_c = kernels._block(length, LAUNCH.block_rows), kernels._block(clusters, 1 << 20)
+        cfg = LAUNCH["feature_terms"]
+        block_t, block_c = kernels._block(length, cfg.block_rows), kernels._block(clusters, 1 << 20)
         block_d = triton.next_power_of_2(dim)
         programs = layers * batch * heads
         sums = torch.empty(2, layers, batch, heads, dtype=torch.float32, device=log_resp.device)
@@ -247,7 +265,7 @@ class _FeatureTerms(torch.autograd.Function):
                          layers, length, batch, heads, groups, dim, half_var, base_constant, float(diag_weight),
                          float(off_weight), *LOGVAR_RANGE),
                         dict(C=clusters, AUTHORS=authors, MASKED=masked, BLOCK_T=block_t, BLOCK_C=block_c,
-                             BLOCK_D=block_d), LAUNCH)
+                             BLOCK_D=block_d), cfg)
         ctx.call = None
         if kernels._CALLS is not None:  # float32 whatever the model's dtype
             ctx.call = dict(kind="feature_terms", dtype="float32", head_dim=dim, clusters=clusters, groups=groups,
@@ -267,9 +285,7 @@ class _FeatureTerms(torch.autograd.Function):
         authors = prior_logits is not None
         if ctx.call is not None:
             ctx.call.update(backward=True)
-        zeros = log_resp.new_zeros(batch)
-        grad_kl = zeros if grad_kl is None else grad_kl.contiguous()
-        grad_dv = zeros if grad_dv is None else grad_dv.contiguous()
+        grad_kl, grad_dv = _output_grads(grad_kl, grad_dv, batch, log_resp.device)
         grad_log_joint = torch.empty_like(log_resp)
         grad_log_resp = torch.empty_like(log_resp)
         partial = torch.empty(2, layers, batch, heads, clusters, dtype=torch.float32, device=log_resp.device)
@@ -279,7 +295,7 @@ class _FeatureTerms(torch.autograd.Function):
                         (log_resp, log_vars, prior, valid, gram, grad_kl, grad_dv, grad_log_joint, grad_log_resp,
                          partial, layers, length, batch, heads, groups, dim, half_var, diag_weight, off_weight,
                          *LOGVAR_RANGE),
-                        dict(constexprs, MASKED=masked, BLOCK_T=block_t), LAUNCH)
+                        dict(constexprs, MASKED=masked, BLOCK_T=block_t), LAUNCH["feature_terms"])
         grad_log_vars = torch.empty(log_vars.shape, dtype=torch.float32, device=log_vars.device)
         grad_prior = torch.empty(prior.shape, dtype=torch.float32, device=prior.device) if authors else grad_log_vars
         kernels._launch("feature_parameter_grads", _feature_parameter_grads, (layers * groups,),
@@ -354,11 +370,13 @@ def _pair_slope(p, AUTHORS: tl.constexpr, EPS: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=_SIZES)
-def _query_normalisers(LOG_JOINT, VALID, LAYER_MAX, LOG_NORMS, RAW_NORMS, L, T, B, H, C: tl.constexpr,
-                       BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    """The normalisers of p(q_i^h | c) over the tokens for one layer, sentence and head (program ``(l * B + b) * H +
-    h``): ``LOG_NORMS[0]`` log sum_{i real} exp(x_i) (the exact softmax), ``LOG_NORMS[1]`` layer max + log max(sum_i
-    exp(x_i - layer max), 1e-6) (the authors'), ``RAW_NORMS`` the authors' sum before its clamp."""
+def _query_normalisers(LOG_JOINT, LOG_RESP, VALID, LAYER_MAX, LOG_NORMS, RAW_NORMS, CRITIC_NORMS, DXQ, L, T, B, H,
+                       C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """What one layer, sentence and head contributes on its own (program ``(l * B + b) * H + h``): the normalisers of
+    p(q_i^h | c) over the tokens, ``LOG_NORMS[0]`` log sum_{i real} exp(x_i) (the exact softmax), ``LOG_NORMS[1]``
+    layer max + log max(sum_i exp(x_i - layer max), 1e-6) (the authors'), ``RAW_NORMS`` the authors' sum before its
+    clamp; and eq. (22): ``DXQ`` its weighted sum of log softmax_j f(q_i, x_j) at j = i, f(q_i, x_j) = sum_c p(c|q_i)
+    p(c|q_j) (eq. 19) over the real j, with ``CRITIC_NORMS`` [L, B, H, T] each row's sum_j exp f (for backward)."""
     pid = tl.program_id(0)
     h = pid % H
     b = (pid // H) % B
@@ -386,36 +404,57 @@ def _query_normalisers(LOG_JOINT, VALID, LAYER_MAX, LOG_NORMS, RAW_NORMS, L, T, 
     tl.store(LOG_NORMS + out, running_max + tl.log(tl.maximum(running_sum, 1e-30)))
     tl.store(LOG_NORMS + L * B * H * BLOCK_C + out, layer_max + tl.log(tl.maximum(theirs, 1e-6)))
     tl.store(RAW_NORMS + out, tl.where(mask_c, theirs, 1.0))
+    # eq. (22), this head's rows tile by tile over the keys, weighted 1 / (n_q L H)
+    per_head = 1.0 / (_real_tokens(VALID, b, T, B, BLOCK_T) * (L * H))
+    dxq = 0.0
+    for start in range(0, T, BLOCK_T):
+        offs_t = start + tl.arange(0, BLOCK_T)
+        mask_t = offs_t < T
+        tile = mask_t[:, None] & mask_c[None, :]
+        w_head = tl.load(VALID + offs_t * B + b, mask=mask_t, other=0.0) * per_head
+        resp_i = _responsibilities(LOG_RESP, h, layer, b, offs_t, offs_c, tile, L, T, B, H)
+        norm = tl.zeros((BLOCK_T,), tl.float32)
+        for key_start in range(0, T, BLOCK_T):
+            offs_j = key_start + tl.arange(0, BLOCK_T)
+            mask_j = offs_j < T
+            tile_j = mask_j[:, None] & mask_c[None, :]
+            resp_j = _responsibilities(LOG_RESP, h, layer, b, offs_j, offs_c, tile_j, L, T, B, H)
+            critic = tl.dot(resp_i, tl.trans(resp_j), input_precision="ieee")
+            key_valid = tl.load(VALID + offs_j * B + b, mask=mask_j, other=0.0) > 0
+            norm += tl.sum(tl.where(key_valid[None, :], tl.exp(critic), 0.0), 1)
+        own = tl.sum(resp_i * resp_i, 1)
+        dxq += tl.sum(tl.where(w_head != 0, w_head * (own - tl.log(norm)), 0.0), 0)
+        tl.store(CRITIC_NORMS + pid * T + offs_t, norm, mask=mask_t)
+    tl.store(DXQ + pid, dxq)
 
 
-@triton.jit(do_not_specialize=_SIZES)
-def _query_terms_forward(LOG_JOINT, LOG_RESP, VALID, LOG_NORMS, RAW_NORMS, CRITIC_NORMS, SUMS, L, T, B,
+@triton.jit(do_not_specialize=_QUERY_SIZES)
+def _query_terms_forward(LOG_JOINT, LOG_RESP, VALID, LOG_NORMS, RAW_NORMS, DXQ, SUMS, L, T, B,
                          H: tl.constexpr, C: tl.constexpr, AUTHORS: tl.constexpr, EPS: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     """Eq. (21) and (22) of one layer and sentence (program ``l * B + b``), all heads, weighted 1 / (n_q L H^2) and
     1 / (n_q L H) over the real tokens: ``SUMS[0]`` L_Dqq in the reading, ``SUMS[1]`` in the other reading (a
-    diagnostic), ``SUMS[2]`` L_Dxq, ``SUMS[3]`` how many of the authors' normalisers sit at their clamp;
-    ``CRITIC_NORMS`` [L, B, H, T] sum_{j real} exp f(q_i, x_j) (kept for backward)."""
+    diagnostic), ``SUMS[2]`` L_Dxq (the heads' ``DXQ``), ``SUMS[3]`` how many of the authors' normalisers sit at
+    their clamp."""
     pid = tl.program_id(0)
     b = pid % B
     layer = pid // B
     offs_c = tl.arange(0, BLOCK_C)
     mask_c = offs_c < C
     per_head = 1.0 / (_real_tokens(VALID, b, T, B, BLOCK_T) * (L * H))
-    clamped = tl.zeros((BLOCK_C,), tl.float32)
+    clamped = 0.0
     for h in tl.static_range(H):
         raw = tl.load(RAW_NORMS + ((layer * B + b) * H + h) * BLOCK_C + offs_c)
-        clamped += tl.where(mask_c & (raw < EPS), 1.0, 0.0)
-    dqq = tl.zeros((BLOCK_T,), tl.float32)
-    dqq_other = tl.zeros((BLOCK_T,), tl.float32)
-    dxq = tl.zeros((BLOCK_T,), tl.float32)
+        clamped += tl.sum(tl.where(mask_c & (raw < EPS), 1.0, 0.0), 0)
+    # eq. (21): one pass over the tokens, every pair of heads (the sums kept as scalars: fewer live registers)
+    dqq = 0.0
+    dqq_other = 0.0
     for start in range(0, T, BLOCK_T):
         offs_t = start + tl.arange(0, BLOCK_T)
         mask_t = offs_t < T
         tile = mask_t[:, None] & mask_c[None, :]
         valid = tl.load(VALID + offs_t * B + b, mask=mask_t, other=0.0)
-        w_head = valid * per_head
-        w_pair = w_head / H
+        w_pair = valid * per_head / H
         for h in tl.static_range(H):
             exact, theirs = _token_given_cluster(LOG_JOINT, LOG_NORMS, h, layer, b, offs_t, offs_c, tile, valid,
                                                  L, T, B, H, C, BLOCK_C)
@@ -425,29 +464,18 @@ def _query_terms_forward(LOG_JOINT, LOG_RESP, VALID, LOG_NORMS, RAW_NORMS, CRITI
                     exact_term, _ = _pair_slope(tl.sum(exact * resp, 1), False, EPS)
                     their_term, _ = _pair_slope(tl.sum(theirs * resp, 1), True, EPS)
                     if AUTHORS:
-                        dqq += w_pair * their_term
-                        dqq_other += w_pair * exact_term
+                        dqq += tl.sum(w_pair * their_term, 0)
+                        dqq_other += tl.sum(w_pair * exact_term, 0)
                     else:
-                        dqq += w_pair * exact_term
-                        dqq_other += w_pair * their_term
-            # eq. (22): f(q_i, x_j) = sum_c p(c|q_i) p(c|q_j) (eq. 19), log softmax over the real j at j = i
-            resp_i = _responsibilities(LOG_RESP, h, layer, b, offs_t, offs_c, tile, L, T, B, H)
-            norm = tl.zeros((BLOCK_T,), tl.float32)
-            for key_start in range(0, T, BLOCK_T):
-                offs_j = key_start + tl.arange(0, BLOCK_T)
-                mask_j = offs_j < T
-                tile_j = mask_j[:, None] & mask_c[None, :]
-                resp_j = _responsibilities(LOG_RESP, h, layer, b, offs_j, offs_c, tile_j, L, T, B, H)
-                critic = tl.dot(resp_i, tl.trans(resp_j), input_precision="ieee")
-                key_valid = tl.load(VALID + offs_j * B + b, mask=mask_j, other=0.0) > 0
-                norm += tl.sum(tl.where(key_valid[None, :], tl.exp(critic), 0.0), 1)
-            own = tl.sum(resp_i * resp_i, 1)
-            dxq += tl.where(w_head != 0, w_head * (own - tl.log(norm)), 0.0)
-            tl.store(CRITIC_NORMS + ((layer * B + b) * H + h) * T + offs_t, norm, mask=mask_t)
-    tl.store(SUMS + pid, tl.sum(dqq, 0))
-    tl.store(SUMS + L * B + pid, tl.sum(dqq_other, 0))
-    tl.store(SUMS + 2 * L * B + pid, tl.sum(dxq, 0))
-    tl.store(SUMS + 3 * L * B + pid, tl.sum(clamped, 0))
+                        dqq += tl.sum(w_pair * exact_term, 0)
+                        dqq_other += tl.sum(w_pair * their_term, 0)
+    dxq = 0.0  # eq. (22), per head from _query_normalisers
+    for h in tl.static_range(H):
+        dxq += tl.load(DXQ + pid * H + h)
+    tl.store(SUMS + pid, dqq)
+    tl.store(SUMS + L * B + pid, dqq_other)
+    tl.store(SUMS + 2 * L * B + pid, dxq)
+    tl.store(SUMS + 3 * L * B + pid, clamped)
 
 
 @triton.jit
@@ -460,7 +488,7 @@ def _reading_p(LOG_JOINT, LOG_NORMS, h, layer, b, offs_t, offs_c, tile, valid, L
     return exact
 
 
-@triton.jit(do_not_specialize=_SIZES)
+@triton.jit(do_not_specialize=_QUERY_SIZES)
 def _query_terms_backward(LOG_JOINT, LOG_RESP, VALID, LOG_NORMS, RAW_NORMS, CRITIC_NORMS, GRAD_DQQ,
                           GRAD_DXQ, GRAD_LOG_JOINT, GRAD_LOG_RESP, L, T, B, H: tl.constexpr, C: tl.constexpr,
                           AUTHORS: tl.constexpr, EPS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -555,29 +583,32 @@ class _QueryTerms(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, log_joint, log_resp, valid, authors):
+        ctx.set_materialize_grads(False)
         clusters, layers, length, batch, heads = log_resp.shape
-        cfg = LAUNCH
+        cfg, cfg_terms = LAUNCH["query_normalisers"], LAUNCH["query_terms"]
         block_t, block_c = kernels._block(length, cfg.block_rows), kernels._block(clusters, 1 << 20)
         device = log_resp.device
         layer_max = log_joint.amax(dim=(0, 2, 3, 4))  # the authors' one max per layer
         log_norms = torch.empty(2, layers, batch, heads, block_c, dtype=torch.float32, device=device)
         raw_norms = torch.empty(layers, batch, heads, block_c, dtype=torch.float32, device=device)
-        kernels._launch("query_normalisers", _query_normalisers, (layers * batch * heads,),
-                        (log_joint, valid, layer_max, log_norms, raw_norms, layers, length, batch, heads),
-                        dict(C=clusters, BLOCK_T=block_t, BLOCK_C=block_c), cfg)
         critic_norms = torch.empty(layers, batch, heads, length, dtype=torch.float32, device=device)
+        dxq = torch.empty(layers, batch, heads, dtype=torch.float32, device=device)
+        kernels._launch("query_normalisers", _query_normalisers, (layers * batch * heads,),
+                        (log_joint, log_resp, valid, layer_max, log_norms, raw_norms, critic_norms, dxq, layers,
+                         length, batch, heads),
+                        dict(C=clusters, BLOCK_T=block_t, BLOCK_C=block_c), cfg)
         sums = torch.empty(4, layers, batch, dtype=torch.float32, device=device)
         kernels._launch("query_terms_forward", _query_terms_forward, (layers * batch,),
-                        (log_joint, log_resp, valid, log_norms, raw_norms, critic_norms, sums, layers, length, batch),
-                        dict(H=heads, C=clusters, AUTHORS=authors, EPS=AUTHORS_EPS, BLOCK_T=block_t, BLOCK_C=block_c),
-                        cfg)
+                        (log_joint, log_resp, valid, log_norms, raw_norms, dxq, sums, layers, length, batch),
+                        dict(H=heads, C=clusters, AUTHORS=authors, EPS=AUTHORS_EPS,
+                             BLOCK_T=kernels._block(length, cfg_terms.block_rows), BLOCK_C=block_c), cfg_terms)
         ctx.call = None
         if kernels._CALLS is not None:
             ctx.call = dict(kind="query_terms", dtype="float32", head_dim=0, clusters=clusters, heads=heads,
                             authors=authors, backward=False)
             kernels._CALLS.append(ctx.call)
         ctx.save_for_backward(log_joint, log_resp, valid, log_norms, raw_norms, critic_norms)
-        ctx.authors, ctx.blocks = authors, (block_t, block_c)
+        ctx.authors, ctx.blocks = authors, (kernels._block(length, cfg_terms.block_rows), block_c)
         totals = sums.sum(1)
         ctx.mark_non_differentiable(totals[1], totals[3])
         return totals[0], totals[2], totals[1], totals[3]
@@ -589,15 +620,13 @@ class _QueryTerms(torch.autograd.Function):
         block_t, block_c = ctx.blocks
         if ctx.call is not None:
             ctx.call.update(backward=True)
-        zeros = log_resp.new_zeros(batch)
-        grad_dqq = zeros if grad_dqq is None else grad_dqq.contiguous()
-        grad_dxq = zeros if grad_dxq is None else grad_dxq.contiguous()
+        grad_dqq, grad_dxq = _output_grads(grad_dqq, grad_dxq, batch, log_resp.device)
         grad_log_joint, grad_log_resp = torch.empty_like(log_joint), torch.empty_like(log_resp)
         kernels._launch("query_terms_backward", _query_terms_backward, (layers * batch,),
                         (log_joint, log_resp, valid, log_norms, raw_norms, critic_norms, grad_dqq,
                          grad_dxq, grad_log_joint, grad_log_resp, layers, length, batch),
                         dict(H=heads, C=clusters, AUTHORS=ctx.authors, EPS=AUTHORS_EPS, BLOCK_T=block_t,
-                             BLOCK_C=block_c, BLOCK_H=triton.next_power_of_2(heads)), LAUNCH)
+                             BLOCK_C=block_c, BLOCK_H=triton.next_power_of_2(heads)), LAUNCH["query_terms"])
         return grad_log_joint, grad_log_resp, None, None
 
 

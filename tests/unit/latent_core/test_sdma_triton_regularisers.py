@@ -28,12 +28,13 @@ import latent_core.sdma.triton_regularisers as triton_regularisers  # noqa: E402
 
 pytestmark = pytest.mark.interpreter
 DEVICE = "cpu" if triton_kernels.INTERPRETED else "cuda"
+SMALL_TILES = {kernel: LaunchConfig(16, 0, 4, 1) for kernel in triton_regularisers.LAUNCH}
 
 
 @pytest.fixture(autouse=True)
 def small_tiles(monkeypatch):
     """16 positions per step: the lengths below span several steps and end inside one."""
-    monkeypatch.setattr(triton_regularisers, "LAUNCH", LaunchConfig(16, 0, 4, 1))
+    monkeypatch.setattr(triton_regularisers, "LAUNCH", SMALL_TILES)
 
 
 def inputs(L=2, T=37, B=3, H=2, C=5, d=16, seed=0, shared=False, authors=True):
@@ -116,7 +117,7 @@ def _planted(tmp: Path, old: str, new: str):
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    module.LAUNCH = LaunchConfig(16, 0, 4, 1)
+    module.LAUNCH = SMALL_TILES
     return module
 
 
@@ -236,7 +237,7 @@ def test_query_terms_equal_the_eager_terms(authors, spread):
 QUERY_PLANTED = [
     ("the critic's transposed term dropped", "+ tl.where(key_valid_i[:, None], exp_critic * column_weight[None, :], 0.0)",
      ""),
-    ("the pair weights of eq. (21) as eq. (22)'s", "w_pair = w_head / H", "w_pair = w_head"),
+    ("the pair weights of eq. (21) as eq. (22)'s", "w_pair = valid * per_head / H", "w_pair = valid * per_head"),
     ("the authors' clamp ignored in backward", "through_norm = tl.where(raw < EPS, 0.0, through_norm)",
      "through_norm = through_norm"),
     ("padded keys in eq. (22)'s normaliser", "norm += tl.sum(tl.where(key_valid[None, :], tl.exp(critic), 0.0), 1)",

@@ -192,13 +192,12 @@ def replay(call: Dict, head_dim: int, dtype: torch.dtype) -> None:
     if call["kind"] == "feature_terms":  # float32 whatever the model's dtype (the regularisers' inputs are)
         from latent_core.sdma.triton_regularisers import feature_terms
 
-        L = 2
+        L, G = 2, min(call["groups"], H)
         log_joint, log_resp = (_meta(C, L, T, B, H, dtype=torch.float32, grad=grad) for _ in range(2))
-        trace = _meta(L, H, C, dtype=torch.float32, grad=grad)
-        log_prior = _meta(L, H, C, dtype=torch.float32, grad=grad) if call["authors"] else None
-        weights = _meta(T, B, dtype=torch.float32)
-        terms = feature_terms(log_joint, log_resp, trace, log_prior, weights, weights if call["masked"] else None,
-                              _meta(B, dtype=torch.float32), 1.0, head_dim, 1.0, 1.0)
+        log_vars = _meta(L, G, C, head_dim, dtype=dtype, grad=grad)  # the GMM in the model's dtype
+        prior_logits = _meta(L, G, C, dtype=dtype, grad=grad) if call["authors"] else None
+        terms = feature_terms(log_joint, log_resp, log_vars, prior_logits, _meta(T, B, dtype=torch.float32),
+                              call["masked"], 1.0, 1.0, 1.0)
         if grad:
             torch.autograd.backward(terms, [torch.empty_like(t) for t in terms])
         return
