@@ -127,6 +127,25 @@ def assert_same_step(want, got, parameter: str, rtol: float, atol: float) -> Non
                                    msg=name)
 
 
+def planted_copy(module, replacements, name: str):
+    """A copy of ``module`` imported as ``name`` from its source with ``replacements`` ((old, new) strings) applied:
+    a planted defect, for a test to show that its checks fail on it. Every ``old`` must occur in the source."""
+    import importlib.util
+    import tempfile
+
+    source = Path(module.__file__).read_text()
+    for old, new in replacements:
+        assert old in source, old
+        source = source.replace(old, new)
+    path = Path(tempfile.mkdtemp()) / f"{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    planted = importlib.util.module_from_spec(spec)
+    sys.modules[name] = planted
+    spec.loader.exec_module(planted)
+    return planted
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now (for a test's DDP rendezvous; xdist
     workers run DDP tests at the same time, so a port fixed or derived from the pid can clash)."""

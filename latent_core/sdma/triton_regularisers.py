@@ -481,11 +481,13 @@ def _query_terms_forward(LOG_JOINT, LOG_RESP, VALID, LOG_NORMS, RAW_NORMS, DXQ, 
 @triton.jit
 def _reading_p(LOG_JOINT, LOG_NORMS, h, layer, b, offs_t, offs_c, tile, valid, L, T, B, H, C: tl.constexpr,
                AUTHORS: tl.constexpr, BLOCK_C: tl.constexpr):
-    exact, theirs = _token_given_cluster(LOG_JOINT, LOG_NORMS, h, layer, b, offs_t, offs_c, tile, valid, L, T, B, H,
-                                         C, BLOCK_C)
+    """p(q_i^h | c) of the reading alone (the backward pass needs no other): :func:`_token_given_cluster`'s second
+    value in the authors' reading, its first otherwise."""
+    x = tl.load(_query_tile(LOG_JOINT, h, layer, b, offs_t, offs_c, L, T, B, H), mask=tile, other=0.0)
+    norms = LOG_NORMS + ((layer * B + b) * H + h) * BLOCK_C + offs_c
     if AUTHORS:
-        return theirs
-    return exact
+        return tl.where(tile, tl.exp(x - tl.load(norms + L * B * H * BLOCK_C)[None, :]), 0.0)
+    return tl.where(tile & (valid[:, None] > 0), tl.exp(x - tl.load(norms)[None, :]), 0.0)
 
 
 @triton.jit(do_not_specialize=_QUERY_SIZES)

@@ -15,15 +15,14 @@ Kept small: the interpreter runs every program of a grid in Python (about a minu
 ``make test``, not ``make test-fast``, which has the adapters' quick Triton cases).
 """
 
-import importlib.util
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 import latent_core.sdma.triton_kernels as triton_kernels
+from tests.conftest import planted_copy
 from latent_core.sdma import AUTHORS_EPS, GaussianMixture, SDMAConfigError, log_softmax_clusters, sdma_attention
 from latent_core.sdma.reference import dropout_scales, log_joint_direct
 from latent_core.sdma.triton_kernels import LaunchConfig, gaussian_clustering, mixed_attention
@@ -324,16 +323,7 @@ def test_the_clustering_kernel_against_eq_9_written_out():
 
 def planted(replacements):
     """A copy of the kernels' module with ``replacements`` ((old, new) source strings) applied."""
-    source = Path(triton_kernels.__file__).read_text()
-    for old, new in replacements:
-        assert old in source, old
-        source = source.replace(old, new)
-    path = Path(tempfile.mkdtemp()) / "planted_triton_kernels.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("planted_triton_kernels", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = planted_copy(triton_kernels, replacements, "planted_triton_kernels")
     for key, cfg in SMALL_TILES.items():
         module.LAUNCH[key] = cfg
     return module

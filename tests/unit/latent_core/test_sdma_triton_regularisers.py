@@ -9,17 +9,13 @@ log-variances outside the clamp's range, one cluster more than a power of two. P
 term's weight on the diagonal one, a dropped prior term) make the same checks fail.
 """
 
-import importlib.util
-import sys
-import tempfile
-from pathlib import Path
-
 import pytest
 import torch
 
 import latent_core.sdma.triton_kernels as triton_kernels
 from latent_core.sdma import regularisers
 from latent_core.sdma.triton_kernels import LaunchConfig
+from tests.conftest import planted_copy
 
 if not triton_kernels.INTERPRETED and not torch.cuda.is_available():
     pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1 (tests/conftest.py sets it)", allow_module_level=True)
@@ -107,16 +103,9 @@ def test_one_term_alone_has_a_gradient():
                                torch.autograd.grad(dv.sum(), log_resp)[0], rtol=1e-4, atol=1e-6)
 
 
-def _planted(tmp: Path, old: str, new: str):
-    """triton_regularisers with ``old`` replaced by ``new`` in its source, imported under another name."""
-    source = Path(triton_regularisers.__file__).read_text()
-    assert source.count(old) >= 1, old
-    path = tmp / "planted_triton_regularisers.py"
-    path.write_text(source.replace(old, new))
-    spec = importlib.util.spec_from_file_location("planted_triton_regularisers", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+def _planted(old: str, new: str):
+    """triton_regularisers with ``old`` replaced by ``new`` in its source, on small tiles."""
+    module = planted_copy(triton_regularisers, [(old, new)], "planted_triton_regularisers")
     module.LAUNCH = SMALL_TILES
     return module
 
@@ -133,16 +122,15 @@ PLANTED = [
 
 @pytest.mark.parametrize("what, old, new", PLANTED, ids=[p[0] for p in PLANTED])
 def test_a_planted_defect_fails(what, old, new):
-    with tempfile.TemporaryDirectory() as tmp:
-        module = _planted(Path(tmp), old, new)
-        log_joint, log_resp, log_vars, prior_logits, valid = inputs(T=20)
-        (kl, dv), _ = both(log_joint, log_resp, log_vars, prior_logits, valid, squared=False, unmasked=True)
-        fused = module.feature_terms(log_joint, log_resp, log_vars, prior_logits, valid, False, 1.0, 1.0, 0.7)
-        wrt = [log_joint, log_resp, log_vars, prior_logits]
-        values_equal = all(torch.allclose(f, e, rtol=1e-5, atol=1e-5) for f, e in zip(fused, (kl, dv)))
-        grads_equal = all(torch.allclose(f, e, rtol=1e-4, atol=1e-6)
-                          for f, e in zip(gradients(fused, wrt), gradients((kl, dv), wrt)))
-        assert not (values_equal and grads_equal), what
+    module = _planted(old, new)
+    log_joint, log_resp, log_vars, prior_logits, valid = inputs(T=20)
+    (kl, dv), _ = both(log_joint, log_resp, log_vars, prior_logits, valid, squared=False, unmasked=True)
+    fused = module.feature_terms(log_joint, log_resp, log_vars, prior_logits, valid, False, 1.0, 1.0, 0.7)
+    wrt = [log_joint, log_resp, log_vars, prior_logits]
+    values_equal = all(torch.allclose(f, e, rtol=1e-5, atol=1e-5) for f, e in zip(fused, (kl, dv)))
+    grads_equal = all(torch.allclose(f, e, rtol=1e-4, atol=1e-6)
+                      for f, e in zip(gradients(fused, wrt), gradients((kl, dv), wrt)))
+    assert not (values_equal and grads_equal), what
 
 
 def records(authors, L=2, T=9, S=11, B=2, H=2, C=3, Cq=5, d=8, seed=3):
@@ -248,15 +236,14 @@ QUERY_PLANTED = [
 @pytest.mark.parametrize("what, old, new", QUERY_PLANTED, ids=[p[0] for p in QUERY_PLANTED])
 def test_a_planted_defect_in_the_query_terms_fails(what, old, new):
     authors = "authors" in what
-    with tempfile.TemporaryDirectory() as tmp:
-        module = _planted(Path(tmp), old, new)
-        log_joint, log_resp, valid = query_inputs(T=20, spread=40.0 if authors else 3.0)
-        if authors:
-            valid = torch.ones_like(valid)
-        expected = eager_query_terms(log_joint, log_resp, valid, authors)[:2]
-        fused = module.query_terms(log_joint, log_resp, valid, authors)[:2]
-        wrt = [log_joint, log_resp]
-        values_equal = all(torch.allclose(f, e, rtol=1e-5, atol=1e-5) for f, e in zip(fused, expected))
-        grads_equal = all(torch.allclose(f, e, rtol=1e-4, atol=1e-6)
-                          for f, e in zip(gradients(fused, wrt), gradients(expected, wrt)))
-        assert not (values_equal and grads_equal), what
+    module = _planted(old, new)
+    log_joint, log_resp, valid = query_inputs(T=20, spread=40.0 if authors else 3.0)
+    if authors:
+        valid = torch.ones_like(valid)
+    expected = eager_query_terms(log_joint, log_resp, valid, authors)[:2]
+    fused = module.query_terms(log_joint, log_resp, valid, authors)[:2]
+    wrt = [log_joint, log_resp]
+    values_equal = all(torch.allclose(f, e, rtol=1e-5, atol=1e-5) for f, e in zip(fused, expected))
+    grads_equal = all(torch.allclose(f, e, rtol=1e-4, atol=1e-6)
+                      for f, e in zip(gradients(fused, wrt), gradients(expected, wrt)))
+    assert not (values_equal and grads_equal), what
