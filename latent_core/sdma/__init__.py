@@ -72,8 +72,8 @@ from latent_core.sdma.attention import (  # noqa: F401
 )
 from latent_core.sdma.reference import mix_attention_direct  # noqa: F401
 from latent_core.sdma.records import (  # noqa: F401
-    ClusteringRecord, SDMARecording, active_recording, current_real_queries, real_queries, recording,
-    tie_to_output,
+    ClusteringRecord, SDMARecording, active_recording, all_real_queries, current_real_queries, real_queries,
+    recording, tie_to_output,
 )
 from latent_core.sdma.regularisers import (  # noqa: F401
     DIAGNOSTIC_SUMS, GROUP_COMBINATIONS, authors_token_given_cluster, cluster_diversity, collect_sdma_losses,

@@ -151,18 +151,21 @@ class SDMACore(nn.Module):
         return log_joint, log_softmax_clusters(log_joint)
 
     @staticmethod
-    def heads_first(resp: Tensor, batch_first: bool = False) -> Tensor:
+    def heads_first(resp: Tensor, batch_first: bool = False, contiguous: bool = True) -> Tensor:
         """``[T, B, n_h, C]`` (``[B, T, n_h, C]`` with ``batch_first``, ESPnet's layout) ->
-        ``[B * n_h, T, C]`` (the layout of the attention scores)."""
+        ``[B * n_h, T, C]`` (the layout of the attention scores).
+
+        ``contiguous``: copied into that layout (the matrix products of the other kernels need it: on a
+        clusters-first view bmm falls back to one product per batch entry); without it a view where one
+        exists (the Triton kernels read any dense layout: one copy fewer forward and backward)."""
         if batch_first:
             B, T, H, C = resp.shape
             order = (0, 2, 1, 3)
         else:
             T, B, H, C = resp.shape
             order = (1, 2, 0, 3)
-        # contiguous: a clusters-first input would otherwise stay a strided view, on which
-        # bmm falls back to one matrix product per batch entry
-        return resp.permute(*order).contiguous().view(B * H, T, C)
+        heads = resp.permute(*order)
+        return heads.contiguous().view(B * H, T, C) if contiguous else heads.reshape(B * H, T, C)
 
     # -- regularisers -----------------------------------------------------------
     @staticmethod

@@ -74,6 +74,15 @@ class SDMARecording:
 
     def __init__(self):
         self._records: Dict[nn.Module, ClusteringRecord] = {}
+        self._all_real: Dict[Tuple, Tensor] = {}
+
+    def all_real(self, rows: int, batch: int, device: torch.device) -> Tensor:
+        """``[rows, batch]`` float32 ones (every query real), one tensor per shape for the whole forward pass:
+        the layers of a batch without padding share it (one fill, not one per layer)."""
+        key = (rows, batch, device)
+        if key not in self._all_real:
+            self._all_real[key] = torch.ones(rows, batch, dtype=torch.float32, device=device)
+        return self._all_real[key]
 
     def add(self, core: nn.Module, record: ClusteringRecord) -> None:
         self._records[core] = record
@@ -125,6 +134,15 @@ def real_queries(valid: Optional[Tensor]) -> Iterator[None]:
 def active_recording() -> Optional[SDMARecording]:
     """The innermost open :func:`recording` scope's records, or None (decoding, analysis)."""
     return _RECORDING.get()
+
+
+def all_real_queries(rows: int, batch: int, device: torch.device) -> Tensor:
+    """``[rows, batch]`` float32 ones: the active :func:`recording`'s shared tensor (:meth:`SDMARecording.all_real`),
+    or a new one outside a scope."""
+    records = _RECORDING.get()
+    if records is None:
+        return torch.ones(rows, batch, dtype=torch.float32, device=device)
+    return records.all_real(rows, batch, device)
 
 
 def current_real_queries() -> Optional[Tensor]:

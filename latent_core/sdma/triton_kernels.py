@@ -55,9 +55,13 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # first imported, which may have been before it was set
 _LANGUAGE_INTERPRETED = not isinstance(tl.max, triton.runtime.jit.JITFunction)
 # The arguments a kernel is not compiled again for (Triton specialises an integer argument by whether it is 1 or
-# divisible by 16): the sequence lengths, row counts, the seed and the masks' and biases' broadcast strides vary from
-# batch to batch, and each new combination would be another compile of several seconds on the GPU
-_SIZES = ["T", "S", "N", "G", "H", "NUM_BLOCKS", "total", "seed", "blocked_strides", "bias_strides"]
+# divisible by 16): the sequence lengths, row counts, the seed, the masks' and biases' broadcast strides and the
+# clustering's output gradients' strides vary from batch to batch, and each new combination would be another compile
+# of several seconds on the GPU. They are scalars: Triton 3.6 still specialises the members of a tuple argument on
+# their divisibility by 16 (one compile per padding and causal-mask pattern and sequence length's residue).
+_SIZES = ["T", "S", "N", "G", "H", "NUM_BLOCKS", "total", "seed", "blocked_stride_b", "blocked_stride_h",
+          "blocked_stride_t", "bias_stride_b", "bias_stride_h", "bias_stride_t", "grad_stride_n", "grad_stride_g",
+          "grad_stride_c"]
 _NEG = -1.0e30  # the score of a blocked key (finite: a row with every key blocked stays NaN-free)
 
 
@@ -250,13 +254,15 @@ def _clustering_forward(X, MEANS, LOG_VARS, PRIOR, LOG_JOINT, LOG_RESP, N, G, D,
 
 @triton.jit(do_not_specialize=_SIZES)
 def _clustering_backward(X, MEANS, LOG_VARS, PRIOR, GRAD_JOINT, GRAD_RESP, GRAD_X, PARTIAL_MU, PARTIAL_LV, PARTIAL_PI,
-                         N, G, D, stride_xn, stride_gxn, scale, lv_min, lv_max,
+                         N, G, D, stride_xn, stride_gxn, grad_stride_n, grad_stride_g, grad_stride_c, scale, lv_min,
+                         lv_max,
                          C: tl.constexpr, HAS_GRAD_JOINT: tl.constexpr, HAS_GRAD_RESP: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
                          LOG_2PI_: tl.constexpr):
     """The backward of :func:`_clustering_forward` for ``BLOCK_N`` rows of one group: the input's gradient
     (``GRAD_X``) and this block's sums of the means', log-variances' and prior logits' gradients (``PARTIAL_*``,
-    reduced by :func:`_clustering_parameter_grads`). Grid: (row blocks, G)."""
+    reduced by :func:`_clustering_parameter_grads`). The output gradients ``[N, G, C]`` are read in any one layout
+    (``grad_stride_*``). Grid: (row blocks, G)."""
     pid_n = tl.program_id(0)
     g = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -265,19 +271,19 @@ def _clustering_backward(X, MEANS, LOG_VARS, PRIOR, GRAD_JOINT, GRAD_RESP, GRAD_
     mask_n, mask_d = offs_n < N, offs_d < D
     x = tl.load(X + offs_n[:, None] * stride_xn + (g * D + offs_d)[None, :], mask=mask_n[:, None] & mask_d[None, :],
                 other=0.0).to(tl.float32) * scale
-    out = offs_c[None, :] * (N * G) + offs_n[:, None] * G + g
     tile = mask_n[:, None] & (offs_c[None, :] < C)
+    grads = offs_n[:, None] * grad_stride_n + g * grad_stride_g + offs_c[None, :] * grad_stride_c
     # total gradient of log p(z, c): its own plus the log-softmax's (t = g_joint + g_resp - p(c|z) sum_c g_resp)
     total = tl.zeros((BLOCK_N, BLOCK_C), tl.float32)
     if HAS_GRAD_JOINT:
-        total += tl.load(GRAD_JOINT + out, mask=tile, other=0.0).to(tl.float32)
+        total += tl.load(GRAD_JOINT + grads, mask=tile, other=0.0).to(tl.float32)
     if HAS_GRAD_RESP:
         joint = _log_joint_tile(x, MEANS, LOG_VARS, PRIOR, g, offs_c, offs_d, mask_d, D, lv_min, lv_max,
                                 C, BLOCK_N, BLOCK_C, LOG_2PI_)
         joint_max = tl.max(joint, 1)
         resp = tl.exp(joint - joint_max[:, None])
         resp = resp / tl.sum(resp, 1)[:, None]
-        grad_resp = tl.load(GRAD_RESP + out, mask=tile, other=0.0).to(tl.float32)
+        grad_resp = tl.load(GRAD_RESP + grads, mask=tile, other=0.0).to(tl.float32)
         total += grad_resp - resp * tl.sum(grad_resp, 1)[:, None]
     total = tl.where(tile, total, 0.0)
     grad_x = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
@@ -366,10 +372,12 @@ class _GaussianClustering(torch.autograd.Function):
         if ctx.call is not None:
             ctx.call.update(grad_joint=grad_joint is not None, grad_resp=grad_resp is not None)
 
-        def clusters_first_storage(grad):  # [N, G, C] -> a contiguous [C, N, G]
-            return None if grad is None else grad.movedim(-1, 0).contiguous()
-
-        grad_joint, grad_resp = clusters_first_storage(grad_joint), clusters_first_storage(grad_resp)
+        # the output gradients are read in the layout they come in (no copy) where both have one layout (the usual
+        # case: autograd's sums follow their inputs' layout); else the second is copied into the first's
+        given = [grad for grad in (grad_joint, grad_resp) if grad is not None]
+        if len(given) == 2 and grad_resp.stride() != grad_joint.stride():
+            grad_resp = torch.empty_like(grad_joint).copy_(grad_resp)
+        strides = given[0].stride()
         grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         partial_mu = torch.empty(num_blocks, groups, clusters, block_d, dtype=torch.float32, device=x.device)
         partial_lv = torch.empty_like(partial_mu)
@@ -377,7 +385,7 @@ class _GaussianClustering(torch.autograd.Function):
         _launch("clustering_backward", _clustering_backward, (num_blocks, groups),
                 (x, means, log_vars, prior_logits, grad_joint if grad_joint is not None else x,
                  grad_resp if grad_resp is not None else x, grad_x, partial_mu, partial_lv, partial_pi,
-                 rows, groups, dim, x.stride(0), grad_x.stride(0), ctx.scale, *LOGVAR_RANGE),
+                 rows, groups, dim, x.stride(0), grad_x.stride(0), *strides, ctx.scale, *LOGVAR_RANGE),
                 dict(C=clusters, HAS_GRAD_JOINT=grad_joint is not None, HAS_GRAD_RESP=grad_resp is not None,
                      BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_C=block_c, LOG_2PI_=LOG_2PI), cfg)
         grad_means, grad_log_vars = torch.empty_like(means), torch.empty_like(log_vars)
@@ -485,7 +493,8 @@ def _dropout_scale(seed, dropout_p, bh, T, S, offs_t, offs_s):
 
 @triton.jit(do_not_specialize=_SIZES)
 def _attention_forward(Q, q_strides, K, k_strides, V, v_strides, GQ, gq_strides, GK, gk_strides,
-                       BLOCKED, blocked_strides, BIAS, bias_strides, MIX, OUT, OUT_MASKED, STATS, MIX_USED,
+                       BLOCKED, blocked_stride_b, blocked_stride_h, blocked_stride_t,
+                       BIAS, bias_stride_b, bias_stride_h, bias_stride_t, MIX, OUT, OUT_MASKED, STATS, MIX_USED,
                        H, T, S, D, seed, dropout_p,
                        C: tl.constexpr, AUTHORS: tl.constexpr, HAS_BLOCKED: tl.constexpr, HAS_BIAS: tl.constexpr,
                        DROPOUT: tl.constexpr, SAVE: tl.constexpr, EPS: tl.constexpr, FLOOR: tl.constexpr,
@@ -505,6 +514,8 @@ def _attention_forward(Q, q_strides, K, k_strides, V, v_strides, GQ, gq_strides,
                 other=0.0)
     K, V = _head(K, k_strides, b, h), _head(V, v_strides, b, h)
     GQ, GK = _head(GQ, gq_strides, b, h), _head(GK, gk_strides, b, h)
+    blocked_strides = (blocked_stride_b, blocked_stride_h, blocked_stride_t)
+    bias_strides = (bias_stride_b, bias_stride_h, bias_stride_t)
     BLOCKED, BIAS = _head(BLOCKED, blocked_strides, b, h), _head(BIAS, bias_strides, b, h)
     offs_c = tl.arange(0, BLOCK_C)
     gq = _query_responsibilities(GQ, gq_strides, offs_t, mask_t, offs_c, C)
@@ -559,7 +570,7 @@ def _attention_forward(Q, q_strides, K, k_strides, V, v_strides, GQ, gq_strides,
     out_plain = acc_plain / row_sum[:, None]  # sum_j A_ij v_j
     out_masked = acc_masked / (row_sum * norm_r * norm_z)[:, None]  # sum_j A_bar_ij v_j
     out = (1.0 - mix) * out_plain + mix * out_masked  # eq. (11)
-    rows = (bh * T + offs_t)[:, None] * D + offs_d[None, :]
+    rows = _tile(_head(0, q_strides, b, h), q_strides, offs_t, offs_d)  # the output in q's layout
     store = mask_t[:, None] & mask_d[None, :]
     tl.store(OUT + rows, out.to(OUT.dtype.element_ty), mask=store)
     if SAVE:
@@ -574,7 +585,7 @@ def _attention_forward(Q, q_strides, K, k_strides, V, v_strides, GQ, gq_strides,
 
 
 @triton.jit(do_not_specialize=_SIZES)
-def _attention_row_sums(GRAD_OUT, grad_out_strides, OUT, OUT_MASKED, ROW_SUMS, H, T, D, total,
+def _attention_row_sums(GRAD_OUT, grad_out_strides, OUT, OUT_MASKED, out_strides, ROW_SUMS, H, T, D, total,
                         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """dO_i . O_i and dO_i . O_bar_i, per row (``ROW_SUMS`` [2, B*H, T]). Grid: (query blocks, B*H)."""
     pid_t = tl.program_id(0)
@@ -585,7 +596,7 @@ def _attention_row_sums(GRAD_OUT, grad_out_strides, OUT, OUT_MASKED, ROW_SUMS, H
     tile = (offs_t < T)[:, None] & (offs_d < D)[None, :]
     grad = tl.load(_tile(_head(GRAD_OUT, grad_out_strides, b, h), grad_out_strides, offs_t, offs_d), mask=tile,
                    other=0.0).to(tl.float32)
-    rows = (bh * T + offs_t)[:, None] * D + offs_d[None, :]
+    rows = _tile(_head(0, out_strides, b, h), out_strides, offs_t, offs_d)
     out = tl.load(OUT + rows, mask=tile, other=0.0).to(tl.float32)
     out_masked = tl.load(OUT_MASKED + rows, mask=tile, other=0.0).to(tl.float32)
     tl.store(ROW_SUMS + bh * T + offs_t, tl.sum(grad * out, 1), mask=offs_t < T)
@@ -647,7 +658,8 @@ def _attention_backward_tile(q, k, v, grad_out, gq, gk, lse, norm_r, mass, dot_a
 
 @triton.jit(do_not_specialize=_SIZES)
 def _attention_backward_keys(Q, q_strides, K, k_strides, V, v_strides, GQ, gq_strides, GK, gk_strides,
-                             BLOCKED, blocked_strides, BIAS, bias_strides, GRAD_OUT, grad_out_strides,
+                             BLOCKED, blocked_stride_b, blocked_stride_h, blocked_stride_t,
+                             BIAS, bias_stride_b, bias_stride_h, bias_stride_t, GRAD_OUT, grad_out_strides,
                              STATS, ROW_SUMS, MIX_USED, GRAD_K, GRAD_V, GRAD_GK, H, T, S, D, seed, dropout_p,
                              C: tl.constexpr, AUTHORS: tl.constexpr, HAS_BLOCKED: tl.constexpr, HAS_BIAS: tl.constexpr,
                              DROPOUT: tl.constexpr, EPS: tl.constexpr, FLOOR: tl.constexpr,
@@ -668,6 +680,8 @@ def _attention_backward_keys(Q, q_strides, K, k_strides, V, v_strides, GQ, gq_st
     v = tl.load(_tile(_head(V, v_strides, b, h), v_strides, offs_s, offs_d), mask=kv_tile, other=0.0)
     Q, GRAD_OUT = _head(Q, q_strides, b, h), _head(GRAD_OUT, grad_out_strides, b, h)
     GQ, GK = _head(GQ, gq_strides, b, h), _head(GK, gk_strides, b, h)
+    blocked_strides = (blocked_stride_b, blocked_stride_h, blocked_stride_t)
+    bias_strides = (bias_stride_b, bias_stride_h, bias_stride_t)
     BLOCKED, BIAS = _head(BLOCKED, blocked_strides, b, h), _head(BIAS, bias_strides, b, h)
     mix = tl.load(MIX_USED)
     gk = _key_responsibilities(GK, gk_strides, offs_s, mask_s, offs_c, C)
@@ -689,15 +703,19 @@ def _attention_backward_keys(Q, q_strides, K, k_strides, V, v_strides, GQ, gq_st
         grad_v += _dot(tl.trans(mixed.to(grad_out.dtype)), grad_out, DOT_PRECISION)
         grad_k += _dot(tl.trans(grad_scores.to(q.dtype)), q, DOT_PRECISION)
         grad_gk += tl.dot(tl.trans(grad_product), gq, input_precision=RESP_PRECISION)  # sum_i dP_ij p(c|z_i)
-    rows = (bh * S + offs_s)[:, None]
-    tl.store(GRAD_K + rows * D + offs_d[None, :], grad_k.to(GRAD_K.dtype.element_ty), mask=kv_tile)
-    tl.store(GRAD_V + rows * D + offs_d[None, :], grad_v.to(GRAD_V.dtype.element_ty), mask=kv_tile)
-    tl.store(GRAD_GK + rows * C + offs_c[None, :], grad_gk, mask=mask_s[:, None] & (offs_c[None, :] < C))
+    # each gradient in its input's layout
+    tl.store(_tile(_head(GRAD_K, k_strides, b, h), k_strides, offs_s, offs_d), grad_k.to(GRAD_K.dtype.element_ty),
+             mask=kv_tile)
+    tl.store(_tile(_head(GRAD_V, v_strides, b, h), v_strides, offs_s, offs_d), grad_v.to(GRAD_V.dtype.element_ty),
+             mask=kv_tile)
+    tl.store(_tile(_head(GRAD_GK, gk_strides, b, h), gk_strides, offs_s, offs_c), grad_gk,
+             mask=mask_s[:, None] & (offs_c[None, :] < C))
 
 
 @triton.jit(do_not_specialize=_SIZES)
 def _attention_backward_queries(Q, q_strides, K, k_strides, V, v_strides, GQ, gq_strides, GK, gk_strides,
-                                BLOCKED, blocked_strides, BIAS, bias_strides, GRAD_OUT, grad_out_strides,
+                                BLOCKED, blocked_stride_b, blocked_stride_h, blocked_stride_t,
+                                BIAS, bias_stride_b, bias_stride_h, bias_stride_t, GRAD_OUT, grad_out_strides,
                                 STATS, ROW_SUMS, MIX_USED, GRAD_Q, GRAD_GQ, GRAD_BIAS, H, T, S, D, seed, dropout_p,
                                 C: tl.constexpr, AUTHORS: tl.constexpr, HAS_BLOCKED: tl.constexpr,
                                 HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, DROPOUT: tl.constexpr,
@@ -720,6 +738,8 @@ def _attention_backward_queries(Q, q_strides, K, k_strides, V, v_strides, GQ, gq
                        mask=q_tile, other=0.0).to(q.dtype)
     K, V = _head(K, k_strides, b, h), _head(V, v_strides, b, h)
     GQ, GK = _head(GQ, gq_strides, b, h), _head(GK, gk_strides, b, h)
+    blocked_strides = (blocked_stride_b, blocked_stride_h, blocked_stride_t)
+    bias_strides = (bias_stride_b, bias_stride_h, bias_stride_t)
     BLOCKED, BIAS = _head(BLOCKED, blocked_strides, b, h), _head(BIAS, bias_strides, b, h)
     mix = tl.load(MIX_USED)
     lse, norm_r, mass, dot_all, dot_masked = _row_statistics(STATS, ROW_SUMS, bh, T, offs_t, mask_t)
@@ -742,9 +762,11 @@ def _attention_backward_queries(Q, q_strides, K, k_strides, V, v_strides, GQ, gq
             tl.store(GRAD_BIAS + (bh * T + offs_t[:, None]) * S + offs_s[None, :], grad_scores,
                      mask=mask_t[:, None] & mask_s[None, :])
         grad_gq += tl.dot(grad_product, gk, input_precision=RESP_PRECISION)  # sum_j dP_ij p(c|z_j)
-    rows = (bh * T + offs_t)[:, None]
-    tl.store(GRAD_Q + rows * D + offs_d[None, :], grad_q.to(GRAD_Q.dtype.element_ty), mask=q_tile)
-    tl.store(GRAD_GQ + rows * C + offs_c[None, :], grad_gq, mask=mask_t[:, None] & (offs_c[None, :] < C))
+    # each gradient in its input's layout
+    tl.store(_tile(_head(GRAD_Q, q_strides, b, h), q_strides, offs_t, offs_d), grad_q.to(GRAD_Q.dtype.element_ty),
+             mask=q_tile)
+    tl.store(_tile(_head(GRAD_GQ, gq_strides, b, h), gq_strides, offs_t, offs_c), grad_gq,
+             mask=mask_t[:, None] & (offs_c[None, :] < C))
 
 
 def _rows_of(tensor: Optional[Tensor], shape) -> Tuple[Optional[Tensor], Tuple[int, int, int]]:
@@ -756,6 +778,18 @@ def _rows_of(tensor: Optional[Tensor], shape) -> Tuple[Optional[Tensor], Tuple[i
     if expanded.stride(-1) != 1:
         expanded = tensor.expand(*tensor.shape[:-1], shape[-1]).contiguous().expand(*shape)
     return expanded, tuple(expanded.stride()[:3])
+
+
+def _dense(tensor: Tensor) -> Tensor:
+    """``tensor`` if its elements fill its storage span without overlap in some order of its dimensions (then
+    ``torch.empty_like`` gives its strides, and the kernels write its output and gradient in its layout), else a
+    contiguous copy (e.g. an expanded tensor)."""
+    span = 1
+    for size, stride in sorted((t for t in zip(tensor.shape, tensor.stride()) if t[0] != 1), key=lambda t: t[1]):
+        if stride != span:
+            return tensor.contiguous()
+        span *= size
+    return tensor
 
 
 class _AttentionShapes(NamedTuple):
@@ -795,16 +829,18 @@ class _MixedAttention(torch.autograd.Function):
         blocked_bytes, blocked_strides = _rows_of(None if blocked is None else blocked.view(torch.uint8), full)
         bias_rows, bias_strides = _rows_of(score_bias, full)
         save = any(ctx.needs_input_grad[:5]) or ctx.needs_input_grad[10]
-        out = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
-        out_masked = torch.empty_like(out) if save else out
+        # the output in q's layout (q is dense, mixed_attention sees to it): an adapter's [T, B, H, D] queries give a
+        # [T, B, H, D] output, which it reshapes without a copy
+        out = torch.empty_like(q)
+        out_masked = torch.empty_like(q) if save else out
         stats = torch.empty(3, B * H, T, dtype=torch.float32, device=q.device) if save else out
         mix_used = torch.empty((), dtype=torch.float32, device=q.device)
         cfg = launch_config("attention_forward", D, q.dtype)
         block_t, block_s, block_d = _block(T, cfg.block_rows), _block(S, cfg.block_cols), _block(D, 1 << 20)
         _launch("attention_forward", _attention_forward, (triton.cdiv(T, block_t), B * H),
                 (q, q.stride(), k, k.stride(), v, v.stride(), resp_query, resp_query.stride(), resp_key,
-                 resp_key.stride(), blocked_bytes if blocked_bytes is not None else q, blocked_strides,
-                 bias_rows if bias_rows is not None else q, bias_strides, mix, out, out_masked,
+                 resp_key.stride(), blocked_bytes if blocked_bytes is not None else q, *blocked_strides,
+                 bias_rows if bias_rows is not None else q, *bias_strides, mix, out, out_masked,
                  stats, mix_used, H, T, S, D, seed, float(dropout_p)),
                 dict(C=C, AUTHORS=authors, HAS_BLOCKED=blocked is not None, HAS_BIAS=score_bias is not None,
                      DROPOUT=dropout_p > 0, SAVE=save, EPS=AUTHORS_EPS, FLOOR=PAPER_MASK_FLOOR, NEG=_NEG,
@@ -843,23 +879,24 @@ class _MixedAttention(torch.autograd.Function):
         cfg = launch_config("row_sums", D, q.dtype)
         block_t = _block(T, cfg.block_rows)
         _launch("attention_row_sums", _attention_row_sums, (triton.cdiv(T, block_t), B * H),
-                (grad_out, grad_out.stride(), out, out_masked, row_sums, H, T, D, B * H * T),
+                (grad_out, grad_out.stride(), out, out_masked, out.stride(), row_sums, H, T, D, B * H * T),
                 dict(BLOCK_T=block_t, BLOCK_D=block_d), cfg)
         inputs = (q, q.stride(), k, k.stride(), v, v.stride(), resp_query, resp_query.stride(), resp_key,
-                  resp_key.stride(), blocked_bytes if blocked_bytes is not None else q, blocked_strides,
-                  bias_rows if bias_rows is not None else q, bias_strides, grad_out,
+                  resp_key.stride(), blocked_bytes if blocked_bytes is not None else q, *blocked_strides,
+                  bias_rows if bias_rows is not None else q, *bias_strides, grad_out,
                   grad_out.stride(), stats, row_sums, mix_used)
         sizes = (H, T, S, D, ctx.seed, ctx.dropout_p)
-        grad_k = torch.empty(B, H, S, D, dtype=k.dtype, device=k.device)
-        grad_v = torch.empty(B, H, S, D, dtype=v.dtype, device=v.device)
-        grad_resp_key = torch.empty(B, H, S, C, dtype=torch.float32, device=q.device)
+        # every gradient in its input's layout (the inputs are dense): the adapters' views back to their own layout
+        # then copy nothing
+        grad_k, grad_v = torch.empty_like(k), torch.empty_like(v)
+        grad_resp_key = torch.empty_like(resp_key, dtype=torch.float32)
         cfg = launch_config("attention_backward_keys", D, q.dtype)
         block_t, block_s = _block(T, cfg.block_rows), _block(S, cfg.block_cols)
         _launch("attention_backward_keys", _attention_backward_keys, (triton.cdiv(S, block_s), B * H),
                 (*inputs, grad_k, grad_v, grad_resp_key, *sizes),
                 dict(**common, BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_D=block_d, BLOCK_C=block_c), cfg)
-        grad_q = torch.empty(B, H, T, D, dtype=q.dtype, device=q.device)
-        grad_resp_query = torch.empty(B, H, T, C, dtype=torch.float32, device=q.device)
+        grad_q = torch.empty_like(q)
+        grad_resp_query = torch.empty_like(resp_query, dtype=torch.float32)
         # the bias's gradient is d scores, [B, H, T, S] (the T x S memory a flash kernel otherwise avoids), summed
         # over the dimensions the bias was broadcast along
         grad_scores = torch.empty(full, dtype=torch.float32, device=q.device) if bias_grad else None
@@ -915,6 +952,7 @@ def mixed_attention(q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, resp_ke
         check_score_bias(score_bias, (B, H, T, k.size(2)), caller="mixed_attention: ")
     if seed is None:
         seed = dropout_seed(dropout_p)
+    q, k, v, resp_query, resp_key = (_dense(t) for t in (q, k, v, resp_query, resp_key))
     return _MixedAttention.apply(q, k, v, resp_query, resp_key, mix.detach().reshape(()).float(), blocked, authors,
                                  float(dropout_p), seed, score_bias)
 

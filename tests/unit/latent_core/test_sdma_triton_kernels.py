@@ -319,6 +319,58 @@ def test_the_clustering_kernel_against_eq_9_written_out():
     torch.testing.assert_close(log_resp.exp().sum(-1), torch.ones(5, 2, device=DEVICE))
 
 
+@pytest.mark.parametrize("authors", [True, False], ids=["authors", "paper"])
+def test_an_adapters_layout_is_kept_for_the_output_and_every_gradient(authors):
+    """fairseq's layout: q, k, v and p(c|.) as [B, H, T, .] views of [T, B, H, .] storage (the responsibilities
+    clusters-first, [C, T, B, H]). The output and each gradient come back in its input's layout (so the adapter's
+    reshapes copy nothing), with the explicit row's values; an expanded p(c|z_j) (stride 0) is copied first."""
+    B, H, T, S, C = 2, 2, 19, 17, 4
+    tensors = attention_inputs(B, H, T, S, C=C)
+    as_fairseq = [t.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3) for t in tensors[:3]]
+    as_fairseq += [t.permute(3, 2, 0, 1).contiguous().permute(2, 3, 1, 0) for t in tensors[3:]]
+    blocked, mix = blocked_keys("padding", B, T, S), torch.tensor(0.6, device=DEVICE)
+    inputs = [t.detach().requires_grad_() for t in as_fairseq]
+    out = mixed_attention(*inputs, mix, authors=authors, blocked=blocked)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.device)
+    (out * weights).sum().backward()
+    assert out.stride() == inputs[0].stride()
+    for name, t in zip(NAMES[1:], inputs):
+        assert t.grad.stride() == t.stride(), name
+    got = [out.detach()] + [t.grad for t in inputs]
+    assert_close(got, run("explicit", tensors, mix, blocked, authors))
+    shared_keys = tensors[4][:, :1].detach().requires_grad_()  # one head's p(c|z_j) for both heads
+    out = mixed_attention(*tensors[:4], shared_keys.expand(B, H, S, C), mix, authors=authors, blocked=blocked)
+    out.sum().backward()
+    want = run("explicit", tensors[:4] + [shared_keys.detach().expand(B, H, S, C)], mix, blocked, authors)
+    torch.testing.assert_close(out.detach(), want[0], rtol=1e-5, atol=1e-5)
+    assert shared_keys.grad.shape == (B, 1, S, C) and torch.isfinite(shared_keys.grad).all()
+
+
+@pytest.mark.parametrize("layout", ["rows_first", "stacked_clusters_first", "expanded"])
+def test_the_clustering_backward_reads_its_gradients_in_any_layout(layout):
+    """The output gradients come as autograd hands them: rows-first ([N, G, C] contiguous), a layer's slice of the
+    regularisers' clusters-first stack, or expanded (a plain sum's backward, stride 0); read by their strides."""
+    gmm, x = clustering_case()
+    inputs = [x.requires_grad_(), gmm.means, gmm.log_vars, gmm.prior_logits]
+    g = torch.Generator().manual_seed(5)
+
+    def loss(log_joint, log_resp):
+        if layout == "rows_first":
+            return (log_joint * torch.randn(log_joint.shape, generator=g)).sum() + log_resp.pow(2).sum()
+        if layout == "expanded":
+            return log_joint.sum() + 0.5 * log_resp.sum()
+        stacked = torch.stack([t.movedim(-1, 0) for t in (log_joint, log_resp)], dim=1)  # [C, 2, N, G]
+        return (stacked * torch.randn(stacked.shape, generator=g)).sum()
+
+    log_joint, log_resp = gaussian_clustering(x, gmm.means, gmm.log_vars, gmm.prior_logits, 0.1)
+    got = torch.autograd.grad(loss(log_joint, log_resp), inputs)
+    g.manual_seed(5)
+    want_joint = gmm.log_joint(x.view(x.size(0), gmm.groups, gmm.dim), scale=0.1)
+    want = torch.autograd.grad(loss(want_joint, log_softmax_clusters(want_joint)), inputs)
+    for name, a, b in zip(("x", "means", "log_vars", "prior_logits"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * max(float(b.abs().max()), 1.0), msg=name)
+
+
 # -- planted defects ---------------------------------------------------------------------------------------
 
 def planted(replacements):
