@@ -146,6 +146,12 @@ def planted_copy(module, replacements, name: str):
     return planted
 
 
+def fuzz_examples(examples: int) -> int:
+    """Hypothesis examples for a fuzz test: ``examples`` in ``make test`` (CI), a quarter (at least 20) in ``make
+    test-fast`` (``TEST_TIER=fast``), which keeps every fuzz test at fewer inputs to stay within its 3 minutes."""
+    return max(20, examples // 4) if os.environ.get("TEST_TIER") == "fast" else examples
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now (for a test's DDP rendezvous; xdist
     workers run DDP tests at the same time, so a port fixed or derived from the pid can clash)."""

@@ -20,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import fuzz_examples
 from user_dir.hf_sentence.data import GLUE_TASKS, Examples, GlueDataError, LabelSpec, Layout, \
     parse_labels, read_tsv
 from pipelines import kaldi_data as kaldi
@@ -43,7 +44,7 @@ except ImportError:  # pragma: no cover
 
 KaldiDataDirError = kaldi.KaldiDataDirError
 
-FUZZ = settings(max_examples=150, deadline=None, database=None,
+FUZZ = settings(max_examples=fuzz_examples(150), deadline=None, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 pytestmark = pytest.mark.timeout(300)
 

@@ -21,10 +21,11 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import fuzz_examples
 from pipelines.data import ding, english_vae as vae, lee_sts as lee, pattern3 as p3, translation as pt
 
-FUZZ = settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
-ROUND_TRIP = settings(max_examples=100, deadline=None, database=None,
+FUZZ = settings(max_examples=fuzz_examples(200), deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+ROUND_TRIP = settings(max_examples=fuzz_examples(100), deadline=None, database=None,
                       suppress_health_check=[HealthCheck.too_slow])
 
 # arbitrary input: raw bytes, bytes that look like text (some invalid UTF-8), lines of any text
