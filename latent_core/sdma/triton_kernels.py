@@ -89,7 +89,7 @@ HEAD_DIMS = (32, 64, 128)  # the head dims LAUNCH is chosen for (BLOCK_D; 16 tak
 # attention_backward_keys at head dim 128 (16 x 16): on a GPU allow tf32 or train in fp16/bf16 (benchmark.md,
 # "Compiled for the GPU without one").
 _ATTENTION_TILES = {  # (inputs, BLOCK_D) -> forward, backward over the keys, backward over the queries
-    ("half", 32): ((64, 32, 4, 2), (32, 32, 8, 2), (32, 32, 8, 2)),
+    ("half", 32): ((64, 32, 4, 2), (32, 32, 4, 1), (32, 32, 8, 2)),
     ("half", 64): ((32, 32, 8, 2), (32, 32, 8, 2), (32, 16, 4, 1)),
     ("half", 128): ((32, 32, 8, 1), (32, 32, 4, 1), (32, 32, 8, 2)),
     ("tf32", 32): ((32, 32, 8, 2), (32, 32, 4, 1), (32, 32, 4, 1)),
