@@ -1,8 +1,8 @@
 """Every Triton launch the adapters' models make, compiled for the A100 (sm_80) and the H100 (sm_90) at head dims 32,
 64 and 128 in fp16 and bf16 (``sdma-kernels-report``): no register spills, shared memory within the architecture's
 per-block limit. No GPU is needed: ``triton.compile`` targets a card without a driver, and ``ptxas -v`` reports what
-the card would run. About 8 minutes on 2 cores alone (the models' calls recorded in Triton's interpreter, under 2
-minutes; then about 500 launches per architecture compiled, one process each: the regularisers' kernels are compiled
+the card would run. About 7 minutes on 2 cores alone (the models' calls recorded in Triton's interpreter, under 2
+minutes; then 492 launches per architecture compiled, one process each, 305 s: the regularisers' kernels are compiled
 per GMM dtype and head dim), longer beside the other tests: hence its own time limit."""
 
 import json
