@@ -128,21 +128,23 @@ def assert_same_step(want, got, parameter: str, rtol: float, atol: float) -> Non
 
 
 def planted_copy(module, replacements, name: str):
-    """A copy of ``module`` imported as ``name`` from its source with ``replacements`` ((old, new) strings) applied:
-    a planted defect, for a test to show that its checks fail on it. Every ``old`` must occur in the source."""
-    import importlib.util
-    import tempfile
+    """A copy of ``module``, registered as ``name``, from its source with ``replacements`` ((old, new) strings)
+    applied: a planted defect, for a test to show that its checks fail on it. Every ``old`` must occur in the
+    source. The source is executed from memory; linecache holds it under a pseudo-file name, where Triton's
+    ``@jit`` reads its functions' source."""
+    import linecache
+    import types
 
     source = Path(module.__file__).read_text()
     for old, new in replacements:
         assert old in source, old
         source = source.replace(old, new)
-    path = Path(tempfile.mkdtemp()) / f"{name}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(name, path)
-    planted = importlib.util.module_from_spec(spec)
+    filename = f"<planted {name}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    planted = types.ModuleType(name)
+    planted.__file__ = filename
     sys.modules[name] = planted
-    spec.loader.exec_module(planted)
+    exec(compile(source, filename, "exec"), planted.__dict__)
     return planted
 
 

@@ -200,8 +200,8 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         q = q / math.sqrt(D)
 
         blocked = None if mask is None else mask.unsqueeze(1).eq(0)  # (B, 1, T1 or 1, T2)
-        x, weights = self._attend(q, k, v, self._heads_first(log_resp_z).view(B, H, T1, -1),
-                                  self._heads_first(log_resp_k).view(B, H, k.size(2), -1), blocked)
+        x, weights = self._attend(q, k, v, core.attention_responsibilities(log_resp_z, True).view(B, H, T1, -1),
+                                  core.attention_responsibilities(log_resp_k, True).view(B, H, k.size(2), -1), blocked)
         x = x.transpose(1, 2).reshape(B, T1, H * D)
 
         record = None
@@ -255,8 +255,9 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         else:
             allowed = None
         blocked = None if allowed is None else ~allowed.unsqueeze(1)
-        x, weights = self._attend(q, k, v, self._heads_first(log_resp_z).view(B, H, T1, -1),
-                                  self._heads_first(key_resp).view(B, H, T2, -1), blocked, authors=True)
+        x, weights = self._attend(q, k, v, core.attention_responsibilities(log_resp_z, True).view(B, H, T1, -1),
+                                  core.attention_responsibilities(key_resp, True).view(B, H, T2, -1), blocked,
+                                  authors=True)
         x = x.transpose(1, 2).reshape(B, T1, H * D)
 
         record = None
@@ -271,12 +272,6 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
                       self._query_valid(mask, B, T1, query, real_queries).t(), log_joint_q, log_resp_q,
                       log_joint_k, log_resp_k, log_vars)
         return self.linear_out(x), weights, record
-
-    def _heads_first(self, log_resp: Tensor) -> Tensor:
-        """p(c|.) of ``log_resp`` (B, T, H, C) as (B * H, T, C): a view for the Triton kernels (they read any dense
-        layout), a copy for the others."""
-        return SDMACore.heads_first(log_resp.exp(), batch_first=True,
-                                    contiguous=self.sdma.options.attention_kernel != "triton")
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, resp_key: Tensor,
                 blocked: Optional[Tensor], authors: bool = False) -> Tuple[Tensor, Optional[Tensor]]:

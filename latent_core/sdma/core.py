@@ -167,6 +167,12 @@ class SDMACore(nn.Module):
         heads = resp.permute(*order)
         return heads.contiguous().view(B * H, T, C) if contiguous else heads.reshape(B * H, T, C)
 
+    def attention_responsibilities(self, log_resp: Tensor, batch_first: bool = False) -> Tensor:
+        """p(c|.) of ``log_resp`` (``[T, B, n_h, C]``, ``[B, T, n_h, C]`` with ``batch_first``) as the attention
+        takes it, ``[B * n_h, T, C]`` (:meth:`heads_first`): a view for the Triton kernels, which read any dense
+        layout (one copy fewer forward and backward), a copy for the others."""
+        return self.heads_first(log_resp.exp(), batch_first, contiguous=self.options.attention_kernel != "triton")
+
     # -- regularisers -----------------------------------------------------------
     @staticmethod
     def computes_regularisers() -> bool:

@@ -155,7 +155,7 @@ class SDMAMultiheadAttention(MultiheadAttention):
         clustered = core.cluster_jointly([z_cluster, key_cluster] if cross_keys else [z_cluster], gmm_terms,
                                          core.clustering_scale)
         log_joint_z, log_resp_z = clustered[0]  # [T, B, H, C]
-        resp_query = core.heads_first(log_resp_z.exp(), contiguous=not self._triton)  # [B*H, T, C]
+        resp_query = core.attention_responsibilities(log_resp_z)  # [B*H, T, C]
         q = self._scaled_query(z)
         k, v, key_resp, log_joint_k, log_resp_k = self._keys(
             query, z, key, value, resp_query, clustered[1] if cross_keys else None)
@@ -208,11 +208,6 @@ class SDMAMultiheadAttention(MultiheadAttention):
                 weights = weights.mean(dim=0)
         return attn, weights, record
 
-    @property
-    def _triton(self) -> bool:
-        """Whether the Triton kernels compute this module (they read any dense layout: no copies into theirs)."""
-        return self.sdma.options.attention_kernel == "triton"
-
     def _one_copy_per_sentence(self, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor], bsz: int):
         """fairseq's beamable encoder-decoder attention: the encoder output once per sentence
         (not once per beam hypothesis). Returns (key, value, key_padding_mask)."""
@@ -240,7 +235,7 @@ class SDMAMultiheadAttention(MultiheadAttention):
         if not core.options.authors:
             log_joint_k = None
         k, v = self.k_proj(key), self.v_proj(value)
-        return k, v, core.heads_first(log_resp_k.exp(), contiguous=not self._triton), log_joint_k, log_resp_k
+        return k, v, core.attention_responsibilities(log_resp_k), log_joint_k, log_resp_k
 
     def _extend_cache(self, incremental_state, saved_state, k, v, key_resp, key_padding_mask, kv_bsz: int,
                       static_kv: bool):
