@@ -277,7 +277,8 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
                 blocked: Optional[Tensor], authors: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
         """A_hat V of eq. (1), (2), (10), (11) through the core's entry point
         (:func:`latent_core.sdma.sdma_attention`): ``q`` (B, H, T1, d_k) scaled, ``k``/``v`` (B, H, T2, d_k),
-        ``resp_query`` (B, H, T1, C) and ``resp_key`` (B, H, T2, C) p(c|.), ``blocked`` (B or 1, 1, T1 or 1, T2)
+        ``resp_query`` (B, H, T1, C) and ``resp_key`` (B, H, T2, C) log p(c|.)
+        (:meth:`~latent_core.sdma.SDMACore.attention_responsibilities`), ``blocked`` (B or 1, 1, T1 or 1, T2)
         True = masked -> ((B, H, T1, d_k), A_hat (B, H, T1, T2) or None). Outside training ESPnet reads the
         weights (``self.attn``: attention plots), so they are asked for there (the explicit kernel)."""
         core = self.sdma
@@ -286,7 +287,7 @@ class SDMAMultiHeadedAttention(MultiHeadedAttention):
         return sdma_attention(
             q, k, v, resp_query, resp_key, core.mix_weight, authors=authors, blocked=blocked,
             kernel=core.options.attention_kernel, need_weights=not self.training, dropout=self.dropout,
-            dropout_p=self.dropout.p if dropout_active else 0.0, score_bias=score_bias)
+            dropout_p=self.dropout.p if dropout_active else 0.0, score_bias=score_bias, log_responsibilities=True)
 
     def _position_terms(self, q: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
         """(the queries of the content scores, an additive score bias or None) for scaled ``q``: the queries

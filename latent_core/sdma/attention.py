@@ -223,9 +223,9 @@ def lowrank_mix_attention(q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, r
 
 def select_kernel(kernel: str, device: torch.device, need_weights: bool, dropout_active: bool) -> str:
     """The row of :data:`KERNELS` that computes this forward pass: the option's own kernel, except that
-    the weights (attention plots, LR/HR, ``need_weights``) need the explicit one, and ``auto`` is
-    ``sdpa`` on CUDA without attention dropout, ``explicit`` elsewhere."""
-    if need_weights or kernel == "explicit":
+    the weights (attention plots, LR/HR, ``need_weights``) need one of :data:`RETURNS_WEIGHTS` (else the explicit
+    one), and ``auto`` is ``sdpa`` on CUDA without attention dropout, ``explicit`` elsewhere."""
+    if (need_weights and kernel not in RETURNS_WEIGHTS) or kernel == "explicit":
         return "explicit"
     if kernel != "auto":
         return kernel
@@ -235,11 +235,11 @@ def select_kernel(kernel: str, device: torch.device, need_weights: bool, dropout
 class AttentionInputs(NamedTuple):
     """What every kernel of :data:`KERNELS` receives (built by :func:`sdma_attention`)."""
 
-    q: Tensor  # [B, H, T, D], scaled
+    q: Tensor  # [B, H, T, D], scaled (times `scale` in the rows of TAKES_RAW_INPUTS)
     k: Tensor  # [B, H, S, D]
     v: Tensor  # [B, H, S, D]
-    resp_query: Tensor  # [B, H, T, C], p(c | z_i)
-    resp_key: Tensor  # [B, H, S, C], p(c | z_j)
+    resp_query: Tensor  # [B, H, T, C], p(c | z_i) (log p(c | z_i) with `log_responsibilities`)
+    resp_key: Tensor  # [B, H, S, C], p(c | z_j) (likewise)
     mix: Tensor  # g of eq. (11), a scalar buffer
     authors: bool  # the reading of eq. (10)'s mask (authors_semantic_mask vs semantic_mask_product)
     blocked: Optional[Tensor]  # bool, True where query i may not attend to key j, broadcastable to [B, H, T, S]
@@ -247,6 +247,9 @@ class AttentionInputs(NamedTuple):
     dropout: Callable[[Tensor], Tensor]  # the module's attention dropout (the explicit kernel drops A_hat)
     dropout_p: float  # its rate when active, else 0 (the fused kernels' own dropout)
     score_bias: Optional[Tensor] = None  # added to the scaled scores before eq. (1), broadcastable to [B, H, T, S]
+    scale: float = 1.0  # the scores' factor on q.k (only in the rows of TAKES_RAW_INPUTS; the others get q scaled)
+    log_responsibilities: bool = False  # resp_* are log p(c|.) (only in TAKES_RAW_INPUTS; the others get p(c|.))
+    need_weights: bool = False  # A_hat asked for (rows of RETURNS_WEIGHTS; select_kernel sends the others to explicit)
 
     def additive_mask(self) -> Optional[Tensor]:
         """``score_bias`` and ``blocked`` as SDPA's additive float mask in ``q``'s dtype: the bias, with the blocked
@@ -299,14 +302,27 @@ def lowrank_kernel(x: AttentionInputs) -> Tuple[Tensor, None]:
                                  x.dropout_p, authors=x.authors), None
 
 
-def triton_kernel(x: AttentionInputs) -> Tuple[Tensor, None]:
+def triton_kernel(x: AttentionInputs) -> Tuple[Tensor, Optional[Tensor]]:
     """One flash-style Triton kernel, its backward in three (:func:`latent_core.sdma.triton_kernels.mixed_attention`;
-    imported on first use, so that ``TRITON_INTERPRET`` can be set before Triton reads it)."""
+    imported on first use, so that ``TRITON_INTERPRET`` can be set before Triton reads it); with ``need_weights`` one
+    more for A_hat (without a gradient)."""
     from latent_core.sdma.triton_kernels import mixed_attention
 
-    return mixed_attention(x.q, x.k, x.v, x.resp_query, x.resp_key, x.mix, authors=x.authors, blocked=x.blocked,
-                           dropout_p=x.dropout_p, score_bias=x.score_bias), None
+    out = mixed_attention(x.q, x.k, x.v, x.resp_query, x.resp_key, x.mix, authors=x.authors, blocked=x.blocked,
+                          dropout_p=x.dropout_p, score_bias=x.score_bias, scale=x.scale,
+                          log_responsibilities=x.log_responsibilities, need_weights=x.need_weights)
+    return out if x.need_weights else (out, None)
 
+
+# The rows of KERNELS that take the queries unscaled with the scores' factor, and the responsibilities as log p(c|.)
+# (AttentionInputs.scale, .log_responsibilities): the Triton kernel, where scaling the queries and exponentiating the
+# clustering's output are launches of their own, forward and backward. The other rows get q scaled and p(c|.).
+TAKES_RAW_INPUTS = frozenset({"triton"})
+
+# The rows of KERNELS that return the weights A_hat when asked (need_weights): the explicit row, with their gradient,
+# and the Triton kernel, without one (fairseq asks for the last decoder layer's cross-attention weights in training
+# and its criteria but the alignment one ignore them; the explicit row there is ~50 launches, this one 1).
+RETURNS_WEIGHTS = frozenset({"explicit", "triton"})
 
 # The rows of KERNELS that add a score bias (T5's position bias, the Conformer's matrix_bd, ALiBi) to the scores of
 # eq. (1); the others refuse one by name.
@@ -323,14 +339,23 @@ KERNELS: Dict[str, Callable[[AttentionInputs], Tuple[Tensor, Optional[Tensor]]]]
 }
 
 
+def _same_elements(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` view the same elements in the same order."""
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+                      and a.dtype == b.dtype)
+
+
 def sdma_attention(q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, resp_key: Tensor, mix: Tensor, *,
                    authors: bool, blocked: Optional[Tensor], kernel: str, need_weights: bool,
                    dropout: Callable[[Tensor], Tensor], dropout_p: float,
-                   score_bias: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+                   score_bias: Optional[Tensor] = None, scale: float = 1.0,
+                   log_responsibilities: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
     """A_hat V of eq. (1), (2), (10), (11): the one entry point of both toolkits' adapters.
 
-    ``q [B, H, T, D]`` scaled, ``k, v [B, H, S, D]``, ``resp_query [B, H, T, C]`` and ``resp_key
-    [B, H, S, C]`` the clustering probabilities of eq. (9), ``mix`` g, ``authors`` the reading of the
+    ``q [B, H, T, D]`` whose scores are ``scale`` q.k (1: already scaled), ``k, v [B, H, S, D]``, ``resp_query [B, H,
+    T, C]`` and ``resp_key [B, H, S, C]`` the clustering probabilities of eq. (9) (their logs, as the clustering gives
+    them, with ``log_responsibilities``; the Triton kernel reads q, ``scale`` and the logs as they are, the other
+    rows get q scaled and p(c|.)), ``mix`` g, ``authors`` the reading of the
     mask, ``blocked`` bool broadcastable to ``[B, H, T, S]`` (True: padding or a future key; None),
     ``kernel`` the option (``auto`` / a row of :data:`KERNELS`), ``need_weights`` whether A_hat must be
     returned, ``dropout`` the module's attention dropout and ``dropout_p`` its rate when active (else 0),
@@ -347,6 +372,17 @@ def sdma_attention(q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, resp_key
                 f"Conformer, ALiBi); use one of {', '.join(sorted(TAKES_SCORE_BIAS))} or 'auto'")
         check_score_bias(score_bias, (q.size(0), q.size(1), q.size(2), k.size(2)))
     with source_range("mixture"):
-        allowed = None if blocked is None else (~blocked).to(torch.float32)
+        if name not in TAKES_RAW_INPUTS:
+            if scale != 1.0:
+                q = q * scale
+            if log_responsibilities:
+                # a self-attention's keys are its queries (the adapters pass two views of one tensor): one exp
+                same = _same_elements(resp_query, resp_key)
+                resp_query = resp_query.exp()
+                resp_key = resp_query if same else resp_key.exp()
+            scale, log_responsibilities = 1.0, False
+        # the 0/1 complement of blocked, for the rows that read it (the Triton kernel reads blocked itself)
+        allowed = None if blocked is None or name in TAKES_RAW_INPUTS else (~blocked).to(torch.float32)
         return KERNELS[name](AttentionInputs(q, k, v, resp_query, resp_key, mix, authors, blocked, allowed, dropout,
-                                             dropout_p, score_bias))
+                                             dropout_p, score_bias, scale, log_responsibilities,
+                                             need_weights and name != "explicit"))

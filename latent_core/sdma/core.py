@@ -10,6 +10,7 @@ from torch import Tensor
 
 from latent_core.errors import check_heads_divide
 from latent_core.profiling import sourced
+from latent_core.sdma.attention import TAKES_RAW_INPUTS
 from latent_core.sdma.mixture import GaussianMixture, log_softmax_clusters
 from latent_core.sdma.options import SDMAConfigError, SDMAOptions, mixing_weight
 from latent_core.sdma.records import ClusteringRecord, SDMARecording, active_recording
@@ -58,10 +59,11 @@ class SDMACore(nn.Module):
 
     # -- clustering -------------------------------------------------------------
     @sourced("noise")
-    def perturb(self, x: Tensor, training: bool, log_var: Optional[Tensor] = None) -> Tensor:
+    def perturb(self, x: Tensor, training: bool, log_var: Optional[Tensor] = None, scale: float = 1.0) -> Tensor:
         """z = x + sigma * eps in training (eq. 8, variance ``noise_var``).
 
-        ``log_var`` (``[..., n_h]``, the authors' ESPnet ``var_estimation``): a log-variance per
+        ``scale``: ``x`` is the sample's input divided by it (unscaled queries whose scores the kernel scales), so the
+        noise is sigma / scale. ``log_var`` (``[..., n_h]``, the authors' ESPnet ``var_estimation``): a log-variance per
         position and head instead of ``noise_var``.
         """
         if training and log_var is not None:
@@ -72,7 +74,7 @@ class SDMACore(nn.Module):
             # torch.randn, not randn_like: fairseq hands the layers a transposed (non-contiguous)
             # x, and sampling into a strided tensor takes PyTorch's per-element path (~9x slower)
             eps = torch.randn(x.shape, dtype=x.dtype, device=x.device)
-            return torch.add(x, eps, alpha=math.sqrt(self.options.noise_var))
+            return torch.add(x, eps, alpha=math.sqrt(self.options.noise_var) / scale)
         return x
 
     @property
@@ -82,28 +84,32 @@ class SDMACore(nn.Module):
         ``grad_multiplier == 1`` branch), else 1."""
         return 0.1 if self.options.authors and self.options.centroid_grad_scale <= 1 else 1.0
 
-    def sample(self, x: Tensor, training: bool) -> Tuple[Tensor, Tensor]:
+    def sample(self, x: Tensor, training: bool, scale: float = 1.0) -> Tuple[Tensor, Tensor]:
         """(input of the feature clustering, input of the projections) for attention input ``x``.
 
         Both are the one sample z of eq. (8), except in the authors' reading with c_g <= 1, where
-        their code clusters the clean x (at :attr:`clustering_scale`, 1/10) and projects the noisy x.
+        their code clusters the clean x (at :attr:`clustering_scale`, 1/10) and projects the noisy x. ``scale``: see
+        :meth:`perturb`.
         """
-        z = self.perturb(x, training)
+        # scale only where there is one: a perturb replaced to fix the noise (tests, analysis) may not take it
+        z = self.perturb(x, training) if scale == 1.0 else self.perturb(x, training, scale=scale)
         if self.clustering_scale != 1.0:
             return x, z
         return z, z
 
-    def sample_queries(self, q: Tensor, training: bool) -> Tuple[Tensor, Tensor]:
-        """(input of the query GMM, queries of the scores) for the scaled queries ``q``.
+    def sample_queries(self, q: Tensor, training: bool, scale: float = 1.0) -> Tuple[Tensor, Tensor]:
+        """(input of the query GMM, queries of the scores) for the queries ``q``: scaled, or (``scale`` != 1) unscaled
+        with the scores' factor ``scale`` (:attr:`kernel_takes_raw_inputs`); cluster them at
+        ``clustering_scale * scale``.
 
         Paper reading: ``q`` itself (it carries the sample of eq. 8 through W_q). Authors
-        reading: a second draw, q + sigma * eps (their ``disentangled_attention`` step 4), used
-        for both; with c_g <= 1 their code clusters q / 10 (the clean q, at :attr:`clustering_scale`) and
-        scores the noisy q.
+        reading: a second draw, q + sigma * eps on the scaled queries (their ``disentangled_attention`` step 4;
+        sigma / scale on unscaled ones), used for both; with c_g <= 1 their code clusters q / 10 (the clean q, at
+        :attr:`clustering_scale`) and scores the noisy q.
         """
         if not self.options.authors:
             return q, q
-        return self.sample(q, training)
+        return self.sample(q, training, scale)
 
     def cluster(self, x: Tensor, gmm_terms: Optional[Tuple[Tensor, Tensor, Tensor]] = None,
                 scale: float = 1.0) -> Tuple[Tensor, Tensor]:
@@ -146,7 +152,7 @@ class SDMACore(nn.Module):
 
             width = gmm.groups * gmm.dim
             rows = torch.cat([z.reshape(-1, width) for z in zs]) if len(zs) > 1 else zs[0].reshape(-1, width)
-            return gaussian_clustering(rows, gmm.scaled_means(), gmm.log_vars, gmm.prior_logits, scale)
+            return gaussian_clustering(rows, gmm.means, gmm.log_vars, gmm.prior_logits, scale, gmm.centroid_grad_scale)
         log_joint = gmm.log_joint_rows(zs, gmm_terms, scale)
         return log_joint, log_softmax_clusters(log_joint)
 
@@ -168,10 +174,17 @@ class SDMACore(nn.Module):
         return heads.contiguous().view(B * H, T, C) if contiguous else heads.reshape(B * H, T, C)
 
     def attention_responsibilities(self, log_resp: Tensor, batch_first: bool = False) -> Tensor:
-        """p(c|.) of ``log_resp`` (``[T, B, n_h, C]``, ``[B, T, n_h, C]`` with ``batch_first``) as the attention
-        takes it, ``[B * n_h, T, C]`` (:meth:`heads_first`): a view for the Triton kernels, which read any dense
-        layout (one copy fewer forward and backward), a copy for the others."""
-        return self.heads_first(log_resp.exp(), batch_first, contiguous=self.options.attention_kernel != "triton")
+        """log p(c|.) of ``log_resp`` (``[T, B, n_h, C]``, ``[B, T, n_h, C]`` with ``batch_first``) as the attention
+        takes it (:func:`~latent_core.sdma.sdma_attention` with ``log_responsibilities=True``), ``[B * n_h, T, C]``
+        (:meth:`heads_first`): a view for the Triton kernel, which reads any dense layout and the logs themselves
+        (no copy, no exp, forward or backward), a copy for the others."""
+        return self.heads_first(log_resp, batch_first, contiguous=not self.kernel_takes_raw_inputs)
+
+    @property
+    def kernel_takes_raw_inputs(self) -> bool:
+        """Whether this module's attention kernel takes unscaled queries with the scores' factor and log p(c|.)
+        (:data:`~latent_core.sdma.attention.TAKES_RAW_INPUTS`): the adapters then leave 1/sqrt(d_k) to it."""
+        return self.options.attention_kernel in TAKES_RAW_INPUTS
 
     # -- regularisers -----------------------------------------------------------
     @staticmethod

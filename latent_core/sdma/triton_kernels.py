@@ -102,6 +102,8 @@ _ATTENTION_TILES = {  # (inputs, BLOCK_D) -> forward, backward over the keys, ba
 LAUNCH: Dict[Tuple[str, str, int], LaunchConfig] = {
     **{(kernel, kind, d): LaunchConfig(*tiles[i]) for (kind, d), tiles in _ATTENTION_TILES.items()
        for i, kernel in enumerate(("attention_forward", "attention_backward_keys", "attention_backward_queries"))},
+    # the weights kernel rebuilds the forward's tiles without its D-wide accumulators: the forward's tile fits
+    **{("attention_weights", kind, d): LaunchConfig(*tiles[0]) for (kind, d), tiles in _ATTENTION_TILES.items()},
     **{("row_sums", kind, d): LaunchConfig(64, 0, 4, 1) for kind in INPUT_KINDS for d in HEAD_DIMS},
     **{("clustering", kind, d): LaunchConfig(32, 0, 8 if d == 128 else 4, 1) for kind in INPUT_KINDS
        for d in HEAD_DIMS},
@@ -306,9 +308,10 @@ def _clustering_backward(X, MEANS, LOG_VARS, PRIOR, GRAD_JOINT, GRAD_RESP, GRAD_
 
 @triton.jit(do_not_specialize=_SIZES)
 def _clustering_parameter_grads(LOG_VARS, PRIOR, PARTIAL_MU, PARTIAL_LV, PARTIAL_PI, GRAD_MU, GRAD_LV, GRAD_PRIOR,
-                                NUM_BLOCKS, G, D, lv_min, lv_max,
+                                NUM_BLOCKS, G, D, lv_min, lv_max, mean_grad_scale,
                                 C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Sum the partials over the row blocks; the clamp's and the log-softmax's backward."""
+    """Sum the partials over the row blocks; the clamp's and the log-softmax's backward; the means' gradient times
+    ``mean_grad_scale`` (c_g of Section IV-A3)."""
     g = tl.program_id(0)
     offs_c = tl.arange(0, BLOCK_C)
     offs_d = tl.arange(0, BLOCK_D)
@@ -329,17 +332,17 @@ def _clustering_parameter_grads(LOG_VARS, PRIOR, PARTIAL_MU, PARTIAL_LV, PARTIAL
     pi = tl.exp(prior - tl.max(prior, 0))
     pi = pi / tl.sum(pi, 0)
     grad_prior = grad_pi - pi * tl.sum(grad_pi, 0)
-    tl.store(GRAD_MU + params, grad_mu.to(GRAD_MU.dtype.element_ty), mask=tile)
+    tl.store(GRAD_MU + params, (grad_mu * mean_grad_scale).to(GRAD_MU.dtype.element_ty), mask=tile)
     tl.store(GRAD_LV + params, grad_lv.to(GRAD_LV.dtype.element_ty), mask=tile)
     tl.store(GRAD_PRIOR + g * C + offs_c, grad_prior.to(GRAD_PRIOR.dtype.element_ty), mask=mask_c)
 
 
 class _GaussianClustering(torch.autograd.Function):
-    """``(x [N, G*d], means, log_vars, prior_logits, s) -> (log p(z, c), log p(c|z))`` of ``s x``, both ``[N, G, C]``
-    float32 stored clusters-first; saves only ``x`` (the projections save it too)."""
+    """``(x [N, G*d], means, log_vars, prior_logits, s, c_g) -> (log p(z, c), log p(c|z))`` of ``s x``, both ``[N, G,
+    C]`` float32 stored clusters-first; saves only ``x`` (the projections save it too)."""
 
     @staticmethod
-    def forward(ctx, x, means, log_vars, prior_logits, scale):
+    def forward(ctx, x, means, log_vars, prior_logits, scale, mean_grad_scale):
         groups, clusters, dim = means.shape
         rows = x.size(0)
         cfg = launch_config("clustering", dim, x.dtype)
@@ -353,7 +356,7 @@ class _GaussianClustering(torch.autograd.Function):
                  *LOGVAR_RANGE),
                 dict(C=clusters, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_C=block_c, LOG_2PI_=LOG_2PI), cfg)
         ctx.save_for_backward(x, means, log_vars, prior_logits)
-        ctx.scale = float(scale)
+        ctx.scale, ctx.mean_grad_scale = float(scale), float(mean_grad_scale)
         ctx.call = None
         if _CALLS is not None:
             ctx.call = dict(kind="clustering", dtype=str(x.dtype).replace("torch.", ""), clusters=clusters,
@@ -392,22 +395,24 @@ class _GaussianClustering(torch.autograd.Function):
         grad_prior = torch.empty_like(prior_logits)
         _launch("clustering_parameter_grads", _clustering_parameter_grads, (groups,),
                 (log_vars, prior_logits, partial_mu, partial_lv, partial_pi, grad_means, grad_log_vars, grad_prior,
-                 num_blocks, groups, dim, *LOGVAR_RANGE),
+                 num_blocks, groups, dim, *LOGVAR_RANGE, ctx.mean_grad_scale),
                 dict(C=clusters, BLOCK_D=block_d, BLOCK_C=block_c), LaunchConfig(0, 0, 1, 1))
-        return grad_x, grad_means, grad_log_vars, grad_prior, None
+        return grad_x, grad_means, grad_log_vars, grad_prior, None, None
 
 
 def gaussian_clustering(x: Tensor, means: Tensor, log_vars: Tensor, prior_logits: Tensor,
-                        scale: float = 1.0) -> Tuple[Tensor, Tensor]:
+                        scale: float = 1.0, mean_grad_scale: float = 1.0) -> Tuple[Tensor, Tensor]:
     """The clustering of eq. (9) of ``scale * x``: ``x [N, G*d]`` (rows of G groups' d-dim inputs) and one GMM per
     group (``means``, ``log_vars`` ``[G, C, d]``, ``prior_logits`` ``[G, C]``) -> (log pi_c + log N(s x | mu_c,
     sigma_c^2), log p(c | s x)), each ``[N, G, C]`` float32, stored clusters-first (as
-    :meth:`latent_core.sdma.mixture.GaussianMixture.log_joint`). Log-variances are clamped to :data:`LOGVAR_RANGE`."""
+    :meth:`latent_core.sdma.mixture.GaussianMixture.log_joint`). Log-variances are clamped to :data:`LOGVAR_RANGE`.
+    ``mean_grad_scale``: the means' gradient is multiplied by it (c_g, in the backward kernel: no launch of its own,
+    where :meth:`~latent_core.sdma.mixture.GaussianMixture.scaled_means` is one)."""
     check_supported(x, option="attention_kernel=triton (the clustering)")
     if x.dim() != 2 or x.size(1) != means.size(0) * means.size(2):
         raise SDMAConfigError(f"gaussian_clustering: x must be [N, G*d] = [N, {means.size(0) * means.size(2)}], "
                               f"got {list(x.shape)}")
-    return _GaussianClustering.apply(x, means, log_vars, prior_logits, scale)
+    return _GaussianClustering.apply(x, means, log_vars, prior_logits, scale, mean_grad_scale)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -444,17 +449,23 @@ def _row_tile(HEAD, strides, rows, cols):
 
 
 @triton.jit
-def _query_responsibilities(GQ, gq_strides, offs_t, mask_t, offs_c, C: tl.constexpr):
-    """p(c | z_i) of a block of queries, ``[BLOCK_T, BLOCK_C]`` float32 (columns past C zero)."""
-    return tl.load(_tile(GQ, gq_strides, offs_t, offs_c), mask=mask_t[:, None] & (offs_c < C)[None, :],
-                   other=0.0).to(tl.float32)
+def _responsibilities(G, g_strides, offs, mask, offs_c, C: tl.constexpr, LOG_RESP: tl.constexpr):
+    """p(c | z) of a block of queries or keys, ``[BLOCK, BLOCK_C]`` float32 (rows past the end and columns past C
+    zero); with ``LOG_RESP`` read as log p(c | z), what the clustering of eq. (9) gives (no exp launch before the
+    kernel, no product with p in its backward)."""
+    tile = mask[:, None] & (offs_c < C)[None, :]
+    resp = tl.load(_tile(G, g_strides, offs, offs_c), mask=tile, other=0.0).to(tl.float32)
+    if LOG_RESP:
+        resp = tl.where(tile, tl.exp(resp), 0.0)
+    return resp
 
 
 @triton.jit
-def _key_responsibilities(GK, gk_strides, offs_s, mask_s, offs_c, C: tl.constexpr):
-    """p(c | z_j) of a block of keys, ``[BLOCK_S, BLOCK_C]`` float32 (columns past C zero)."""
-    return tl.load(_tile(GK, gk_strides, offs_s, offs_c), mask=mask_s[:, None] & (offs_c < C)[None, :],
-                   other=0.0).to(tl.float32)
+def _responsibility_gradient(grad_resp, resp, LOG_RESP: tl.constexpr):
+    """The gradient of what the kernel read: d p(c|z), or with ``LOG_RESP`` d log p(c|z) = p(c|z) d p(c|z)."""
+    if LOG_RESP:
+        grad_resp = grad_resp * resp
+    return grad_resp
 
 
 @triton.jit
@@ -495,8 +506,9 @@ def _dropout_scale(seed, dropout_p, bh, T, S, offs_t, offs_s):
 def _attention_forward(Q, q_strides, K, k_strides, V, v_strides, GQ, gq_strides, GK, gk_strides,
                        BLOCKED, blocked_stride_b, blocked_stride_h, blocked_stride_t,
                        BIAS, bias_stride_b, bias_stride_h, bias_stride_t, MIX, OUT, OUT_MASKED, STATS, MIX_USED,
-                       H, T, S, D, seed, dropout_p,
-                       C: tl.constexpr, AUTHORS: tl.constexpr, HAS_BLOCKED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       H, T, S, D, seed, dropout_p, sm_scale,
+                       C: tl.constexpr, LOG_RESP: tl.constexpr, AUTHORS: tl.constexpr, HAS_BLOCKED: tl.constexpr,
+                       HAS_BIAS: tl.constexpr,
                        DROPOUT: tl.constexpr, SAVE: tl.constexpr, EPS: tl.constexpr, FLOOR: tl.constexpr,
                        NEG: tl.constexpr, DOT_PRECISION: tl.constexpr, RESP_PRECISION: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -518,7 +530,7 @@ def _attention_forward(Q, q_strides, K, k_strides, V, v_strides, GQ, gq_strides,
     bias_strides = (bias_stride_b, bias_stride_h, bias_stride_t)
     BLOCKED, BIAS = _head(BLOCKED, blocked_strides, b, h), _head(BIAS, bias_strides, b, h)
     offs_c = tl.arange(0, BLOCK_C)
-    gq = _query_responsibilities(GQ, gq_strides, offs_t, mask_t, offs_c, C)
+    gq = _responsibilities(GQ, gq_strides, offs_t, mask_t, offs_c, C, LOG_RESP)
     row_max = tl.full((BLOCK_T,), NEG, tl.float32)
     row_sum = tl.zeros((BLOCK_T,), tl.float32)  # l_i = sum_j exp(s_ij - m_i)
     masked_sum = tl.zeros((BLOCK_T,), tl.float32)  # sum_j exp(s_ij - m_i) P_ij
@@ -530,14 +542,14 @@ def _attention_forward(Q, q_strides, K, k_strides, V, v_strides, GQ, gq_strides,
         mask_s = offs_s < S
         k_t = K + offs_s[None, :] * k_strides[2] + offs_d[:, None] * k_strides[3]  # k transposed, [BLOCK_D, BLOCK_S]
         k = tl.load(k_t, mask=mask_s[None, :] & mask_d[:, None], other=0.0)
-        scores = _dot(q, k, DOT_PRECISION)  # [BLOCK_T, BLOCK_S]
+        scores = _dot(q, k, DOT_PRECISION) * sm_scale  # [BLOCK_T, BLOCK_S]
         scores = _add_score_bias(scores, BIAS, bias_strides, offs_t, offs_s, mask_t, mask_s, HAS_BIAS)
         allowed = _allowed_tile(BLOCKED, blocked_strides, offs_t, offs_s, mask_t, mask_s, HAS_BLOCKED)
         scores = tl.where(allowed, scores, NEG)
         new_max = tl.maximum(row_max, tl.max(scores, 1))
         weights = tl.where(allowed, tl.exp(scores - new_max[:, None]), 0.0)
         rescale = tl.exp(row_max - new_max)
-        gk = _key_responsibilities(GK, gk_strides, offs_s, mask_s, offs_c, C)
+        gk = _responsibilities(GK, gk_strides, offs_s, mask_s, offs_c, C, LOG_RESP)
         product = _responsibility_product(gq, gk, RESP_PRECISION)
         if AUTHORS:
             mask_norm += tl.sum(tl.where(allowed, product, 0.0), 1)
@@ -617,16 +629,14 @@ def _row_statistics(STATS, ROW_SUMS, bh, T, offs_t, mask_t):
 
 
 @triton.jit
-def _attention_backward_tile(q, k, v, grad_out, gq, gk, lse, norm_r, mass, dot_all, dot_masked, mix,
-                             BLOCKED, blocked_strides, BIAS, bias_strides,
-                             offs_t, offs_s, mask_t, mask_s, bh, T, S, seed, dropout_p,
-                             AUTHORS: tl.constexpr, HAS_BLOCKED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                             DROPOUT: tl.constexpr, EPS: tl.constexpr, FLOOR: tl.constexpr,
-                             DOT_PRECISION: tl.constexpr, RESP_PRECISION: tl.constexpr):
-    """For one ``[BLOCK_T, BLOCK_S]`` tile: (d scores, d P for the responsibilities, the dropped A_hat), from the
-    forward pass's row statistics (see the module docstring for the formulas)."""
+def _mixed_tile(q, k, gq, gk, lse, norm_r, mass, BLOCKED, blocked_strides, BIAS, bias_strides,
+                offs_t, offs_s, mask_t, mask_s, sm_scale, AUTHORS: tl.constexpr, HAS_BLOCKED: tl.constexpr,
+                HAS_BIAS: tl.constexpr, EPS: tl.constexpr, FLOOR: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                RESP_PRECISION: tl.constexpr):
+    """One ``[BLOCK_T, BLOCK_S]`` tile rebuilt from the forward pass's row statistics: (allowed, A, M, N_i, whether
+    N_i renormalises), with A_hat = A ((1 - g) + g M / N_i)."""
     allowed = _allowed_tile(BLOCKED, blocked_strides, offs_t, offs_s, mask_t, mask_s, HAS_BLOCKED)
-    scores = _dot(q, tl.trans(k), DOT_PRECISION)
+    scores = _dot(q, tl.trans(k), DOT_PRECISION) * sm_scale
     scores = _add_score_bias(scores, BIAS, bias_strides, offs_t, offs_s, mask_t, mask_s, HAS_BIAS)
     attn = tl.where(allowed, tl.exp(scores - lse[:, None]), 0.0)  # A
     product = _responsibility_product(gq, gk, RESP_PRECISION)
@@ -638,6 +648,64 @@ def _attention_backward_tile(q, k, v, grad_out, gq, gk, lse, norm_r, mass, dot_a
         semantic = product + FLOOR
         norm_z = tl.where(mass > 0, mass, 1.0)
         renormalised = mass > 0
+    return allowed, attn, semantic, norm_z, renormalised
+
+
+@triton.jit(do_not_specialize=_SIZES)
+def _attention_weights(Q, q_strides, K, k_strides, GQ, gq_strides, GK, gk_strides,
+                       BLOCKED, blocked_stride_b, blocked_stride_h, blocked_stride_t,
+                       BIAS, bias_stride_b, bias_stride_h, bias_stride_t, STATS, MIX_USED, WEIGHTS, H, T, S, D,
+                       sm_scale, C: tl.constexpr, LOG_RESP: tl.constexpr, AUTHORS: tl.constexpr,
+                       HAS_BLOCKED: tl.constexpr, HAS_BIAS: tl.constexpr, EPS: tl.constexpr, FLOOR: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr, RESP_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The weights A_hat of eq. (11) (before dropout; 0 at blocked keys), what the explicit kernel returns, for
+    ``BLOCK_T`` queries of one (sentence, head), from the forward's row statistics: ``WEIGHTS`` [B, H, T, S] float32.
+    Grid: (query blocks, B*H)."""
+    pid_t = tl.program_id(0)
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_c = tl.arange(0, BLOCK_C)
+    mask_t, mask_d = offs_t < T, offs_d < D
+    q = tl.load(_tile(_head(Q, q_strides, b, h), q_strides, offs_t, offs_d), mask=mask_t[:, None] & mask_d[None, :],
+                other=0.0)
+    K, GK = _head(K, k_strides, b, h), _head(GK, gk_strides, b, h)
+    blocked_strides = (blocked_stride_b, blocked_stride_h, blocked_stride_t)
+    bias_strides = (bias_stride_b, bias_stride_h, bias_stride_t)
+    BLOCKED, BIAS = _head(BLOCKED, blocked_strides, b, h), _head(BIAS, bias_strides, b, h)
+    mix = tl.load(MIX_USED)
+    total = tl.num_programs(1) * T
+    rows = bh * T + offs_t
+    lse = tl.load(STATS + rows, mask=mask_t, other=float("inf"))
+    norm_r = tl.load(STATS + total + rows, mask=mask_t, other=1.0)
+    mass = tl.load(STATS + 2 * total + rows, mask=mask_t, other=1.0)
+    gq = _responsibilities(_head(GQ, gq_strides, b, h), gq_strides, offs_t, mask_t, offs_c, C, LOG_RESP)
+    for start in range(0, S, BLOCK_S):
+        offs_s = start + tl.arange(0, BLOCK_S)
+        mask_s = offs_s < S
+        k = tl.load(_tile(K, k_strides, offs_s, offs_d), mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+        gk = _responsibilities(GK, gk_strides, offs_s, mask_s, offs_c, C, LOG_RESP)
+        allowed, attn, semantic, norm_z, _ = _mixed_tile(
+            q, k, gq, gk, lse, norm_r, mass, BLOCKED, blocked_strides, BIAS, bias_strides, offs_t, offs_s, mask_t,
+            mask_s, sm_scale, AUTHORS, HAS_BLOCKED, HAS_BIAS, EPS, FLOOR, DOT_PRECISION, RESP_PRECISION)
+        mixed = attn * ((1.0 - mix) + mix * semantic / norm_z[:, None])
+        tl.store(WEIGHTS + rows[:, None] * S + offs_s[None, :], mixed, mask=mask_t[:, None] & mask_s[None, :])
+
+
+@triton.jit
+def _attention_backward_tile(q, k, v, grad_out, gq, gk, lse, norm_r, mass, dot_all, dot_masked, mix,
+                             BLOCKED, blocked_strides, BIAS, bias_strides,
+                             offs_t, offs_s, mask_t, mask_s, bh, T, S, seed, dropout_p, sm_scale,
+                             AUTHORS: tl.constexpr, HAS_BLOCKED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             DROPOUT: tl.constexpr, EPS: tl.constexpr, FLOOR: tl.constexpr,
+                             DOT_PRECISION: tl.constexpr, RESP_PRECISION: tl.constexpr):
+    """For one ``[BLOCK_T, BLOCK_S]`` tile: (d scores, d P for the responsibilities, the dropped A_hat), from the
+    forward pass's row statistics (see the module docstring for the formulas)."""
+    allowed, attn, semantic, norm_z, renormalised = _mixed_tile(
+        q, k, gq, gk, lse, norm_r, mass, BLOCKED, blocked_strides, BIAS, bias_strides, offs_t, offs_s, mask_t, mask_s,
+        sm_scale, AUTHORS, HAS_BLOCKED, HAS_BIAS, EPS, FLOOR, DOT_PRECISION, RESP_PRECISION)
     mixed = attn * ((1.0 - mix) + mix * semantic / norm_z[:, None])  # A_hat
     grad_mixed = _dot(grad_out, tl.trans(v), DOT_PRECISION)  # dO_i . v_j
     if DROPOUT:
@@ -661,7 +729,8 @@ def _attention_backward_keys(Q, q_strides, K, k_strides, V, v_strides, GQ, gq_st
                              BLOCKED, blocked_stride_b, blocked_stride_h, blocked_stride_t,
                              BIAS, bias_stride_b, bias_stride_h, bias_stride_t, GRAD_OUT, grad_out_strides,
                              STATS, ROW_SUMS, MIX_USED, GRAD_K, GRAD_V, GRAD_GK, H, T, S, D, seed, dropout_p,
-                             C: tl.constexpr, AUTHORS: tl.constexpr, HAS_BLOCKED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             sm_scale, C: tl.constexpr, LOG_RESP: tl.constexpr, AUTHORS: tl.constexpr,
+                             HAS_BLOCKED: tl.constexpr, HAS_BIAS: tl.constexpr,
                              DROPOUT: tl.constexpr, EPS: tl.constexpr, FLOOR: tl.constexpr,
                              DOT_PRECISION: tl.constexpr, RESP_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr,
                              BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -684,7 +753,7 @@ def _attention_backward_keys(Q, q_strides, K, k_strides, V, v_strides, GQ, gq_st
     bias_strides = (bias_stride_b, bias_stride_h, bias_stride_t)
     BLOCKED, BIAS = _head(BLOCKED, blocked_strides, b, h), _head(BIAS, bias_strides, b, h)
     mix = tl.load(MIX_USED)
-    gk = _key_responsibilities(GK, gk_strides, offs_s, mask_s, offs_c, C)
+    gk = _responsibilities(GK, gk_strides, offs_s, mask_s, offs_c, C, LOG_RESP)
     grad_k = tl.zeros((BLOCK_S, BLOCK_D), tl.float32)
     grad_v = tl.zeros((BLOCK_S, BLOCK_D), tl.float32)
     grad_gk = tl.zeros((BLOCK_S, BLOCK_C), tl.float32)
@@ -695,20 +764,23 @@ def _attention_backward_keys(Q, q_strides, K, k_strides, V, v_strides, GQ, gq_st
         q = tl.load(_tile(Q, q_strides, offs_t, offs_d), mask=q_tile, other=0.0)
         grad_out = tl.load(_tile(GRAD_OUT, grad_out_strides, offs_t, offs_d), mask=q_tile, other=0.0).to(q.dtype)
         lse, norm_r, mass, dot_all, dot_masked = _row_statistics(STATS, ROW_SUMS, bh, T, offs_t, mask_t)
-        gq = _query_responsibilities(GQ, gq_strides, offs_t, mask_t, offs_c, C)
+        gq = _responsibilities(GQ, gq_strides, offs_t, mask_t, offs_c, C, LOG_RESP)
         grad_scores, grad_product, mixed = _attention_backward_tile(
             q, k, v, grad_out, gq, gk, lse, norm_r, mass, dot_all, dot_masked, mix, BLOCKED, blocked_strides, BIAS,
-            bias_strides, offs_t, offs_s, mask_t, mask_s, bh, T, S, seed, dropout_p, AUTHORS, HAS_BLOCKED, HAS_BIAS,
+            bias_strides, offs_t, offs_s, mask_t, mask_s, bh, T, S, seed, dropout_p, sm_scale, AUTHORS, HAS_BLOCKED,
+            HAS_BIAS,
             DROPOUT, EPS, FLOOR, DOT_PRECISION, RESP_PRECISION)
         grad_v += _dot(tl.trans(mixed.to(grad_out.dtype)), grad_out, DOT_PRECISION)
         grad_k += _dot(tl.trans(grad_scores.to(q.dtype)), q, DOT_PRECISION)
         grad_gk += tl.dot(tl.trans(grad_product), gq, input_precision=RESP_PRECISION)  # sum_i dP_ij p(c|z_i)
     # each gradient in its input's layout
+    grad_k *= sm_scale  # d (q.k s) / dk = s q
     tl.store(_tile(_head(GRAD_K, k_strides, b, h), k_strides, offs_s, offs_d), grad_k.to(GRAD_K.dtype.element_ty),
              mask=kv_tile)
     tl.store(_tile(_head(GRAD_V, v_strides, b, h), v_strides, offs_s, offs_d), grad_v.to(GRAD_V.dtype.element_ty),
              mask=kv_tile)
-    tl.store(_tile(_head(GRAD_GK, gk_strides, b, h), gk_strides, offs_s, offs_c), grad_gk,
+    tl.store(_tile(_head(GRAD_GK, gk_strides, b, h), gk_strides, offs_s, offs_c),
+             _responsibility_gradient(grad_gk, gk, LOG_RESP),
              mask=mask_s[:, None] & (offs_c[None, :] < C))
 
 
@@ -717,7 +789,8 @@ def _attention_backward_queries(Q, q_strides, K, k_strides, V, v_strides, GQ, gq
                                 BLOCKED, blocked_stride_b, blocked_stride_h, blocked_stride_t,
                                 BIAS, bias_stride_b, bias_stride_h, bias_stride_t, GRAD_OUT, grad_out_strides,
                                 STATS, ROW_SUMS, MIX_USED, GRAD_Q, GRAD_GQ, GRAD_BIAS, H, T, S, D, seed, dropout_p,
-                                C: tl.constexpr, AUTHORS: tl.constexpr, HAS_BLOCKED: tl.constexpr,
+                                sm_scale, C: tl.constexpr, LOG_RESP: tl.constexpr, AUTHORS: tl.constexpr,
+                                HAS_BLOCKED: tl.constexpr,
                                 HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr, DROPOUT: tl.constexpr,
                                 EPS: tl.constexpr, FLOOR: tl.constexpr, DOT_PRECISION: tl.constexpr,
                                 RESP_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -743,7 +816,7 @@ def _attention_backward_queries(Q, q_strides, K, k_strides, V, v_strides, GQ, gq
     BLOCKED, BIAS = _head(BLOCKED, blocked_strides, b, h), _head(BIAS, bias_strides, b, h)
     mix = tl.load(MIX_USED)
     lse, norm_r, mass, dot_all, dot_masked = _row_statistics(STATS, ROW_SUMS, bh, T, offs_t, mask_t)
-    gq = _query_responsibilities(GQ, gq_strides, offs_t, mask_t, offs_c, C)
+    gq = _responsibilities(GQ, gq_strides, offs_t, mask_t, offs_c, C, LOG_RESP)
     grad_q = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
     grad_gq = tl.zeros((BLOCK_T, BLOCK_C), tl.float32)
     for start in range(0, S, BLOCK_S):
@@ -752,10 +825,11 @@ def _attention_backward_queries(Q, q_strides, K, k_strides, V, v_strides, GQ, gq
         kv_tile = mask_s[:, None] & mask_d[None, :]
         k = tl.load(_tile(K, k_strides, offs_s, offs_d), mask=kv_tile, other=0.0)
         v = tl.load(_tile(V, v_strides, offs_s, offs_d), mask=kv_tile, other=0.0)
-        gk = _key_responsibilities(GK, gk_strides, offs_s, mask_s, offs_c, C)
+        gk = _responsibilities(GK, gk_strides, offs_s, mask_s, offs_c, C, LOG_RESP)
         grad_scores, grad_product, _ = _attention_backward_tile(
             q, k, v, grad_out, gq, gk, lse, norm_r, mass, dot_all, dot_masked, mix, BLOCKED, blocked_strides, BIAS,
-            bias_strides, offs_t, offs_s, mask_t, mask_s, bh, T, S, seed, dropout_p, AUTHORS, HAS_BLOCKED, HAS_BIAS,
+            bias_strides, offs_t, offs_s, mask_t, mask_s, bh, T, S, seed, dropout_p, sm_scale, AUTHORS, HAS_BLOCKED,
+            HAS_BIAS,
             DROPOUT, EPS, FLOOR, DOT_PRECISION, RESP_PRECISION)
         grad_q += _dot(grad_scores.to(k.dtype), k, DOT_PRECISION)
         if BIAS_GRAD:  # d bias = d scores, one [T, S] tile per (query block, key block): reduced to its shape outside
@@ -763,9 +837,11 @@ def _attention_backward_queries(Q, q_strides, K, k_strides, V, v_strides, GQ, gq
                      mask=mask_t[:, None] & mask_s[None, :])
         grad_gq += tl.dot(grad_product, gk, input_precision=RESP_PRECISION)  # sum_j dP_ij p(c|z_j)
     # each gradient in its input's layout
+    grad_q *= sm_scale
     tl.store(_tile(_head(GRAD_Q, q_strides, b, h), q_strides, offs_t, offs_d), grad_q.to(GRAD_Q.dtype.element_ty),
              mask=q_tile)
-    tl.store(_tile(_head(GRAD_GQ, gq_strides, b, h), gq_strides, offs_t, offs_c), grad_gq,
+    tl.store(_tile(_head(GRAD_GQ, gq_strides, b, h), gq_strides, offs_t, offs_c),
+             _responsibility_gradient(grad_gq, gq, LOG_RESP),
              mask=mask_t[:, None] & (offs_c[None, :] < C))
 
 
@@ -817,11 +893,12 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 class _MixedAttention(torch.autograd.Function):
-    """``(q, k, v, p(c|z_i), p(c|z_j), g, blocked, authors, dropout p, seed, score bias) -> A_hat V`` (see
-    :func:`mixed_attention`)."""
+    """``(q, k, v, p(c|z_i), p(c|z_j), g, blocked, authors, dropout p, seed, score bias, scale, log_resp) -> A_hat
+    V`` (see :func:`mixed_attention`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, resp_query, resp_key, mix, blocked, authors, dropout_p, seed, score_bias):
+    def forward(ctx, q, k, v, resp_query, resp_key, mix, blocked, authors, dropout_p, seed, score_bias, scale,
+                log_resp, need_weights):
         B, H, T, D = q.shape
         S, C = k.size(2), resp_query.size(-1)
         shape = _AttentionShapes(B, H, T, S, D, C)
@@ -829,11 +906,12 @@ class _MixedAttention(torch.autograd.Function):
         blocked_bytes, blocked_strides = _rows_of(None if blocked is None else blocked.view(torch.uint8), full)
         bias_rows, bias_strides = _rows_of(score_bias, full)
         save = any(ctx.needs_input_grad[:5]) or ctx.needs_input_grad[10]
+        keep_stats = save or need_weights  # the weights are rebuilt from the row statistics
         # the output in q's layout (q is dense, mixed_attention sees to it): an adapter's [T, B, H, D] queries give a
         # [T, B, H, D] output, which it reshapes without a copy
         out = torch.empty_like(q)
-        out_masked = torch.empty_like(q) if save else out
-        stats = torch.empty(3, B * H, T, dtype=torch.float32, device=q.device) if save else out
+        out_masked = torch.empty_like(q) if keep_stats else out
+        stats = torch.empty(3, B * H, T, dtype=torch.float32, device=q.device) if keep_stats else out
         mix_used = torch.empty((), dtype=torch.float32, device=q.device)
         cfg = launch_config("attention_forward", D, q.dtype)
         block_t, block_s, block_d = _block(T, cfg.block_rows), _block(S, cfg.block_cols), _block(D, 1 << 20)
@@ -841,29 +919,54 @@ class _MixedAttention(torch.autograd.Function):
                 (q, q.stride(), k, k.stride(), v, v.stride(), resp_query, resp_query.stride(), resp_key,
                  resp_key.stride(), blocked_bytes if blocked_bytes is not None else q, *blocked_strides,
                  bias_rows if bias_rows is not None else q, *bias_strides, mix, out, out_masked,
-                 stats, mix_used, H, T, S, D, seed, float(dropout_p)),
-                dict(C=C, AUTHORS=authors, HAS_BLOCKED=blocked is not None, HAS_BIAS=score_bias is not None,
-                     DROPOUT=dropout_p > 0, SAVE=save, EPS=AUTHORS_EPS, FLOOR=PAPER_MASK_FLOOR, NEG=_NEG,
+                 stats, mix_used, H, T, S, D, seed, float(dropout_p), float(scale)),
+                dict(C=C, LOG_RESP=log_resp, AUTHORS=authors, HAS_BLOCKED=blocked is not None,
+                     HAS_BIAS=score_bias is not None,
+                     DROPOUT=dropout_p > 0, SAVE=keep_stats, EPS=AUTHORS_EPS, FLOOR=PAPER_MASK_FLOOR, NEG=_NEG,
                      DOT_PRECISION=_dot_precision(q.dtype), RESP_PRECISION=_RESP_PRECISION, BLOCK_T=block_t,
                      BLOCK_S=block_s, BLOCK_D=block_d, BLOCK_C=_block(C, 1 << 20)), cfg)
         ctx.call = None
         if _CALLS is not None:
             ctx.call = dict(kind="attention", dtype=str(q.dtype).replace("torch.", ""), clusters=C, head_dim=D,
-                            authors=bool(authors), blocked=_broadcast_pattern(blocked),
+                            authors=bool(authors), log_resp=bool(log_resp), blocked=_broadcast_pattern(blocked),
                             score_bias=_broadcast_pattern(score_bias), dropout=dropout_p > 0, backward=False,
-                            bias_grad=False)
+                            bias_grad=False, weights=bool(need_weights))
             _CALLS.append(ctx.call)
+        weights = None
+        if need_weights:
+            weights = torch.empty(full, dtype=torch.float32, device=q.device)
+            cfg = launch_config("attention_weights", D, q.dtype)
+            block_t, block_s = _block(T, cfg.block_rows), _block(S, cfg.block_cols)
+            _launch("attention_weights", _attention_weights, (triton.cdiv(T, block_t), B * H),
+                    (q, q.stride(), k, k.stride(), resp_query, resp_query.stride(), resp_key, resp_key.stride(),
+                     blocked_bytes if blocked_bytes is not None else q, *blocked_strides,
+                     bias_rows if bias_rows is not None else q, *bias_strides, stats, mix_used, weights, H, T, S, D,
+                     float(scale)),
+                    dict(C=C, LOG_RESP=log_resp, AUTHORS=authors, HAS_BLOCKED=blocked is not None,
+                         HAS_BIAS=score_bias is not None, EPS=AUTHORS_EPS, FLOOR=PAPER_MASK_FLOOR,
+                         DOT_PRECISION=_dot_precision(q.dtype), RESP_PRECISION=_RESP_PRECISION, BLOCK_T=block_t,
+                         BLOCK_S=block_s, BLOCK_D=block_d, BLOCK_C=_block(C, 1 << 20)), cfg)
+            # an unused output's gradient stays None (fairseq asks for the weights and most criteria ignore them);
+            # one that reaches them is refused in backward rather than dropped
+            ctx.set_materialize_grads(False)
         if save:
             ctx.save_for_backward(q, k, v, resp_query, resp_key, blocked_bytes, bias_rows, out, out_masked, stats,
                                   mix_used)
             ctx.strides = (blocked_strides, bias_strides)
             ctx.bias_shape = None if score_bias is None else score_bias.shape
             ctx.shape, ctx.authors, ctx.dropout_p, ctx.seed = shape, authors, float(dropout_p), seed
+            ctx.scale, ctx.log_resp = float(scale), log_resp
             ctx.has_blocked = blocked is not None
-        return out
+        return (out, weights) if need_weights else out
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, *grad_weights):
+        if grad_weights and grad_weights[0] is not None:
+            raise SDMAConfigError(
+                "attention_kernel=triton returns the attention weights A_hat without a gradient (a loss on them, "
+                "e.g. fairseq's label_smoothed_cross_entropy_with_alignment, needs --sdma-attention-kernel explicit)")
+        if grad_out is None:
+            return (None,) * 14
         q, k, v, resp_query, resp_key, blocked_bytes, bias_rows, out, out_masked, stats, mix_used = ctx.saved_tensors
         blocked_strides, bias_strides = ctx.strides
         B, H, T, S, D, C = ctx.shape
@@ -871,7 +974,8 @@ class _MixedAttention(torch.autograd.Function):
         bias_grad = bias_rows is not None and ctx.needs_input_grad[10]
         if ctx.call is not None:
             ctx.call.update(backward=True, bias_grad=bias_grad)
-        common = dict(C=C, AUTHORS=ctx.authors, HAS_BLOCKED=ctx.has_blocked, HAS_BIAS=bias_rows is not None,
+        common = dict(C=C, LOG_RESP=ctx.log_resp, AUTHORS=ctx.authors, HAS_BLOCKED=ctx.has_blocked,
+                      HAS_BIAS=bias_rows is not None,
                       DROPOUT=ctx.dropout_p > 0, EPS=AUTHORS_EPS, FLOOR=PAPER_MASK_FLOOR,
                       DOT_PRECISION=_dot_precision(q.dtype), RESP_PRECISION=_RESP_PRECISION)
         block_d, block_c = _block(D, 1 << 20), _block(C, 1 << 20)
@@ -885,7 +989,7 @@ class _MixedAttention(torch.autograd.Function):
                   resp_key.stride(), blocked_bytes if blocked_bytes is not None else q, *blocked_strides,
                   bias_rows if bias_rows is not None else q, *bias_strides, grad_out,
                   grad_out.stride(), stats, row_sums, mix_used)
-        sizes = (H, T, S, D, ctx.seed, ctx.dropout_p)
+        sizes = (H, T, S, D, ctx.seed, ctx.dropout_p, ctx.scale)
         # every gradient in its input's layout (the inputs are dense): the adapters' views back to their own layout
         # then copy nothing
         grad_k, grad_v = torch.empty_like(k), torch.empty_like(v)
@@ -908,7 +1012,7 @@ class _MixedAttention(torch.autograd.Function):
                      BLOCK_C=block_c), cfg)
         grad_bias = grad_scores.sum_to_size(ctx.bias_shape).to(bias_rows.dtype) if bias_grad else None
         return (grad_q, grad_k, grad_v, grad_resp_query.to(resp_query.dtype), grad_resp_key.to(resp_key.dtype),
-                None, None, None, None, None, grad_bias)
+                None, None, None, None, None, grad_bias, None, None, None)
 
 
 def dropout_seed(dropout_p: float) -> int:
@@ -919,17 +1023,23 @@ def dropout_seed(dropout_p: float) -> int:
 
 def mixed_attention(q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, resp_key: Tensor, mix: Tensor, *,
                     authors: bool, blocked: Optional[Tensor] = None, dropout_p: float = 0.0,
-                    seed: Optional[int] = None, score_bias: Optional[Tensor] = None) -> Tensor:
+                    seed: Optional[int] = None, score_bias: Optional[Tensor] = None, scale: float = 1.0,
+                    log_responsibilities: bool = False, need_weights: bool = False):
     """A_hat V of eq. (11) in one flash-style kernel (its backward in three).
 
-    ``q [B, H, T, D]`` scaled, ``k, v [B, H, S, D]`` (float32/float16/bfloat16, one dtype), ``resp_query [B, H, T,
-    C]`` and ``resp_key [B, H, S, C]`` p(c|.) of eq. (9), ``mix`` g (a tensor, read on the device; the value of this
-    call is kept for backward), ``authors`` the reading of eq. (10)'s mask, ``blocked`` bool broadcastable to ``[B,
-    H, T, S]`` (True: padding or a future key; None), ``dropout_p`` attention dropout on A_hat (``seed`` its Philox
-    seed; :func:`dropout_seed` draws one), ``score_bias`` added to the scores before eq. (1) (T5's position bias, the
+    ``q [B, H, T, D]`` (the scores are ``scale`` q.k: 1/sqrt(d_k) for unscaled queries, so the scaling costs no
+    pass of its own forward or backward), ``k, v [B, H, S, D]`` (float32/float16/bfloat16, one dtype), ``resp_query
+    [B, H, T, C]`` and ``resp_key [B, H, S, C]`` p(c|.) of eq. (9) (with ``log_responsibilities``: log p(c|.), as the
+    clustering gives it, and their gradients those of the logs: no exp before the kernel, no product after it),
+    ``mix`` g (a tensor, read on the device; the value of this call is kept for backward), ``authors`` the reading of
+    eq. (10)'s mask, ``blocked`` bool broadcastable to ``[B, H, T, S]`` (True: padding or a future key; None),
+    ``dropout_p`` attention dropout on A_hat (``seed`` its Philox seed; :func:`dropout_seed` draws one),
+    ``score_bias`` added to the scaled scores before eq. (1) (T5's position bias, the
     Conformer's matrix_bd), broadcastable to ``[B, H, T, S]``, differentiable (its gradient is formed at ``[B, H, T,
     S]`` in float32, then summed over its broadcast dimensions). Returns ``[B, H, T, D]`` in ``q``'s dtype; a query
-    whose keys are all blocked gets 0 (as the explicit kernel).
+    whose keys are all blocked gets 0 (as the explicit kernel). ``need_weights``: returns ``(that, A_hat [B, H, T,
+    S])``, the weights before dropout in float32 from one more kernel (fairseq asks for a decoder layer's weights in
+    training): they carry no gradient, and a loss on them raises in backward.
     """
     check_supported(q, k, v, score_bias)
     B, H, T, D = q.shape
@@ -954,7 +1064,8 @@ def mixed_attention(q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, resp_ke
         seed = dropout_seed(dropout_p)
     q, k, v, resp_query, resp_key = (_dense(t) for t in (q, k, v, resp_query, resp_key))
     return _MixedAttention.apply(q, k, v, resp_query, resp_key, mix.detach().reshape(()).float(), blocked, authors,
-                                 float(dropout_p), seed, score_bias)
+                                 float(dropout_p), seed, score_bias, float(scale), bool(log_responsibilities),
+                                 bool(need_weights))
 
 
 @triton.jit

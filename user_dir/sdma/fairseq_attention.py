@@ -155,19 +155,22 @@ class SDMAMultiheadAttention(MultiheadAttention):
         clustered = core.cluster_jointly([z_cluster, key_cluster] if cross_keys else [z_cluster], gmm_terms,
                                          core.clustering_scale)
         log_joint_z, log_resp_z = clustered[0]  # [T, B, H, C]
-        resp_query = core.attention_responsibilities(log_resp_z)  # [B*H, T, C]
-        q = self._scaled_query(z)
+        resp_query = core.attention_responsibilities(log_resp_z)  # [B*H, T, C], log p(c|.)
+        # the Triton kernel scales the scores itself: its queries stay unscaled (no pass forward and backward)
+        q_scale = self.scaling if core.kernel_takes_raw_inputs else 1.0
+        q = self.q_proj(z) if q_scale != 1.0 else self._scaled_query(z)
         k, v, key_resp, log_joint_k, log_resp_k = self._keys(
             query, z, key, value, resp_query, clustered[1] if cross_keys else None)
 
         # query clustering for head disentanglement (eq. 16-19), on the scaled queries; the
         # paper reading's q = W_q z + b already carries the sample of eq. (8), the authors'
         # draws a second one
-        q_cluster, q = core.sample_queries(q, self.training)
+        q_cluster, q = core.sample_queries(q, self.training, q_scale)
         queries = q  # [T, B, E], kept for the recorded outputs
         log_joint_q = log_resp_q = None
         if core.query_gmm is not None and need_losses:
-            log_joint_q, log_resp_q = core.cluster_queries(q_cluster.view(tgt_len, bsz, H, D), core.clustering_scale)
+            log_joint_q, log_resp_q = core.cluster_queries(q_cluster.view(tgt_len, bsz, H, D),
+                                                           core.clustering_scale * q_scale)
 
         q = q.contiguous().view(tgt_len, bsz * H, D).transpose(0, 1)
         kv_bsz = bsz
@@ -182,14 +185,15 @@ class SDMAMultiheadAttention(MultiheadAttention):
             key_padding_mask = None
 
         attn, attn_float = self._mixed_attention(q, k, v, resp_query, key_resp, key_padding_mask, attn_mask,
-                                                 bsz, kv_bsz, need_weights, before_softmax)
+                                                 bsz, kv_bsz, need_weights, before_softmax, q_scale)
         if before_softmax:
             return attn, v, None  # the scores, as fairseq's MultiheadAttention
         attn = self.out_proj(attn)
         if sink is not None and bsz == kv_bsz:
-            plain = self._plain_attention(q, k, v, resp_query, key_resp, key_padding_mask, attn_mask, bsz)
+            plain = self._plain_attention(q, k, v, resp_query, key_resp, key_padding_mask, attn_mask, bsz, q_scale)
             sink(AttentionOutputs(
-                query_input=query.detach().float(), queries=queries.detach().float().view(tgt_len, bsz, H, D),
+                query_input=query.detach().float(),
+                queries=(queries.detach().float() * q_scale).view(tgt_len, bsz, H, D),
                 weights=attn_float.detach().view(bsz, H, tgt_len, -1).transpose(0, 1),
                 plain_weights=plain.detach().float().view(bsz, H, tgt_len, -1).transpose(0, 1),
                 query_resp=log_resp_z.detach().exp().float(),
@@ -220,7 +224,7 @@ class SDMAMultiheadAttention(MultiheadAttention):
 
     def _keys(self, query: Tensor, z: Tensor, key: Optional[Tensor], value: Optional[Tensor], resp_query: Tensor,
               key_clustering: Optional[Tuple[Tensor, Tensor]]):
-        """(k, v ``[S, kv_bsz, E]``, the keys' p(c|.) ``[kv_bsz*H, S, C]``, their log-joint (the
+        """(k, v ``[S, kv_bsz, E]``, the keys' log p(c|.) ``[kv_bsz*H, S, C]``, their log-joint (the
         authors' reading regularises the keys) and log p(c|.) ``[S, kv_bsz, H, C]``). All None for
         cross-attention keys already in the decoding cache; the last two None in self-attention.
         ``key_clustering``: a cross-attention's (log-joint, log p(c|.)) of ``key`` (already
@@ -239,7 +243,7 @@ class SDMAMultiheadAttention(MultiheadAttention):
 
     def _extend_cache(self, incremental_state, saved_state, k, v, key_resp, key_padding_mask, kv_bsz: int,
                       static_kv: bool):
-        """Incremental decoding: the cached keys, values and key p(c|.) (``prev_key_resp``) with this
+        """Incremental decoding: the cached keys, values and key log p(c|.) (``prev_key_resp``) with this
         step's appended (or, for static keys, instead of them), and the cache updated.
         Returns (k, v, key_resp, key_padding_mask, kv_bsz)."""
         H, D = self.num_heads, self.head_dim
@@ -271,9 +275,10 @@ class SDMAMultiheadAttention(MultiheadAttention):
 
     def _mixed_attention(self, q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, key_resp: Tensor,
                          key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor], bsz: int, kv_bsz: int,
-                         need_weights: bool, before_softmax: bool) -> Tuple[Tensor, Optional[Tensor]]:
-        """A_hat V of eq. (1), (2), (10), (11) for ``q`` ``[B*H, T, D]`` (scaled), ``k``/``v``
-        ``[kv_bsz*H, S, D]`` and the p(c|.) of queries ``[B*H, T, C]`` and keys ``[kv_bsz*H, S, C]``.
+                         need_weights: bool, before_softmax: bool,
+                         q_scale: float = 1.0) -> Tuple[Tensor, Optional[Tensor]]:
+        """A_hat V of eq. (1), (2), (10), (11) for ``q`` ``[B*H, T, D]`` (whose scores are ``q_scale`` q.k), ``k``/``v``
+        ``[kv_bsz*H, S, D]`` and the log p(c|.) of queries ``[B*H, T, C]`` and keys ``[kv_bsz*H, S, C]``.
 
         Returns (``[T, B, E]``, the weights A_hat ``[B*H, T, S]`` in float32 when computed, else
         None); with ``before_softmax``, (the masked scores, None). The core's entry point
@@ -291,13 +296,16 @@ class SDMAMultiheadAttention(MultiheadAttention):
                 *(t.view(bsz, H, -1, t.size(-1)) for t in (q, k, v, resp_query, key_resp)), core.mix_weight,
                 authors=authors, blocked=self._blocked_keys(key_padding_mask, attn_mask),
                 kernel=core.options.attention_kernel, need_weights=need_weights,
-                dropout=self.dropout_module, dropout_p=self.dropout_module.p if dropout_active else 0.0)
+                dropout=self.dropout_module, dropout_p=self.dropout_module.p if dropout_active else 0.0,
+                scale=q_scale, log_responsibilities=True)
             weights = None if weights is None else weights.view(bsz * H, tgt_len, src_len)
             return attn.permute(2, 0, 1, 3).reshape(tgt_len, bsz, H * D), weights
 
         # beam folding (kv_bsz sentences, bsz = kv_bsz * beam hypotheses) or the raw scores: explicit
+        if q_scale != 1.0:
+            q = q * q_scale
         allowed = self._allowed_keys(key_padding_mask, attn_mask) if authors else None
-        mask = reading_semantic_mask(resp_query, key_resp, authors, allowed, heads=H)  # eq. (10)
+        mask = reading_semantic_mask(resp_query.exp(), key_resp.exp(), authors, allowed, heads=H)  # eq. (10)
         scores = torch.einsum(
             "bxhtd,bhsd->bxhts", q.view((kv_bsz, -1, H) + q.size()[1:]), k.view((kv_bsz, H) + k.size()[1:]),
         ).reshape(-1, tgt_len, src_len) if bsz != kv_bsz else torch.bmm(q, k.transpose(1, 2))
@@ -333,7 +341,8 @@ class SDMAMultiheadAttention(MultiheadAttention):
         return blocked
 
     def _plain_attention(self, q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, key_resp: Tensor,
-                         key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor], bsz: int) -> Tensor:
+                         key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor], bsz: int,
+                         q_scale: float) -> Tensor:
         """A of eq. (1) for the recorded outputs: the weights of :meth:`_mixed_attention` with g = 0 in eq. (11)
         (no dropout), ``[B, H, T, S]``."""
         core, H = self.sdma, self.num_heads
@@ -341,7 +350,7 @@ class SDMAMultiheadAttention(MultiheadAttention):
             *(t.view(bsz, H, -1, t.size(-1)) for t in (q, k, v, resp_query, key_resp)),
             torch.zeros_like(core.mix_weight), authors=core.options.authors,
             blocked=self._blocked_keys(key_padding_mask, attn_mask), kernel="explicit", need_weights=True,
-            dropout=lambda a: a, dropout_p=0.0)
+            dropout=lambda a: a, dropout_p=0.0, scale=q_scale, log_responsibilities=True)
         return weights
 
     def _query_valid(self, query: Tensor, key_padding_mask: Optional[Tensor], real_queries: Optional[Tensor]) -> Tensor:

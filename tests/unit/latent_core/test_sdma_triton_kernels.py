@@ -76,13 +76,15 @@ def blocked_keys(kind, B, T, S):
     return blocked.to(DEVICE)
 
 
-def run(kernel, tensors, mix, blocked, authors, dropout=None, dtype=torch.float32, score_bias=None):
+def run(kernel, tensors, mix, blocked, authors, dropout=None, dtype=torch.float32, score_bias=None, scale=1.0,
+        log_responsibilities=False):
     """(A_hat V, the gradients of q, k, v and both responsibilities, and of ``score_bias`` where one is added to the
     scores) through :func:`sdma_attention`."""
     inputs = [t.detach().to(dtype if i < 3 else torch.float32).requires_grad_() for i, t in enumerate(tensors)]
     bias = None if score_bias is None else score_bias.detach().to(dtype).requires_grad_()
     out, _ = sdma_attention(*inputs, mix, authors=authors, blocked=blocked, kernel=kernel, need_weights=False,
-                            dropout=dropout or (lambda a: a), dropout_p=0.0, score_bias=bias)
+                            dropout=dropout or (lambda a: a), dropout_p=0.0, score_bias=bias, scale=scale,
+                            log_responsibilities=log_responsibilities)
     weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.device)
     (out.float() * weights).sum().backward()
     return [out.detach().float()] + [t.grad.float() for t in inputs] + ([] if bias is None else [bias.grad.float()])
@@ -110,6 +112,73 @@ def compare(authors, masking, shape, mix=0.7, near_empty=None):
 def test_the_kernel_equals_explicit_across_tiles(authors, masking):
     # 20 queries and 35 keys: two and three 16-wide tiles, each ending inside a tile
     assert_close(*compare(authors, masking, (2, 1, 20, 35 if masking != "causal" else 20)))
+
+
+@pytest.mark.parametrize("authors", [True, False], ids=["authors", "paper"])
+@pytest.mark.parametrize("masking", ["padding", "causal"])
+def test_unscaled_queries_and_log_responsibilities_are_read_as_they_are(authors, masking):
+    """The adapters' raw inputs (``scale`` 1/sqrt(d_k) with unscaled q, ``log_responsibilities`` with log p(c|.)):
+    the kernel reads them as they are, the explicit row gets q scaled and p(c|.); values and the gradients of the raw
+    inputs agree (d log p = p d p, d q = s d(s q)), and equal the scaled inputs' own run."""
+    B, H, T, S, D = 2, 2, 20, 35 if masking != "causal" else 20, 8
+    tensors = attention_inputs(B, H, T, S, D=D)
+    raw = [tensors[0] * 3.0, tensors[1], tensors[2], tensors[3].log(), tensors[4].log()]
+    blocked, mix, scale = blocked_keys(masking, B, T, S), torch.tensor(0.7, device=DEVICE), 1 / 3.0
+    got = run("triton", raw, mix, blocked, authors, scale=scale, log_responsibilities=True)
+    want = run("explicit", raw, mix, blocked, authors, scale=scale, log_responsibilities=True)
+    assert_close(got, want)
+    scaled = run("explicit", tensors, mix, blocked, authors)
+    torch.testing.assert_close(got[0], scaled[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], scaled[1] * scale, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[4], scaled[4] * tensors[3], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("authors", [True, False], ids=["authors", "paper"])
+@pytest.mark.parametrize("masking", ["padding_and_causal", "biased"])
+def test_the_weights_kernel_gives_the_explicit_rows_weights(authors, masking):
+    """need_weights: A_hat from the row statistics equals the explicit row's (0 at blocked keys, rows across
+    tiles, raw inputs), the output and gradients are unchanged by asking, and a loss on the weights is refused."""
+    B, H, T, S = 2, 2, 20, 20
+    tensors = attention_inputs(B, H, T, S)
+    raw = [tensors[0] * 2.0, tensors[1], tensors[2], tensors[3].log(), tensors[4].log()]
+    blocked = blocked_keys("padding_and_causal", B, T, S)
+    bias = torch.randn(1, H, T, S, generator=torch.Generator().manual_seed(3)).to(DEVICE) if masking == "biased" \
+        else None
+    mix = torch.tensor(0.6, device=DEVICE)
+    weights = {}
+    for kernel in ("triton", "explicit"):
+        inputs = [t.detach().clone().requires_grad_() for t in raw]
+        out, weights[kernel] = sdma_attention(
+            *inputs, mix, authors=authors, blocked=blocked, kernel=kernel, need_weights=True, dropout=lambda a: a,
+            dropout_p=0.0, score_bias=bias, scale=0.5, log_responsibilities=True)
+        (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.device)).sum().backward()
+        if kernel == "triton":
+            grads = [t.grad for t in inputs]
+            assert_close([out.detach()] + grads, run("triton", raw, mix, blocked, authors, score_bias=bias, scale=0.5,
+                                                     log_responsibilities=True)[:6])
+    torch.testing.assert_close(weights["triton"], weights["explicit"].detach(), rtol=1e-5, atol=1e-6)
+    assert torch.all(weights["triton"].masked_select(blocked.expand(B, H, T, S)) == 0)
+    inputs = [t.detach().clone().requires_grad_() for t in raw]
+    out, attn = sdma_attention(*inputs, mix, authors=authors, blocked=blocked, kernel="triton", need_weights=True,
+                               dropout=lambda a: a, dropout_p=0.0, scale=0.5, log_responsibilities=True)
+    with pytest.raises(SDMAConfigError, match="sdma-attention-kernel explicit"):
+        (out.sum() + attn.mean(1).sum()).backward()
+
+
+def test_a_self_attentions_log_responsibilities_are_exponentiated_once_for_the_other_rows():
+    """Two views of one log p(c|.) (a self-attention's queries and keys) cost the explicit row one exp, not two."""
+    from latent_core.op_counts import count_launches
+
+    q, k, v, resp, _ = attention_inputs(1, 2, 6, 6)
+    log_resp = resp.log().requires_grad_()
+    mix = torch.tensor(0.5, device=DEVICE)
+
+    def launches(keys):
+        return count_launches(lambda: sdma_attention(
+            q, k, v, log_resp.view(1, 2, 6, -1), keys, mix, authors=True, blocked=None, kernel="explicit",
+            need_weights=False, dropout=lambda a: a, dropout_p=0.0, log_responsibilities=True))["launches"]
+
+    assert launches(log_resp.view(1, 2, 6, -1)) == launches(log_resp.clone().view(1, 2, 6, -1)) - 1
 
 
 @pytest.mark.parametrize("authors", [True, False], ids=["authors", "paper"])
@@ -296,10 +365,14 @@ def clustering_gradients(gmm, x, log_joint, log_resp, inputs):
 
 @pytest.mark.parametrize("scale", [1.0, 0.1])
 @pytest.mark.parametrize("clamp", [False, True], ids=["in_range", "clamped"])
-def test_the_clustering_kernel_equals_the_gmm(scale, clamp):
+@pytest.mark.parametrize("centroid_grad_scale", [1.0, 5.0], ids=["c_g=1", "c_g=5"])
+def test_the_clustering_kernel_equals_the_gmm(scale, clamp, centroid_grad_scale):
+    """Values and every gradient, the means' times c_g (the GMM's ``scaled_means``, here in the backward kernel)."""
     gmm, x = clustering_case(clamp=clamp)
+    gmm.centroid_grad_scale = centroid_grad_scale
     inputs = [x.requires_grad_(), gmm.means, gmm.log_vars, gmm.prior_logits]
-    log_joint, log_resp = gaussian_clustering(x, gmm.means, gmm.log_vars, gmm.prior_logits, scale)
+    log_joint, log_resp = gaussian_clustering(x, gmm.means, gmm.log_vars, gmm.prior_logits, scale,
+                                              mean_grad_scale=centroid_grad_scale)
     got = clustering_gradients(gmm, x, log_joint, log_resp, inputs)
     heads = x.view(x.size(0), gmm.groups, gmm.dim)
     want_joint = gmm.log_joint(heads, scale=scale)
@@ -413,9 +486,9 @@ def test_planted_attention_defects_fail(defect, case):
 
 def test_a_planted_bias_defect_in_backward_fails():
     """The bias left out of the backward's recomputed scores: the forward is right, every gradient wrong."""
-    module = planted([("""    scores = _dot(q, tl.trans(k), DOT_PRECISION)
+    module = planted([("""    scores = _dot(q, tl.trans(k), DOT_PRECISION) * sm_scale
     scores = _add_score_bias(scores, BIAS, bias_strides, offs_t, offs_s, mask_t, mask_s, HAS_BIAS)
-""", """    scores = _dot(q, tl.trans(k), DOT_PRECISION)
+""", """    scores = _dot(q, tl.trans(k), DOT_PRECISION) * sm_scale
 """)])
     tensors, bias, blocked, mix = biased_case("padding", (2, 2, 6, 7))
     inputs = [t.clone().requires_grad_() for t in tensors]

@@ -46,12 +46,12 @@ def use_noise(model, stream: NoiseStream):
         if isinstance(module, SDMAMultiheadAttention):
             core = module.sdma
 
-            def perturb(x, training, log_var=None, core=core):
+            def perturb(x, training, log_var=None, scale=1.0, core=core):
                 if not training:
                     return x
                 T, B, _ = x.shape
                 eps = stream.draw(B, T).permute(2, 0, 1, 3).reshape(T, B, HEADS * HEAD_DIM)
-                return x + math.sqrt(core.options.noise_var) * eps
+                return x + math.sqrt(core.options.noise_var) / scale * eps
 
             core.perturb = perturb
 

@@ -49,7 +49,8 @@ def run_ours(name, reading="authors", diagnostics=None, **options):
     module.train()
     # the case's noise draws in our [T, B, E] layout, in the order the module asks for them
     draws = [e.permute(2, 0, 1, 3).reshape(e.size(2), BATCH, EMBED) for e in noise_order(case)]
-    module.sdma.perturb = lambda x, training: x + math.sqrt(module.sdma.options.noise_var) * draws.pop(0)
+    noise_std = math.sqrt(module.sdma.options.noise_var)
+    module.sdma.perturb = lambda x, training, scale=1.0: x + noise_std / scale * draws.pop(0)
     x, key = case["x"].transpose(0, 1), case["key"].transpose(0, 1)
     attn_mask = None
     if case["attention"] == "decoder":

@@ -224,7 +224,11 @@ def replay(call: Dict, head_dim: int, dtype: torch.dtype) -> None:
     bias = patterned(call["score_bias"], dtype=dtype, grad=call["bias_grad"])
     out = triton_kernels.mixed_attention(q, k, v, resp_query, resp_key, _meta((), dtype=torch.float32),
                                          authors=call["authors"], blocked=blocked,
-                                         dropout_p=0.1 if call["dropout"] else 0.0, seed=1, score_bias=bias)
+                                         dropout_p=0.1 if call["dropout"] else 0.0, seed=1, score_bias=bias,
+                                         scale=head_dim ** -0.5, log_responsibilities=call.get("log_resp", False),
+                                         need_weights=call.get("weights", False))
+    if call.get("weights", False):
+        out = out[0]
     if grad:
         out.backward(torch.empty_like(out))
 
