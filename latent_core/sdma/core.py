@@ -46,6 +46,8 @@ class SDMACore(nn.Module):
             else None
         )
         self.register_buffer("mix_weight", torch.zeros(()), persistent=True)
+        # this forward pass's GMM parameters as the Triton clustering read them, for its record (see _cluster_rows)
+        self._parameters_read: Dict[str, Tuple[Tensor, Tensor]] = {}
 
     # -- schedule ---------------------------------------------------------------
     def set_num_updates(self, num_updates: int) -> None:
@@ -152,7 +154,14 @@ class SDMACore(nn.Module):
 
             width = gmm.groups * gmm.dim
             rows = torch.cat([z.reshape(-1, width) for z in zs]) if len(zs) > 1 else zs[0].reshape(-1, width)
-            return gaussian_clustering(rows, gmm.means, gmm.log_vars, gmm.prior_logits, scale, gmm.centroid_grad_scale)
+            # with autograd the kernel also hands back the parameters it read: the regularisers read those (via
+            # record), so their gradients join the clustering's in its backward kernel, not in an autograd sum
+            read = torch.is_grad_enabled()
+            out = gaussian_clustering(rows, gmm.means, gmm.log_vars, gmm.prior_logits, scale, gmm.centroid_grad_scale,
+                                      parameters_read=read)
+            if read:
+                self._parameters_read["z" if gmm is self.feature_gmm else "q"] = out[2:]
+            return out[:2]
         log_joint = gmm.log_joint_rows(zs, gmm_terms, scale)
         return log_joint, log_softmax_clusters(log_joint)
 
@@ -209,10 +218,11 @@ class SDMACore(nn.Module):
         criterion already took the first pass's records).
         """
         records = into if into is not None else active_recording()
+        parameters_read, self._parameters_read = self._parameters_read, {}
         if records is None or torch._C._current_graph_task_id() != -1:
             return
         records.add(self, ClusteringRecord(log_joint_z, log_resp_z, query_valid, log_joint_q, log_resp_q,
-                                           log_joint_k, log_resp_k, log_vars or {}))
+                                           log_joint_k, log_resp_k, log_vars or {}, parameters_read))
 
     def regularisers(self, log_joint_z: Tensor, log_resp_z: Tensor, query_valid: Tensor,
                      log_joint_q: Optional[Tensor] = None,

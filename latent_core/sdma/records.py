@@ -21,7 +21,9 @@ class ClusteringRecord:
     keys of a cross-attention, ``[S, B, n_h, C]``, which the authors' reading regularises too);
     ``valid`` ``[T, B]``: 1 at real (non-padding) query positions; ``log_vars``: learned posterior
     log-variances per position and head (``{"z": [T, B, n_h], "q": ..., "k": [S, B, n_h]}``, the
-    authors' ESPnet ``var_estimation``) replacing sigma_tilde^2.
+    authors' ESPnet ``var_estimation``) replacing sigma_tilde^2; ``gmm_parameters``: the GMMs' log-variances and
+    prior logits as this pass's clustering read them (``{"z": (log_vars, prior_logits), "q": ...}``: the Triton
+    kernel's views, whose gradients return through it), else the modules' own.
     """
 
     log_joint_z: Tensor
@@ -32,6 +34,7 @@ class ClusteringRecord:
     log_joint_k: Optional[Tensor] = None
     log_resp_k: Optional[Tensor] = None
     log_vars: Dict[str, Tensor] = field(default_factory=dict)
+    gmm_parameters: Dict[str, Tuple[Tensor, Tensor]] = field(default_factory=dict)
 
     def layout(self) -> Tuple:
         """The shapes that decide which records can be stacked into one batched computation."""

@@ -502,10 +502,14 @@ def sdma_losses(items: List[Tuple[nn.Module, ClusteringRecord]],
     layers = {name: [getattr(record, name) for _, record in items] for name in _LAYER_FIELDS
               if getattr(first, name) is not None}
     log_vars = {kind: [record.log_vars[kind] for _, record in items] for kind in first.log_vars}
-    gmms = {"z": [core.feature_gmm for core, _ in items]}
-    if first.log_joint_q is not None:
-        gmms["q"] = [core.query_gmm for core, _ in items]
-    gmm_parameters = {kind: ([g.log_vars for g in group], [g.prior_logits for g in group]) for kind, group in gmms.items()}
+    kinds = ("z", "q") if first.log_joint_q is not None else ("z",)
+
+    def read(core, record, kind):  # the parameters as the clustering read them (Triton), else the module's own
+        gmm = core.feature_gmm if kind == "z" else core.query_gmm
+        return record.gmm_parameters.get(kind, (gmm.log_vars, gmm.prior_logits))
+
+    gmm_parameters = {kind: tuple(map(list, zip(*(read(core, record, kind) for core, record in items))))
+                      for kind in kinds}
     # in float32 under autocast too: the terms' hand-written backward passes reuse their forward's products
     with full_precision(first.valid):
         losses, sums = group_terms(layers, log_vars, gmm_parameters, first.valid, authors=o.authors,
@@ -646,11 +650,13 @@ def collect_sdma_losses(model: nn.Module, records: SDMARecording, diagnostics: O
         per_group.append(terms)
     present = [v for g in per_group for v in g.values()]
     zeros = torch.zeros_like(present[0]) if present else torch.zeros(())
-    total = {}
-    for name in LOSS_NAMES:
-        values = [g[name] for g in per_group if name in g]
-        total[name] = torch.stack(values).sum(0) if values else zeros
-    return total
+    if not per_group:
+        return {name: zeros for name in LOSS_NAMES}
+    # every group's terms in one stack, summed over the groups at once (a term a group lacks is zeros): three
+    # launches for all the terms, not a stack and a sum per term
+    stacked = torch.stack([g.get(name, zeros) for g in per_group for name in LOSS_NAMES])
+    total = stacked.view(len(per_group), len(LOSS_NAMES), *zeros.shape).sum(0)
+    return dict(zip(LOSS_NAMES, total.unbind(0)))
 
 
 def diagnostic_summary(sums: Mapping) -> Dict:
@@ -681,10 +687,14 @@ def weighted_regulariser(terms: Dict[str, Tensor], weights: Dict[str, float]) ->
     keyed like :data:`LOSS_WEIGHTS`. Zero-weighted terms are skipped. Float32, one value
     per sentence (``[B]``, or 0-dim when the terms are).
     """
-    total = torch.zeros_like(next(iter(terms.values())), dtype=torch.float32)
-    for term in weighted_terms(terms, weights).values():
-        total = total + term
-    return total
+    total = None
+    for option, (_, names, sign) in LOSS_WEIGHTS.items():
+        for name in names if weights[option] else ():
+            term = terms[name].float()
+            # one launch per term: the weight rides on the add (alpha), not a product of its own
+            total = term * (sign * weights[option]) if total is None else torch.add(total, term,
+                                                                                 alpha=sign * weights[option])
+    return torch.zeros_like(next(iter(terms.values())), dtype=torch.float32) if total is None else total
 
 
 def weighted_terms(terms: Dict[str, Tensor], weights: Dict[str, float]) -> Dict[str, Tensor]:

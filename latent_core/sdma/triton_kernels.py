@@ -61,7 +61,7 @@ _LANGUAGE_INTERPRETED = not isinstance(tl.max, triton.runtime.jit.JITFunction)
 # their divisibility by 16 (one compile per padding and causal-mask pattern and sequence length's residue).
 _SIZES = ["T", "S", "N", "G", "H", "NUM_BLOCKS", "total", "seed", "blocked_stride_b", "blocked_stride_h",
           "blocked_stride_t", "bias_stride_b", "bias_stride_h", "bias_stride_t", "grad_stride_n", "grad_stride_g",
-          "grad_stride_c"]
+          "grad_stride_c", "resp_stride_n", "resp_stride_g", "resp_stride_c"]
 _NEG = -1.0e30  # the score of a blocked key (finite: a row with every key blocked stays NaN-free)
 
 
@@ -87,9 +87,9 @@ HEAD_DIMS = (32, 64, 128)  # the head dims LAUNCH is chosen for (BLOCK_D; 16 tak
 # (its inner loop) x keys; attention_backward_queries queries x keys (its inner loop); row_sums and clustering rows.
 # fp32 without tf32 ("ieee": CUDA-core dots) still spills a few bytes in some rows and 1,436 bytes in
 # attention_backward_keys at head dim 128 (16 x 16): on a GPU allow tf32 or train in fp16/bf16 (benchmark.md,
-# "Compiled for the GPU without one").
+# "Compiled for the GPU without one"). attention_weights takes the forward's tile (it holds less).
 _ATTENTION_TILES = {  # (inputs, BLOCK_D) -> forward, backward over the keys, backward over the queries
-    ("half", 32): ((64, 32, 4, 2), (32, 32, 4, 1), (32, 32, 8, 2)),
+    ("half", 32): ((32, 32, 8, 2), (32, 32, 4, 1), (32, 32, 8, 2)),
     ("half", 64): ((32, 32, 8, 2), (32, 32, 8, 2), (32, 16, 4, 1)),
     ("half", 128): ((32, 32, 8, 1), (32, 32, 4, 1), (32, 32, 8, 2)),
     ("tf32", 32): ((32, 32, 8, 2), (32, 32, 4, 1), (32, 32, 4, 1)),
@@ -256,15 +256,15 @@ def _clustering_forward(X, MEANS, LOG_VARS, PRIOR, LOG_JOINT, LOG_RESP, N, G, D,
 
 @triton.jit(do_not_specialize=_SIZES)
 def _clustering_backward(X, MEANS, LOG_VARS, PRIOR, GRAD_JOINT, GRAD_RESP, GRAD_X, PARTIAL_MU, PARTIAL_LV, PARTIAL_PI,
-                         N, G, D, stride_xn, stride_gxn, grad_stride_n, grad_stride_g, grad_stride_c, scale, lv_min,
-                         lv_max,
+                         N, G, D, stride_xn, stride_gxn, grad_stride_n, grad_stride_g, grad_stride_c,
+                         resp_stride_n, resp_stride_g, resp_stride_c, scale, lv_min, lv_max,
                          C: tl.constexpr, HAS_GRAD_JOINT: tl.constexpr, HAS_GRAD_RESP: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
                          LOG_2PI_: tl.constexpr):
     """The backward of :func:`_clustering_forward` for ``BLOCK_N`` rows of one group: the input's gradient
     (``GRAD_X``) and this block's sums of the means', log-variances' and prior logits' gradients (``PARTIAL_*``,
-    reduced by :func:`_clustering_parameter_grads`). The output gradients ``[N, G, C]`` are read in any one layout
-    (``grad_stride_*``). Grid: (row blocks, G)."""
+    reduced by :func:`_clustering_parameter_grads`). The output gradients ``[N, G, C]`` are read in any layout, each
+    its own (``grad_stride_*`` of log p(z, c)'s, ``resp_stride_*`` of log p(c|z)'s). Grid: (row blocks, G)."""
     pid_n = tl.program_id(0)
     g = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -285,7 +285,8 @@ def _clustering_backward(X, MEANS, LOG_VARS, PRIOR, GRAD_JOINT, GRAD_RESP, GRAD_
         joint_max = tl.max(joint, 1)
         resp = tl.exp(joint - joint_max[:, None])
         resp = resp / tl.sum(resp, 1)[:, None]
-        grad_resp = tl.load(GRAD_RESP + grads, mask=tile, other=0.0).to(tl.float32)
+        resp_grads = offs_n[:, None] * resp_stride_n + g * resp_stride_g + offs_c[None, :] * resp_stride_c
+        grad_resp = tl.load(GRAD_RESP + resp_grads, mask=tile, other=0.0).to(tl.float32)
         total += grad_resp - resp * tl.sum(grad_resp, 1)[:, None]
     total = tl.where(tile, total, 0.0)
     grad_x = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
@@ -308,10 +309,12 @@ def _clustering_backward(X, MEANS, LOG_VARS, PRIOR, GRAD_JOINT, GRAD_RESP, GRAD_
 
 @triton.jit(do_not_specialize=_SIZES)
 def _clustering_parameter_grads(LOG_VARS, PRIOR, PARTIAL_MU, PARTIAL_LV, PARTIAL_PI, GRAD_MU, GRAD_LV, GRAD_PRIOR,
-                                NUM_BLOCKS, G, D, lv_min, lv_max, mean_grad_scale,
-                                C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
+                                MORE_LV, MORE_PRIOR, NUM_BLOCKS, G, D, lv_min, lv_max, mean_grad_scale,
+                                C: tl.constexpr, HAS_MORE_LV: tl.constexpr, HAS_MORE_PRIOR: tl.constexpr,
+                                BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
     """Sum the partials over the row blocks; the clamp's and the log-softmax's backward; the means' gradient times
-    ``mean_grad_scale`` (c_g of Section IV-A3)."""
+    ``mean_grad_scale`` (c_g of Section IV-A3); plus the parameters' gradients from their other uses (``MORE_LV``,
+    ``MORE_PRIOR``: the regularisers', which read them through this node)."""
     g = tl.program_id(0)
     offs_c = tl.arange(0, BLOCK_C)
     offs_d = tl.arange(0, BLOCK_D)
@@ -332,14 +335,21 @@ def _clustering_parameter_grads(LOG_VARS, PRIOR, PARTIAL_MU, PARTIAL_LV, PARTIAL
     pi = tl.exp(prior - tl.max(prior, 0))
     pi = pi / tl.sum(pi, 0)
     grad_prior = grad_pi - pi * tl.sum(grad_pi, 0)
+    if HAS_MORE_LV:
+        grad_lv += tl.load(MORE_LV + params, mask=tile, other=0.0).to(tl.float32)
+    if HAS_MORE_PRIOR:
+        grad_prior += tl.load(MORE_PRIOR + g * C + offs_c, mask=mask_c, other=0.0).to(tl.float32)
     tl.store(GRAD_MU + params, (grad_mu * mean_grad_scale).to(GRAD_MU.dtype.element_ty), mask=tile)
     tl.store(GRAD_LV + params, grad_lv.to(GRAD_LV.dtype.element_ty), mask=tile)
     tl.store(GRAD_PRIOR + g * C + offs_c, grad_prior.to(GRAD_PRIOR.dtype.element_ty), mask=mask_c)
 
 
 class _GaussianClustering(torch.autograd.Function):
-    """``(x [N, G*d], means, log_vars, prior_logits, s, c_g) -> (log p(z, c), log p(c|z))`` of ``s x``, both ``[N, G,
-    C]`` float32 stored clusters-first; saves only ``x`` (the projections save it too)."""
+    """``(x [N, G*d], means, log_vars, prior_logits, s, c_g) -> (log p(z, c), log p(c|z), log_vars, prior_logits)``
+    of ``s x``, the first two ``[N, G, C]`` float32 stored clusters-first, the last two the parameters as they came
+    (views whose gradients come back here: the regularisers read them so, and their gradients are added to this
+    node's own in its parameter kernel rather than by autograd, one launch per parameter fewer); saves only ``x``
+    (the projections save it too)."""
 
     @staticmethod
     def forward(ctx, x, means, log_vars, prior_logits, scale, mean_grad_scale):
@@ -357,15 +367,16 @@ class _GaussianClustering(torch.autograd.Function):
                 dict(C=clusters, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_C=block_c, LOG_2PI_=LOG_2PI), cfg)
         ctx.save_for_backward(x, means, log_vars, prior_logits)
         ctx.scale, ctx.mean_grad_scale = float(scale), float(mean_grad_scale)
+        ctx.set_materialize_grads(False)  # an output nobody used has no gradient (None), not zeros
         ctx.call = None
         if _CALLS is not None:
             ctx.call = dict(kind="clustering", dtype=str(x.dtype).replace("torch.", ""), clusters=clusters,
                             groups=groups, head_dim=dim)
             _CALLS.append(ctx.call)
-        return log_joint.movedim(0, -1), log_resp.movedim(0, -1)
+        return log_joint.movedim(0, -1), log_resp.movedim(0, -1), log_vars, prior_logits
 
     @staticmethod
-    def backward(ctx, grad_joint, grad_resp):
+    def backward(ctx, grad_joint, grad_resp, more_log_vars, more_prior):
         x, means, log_vars, prior_logits = ctx.saved_tensors
         groups, clusters, dim = means.shape
         rows = x.size(0)
@@ -373,14 +384,15 @@ class _GaussianClustering(torch.autograd.Function):
         block_n, block_d, block_c = _block(rows, cfg.block_rows), _block(dim, 1 << 20), triton.next_power_of_2(clusters)
         num_blocks = triton.cdiv(rows, block_n)
         if ctx.call is not None:
-            ctx.call.update(grad_joint=grad_joint is not None, grad_resp=grad_resp is not None)
+            ctx.call.update(grad_joint=grad_joint is not None, grad_resp=grad_resp is not None,
+                            more_grads=more_log_vars is not None)
+        if grad_joint is None and grad_resp is None:
+            grad_joint = torch.zeros(clusters, rows, groups, dtype=torch.float32, device=x.device).movedim(0, -1)
 
-        # the output gradients are read in the layout they come in (no copy) where both have one layout (the usual
-        # case: autograd's sums follow their inputs' layout); else the second is copied into the first's
-        given = [grad for grad in (grad_joint, grad_resp) if grad is not None]
-        if len(given) == 2 and grad_resp.stride() != grad_joint.stride():
-            grad_resp = torch.empty_like(grad_joint).copy_(grad_resp)
-        strides = given[0].stride()
+        # the output gradients are read in the layouts they come in (no copy): the attention's and the regularisers'
+        # (a slice of their stacked layers) differ
+        strides = grad_joint.stride() if grad_joint is not None else (0, 0, 0)
+        resp_strides = grad_resp.stride() if grad_resp is not None else (0, 0, 0)
         grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         partial_mu = torch.empty(num_blocks, groups, clusters, block_d, dtype=torch.float32, device=x.device)
         partial_lv = torch.empty_like(partial_mu)
@@ -388,31 +400,43 @@ class _GaussianClustering(torch.autograd.Function):
         _launch("clustering_backward", _clustering_backward, (num_blocks, groups),
                 (x, means, log_vars, prior_logits, grad_joint if grad_joint is not None else x,
                  grad_resp if grad_resp is not None else x, grad_x, partial_mu, partial_lv, partial_pi,
-                 rows, groups, dim, x.stride(0), grad_x.stride(0), *strides, ctx.scale, *LOGVAR_RANGE),
+                 rows, groups, dim, x.stride(0), grad_x.stride(0), *strides, *resp_strides, ctx.scale, *LOGVAR_RANGE),
                 dict(C=clusters, HAS_GRAD_JOINT=grad_joint is not None, HAS_GRAD_RESP=grad_resp is not None,
                      BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_C=block_c, LOG_2PI_=LOG_2PI), cfg)
         grad_means, grad_log_vars = torch.empty_like(means), torch.empty_like(log_vars)
         grad_prior = torch.empty_like(prior_logits)
         _launch("clustering_parameter_grads", _clustering_parameter_grads, (groups,),
                 (log_vars, prior_logits, partial_mu, partial_lv, partial_pi, grad_means, grad_log_vars, grad_prior,
-                 num_blocks, groups, dim, *LOGVAR_RANGE, ctx.mean_grad_scale),
-                dict(C=clusters, BLOCK_D=block_d, BLOCK_C=block_c), LaunchConfig(0, 0, 1, 1))
+                 _contiguous_or(more_log_vars, log_vars), _contiguous_or(more_prior, prior_logits), num_blocks, groups,
+                 dim, *LOGVAR_RANGE, ctx.mean_grad_scale),
+                dict(C=clusters, HAS_MORE_LV=more_log_vars is not None, HAS_MORE_PRIOR=more_prior is not None,
+                     BLOCK_D=block_d, BLOCK_C=block_c), LaunchConfig(0, 0, 1, 1))
         return grad_x, grad_means, grad_log_vars, grad_prior, None, None
 
 
+def _contiguous_or(grad: Optional[Tensor], placeholder: Tensor) -> Tensor:
+    """A gradient the kernel reads by the parameter's (contiguous) offsets, or a placeholder pointer when there is
+    none."""
+    return placeholder if grad is None else grad.contiguous()
+
+
 def gaussian_clustering(x: Tensor, means: Tensor, log_vars: Tensor, prior_logits: Tensor,
-                        scale: float = 1.0, mean_grad_scale: float = 1.0) -> Tuple[Tensor, Tensor]:
+                        scale: float = 1.0, mean_grad_scale: float = 1.0,
+                        parameters_read: bool = False) -> Tuple[Tensor, ...]:
     """The clustering of eq. (9) of ``scale * x``: ``x [N, G*d]`` (rows of G groups' d-dim inputs) and one GMM per
     group (``means``, ``log_vars`` ``[G, C, d]``, ``prior_logits`` ``[G, C]``) -> (log pi_c + log N(s x | mu_c,
     sigma_c^2), log p(c | s x)), each ``[N, G, C]`` float32, stored clusters-first (as
     :meth:`latent_core.sdma.mixture.GaussianMixture.log_joint`). Log-variances are clamped to :data:`LOGVAR_RANGE`.
     ``mean_grad_scale``: the means' gradient is multiplied by it (c_g, in the backward kernel: no launch of its own,
-    where :meth:`~latent_core.sdma.mixture.GaussianMixture.scaled_means` is one)."""
+    where :meth:`~latent_core.sdma.mixture.GaussianMixture.scaled_means` is one). ``parameters_read``: also returns
+    ``log_vars`` and ``prior_logits`` as views whose gradients come back through this call (for the regularisers to
+    read: their gradients join the clustering's in its parameter kernel, not in an autograd sum per parameter)."""
     check_supported(x, option="attention_kernel=triton (the clustering)")
     if x.dim() != 2 or x.size(1) != means.size(0) * means.size(2):
         raise SDMAConfigError(f"gaussian_clustering: x must be [N, G*d] = [N, {means.size(0) * means.size(2)}], "
                               f"got {list(x.shape)}")
-    return _GaussianClustering.apply(x, means, log_vars, prior_logits, scale, mean_grad_scale)
+    outputs = _GaussianClustering.apply(x, means, log_vars, prior_logits, scale, mean_grad_scale)
+    return outputs if parameters_read else outputs[:2]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -856,6 +880,23 @@ def _rows_of(tensor: Optional[Tensor], shape) -> Tuple[Optional[Tensor], Tuple[i
     return expanded, tuple(expanded.stride()[:3])
 
 
+def _non_overlapping(tensor: Tensor) -> Tensor:
+    """``tensor`` if no two of its elements share memory, whatever the gaps between them (a cross-attention's p(c|.),
+    a slice of the clustering's rows: the kernels read it and write its gradient by its strides), else a contiguous
+    copy (an expanded tensor)."""
+    span = 1
+    for size, stride in sorted((t for t in zip(tensor.shape, tensor.stride()) if t[0] != 1), key=lambda t: t[1]):
+        if stride < span:
+            return tensor.contiguous()
+        span = stride * size
+    return tensor
+
+
+def _strided_like(tensor: Tensor, dtype: torch.dtype) -> Tensor:
+    """An uninitialised tensor with ``tensor``'s shape and strides (gaps included) in ``dtype``."""
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=dtype, device=tensor.device)
+
+
 def _dense(tensor: Tensor) -> Tensor:
     """``tensor`` if its elements fill its storage span without overlap in some order of its dimensions (then
     ``torch.empty_like`` gives its strides, and the kernels write its output and gradient in its layout), else a
@@ -993,14 +1034,14 @@ class _MixedAttention(torch.autograd.Function):
         # every gradient in its input's layout (the inputs are dense): the adapters' views back to their own layout
         # then copy nothing
         grad_k, grad_v = torch.empty_like(k), torch.empty_like(v)
-        grad_resp_key = torch.empty_like(resp_key, dtype=torch.float32)
+        grad_resp_key = _strided_like(resp_key, torch.float32)
         cfg = launch_config("attention_backward_keys", D, q.dtype)
         block_t, block_s = _block(T, cfg.block_rows), _block(S, cfg.block_cols)
         _launch("attention_backward_keys", _attention_backward_keys, (triton.cdiv(S, block_s), B * H),
                 (*inputs, grad_k, grad_v, grad_resp_key, *sizes),
                 dict(**common, BLOCK_T=block_t, BLOCK_S=block_s, BLOCK_D=block_d, BLOCK_C=block_c), cfg)
         grad_q = torch.empty_like(q)
-        grad_resp_query = torch.empty_like(resp_query, dtype=torch.float32)
+        grad_resp_query = _strided_like(resp_query, torch.float32)
         # the bias's gradient is d scores, [B, H, T, S] (the T x S memory a flash kernel otherwise avoids), summed
         # over the dimensions the bias was broadcast along
         grad_scores = torch.empty(full, dtype=torch.float32, device=q.device) if bias_grad else None
@@ -1062,7 +1103,8 @@ def mixed_attention(q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, resp_ke
         check_score_bias(score_bias, (B, H, T, k.size(2)), caller="mixed_attention: ")
     if seed is None:
         seed = dropout_seed(dropout_p)
-    q, k, v, resp_query, resp_key = (_dense(t) for t in (q, k, v, resp_query, resp_key))
+    q, k, v = (_dense(t) for t in (q, k, v))
+    resp_query, resp_key = _non_overlapping(resp_query), _non_overlapping(resp_key)
     return _MixedAttention.apply(q, k, v, resp_query, resp_key, mix.detach().reshape(()).float(), blocked, authors,
                                  float(dropout_p), seed, score_bias, float(scale), bool(log_responsibilities),
                                  bool(need_weights))

@@ -49,7 +49,7 @@ def test_every_launch_compiles_without_spills_within_shared_memory(report):
     assert covered == {(inputs, d, f"sm_{arch}") for inputs in ("fp16", "bf16") for d in HEAD_DIMS for arch in ARCHS}
     kernels = {row["kernel"] for row in launches}
     assert kernels == {"attention_forward", "attention_row_sums", "attention_backward_keys",
-                       "attention_backward_queries", "clustering_forward", "clustering_backward",
+                       "attention_backward_queries", "attention_weights", "clustering_forward", "clustering_backward",
                        "clustering_parameter_grads", "feature_terms_forward", "feature_terms_backward",
                        "feature_parameter_grads", "query_normalisers", "query_terms_forward", "query_terms_backward"}
     spilling = [(r["kernel"], r["inputs"], r["head_dim"], r["arch"], r["spill_stores"]) for r in launches

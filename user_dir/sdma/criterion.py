@@ -29,6 +29,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
 from fairseq.logging import metrics
 
 from fairseq.dataclass import ChoiceEnum
+import torch
 from torch import Tensor
 
 from latent_core.errors import option_flag
@@ -144,9 +145,11 @@ class SDMALabelSmoothedCrossEntropyCriterion(LabelSmoothedCrossEntropyCriterion)
             "sample_size": sample_size,
             "sdma_reg": regulariser.data,
         }
-        for name in LOSS_NAMES:  # summed over sentences here, per sentence in reduce_metrics
-            term = terms[name].detach().float()
-            logging_output["sdma_" + name] = term.sum() if term.dim() else term * sample["target"].size(0)
+        # summed over sentences here, per sentence in reduce_metrics (all terms in one sum)
+        logged = torch.stack([terms[name].detach().float() for name in LOSS_NAMES])
+        logged = logged.sum(-1) if logged.dim() > 1 else logged * sample["target"].size(0)
+        for name, term in zip(LOSS_NAMES, logged.unbind(0)):
+            logging_output["sdma_" + name] = term
         for name, value in diagnostics.items():  # sums: the ratios are formed in reduce_metrics
             logging_output["sdma_diag_" + name] = value
         if self.report_accuracy:

@@ -384,6 +384,32 @@ def test_the_clustering_kernel_equals_the_gmm(scale, clamp, centroid_grad_scale)
         assert torch.all(got[4][0, 0, :2] == 0) and got[4][0, 0, 2:].abs().sum() > 0
 
 
+def test_the_parameters_the_clustering_read_carry_their_other_gradients_back_through_it():
+    """``parameters_read``: log-variances and prior logits come back as views; a loss on them (the regularisers')
+    adds its gradient inside the backward kernel, the same sum autograd forms when the parameters are used twice."""
+    gmm, x = clustering_case(clamp=True)
+    x.requires_grad_()
+    weights = [torch.randn(p.shape, generator=torch.Generator().manual_seed(i)).to(DEVICE)
+               for i, p in enumerate((gmm.log_vars, gmm.prior_logits))]
+    grads = []
+    for read in (True, False):
+        gmm.zero_grad()
+        x.grad = None
+        log_joint, log_resp, *parameters = gaussian_clustering(x, gmm.means, gmm.log_vars, gmm.prior_logits, 0.1,
+                                                               parameters_read=True)
+        if read:
+            assert parameters[0]._base is gmm.log_vars and parameters[1]._base is gmm.prior_logits
+        else:
+            parameters = [gmm.log_vars, gmm.prior_logits]
+        loss = log_joint.sum() + (log_resp.exp() * 2).sum()
+        loss = loss + sum((p.exp() * w).sum() for p, w in zip(parameters, weights))
+        loss.backward()
+        grads.append([t.grad.clone() for t in (x, gmm.means, gmm.log_vars, gmm.prior_logits)])
+    for name, a, b in zip(("x", "means", "log_vars", "prior_logits"), *grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    assert grads[0][2].abs().sum() > 0 and grads[0][3].abs().sum() > 0
+
+
 def test_the_clustering_kernel_against_eq_9_written_out():
     gmm, x = clustering_case(groups=2, clusters=3, dim=4, rows=5)
     log_joint, log_resp = gaussian_clustering(x, gmm.means, gmm.log_vars, gmm.prior_logits, 0.1)
@@ -411,6 +437,18 @@ def test_an_adapters_layout_is_kept_for_the_output_and_every_gradient(authors):
         assert t.grad.stride() == t.stride(), name
     got = [out.detach()] + [t.grad for t in inputs]
     assert_close(got, run("explicit", tensors, mix, blocked, authors))
+    # a cross-attention's p(c|.): slices of one clusters-first [C, T + S, B, H] clustering output, read in place (no
+    # copy) and their gradients written with the same gaps
+    rows = torch.cat([tensors[3].permute(3, 2, 0, 1), tensors[4].permute(3, 2, 0, 1)], 1).detach().requires_grad_()
+    sliced = [rows[:, :T].permute(2, 3, 1, 0), rows[:, T:].permute(2, 3, 1, 0)]
+    assert triton_kernels._non_overlapping(sliced[1]) is sliced[1]
+    out = mixed_attention(*tensors[:3], *sliced, mix, authors=authors, blocked=blocked)
+    (out * weights).sum().backward()
+    want = run("explicit", tensors, mix, blocked, authors)
+    torch.testing.assert_close(out.detach(), want[0], rtol=1e-5, atol=1e-5)
+    grad_rows = rows.grad.permute(1, 2, 3, 0)
+    torch.testing.assert_close(grad_rows[:T].permute(1, 2, 0, 3), want[4], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad_rows[T:].permute(1, 2, 0, 3), want[5], rtol=1e-5, atol=1e-5)
     shared_keys = tensors[4][:, :1].detach().requires_grad_()  # one head's p(c|z_j) for both heads
     out = mixed_attention(*tensors[:4], shared_keys.expand(B, H, S, C), mix, authors=authors, blocked=blocked)
     out.sum().backward()
@@ -419,7 +457,7 @@ def test_an_adapters_layout_is_kept_for_the_output_and_every_gradient(authors):
     assert shared_keys.grad.shape == (B, 1, S, C) and torch.isfinite(shared_keys.grad).all()
 
 
-@pytest.mark.parametrize("layout", ["rows_first", "stacked_clusters_first", "expanded"])
+@pytest.mark.parametrize("layout", ["rows_first", "stacked_clusters_first", "expanded", "each_its_own"])
 def test_the_clustering_backward_reads_its_gradients_in_any_layout(layout):
     """The output gradients come as autograd hands them: rows-first ([N, G, C] contiguous), a layer's slice of the
     regularisers' clusters-first stack, or expanded (a plain sum's backward, stride 0); read by their strides."""
@@ -432,6 +470,10 @@ def test_the_clustering_backward_reads_its_gradients_in_any_layout(layout):
             return (log_joint * torch.randn(log_joint.shape, generator=g)).sum() + log_resp.pow(2).sum()
         if layout == "expanded":
             return log_joint.sum() + 0.5 * log_resp.sum()
+        if layout == "each_its_own":  # log p(z, c) from a stack, log p(c|z) rows-first: two layouts in one call
+            stacked = torch.stack([log_joint.movedim(-1, 0)] * 2, dim=1)  # [C, 2, N, G]
+            rows = log_resp.permute(1, 0, 2).contiguous().permute(1, 0, 2)  # [N, G, C] stored [G, N, C]
+            return (stacked * torch.randn(stacked.shape, generator=g)).sum() + (rows * rows.detach()).sum()
         stacked = torch.stack([t.movedim(-1, 0) for t in (log_joint, log_resp)], dim=1)  # [C, 2, N, G]
         return (stacked * torch.randn(stacked.shape, generator=g)).sum()
 

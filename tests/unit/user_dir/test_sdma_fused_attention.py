@@ -113,6 +113,25 @@ def test_weights_requested_fall_back_to_the_explicit_path(fused_calls):
     assert weights[0, :, -2:].abs().max() == 0  # padded keys get no weight
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("reading", ["authors", "paper"])
+def test_the_triton_kernel_gives_the_weights_fairseq_asks_for_in_training(reading, fused_calls):
+    """fairseq's decoder asks its alignment layer's cross-attention for weights in training: the Triton row returns
+    them (averaged over heads, as fairseq's module does) equal to the explicit row's, with the same output."""
+    x, pad = inputs()
+    memory = torch.randn(T + 2, B, E)
+    kwargs = dict(key_padding_mask=torch.cat([pad, pad[:, :2]], 1), need_weights=True)
+    got = {}
+    for kernel in ("explicit", "triton"):
+        module = attention(kernel, "decoder_cross", reading)
+        with recording():
+            got[kernel] = module(x, memory, memory, **kwargs)
+    assert len(fused_calls) == 1
+    torch.testing.assert_close(got["triton"][0], got["explicit"][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got["triton"][1], got["explicit"][1].detach(), rtol=1e-5, atol=1e-6)
+    assert got["triton"][1].shape == (B, T, T + 2)
+
+
 def test_padding_never_leaks_through_the_fused_path():
     x, pad = inputs()
     module = attention("sdpa").eval()
@@ -134,6 +153,8 @@ def test_kernel_choice():
     assert select_kernel("lowrank", cuda, need_weights=True, dropout_active=False) == "explicit"
     assert select_kernel("sdpa", cpu, need_weights=True, dropout_active=False) == "explicit"
     assert select_kernel("explicit", cuda, need_weights=False, dropout_active=False) == "explicit"
+    # the Triton kernel returns the weights itself (one more kernel, no gradient through them)
+    assert select_kernel("triton", cuda, need_weights=True, dropout_active=True) == "triton"
     with pytest.raises(SDMAConfigError, match="--sdma-attention-kernel='flash'"):
         SDMAOptions(attention_kernel="flash").validate()
 

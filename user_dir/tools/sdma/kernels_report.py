@@ -57,10 +57,11 @@ CANDIDATES = {
     "rows": [(64, 0, 4, 1), (32, 0, 4, 1), (32, 0, 8, 1), (16, 0, 4, 1), (16, 0, 8, 1), (16, 0, 2, 1)],
 }
 SEARCHED = {"attention_forward": "tiles", "attention_backward_keys": "tiles", "attention_backward_queries": "tiles",
-            "row_sums": "rows", "clustering": "rows"}
+            "attention_weights": "tiles", "row_sums": "rows", "clustering": "rows"}
 # which LAUNCH row each launched kernel reads
 LAUNCH_ROW = {"attention_forward": "attention_forward", "attention_backward_keys": "attention_backward_keys",
-              "attention_backward_queries": "attention_backward_queries", "attention_row_sums": "row_sums",
+              "attention_backward_queries": "attention_backward_queries", "attention_weights": "attention_weights",
+              "attention_row_sums": "row_sums",
               "clustering_forward": "clustering", "clustering_backward": "clustering",
               "clustering_parameter_grads": None, "feature_terms_forward": None, "feature_terms_backward": None,
               "query_normalisers": None, "query_terms_forward": None, "query_terms_backward": None}
@@ -183,9 +184,11 @@ def replay(call: Dict, head_dim: int, dtype: torch.dtype) -> None:
         x = _meta(B * T, G * head_dim, dtype=dtype, grad=grad)
         means, log_vars = _meta(G, C, head_dim, dtype=params, grad=grad), _meta(G, C, head_dim, dtype=params, grad=grad)
         prior = _meta(G, C, dtype=params, grad=grad)
-        joint, resp = triton_kernels.gaussian_clustering(x, means, log_vars, prior, 0.1)
+        more = call.get("more_grads", False)  # the regularisers' gradients of the parameters, through the clustering
+        joint, resp, *read = triton_kernels.gaussian_clustering(x, means, log_vars, prior, 0.1, parameters_read=True)
         if grad:
-            outputs = [o for o, wanted in ((joint, call["grad_joint"]), (resp, call["grad_resp"])) if wanted]
+            outputs = [o for o, wanted in ((joint, call["grad_joint"]), (resp, call["grad_resp"]), (read[0], more),
+                                           (read[1], more)) if wanted]
             torch.autograd.backward(outputs, [torch.empty_like(o) for o in outputs])
         return
     grad = call["backward"]
