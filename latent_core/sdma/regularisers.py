@@ -688,20 +688,23 @@ def weighted_regulariser(terms: Dict[str, Tensor], weights: Dict[str, float]) ->
     per sentence (``[B]``, or 0-dim when the terms are).
     """
     total = None
-    for option, (_, names, sign) in LOSS_WEIGHTS.items():
-        for name in names if weights[option] else ():
-            term = terms[name].float()
-            # one launch per term: the weight rides on the add (alpha), not a product of its own
-            total = term * (sign * weights[option]) if total is None else torch.add(total, term,
-                                                                                 alpha=sign * weights[option])
+    for name, coefficient in _coefficients(weights):
+        term = terms[name].float()
+        # one launch per term: the weight rides on the add (alpha), not a product of its own
+        total = term * coefficient if total is None else torch.add(total, term, alpha=coefficient)
     return torch.zeros_like(next(iter(terms.values())), dtype=torch.float32) if total is None else total
 
 
 def weighted_terms(terms: Dict[str, Tensor], weights: Dict[str, float]) -> Dict[str, Tensor]:
     """Each term of eq. (24) as it enters the loss, ``{name: sign * lambda * term}`` (float32; zero-weighted
     terms left out): the parts :func:`weighted_regulariser` sums."""
-    return {name: sign * weights[option] * terms[name].float()
-            for option, (_, names, sign) in LOSS_WEIGHTS.items() if weights[option] for name in names}
+    return {name: coefficient * terms[name].float() for name, coefficient in _coefficients(weights)}
+
+
+def _coefficients(weights: Dict[str, float]):
+    """(term name, sign * lambda) of each term of eq. (24) whose weight is not zero."""
+    return [(name, sign * weights[option]) for option, (_, names, sign) in LOSS_WEIGHTS.items() if weights[option]
+            for name in names]
 
 
 def scale_regulariser(per_sentence: Tensor, scale: str, num_tokens: float) -> Tensor:

@@ -640,25 +640,34 @@ def _attention_row_sums(GRAD_OUT, grad_out_strides, OUT, OUT_MASKED, out_strides
 
 
 @triton.jit
-def _row_statistics(STATS, ROW_SUMS, bh, T, offs_t, mask_t):
-    """The forward pass's (log-sum-exp, r_i, Z_i) and the backward's (dO . O, dO . O_bar) of a block of queries."""
+def _forward_statistics(STATS, bh, T, offs_t, mask_t):
+    """The forward pass's (log-sum-exp, r_i, Z_i) of a block of queries."""
     total = tl.num_programs(1) * T
     rows = bh * T + offs_t
     lse = tl.load(STATS + rows, mask=mask_t, other=float("inf"))
     norm_r = tl.load(STATS + total + rows, mask=mask_t, other=1.0)
     mass = tl.load(STATS + 2 * total + rows, mask=mask_t, other=1.0)
+    return lse, norm_r, mass
+
+
+@triton.jit
+def _row_statistics(STATS, ROW_SUMS, bh, T, offs_t, mask_t):
+    """The forward pass's (log-sum-exp, r_i, Z_i) and the backward's (dO . O, dO . O_bar) of a block of queries."""
+    total = tl.num_programs(1) * T
+    rows = bh * T + offs_t
+    lse, norm_r, mass = _forward_statistics(STATS, bh, T, offs_t, mask_t)
     dot_all = tl.load(ROW_SUMS + rows, mask=mask_t, other=0.0)
     dot_masked = tl.load(ROW_SUMS + total + rows, mask=mask_t, other=0.0)
     return lse, norm_r, mass, dot_all, dot_masked
 
 
 @triton.jit
-def _mixed_tile(q, k, gq, gk, lse, norm_r, mass, BLOCKED, blocked_strides, BIAS, bias_strides,
+def _mixed_tile(q, k, gq, gk, lse, norm_r, mass, mix, BLOCKED, blocked_strides, BIAS, bias_strides,
                 offs_t, offs_s, mask_t, mask_s, sm_scale, AUTHORS: tl.constexpr, HAS_BLOCKED: tl.constexpr,
                 HAS_BIAS: tl.constexpr, EPS: tl.constexpr, FLOOR: tl.constexpr, DOT_PRECISION: tl.constexpr,
                 RESP_PRECISION: tl.constexpr):
     """One ``[BLOCK_T, BLOCK_S]`` tile rebuilt from the forward pass's row statistics: (allowed, A, M, N_i, whether
-    N_i renormalises), with A_hat = A ((1 - g) + g M / N_i)."""
+    N_i renormalises, A_hat = A ((1 - g) + g M / N_i))."""
     allowed = _allowed_tile(BLOCKED, blocked_strides, offs_t, offs_s, mask_t, mask_s, HAS_BLOCKED)
     scores = _dot(q, tl.trans(k), DOT_PRECISION) * sm_scale
     scores = _add_score_bias(scores, BIAS, bias_strides, offs_t, offs_s, mask_t, mask_s, HAS_BIAS)
@@ -672,7 +681,8 @@ def _mixed_tile(q, k, gq, gk, lse, norm_r, mass, BLOCKED, blocked_strides, BIAS,
         semantic = product + FLOOR
         norm_z = tl.where(mass > 0, mass, 1.0)
         renormalised = mass > 0
-    return allowed, attn, semantic, norm_z, renormalised
+    mixed = attn * ((1.0 - mix) + mix * semantic / norm_z[:, None])  # A_hat
+    return allowed, attn, semantic, norm_z, renormalised, mixed
 
 
 @triton.jit(do_not_specialize=_SIZES)
@@ -700,21 +710,17 @@ def _attention_weights(Q, q_strides, K, k_strides, GQ, gq_strides, GK, gk_stride
     bias_strides = (bias_stride_b, bias_stride_h, bias_stride_t)
     BLOCKED, BIAS = _head(BLOCKED, blocked_strides, b, h), _head(BIAS, bias_strides, b, h)
     mix = tl.load(MIX_USED)
-    total = tl.num_programs(1) * T
     rows = bh * T + offs_t
-    lse = tl.load(STATS + rows, mask=mask_t, other=float("inf"))
-    norm_r = tl.load(STATS + total + rows, mask=mask_t, other=1.0)
-    mass = tl.load(STATS + 2 * total + rows, mask=mask_t, other=1.0)
+    lse, norm_r, mass = _forward_statistics(STATS, bh, T, offs_t, mask_t)
     gq = _responsibilities(_head(GQ, gq_strides, b, h), gq_strides, offs_t, mask_t, offs_c, C, LOG_RESP)
     for start in range(0, S, BLOCK_S):
         offs_s = start + tl.arange(0, BLOCK_S)
         mask_s = offs_s < S
         k = tl.load(_tile(K, k_strides, offs_s, offs_d), mask=mask_s[:, None] & mask_d[None, :], other=0.0)
         gk = _responsibilities(GK, gk_strides, offs_s, mask_s, offs_c, C, LOG_RESP)
-        allowed, attn, semantic, norm_z, _ = _mixed_tile(
-            q, k, gq, gk, lse, norm_r, mass, BLOCKED, blocked_strides, BIAS, bias_strides, offs_t, offs_s, mask_t,
-            mask_s, sm_scale, AUTHORS, HAS_BLOCKED, HAS_BIAS, EPS, FLOOR, DOT_PRECISION, RESP_PRECISION)
-        mixed = attn * ((1.0 - mix) + mix * semantic / norm_z[:, None])
+        _, _, _, _, _, mixed = _mixed_tile(
+            q, k, gq, gk, lse, norm_r, mass, mix, BLOCKED, blocked_strides, BIAS, bias_strides, offs_t, offs_s,
+            mask_t, mask_s, sm_scale, AUTHORS, HAS_BLOCKED, HAS_BIAS, EPS, FLOOR, DOT_PRECISION, RESP_PRECISION)
         tl.store(WEIGHTS + rows[:, None] * S + offs_s[None, :], mixed, mask=mask_t[:, None] & mask_s[None, :])
 
 
@@ -727,10 +733,9 @@ def _attention_backward_tile(q, k, v, grad_out, gq, gk, lse, norm_r, mass, dot_a
                              DOT_PRECISION: tl.constexpr, RESP_PRECISION: tl.constexpr):
     """For one ``[BLOCK_T, BLOCK_S]`` tile: (d scores, d P for the responsibilities, the dropped A_hat), from the
     forward pass's row statistics (see the module docstring for the formulas)."""
-    allowed, attn, semantic, norm_z, renormalised = _mixed_tile(
-        q, k, gq, gk, lse, norm_r, mass, BLOCKED, blocked_strides, BIAS, bias_strides, offs_t, offs_s, mask_t, mask_s,
-        sm_scale, AUTHORS, HAS_BLOCKED, HAS_BIAS, EPS, FLOOR, DOT_PRECISION, RESP_PRECISION)
-    mixed = attn * ((1.0 - mix) + mix * semantic / norm_z[:, None])  # A_hat
+    allowed, attn, semantic, norm_z, renormalised, mixed = _mixed_tile(
+        q, k, gq, gk, lse, norm_r, mass, mix, BLOCKED, blocked_strides, BIAS, bias_strides, offs_t, offs_s, mask_t,
+        mask_s, sm_scale, AUTHORS, HAS_BLOCKED, HAS_BIAS, EPS, FLOOR, DOT_PRECISION, RESP_PRECISION)
     grad_mixed = _dot(grad_out, tl.trans(v), DOT_PRECISION)  # dO_i . v_j
     if DROPOUT:
         keep = _dropout_scale(seed, dropout_p, bh, T, S, offs_t, offs_s)
@@ -792,8 +797,7 @@ def _attention_backward_keys(Q, q_strides, K, k_strides, V, v_strides, GQ, gq_st
         grad_scores, grad_product, mixed = _attention_backward_tile(
             q, k, v, grad_out, gq, gk, lse, norm_r, mass, dot_all, dot_masked, mix, BLOCKED, blocked_strides, BIAS,
             bias_strides, offs_t, offs_s, mask_t, mask_s, bh, T, S, seed, dropout_p, sm_scale, AUTHORS, HAS_BLOCKED,
-            HAS_BIAS,
-            DROPOUT, EPS, FLOOR, DOT_PRECISION, RESP_PRECISION)
+            HAS_BIAS, DROPOUT, EPS, FLOOR, DOT_PRECISION, RESP_PRECISION)
         grad_v += _dot(tl.trans(mixed.to(grad_out.dtype)), grad_out, DOT_PRECISION)
         grad_k += _dot(tl.trans(grad_scores.to(q.dtype)), q, DOT_PRECISION)
         grad_gk += tl.dot(tl.trans(grad_product), gq, input_precision=RESP_PRECISION)  # sum_i dP_ij p(c|z_i)
@@ -853,8 +857,7 @@ def _attention_backward_queries(Q, q_strides, K, k_strides, V, v_strides, GQ, gq
         grad_scores, grad_product, _ = _attention_backward_tile(
             q, k, v, grad_out, gq, gk, lse, norm_r, mass, dot_all, dot_masked, mix, BLOCKED, blocked_strides, BIAS,
             bias_strides, offs_t, offs_s, mask_t, mask_s, bh, T, S, seed, dropout_p, sm_scale, AUTHORS, HAS_BLOCKED,
-            HAS_BIAS,
-            DROPOUT, EPS, FLOOR, DOT_PRECISION, RESP_PRECISION)
+            HAS_BIAS, DROPOUT, EPS, FLOOR, DOT_PRECISION, RESP_PRECISION)
         grad_q += _dot(grad_scores.to(k.dtype), k, DOT_PRECISION)
         if BIAS_GRAD:  # d bias = d scores, one [T, S] tile per (query block, key block): reduced to its shape outside
             tl.store(GRAD_BIAS + (bh * T + offs_t[:, None]) * S + offs_s[None, :], grad_scores,
@@ -880,16 +883,22 @@ def _rows_of(tensor: Optional[Tensor], shape) -> Tuple[Optional[Tensor], Tuple[i
     return expanded, tuple(expanded.stride()[:3])
 
 
+def _laid_out(tensor: Tensor, gaps: bool) -> Tensor:
+    """``tensor`` if no two of its elements share memory and (unless ``gaps``) they fill their storage span in some
+    order of its dimensions, else a contiguous copy (e.g. an expanded tensor)."""
+    span = 1
+    for size, stride in sorted((t for t in zip(tensor.shape, tensor.stride()) if t[0] != 1), key=lambda t: t[1]):
+        if stride < span or (stride != span and not gaps):
+            return tensor.contiguous()
+        span = stride * size
+    return tensor
+
+
 def _non_overlapping(tensor: Tensor) -> Tensor:
     """``tensor`` if no two of its elements share memory, whatever the gaps between them (a cross-attention's p(c|.),
     a slice of the clustering's rows: the kernels read it and write its gradient by its strides), else a contiguous
     copy (an expanded tensor)."""
-    span = 1
-    for size, stride in sorted((t for t in zip(tensor.shape, tensor.stride()) if t[0] != 1), key=lambda t: t[1]):
-        if stride < span:
-            return tensor.contiguous()
-        span = stride * size
-    return tensor
+    return _laid_out(tensor, gaps=True)
 
 
 def _strided_like(tensor: Tensor, dtype: torch.dtype) -> Tensor:
@@ -901,12 +910,7 @@ def _dense(tensor: Tensor) -> Tensor:
     """``tensor`` if its elements fill its storage span without overlap in some order of its dimensions (then
     ``torch.empty_like`` gives its strides, and the kernels write its output and gradient in its layout), else a
     contiguous copy (e.g. an expanded tensor)."""
-    span = 1
-    for size, stride in sorted((t for t in zip(tensor.shape, tensor.stride()) if t[0] != 1), key=lambda t: t[1]):
-        if stride != span:
-            return tensor.contiguous()
-        span *= size
-    return tensor
+    return _laid_out(tensor, gaps=False)
 
 
 class _AttentionShapes(NamedTuple):
