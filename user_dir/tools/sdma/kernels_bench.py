@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Benchmark of the three kernels of SDMA's mixed attention, eq. (11) (``attention_kernel``).
+"""Benchmark of the kernels of SDMA's mixed attention, eq. (11) (``attention_kernel``).
 
 explicit (scores, one softmax, the multiplicative mask; the baseline), sdpa (two
-``scaled_dot_product_attention`` calls, the mask as additive log M) and lowrank (one SDPA call over
-the value widened by the key responsibilities, no T x S mask), each timed for one forward + backward
+``scaled_dot_product_attention`` calls, the mask as additive log M), lowrank (one SDPA call over
+the value widened by the key responsibilities, no T x S mask) and, on CUDA, triton (the fused kernels through
+:func:`latent_core.sdma.sdma_attention`, unscaled queries and log p(c|.) as the adapters hand them), each timed for one forward + backward
 of the attention alone (q, k, v, both responsibilities get gradients) at the shapes below, per
 precision. Prints a table and writes JSON (``--out``) with the milliseconds, the peak memory
 (``torch.cuda.max_memory_allocated`` on CUDA) and every ratio to explicit from the same run.
@@ -24,6 +25,7 @@ from latent_core.sdma import (
     fused_mix_attention,
     lowrank_mix_attention,
     mix_attention,
+    sdma_attention,
     semantic_mask_product,
 )
 
@@ -37,6 +39,7 @@ SHAPES = {
     "long_T1024": (4, 8, 1024, 64, 4),
 }
 KERNELS = ("explicit", "sdpa", "lowrank")
+GPU_KERNELS = KERNELS + ("triton",)  # Triton runs on CUDA (on the CPU only in its interpreter)
 
 
 def make_inputs(shape, dtype, device, seed=0):
@@ -55,7 +58,13 @@ def make_inputs(shape, dtype, device, seed=0):
 
 def step(kernel, t, base_mask, allowed, mix):
     q, k, v, resp_q, resp_k = t["q"], t["k"], t["v"], t["resp_q"], t["resp_k"]
-    if kernel == "lowrank":
+    if kernel == "triton":
+        # what the adapters hand the kernel: the queries unscaled with the scores' factor, log p(c|.)
+        dim = q.size(-1)
+        out, _ = sdma_attention(q * dim ** 0.5, k, v, resp_q.log(), resp_k.log(), mix, authors=False,
+                                blocked=~allowed, kernel="triton", need_weights=False, dropout=lambda a: a,
+                                dropout_p=0.0, scale=dim ** -0.5, log_responsibilities=True)
+    elif kernel == "lowrank":
         out = lowrank_mix_attention(q, k, v, resp_q, resp_k, mix, base_mask)
     else:
         B, H, T, C = resp_q.shape
@@ -112,7 +121,7 @@ def main(argv=None):
     for precision in args.dtypes:
         for shape_name in args.shapes:
             base = None
-            for kernel in KERNELS:
+            for kernel in GPU_KERNELS if device.type == "cuda" else KERNELS:
                 try:
                     result = time_kernel(kernel, SHAPES[shape_name], DTYPES[precision], device,
                                          args.repeats, args.warmup)
