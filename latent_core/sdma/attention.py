@@ -79,6 +79,24 @@ def semantic_mask(resp_query: Tensor, resp_key: Tensor, key_padding_mask: Option
     return m / m.sum(-1, keepdim=True).clamp_min(1e-12)
 
 
+def row_softmax(scores: Tensor) -> Tensor:
+    """``torch.softmax(scores, -1)``. On a CPU over short rows (attention at MT lengths) as max, exp and a division:
+    ATen's last-dimension softmax takes ~4x as long there (4.6 against 1.1 ms over [300, 4, 12, 12], one thread)."""
+    if scores.device.type != "cpu":
+        return torch.softmax(scores, dim=-1)
+    shifted = scores - scores.amax(-1, keepdim=True)
+    exps = shifted.exp_()
+    return exps.div_(exps.sum(-1, keepdim=True))
+
+
+def row_softmax_backward(grad: Tensor, probs: Tensor) -> Tensor:
+    """d/ds of ``probs = row_softmax(s)`` given ``grad``: probs o (grad - <grad, probs>); on a CPU in three ops (ATen's
+    kernel: 1.9 against 0.8 ms over [300, 4, 12, 12])."""
+    if probs.device.type != "cpu":
+        return torch._softmax_backward_data(grad, probs, -1, probs.dtype)
+    return (grad - (grad * probs).sum(-1, keepdim=True)).mul_(probs)
+
+
 def mix_attention(scores: Tensor, mask: Optional[Tensor], mix: Tensor, norm_floor: float = 0.0) -> Tensor:
     """A_hat = (1 - g) A + g A_bar (eq. 11), from pre-softmax ``scores`` (float32).
 
@@ -109,7 +127,7 @@ class _MixedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, scores, mask, mix, norm_floor=0.0):
-        attn = torch.softmax(scores, dim=-1)
+        attn = row_softmax(scores)
         masked = attn * mask
         norm = masked.sum(-1, keepdim=True)
         if norm_floor > 0:
@@ -129,7 +147,7 @@ class _MixedAttention(torch.autograd.Function):
         grad_w = (grad_masked - inner).div_(norm)
         grad_mask = grad_w * attn if ctx.needs_input_grad[1] else None
         grad_attn = torch.addcmul(grad - grad_masked, grad_w, mask)  # (1 - g) dA_hat + dW o M
-        grad_scores = torch._softmax_backward_data(grad_attn, attn, -1, attn.dtype)  # A o (dA - <dA, A>)
+        grad_scores = row_softmax_backward(grad_attn, attn)  # A o (dA - <dA, A>)
         return grad_scores, grad_mask, None, None
 
 

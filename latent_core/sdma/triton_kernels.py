@@ -88,6 +88,9 @@ HEAD_DIMS = (32, 64, 128)  # the head dims LAUNCH is chosen for (BLOCK_D; 16 tak
 # fp32 without tf32 ("ieee": CUDA-core dots) still spills a few bytes in some rows and 1,436 bytes in
 # attention_backward_keys at head dim 128 (16 x 16): on a GPU allow tf32 or train in fp16/bf16 (benchmark.md,
 # "Compiled for the GPU without one"). attention_weights takes the forward's tile (it holds less).
+# the clustering's parameter kernel reads this many partials (row blocks x clusters x head dim) a step, over 4 warps:
+# 32 fp32 registers per thread and tensor
+PARAMETER_TILE = 4096
 _ATTENTION_TILES = {  # (inputs, BLOCK_D) -> forward, backward over the keys, backward over the queries
     ("half", 32): ((32, 32, 8, 2), (32, 32, 4, 1), (32, 32, 8, 2)),
     ("half", 64): ((32, 32, 8, 2), (32, 32, 8, 2), (32, 16, 4, 1)),
@@ -311,23 +314,32 @@ def _clustering_backward(X, MEANS, LOG_VARS, PRIOR, GRAD_JOINT, GRAD_RESP, GRAD_
 def _clustering_parameter_grads(LOG_VARS, PRIOR, PARTIAL_MU, PARTIAL_LV, PARTIAL_PI, GRAD_MU, GRAD_LV, GRAD_PRIOR,
                                 MORE_LV, MORE_PRIOR, NUM_BLOCKS, G, D, lv_min, lv_max, mean_grad_scale,
                                 C: tl.constexpr, HAS_MORE_LV: tl.constexpr, HAS_MORE_PRIOR: tl.constexpr,
-                                BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr):
+                                BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr):
     """Sum the partials over the row blocks; the clamp's and the log-softmax's backward; the means' gradient times
     ``mean_grad_scale`` (c_g of Section IV-A3); plus the parameters' gradients from their other uses (``MORE_LV``,
-    ``MORE_PRIOR``: the regularisers', which read them through this node)."""
+    ``MORE_PRIOR``: the regularisers', which read them through this node). One program per GMM reads ``BLOCK_B`` row
+    blocks' partials at a time: on an H200 one block a step made this kernel 5.4 ms of a 124 ms base update."""
     g = tl.program_id(0)
+    offs_b = tl.arange(0, BLOCK_B)
     offs_c = tl.arange(0, BLOCK_C)
     offs_d = tl.arange(0, BLOCK_D)
     mask_c, mask_d = offs_c < C, offs_d < D
-    grad_mu = tl.zeros((BLOCK_C, BLOCK_D), tl.float32)
-    grad_lv = tl.zeros((BLOCK_C, BLOCK_D), tl.float32)
-    grad_pi = tl.zeros((BLOCK_C,), tl.float32)
+    grad_mu = tl.zeros((BLOCK_B, BLOCK_C, BLOCK_D), tl.float32)
+    grad_lv = tl.zeros((BLOCK_B, BLOCK_C, BLOCK_D), tl.float32)
+    grad_pi = tl.zeros((BLOCK_B, BLOCK_C), tl.float32)
     tile = mask_c[:, None] & mask_d[None, :]
-    for block in range(0, NUM_BLOCKS):
-        partial = (block * G + g) * C + offs_c
-        grad_mu += tl.load(PARTIAL_MU + partial[:, None] * BLOCK_D + offs_d[None, :], mask=tile, other=0.0)
-        grad_lv += tl.load(PARTIAL_LV + partial[:, None] * BLOCK_D + offs_d[None, :], mask=tile, other=0.0)
-        grad_pi += tl.load(PARTIAL_PI + partial, mask=mask_c, other=0.0)
+    for start in range(0, NUM_BLOCKS, BLOCK_B):
+        blocks = start + offs_b
+        rows = (blocks < NUM_BLOCKS)[:, None] & mask_c[None, :]
+        partial = (blocks[:, None] * G + g) * C + offs_c[None, :]  # [BLOCK_B, BLOCK_C]
+        at = partial[:, :, None] * BLOCK_D + offs_d[None, None, :]
+        inside = rows[:, :, None] & mask_d[None, None, :]
+        grad_mu += tl.load(PARTIAL_MU + at, mask=inside, other=0.0)
+        grad_lv += tl.load(PARTIAL_LV + at, mask=inside, other=0.0)
+        grad_pi += tl.load(PARTIAL_PI + partial, mask=rows, other=0.0)
+    grad_mu = tl.sum(grad_mu, 0)
+    grad_lv = tl.sum(grad_lv, 0)
+    grad_pi = tl.sum(grad_pi, 0)
     params = (g * C + offs_c)[:, None] * D + offs_d[None, :]
     lv = tl.load(LOG_VARS + params, mask=tile, other=0.0).to(tl.float32)
     grad_lv = tl.where((lv >= lv_min) & (lv <= lv_max), grad_lv, 0.0)
@@ -410,7 +422,8 @@ class _GaussianClustering(torch.autograd.Function):
                  _contiguous_or(more_log_vars, log_vars), _contiguous_or(more_prior, prior_logits), num_blocks, groups,
                  dim, *LOGVAR_RANGE, ctx.mean_grad_scale),
                 dict(C=clusters, HAS_MORE_LV=more_log_vars is not None, HAS_MORE_PRIOR=more_prior is not None,
-                     BLOCK_D=block_d, BLOCK_C=block_c), LaunchConfig(0, 0, 1, 1))
+                     BLOCK_D=block_d, BLOCK_C=block_c, BLOCK_B=max(1, PARAMETER_TILE // (block_c * block_d))),
+                LaunchConfig(0, 0, 4, 1))
         return grad_x, grad_means, grad_log_vars, grad_prior, None, None
 
 
