@@ -473,6 +473,14 @@ def _head(BASE, strides, b, h):
 
 
 @triton.jit
+def _mask_head(BASE, stride_b, stride_h, stride_t, b, h):
+    """(:func:`_head` of a ``[B or 1, H or 1, T or 1, S]`` mask or bias contiguous along the keys, its first 3
+    strides): the kernels take those strides as scalars, so that a broadcast (stride 0) is not specialised on."""
+    strides = (stride_b, stride_h, stride_t)
+    return _head(BASE, strides, b, h), strides
+
+
+@triton.jit
 def _tile(HEAD, strides, rows, cols):
     """Pointers to the ``[len(rows), len(cols)]`` tile of one head (``HEAD`` from :func:`_head`)."""
     return HEAD + rows[:, None] * strides[2] + cols[None, :] * strides[3]
@@ -563,9 +571,8 @@ def _attention_forward(Q, q_strides, K, k_strides, V, v_strides, GQ, gq_strides,
                 other=0.0)
     K, V = _head(K, k_strides, b, h), _head(V, v_strides, b, h)
     GQ, GK = _head(GQ, gq_strides, b, h), _head(GK, gk_strides, b, h)
-    blocked_strides = (blocked_stride_b, blocked_stride_h, blocked_stride_t)
-    bias_strides = (bias_stride_b, bias_stride_h, bias_stride_t)
-    BLOCKED, BIAS = _head(BLOCKED, blocked_strides, b, h), _head(BIAS, bias_strides, b, h)
+    BLOCKED, blocked_strides = _mask_head(BLOCKED, blocked_stride_b, blocked_stride_h, blocked_stride_t, b, h)
+    BIAS, bias_strides = _mask_head(BIAS, bias_stride_b, bias_stride_h, bias_stride_t, b, h)
     offs_c = tl.arange(0, BLOCK_C)
     gq = _responsibilities(GQ, gq_strides, offs_t, mask_t, offs_c, C, LOG_RESP)
     row_max = tl.full((BLOCK_T,), NEG, tl.float32)
@@ -719,9 +726,8 @@ def _attention_weights(Q, q_strides, K, k_strides, GQ, gq_strides, GK, gk_stride
     q = tl.load(_tile(_head(Q, q_strides, b, h), q_strides, offs_t, offs_d), mask=mask_t[:, None] & mask_d[None, :],
                 other=0.0)
     K, GK = _head(K, k_strides, b, h), _head(GK, gk_strides, b, h)
-    blocked_strides = (blocked_stride_b, blocked_stride_h, blocked_stride_t)
-    bias_strides = (bias_stride_b, bias_stride_h, bias_stride_t)
-    BLOCKED, BIAS = _head(BLOCKED, blocked_strides, b, h), _head(BIAS, bias_strides, b, h)
+    BLOCKED, blocked_strides = _mask_head(BLOCKED, blocked_stride_b, blocked_stride_h, blocked_stride_t, b, h)
+    BIAS, bias_strides = _mask_head(BIAS, bias_stride_b, bias_stride_h, bias_stride_t, b, h)
     mix = tl.load(MIX_USED)
     rows = bh * T + offs_t
     lse, norm_r, mass = _forward_statistics(STATS, bh, T, offs_t, mask_t)
@@ -791,9 +797,8 @@ def _attention_backward_keys(Q, q_strides, K, k_strides, V, v_strides, GQ, gq_st
     v = tl.load(_tile(_head(V, v_strides, b, h), v_strides, offs_s, offs_d), mask=kv_tile, other=0.0)
     Q, GRAD_OUT = _head(Q, q_strides, b, h), _head(GRAD_OUT, grad_out_strides, b, h)
     GQ, GK = _head(GQ, gq_strides, b, h), _head(GK, gk_strides, b, h)
-    blocked_strides = (blocked_stride_b, blocked_stride_h, blocked_stride_t)
-    bias_strides = (bias_stride_b, bias_stride_h, bias_stride_t)
-    BLOCKED, BIAS = _head(BLOCKED, blocked_strides, b, h), _head(BIAS, bias_strides, b, h)
+    BLOCKED, blocked_strides = _mask_head(BLOCKED, blocked_stride_b, blocked_stride_h, blocked_stride_t, b, h)
+    BIAS, bias_strides = _mask_head(BIAS, bias_stride_b, bias_stride_h, bias_stride_t, b, h)
     mix = tl.load(MIX_USED)
     gk = _responsibilities(GK, gk_strides, offs_s, mask_s, offs_c, C, LOG_RESP)
     grad_k = tl.zeros((BLOCK_S, BLOCK_D), tl.float32)
@@ -852,9 +857,8 @@ def _attention_backward_queries(Q, q_strides, K, k_strides, V, v_strides, GQ, gq
                        mask=q_tile, other=0.0).to(q.dtype)
     K, V = _head(K, k_strides, b, h), _head(V, v_strides, b, h)
     GQ, GK = _head(GQ, gq_strides, b, h), _head(GK, gk_strides, b, h)
-    blocked_strides = (blocked_stride_b, blocked_stride_h, blocked_stride_t)
-    bias_strides = (bias_stride_b, bias_stride_h, bias_stride_t)
-    BLOCKED, BIAS = _head(BLOCKED, blocked_strides, b, h), _head(BIAS, bias_strides, b, h)
+    BLOCKED, blocked_strides = _mask_head(BLOCKED, blocked_stride_b, blocked_stride_h, blocked_stride_t, b, h)
+    BIAS, bias_strides = _mask_head(BIAS, bias_stride_b, bias_stride_h, bias_stride_t, b, h)
     mix = tl.load(MIX_USED)
     lse, norm_r, mass, dot_all, dot_masked = _row_statistics(STATS, ROW_SUMS, bh, T, offs_t, mask_t)
     gq = _responsibilities(GQ, gq_strides, offs_t, mask_t, offs_c, C, LOG_RESP)
