@@ -80,8 +80,10 @@ def semantic_mask(resp_query: Tensor, resp_key: Tensor, key_padding_mask: Option
 
 
 def row_softmax(scores: Tensor) -> Tensor:
-    """``torch.softmax(scores, -1)``. On a CPU over short rows (attention at MT lengths) as max, exp and a division:
-    ATen's last-dimension softmax takes ~4x as long there (4.6 against 1.1 ms over [300, 4, 12, 12], one thread)."""
+    """``torch.softmax(scores, -1)`` for an autograd Function's forward (on a CPU its ops work in place, which autograd
+    could not differentiate; :func:`row_softmax_backward` is its backward). On a CPU over short rows (attention at MT
+    lengths) as max, exp and a division: ATen's last-dimension softmax takes ~4x as long there (4.6 against 1.1 ms
+    over [300, 4, 12, 12], one thread)."""
     if scores.device.type != "cpu":
         return torch.softmax(scores, dim=-1)
     shifted = scores - scores.amax(-1, keepdim=True)

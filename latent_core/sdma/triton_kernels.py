@@ -88,9 +88,6 @@ HEAD_DIMS = (32, 64, 128)  # the head dims LAUNCH is chosen for (BLOCK_D; 16 tak
 # fp32 without tf32 ("ieee": CUDA-core dots) still spills a few bytes in some rows and 1,436 bytes in
 # attention_backward_keys at head dim 128 (16 x 16): on a GPU allow tf32 or train in fp16/bf16 (benchmark.md,
 # "Compiled for the GPU without one"). attention_weights takes the forward's tile (it holds less).
-# the clustering's parameter kernel reads this many partials (row blocks x clusters x head dim) a step, over 4 warps:
-# 32 fp32 registers per thread and tensor
-PARAMETER_TILE = 4096
 _ATTENTION_TILES = {  # (inputs, BLOCK_D) -> forward, backward over the keys, backward over the queries
     ("half", 32): ((32, 32, 8, 2), (32, 32, 4, 1), (32, 32, 8, 2)),
     ("half", 64): ((32, 32, 8, 2), (32, 32, 8, 2), (32, 16, 4, 1)),
@@ -310,6 +307,11 @@ def _clustering_backward(X, MEANS, LOG_VARS, PRIOR, GRAD_JOINT, GRAD_RESP, GRAD_
              mask=mask_n[:, None] & mask_d[None, :])
 
 
+# partials (row blocks x clusters x head dim) the parameter kernel reads a step, over 4 warps: 32 fp32 registers per
+# thread and tensor (compile report: 96-126 registers, no spill)
+PARAMETER_TILE = 4096
+
+
 @triton.jit(do_not_specialize=_SIZES)
 def _clustering_parameter_grads(LOG_VARS, PRIOR, PARTIAL_MU, PARTIAL_LV, PARTIAL_PI, GRAD_MU, GRAD_LV, GRAD_PRIOR,
                                 MORE_LV, MORE_PRIOR, NUM_BLOCKS, G, D, lv_min, lv_max, mean_grad_scale,
@@ -475,7 +477,8 @@ def _head(BASE, strides, b, h):
 @triton.jit
 def _mask_head(BASE, stride_b, stride_h, stride_t, b, h):
     """(:func:`_head` of a ``[B or 1, H or 1, T or 1, S]`` mask or bias contiguous along the keys, its first 3
-    strides): the kernels take those strides as scalars, so that a broadcast (stride 0) is not specialised on."""
+    strides). The kernels take those strides as scalar arguments listed in ``_SIZES``, so a broadcast's stride 0
+    compiles no variant of its own."""
     strides = (stride_b, stride_h, stride_t)
     return _head(BASE, strides, b, h), strides
 

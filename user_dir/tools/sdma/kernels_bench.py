@@ -4,8 +4,8 @@
 explicit (scores, one softmax, the multiplicative mask; the baseline), sdpa (two
 ``scaled_dot_product_attention`` calls, the mask as additive log M), lowrank (one SDPA call over
 the value widened by the key responsibilities, no T x S mask) and, on CUDA, triton (the fused kernels through
-:func:`latent_core.sdma.sdma_attention`, unscaled queries and log p(c|.) as the adapters hand them), each timed for one forward + backward
-of the attention alone (q, k, v, both responsibilities get gradients) at the shapes below, per
+:func:`latent_core.sdma.sdma_attention`, given unscaled queries and log p(c|.) as the adapters hand them), each
+timed for one forward + backward of the attention alone (q, k, v, both responsibilities get gradients) at the shapes below, per
 precision. Prints a table and writes JSON (``--out``) with the milliseconds, the peak memory
 (``torch.cuda.max_memory_allocated`` on CUDA) and every ratio to explicit from the same run.
 
@@ -58,12 +58,10 @@ def make_inputs(shape, dtype, device, seed=0):
 
 def step(kernel, t, base_mask, allowed, mix):
     q, k, v, resp_q, resp_k = t["q"], t["k"], t["v"], t["resp_q"], t["resp_k"]
-    if kernel == "triton":
-        # what the adapters hand the kernel: the queries unscaled with the scores' factor, log p(c|.)
-        dim = q.size(-1)
-        out, _ = sdma_attention(q * dim ** 0.5, k, v, resp_q.log(), resp_k.log(), mix, authors=False,
-                                blocked=~allowed, kernel="triton", need_weights=False, dropout=lambda a: a,
-                                dropout_p=0.0, scale=dim ** -0.5, log_responsibilities=True)
+    if kernel == "triton":  # q unscaled and log p(c|.) (triton_inputs)
+        out, _ = sdma_attention(q, k, v, resp_q, resp_k, mix, authors=False, blocked=~allowed, kernel="triton",
+                                need_weights=False, dropout=lambda a: a, dropout_p=0.0, scale=q.size(-1) ** -0.5,
+                                log_responsibilities=True)
     elif kernel == "lowrank":
         out = lowrank_mix_attention(q, k, v, resp_q, resp_k, mix, base_mask)
     else:
@@ -77,6 +75,14 @@ def step(kernel, t, base_mask, allowed, mix):
     out.float().square().mean().backward()
 
 
+def triton_inputs(t):
+    """The inputs as the adapters hand the Triton kernel (:data:`latent_core.sdma.attention.TAKES_RAW_INPUTS`): the queries
+    unscaled (the kernel applies the scores' factor) and log p(c|.), as leaves made once, outside the timed steps."""
+    q, resp_q, resp_k = (t["q"] * t["q"].size(-1) ** 0.5, t["resp_q"].log(), t["resp_k"].log())
+    return {**t, **{name: x.detach().requires_grad_() for name, x in
+                    (("q", q), ("resp_q", resp_q), ("resp_k", resp_k))}}
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -84,6 +90,8 @@ def sync(device):
 
 def time_kernel(kernel, shape, dtype, device, repeats, warmup):
     t, base_mask, allowed = make_inputs(shape, dtype, device)
+    if kernel == "triton":
+        t = triton_inputs(t)
     mix = torch.tensor(0.5, device=device)
     for _ in range(warmup):
         step(kernel, t, base_mask, allowed, mix)
