@@ -18,7 +18,7 @@ $(STAMP): constraints.txt pyproject.toml scripts/install.sh
 	touch $(STAMP)
 
 demo: install
-	$(PYTHON_VENV) -m user_dir.tools.sdma.quickstart --minutes $(DEMO_MINUTES)
+	$(PYTHON_VENV) -m experiments.sdma.quickstart --minutes $(DEMO_MINUTES)
 
 # Everything (the CI command): unit tier (tests/unit) and CLI/training runs (tests/integration).
 test: install
@@ -43,15 +43,15 @@ test-gpu: install
 
 # Validate a GPU machine: the GPU tier, then the benchmarks on the GPU; writes outputs/gpu/report.json.
 gpu-check: install
-	$(PYTHON_VENV) -m user_dir.tools.gpu_check
+	$(PYTHON_VENV) -m benchmarks.gpu_check
 
 # V-T / SMA-T / SDMA-T speed per attention kernel on short and IWSLT-length sentences, every run under its own
 # deadline, the whole within 8 minutes (a 15-minute GPU lease); writes outputs/gpu/sdma_gpu_speed.json.
 gpu-speed: install
-	$(PYTHON_VENV) -m user_dir.tools.sdma.gpu_speed
+	$(PYTHON_VENV) -m benchmarks.sdma.gpu_speed
 
 bench: install
-	$(PYTHON_VENV) -m user_dir.tools.sdma.bench
+	$(PYTHON_VENV) -m benchmarks.sdma.bench
 
 clean-outputs:
 	rm -rf outputs

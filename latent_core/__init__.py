@@ -11,12 +11,12 @@
   figures);
 * :mod:`latent_core.safe_loading`: the non-tensor types the toolkits' checkpoints contain,
   for ``torch.load(weights_only=True)``;
-* :mod:`latent_core.op_counts`, :mod:`latent_core.peak_rss`: operator/launch counts and peak memory of
-  any callable or command.
+* :mod:`latent_core.profiling`: the profiler ranges that name each equation's source in a trace.
 
-Only mathematics and measurement: nothing here imports fairseq, ESPnet, transformers or the project's
+Only mathematics, and no command: nothing here imports fairseq, ESPnet, transformers or the project's
 other packages, nor parses a toolkit's files or logs (``tests/integration/test_core_isolation.py``
-checks every import, also those inside functions). Data preparation and the drivers of the toolkits'
-command-line tools live in :mod:`pipelines`; an ESPnet-only user never loads fairseq and the equations
+checks every import, also those inside functions). Data preparation lives in :mod:`pipelines`,
+the commands in ``user_dir/tools`` and ``espnet_plugin/tools``, the benchmarks in :mod:`benchmarks` and the
+experiment drivers in :mod:`experiments`; an ESPnet-only user never loads fairseq and the equations
 can be read and tested on their own.
 """

@@ -1,5 +1,5 @@
 """Named profiler ranges around the steps of a model that a launch count attributes its kernels to
-(:func:`latent_core.op_counts.count_launches` with ``by_source``). They cost one flag check when no profiler runs."""
+(:func:`benchmarks.op_counts.count_launches` with ``by_source``). They cost one flag check when no profiler runs."""
 
 import contextlib
 import functools

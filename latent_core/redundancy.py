@@ -55,8 +55,8 @@ How the formulas are read here
 
 ``--hr-matrix`` (:func:`latent_core.redundancy_plot.add_output_arguments`) adds each type's head-pair HR matrix
 (``HR_matrix``, ``[N n_h, N n_h]``) to the JSON; ``--heatmap`` also draws it (Figs. 10-11;
-implies ``--hr-matrix``) with :mod:`latent_core.redundancy_plot`, whose command
-``sdma-plot-heads`` draws the matrices of several JSON files side by side (V-T vs SDMA-T,
+implies ``--hr-matrix``) with :mod:`latent_core.redundancy_plot`; the command
+``sdma-plot-heads`` (:mod:`user_dir.tools.sdma.plot_heads`) draws the matrices of several JSON files side by side (V-T vs SDMA-T,
 as in the paper's figures).
 
 Python::

@@ -16,18 +16,15 @@ e.g. V-T next to SDMA-T as in the paper::
     sdma-redundancy --path sdma.pt DATA_BIN --hr-matrix --json sdma.json
     sdma-plot-heads vt.json sdma.json --names V-T SDMA-T --out fig10.png
 
-(``sdma-redundancy --heatmap OUT.png`` draws one model's matrix directly;
-``python -m latent_core.redundancy_plot`` is the same command as ``sdma-plot-heads``.)
+(``sdma-redundancy --heatmap OUT.png`` draws one model's matrix directly; the command ``sdma-plot-heads`` is
+:mod:`user_dir.tools.sdma.plot_heads`.)
 Needs only matplotlib and numpy.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
-import sys
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
@@ -38,7 +35,6 @@ logging.getLogger("matplotlib").setLevel(logging.WARNING)  # fairseq sets the ro
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from latent_core.errors import command_error
 from latent_core.redundancy import ATTENTION_TYPES, RedundancyError, head_labels, report  # noqa: E402
 
 Panel = Tuple[str, np.ndarray, List[str]]  # (title, matrix [K, K], K axis labels)
@@ -113,40 +109,6 @@ def plot_results(named_results: Sequence[Tuple[str, dict]], kinds: Sequence[str]
     return draw_heatmaps(panels, out, title=title, dpi=dpi)
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description="Figs. 10-11 of the SDMA paper: heat maps of the head-pair HR matrix from the JSON of "
-                    "sdma-redundancy / sdma-espnet-redundancy (--hr-matrix), side by side.")
-    parser.add_argument("results", nargs="+", metavar="RESULT.json", help="redundancy JSON file(s), one panel each")
-    parser.add_argument("--names", nargs="+", default=None,
-                        help="panel names, one per file (default: the file names), e.g. V-T SDMA-T")
-    parser.add_argument("--kind", default="encoder_self", choices=ATTENTION_TYPES,
-                        help="attention type (default: encoder_self, the paper's figures)")
-    parser.add_argument("--title", default=None, help="figure title")
-    parser.add_argument("--out", default="head_redundancy.png", help="output image (default head_redundancy.png)")
-    parser.add_argument("--dpi", type=int, default=150)
-    return parser.parse_args(argv)
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    prog = os.path.basename(sys.argv[0]) or "sdma-plot-heads"
-    try:
-        names = args.names or [Path(path).stem for path in args.results]
-        if len(names) != len(args.results):
-            raise RedundancyError(f"{len(names)} --names for {len(args.results)} result files")
-        named = []
-        for name, path in zip(names, args.results):
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"result file not found: {path}")
-            named.append((name, json.loads(Path(path).read_text())))
-        plot_results(named, [args.kind], args.out, title=args.title, dpi=args.dpi)
-    except (FileNotFoundError, RedundancyError, json.JSONDecodeError) as error:
-        return command_error(prog, error)
-    print(f"wrote {args.out}")
-    return 0
-
-
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     """``--json``, ``--hr-matrix``, ``--heatmap``, ``--heatmap-kind`` (shared by the fairseq and ESPnet commands)."""
     parser.add_argument("--json", default=None, metavar="OUT.json", help="write the results as JSON")
@@ -166,7 +128,3 @@ def write_outputs(result: dict, args: argparse.Namespace, name: str) -> None:
             else [args.heatmap_kind]
         plot_results([(name, result)], kinds, args.heatmap)
         print(f"wrote {args.heatmap}")
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

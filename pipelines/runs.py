@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Union
 
 import pipelines
 
@@ -127,7 +127,7 @@ def run_streaming(cmd: Sequence, log_path: Path, echo_filter: Optional[str] = No
     keep the full log (stdout and stderr) in ``log_path``. SystemExit with the log's tail when
     the command fails.
 
-    With ``wrap_rss`` the command (a console script) runs under ``latent_core.peak_rss``, which
+    With ``wrap_rss`` the command (a console script) runs under ``benchmarks.peak_rss``, which
     reports the process's peak resident memory (``peak_rss_mb``) and, when it used CUDA, the peak of
 PyTorch's CUDA allocator (``peak_cuda_mb``) when it exits. With
     ``monitor_cpu`` a :class:`CpuContentionMonitor` watches it (``result["cpu_monitor"]``; its
@@ -135,7 +135,7 @@ PyTorch's CUDA allocator (``peak_cuda_mb``) when it exits. With
     """
     cmd = [str(c) for c in cmd]
     if wrap_rss:
-        cmd = [sys.executable, "-m", "latent_core.peak_rss", *cmd]
+        cmd = [sys.executable, "-m", "benchmarks.peak_rss", *cmd]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.time()
     lines: List[str] = []
@@ -347,17 +347,14 @@ def generate(data_bin: Path, checkpoint: Path, out_dir: Path, subset: str = "tes
     return result
 
 
-def sacrebleu_score(hypotheses: List[str], references: List[str]) -> float:
-    import sacrebleu
-
-    if len(hypotheses) != len(references):
-        raise SystemExit(f"{len(hypotheses)} hypotheses for {len(references)} references")
-    return sacrebleu.corpus_bleu(hypotheses, [references]).score
-
-
-def write_json(path: Path, payload: Dict) -> None:
+def write_json(path: Union[str, Path], payload, announce: bool = False) -> None:
+    """``payload`` as indented JSON with sorted keys, parent folders created; ``announce`` prints ``wrote PATH``.
+    The one JSON writer of the drivers, benchmarks and commands."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    if announce:
+        print(f"wrote {path}", flush=True)
 
 
 def print_table(rows: List[Dict], columns: List[str], title: str) -> None:

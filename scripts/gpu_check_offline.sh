@@ -13,7 +13,7 @@
 # run: installs the wheels into the running python3 (no index, no dependencies), makes this checkout
 #   importable and writes the project's console scripts next to python3 (what `pip install -e .` does;
 #   pyproject.toml asks for Python 3.11, the stack's, which images seldom have), unpacks the dictionary to
-#   /usr/share/trans/de-en (root) and runs python -m user_dir.tools.gpu_check with the given options.
+#   /usr/share/trans/de-en (root) and runs python -m benchmarks.gpu_check with the given options.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR=.gpu-offline
@@ -69,7 +69,7 @@ print(f"{len(scripts)} console scripts written next to {sys.executable}")
 EOF
     mkdir -p /usr/share/trans && xz -dc "$DIR/de-en.xz" > /usr/share/trans/de-en
     export GPU_TESTS_ESPNET_CORPUS="$PWD/$DIR/asr_corpus"
-    python3 -m user_dir.tools.gpu_check "$@"
+    python3 -m benchmarks.gpu_check "$@"
     ;;
   *)
     sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'

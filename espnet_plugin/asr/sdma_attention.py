@@ -329,6 +329,24 @@ def sdma_options_from_conf(conf_name: str, sdma_conf: Optional[dict], preset: di
     return SDMAOptions.from_conf(sdma_conf, where=f"{conf_name}.sdma_conf", preset=preset)
 
 
+def encoder_sdma_options(*, output_size: int, attention_heads: int, linear_units: int, num_blocks: int,
+                         dropout_rate: float, positional_dropout_rate: float, attention_dropout_rate: float,
+                         layer_drop_rate: float, interctc_layer_idx: Iterable[int], sdma_conf: Optional[dict],
+                         use_flash_attn: Optional[bool]) -> Tuple[SDMAOptions, bool]:
+    """The ``encoder_conf`` of an SDMA encoder (``sdma_transformer``, ``sdma_conformer``) checked, errors naming its
+    YAML keys: ``(the SDMA options of encoder_conf.sdma_conf on top of AISHELL_ENCODER_PRESET, the use_flash_attn
+    to hand ESPnet's encoder)``."""
+    check_transformer_conf(
+        "encoder_conf", width=output_size, width_key="encoder_conf.output_size",
+        attention_heads=attention_heads, linear_units=linear_units, num_blocks=num_blocks,
+        dropout_rates={"dropout_rate": dropout_rate, "positional_dropout_rate": positional_dropout_rate,
+                       "attention_dropout_rate": attention_dropout_rate, "layer_drop_rate": layer_drop_rate},
+        interctc_layer_idx=interctc_layer_idx,
+    )
+    options = sdma_options_from_conf("encoder_conf", sdma_conf, AISHELL_ENCODER_PRESET)
+    return options, check_flash_attn("encoder_conf", use_flash_attn, options)
+
+
 class SDMARelPositionMultiHeadedAttention(SDMAMultiHeadedAttention):
     """SDMA in ESPnet's relative-position self-attention (the Conformer's ``rel_selfattn`` and
     ``legacy_rel_selfattn``): the scores of Transformer-XL (Dai et al. 2019, Section 3.3) that ESPnet computes,

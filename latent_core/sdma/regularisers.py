@@ -3,7 +3,7 @@
 
 import math
 from functools import cached_property
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -443,8 +443,10 @@ class _StackedGMMs:
     them), ``trace`` tr(Sigma_c^-1) and ``log_prior`` (the authors' reading only) ``[L, H, C]``, expanded over the
     heads (the eager terms)."""
 
-    def __init__(self, log_vars: List[Tensor], prior_logits: List[Tensor], authors: bool, num_heads: int):
+    def __init__(self, log_vars: List[Tensor], prior_logits: List[Tensor], authors: bool, num_heads: int,
+                 trace_precision: Callable[[List[Tensor]], Tensor]):
         self._log_vars, self._prior_logits, self.authors, self.num_heads = log_vars, prior_logits, authors, num_heads
+        self._trace_precision = trace_precision
 
     @cached_property
     def log_vars(self) -> Tensor:
@@ -456,7 +458,7 @@ class _StackedGMMs:
 
     @cached_property
     def trace(self) -> Tensor:
-        trace = _StackedTracePrecision.apply(*self._log_vars)  # [L, G, C]
+        trace = self._trace_precision(self._log_vars)  # [L, G, C]
         return trace.expand(len(self._log_vars), self.num_heads, -1)
 
     @cached_property
@@ -469,6 +471,43 @@ class _StackedGMMs:
 def _stack_layers(tensors: List[Tensor]) -> Tensor:
     """``L x [T, B, H, C]`` -> ``[L, T, B, H, C]``, stored clusters-first (``[C, L, T, B, H]``)."""
     return torch.stack([clusters_first(t) for t in tensors], dim=1).movedim(0, -1)
+
+
+class RegulariserTerms(NamedTuple):
+    """The functions :func:`group_terms` computes eq. (17) and (20)-(23) with (its eager path), so that the direct
+    forms, differentiated by autograd, can stand in for the hand-written backwards (the tests compare the two).
+    ``weights`` is the attention type's :class:`_SentenceWeights`; query tensors are clusters-first."""
+
+    # tr(Sigma_c^-1) [L, G, C] of the layers' log-variances [G, C, d]
+    trace_precision: Callable[[List[Tensor]], Tensor]
+    # eq. (20): (log_joint, log_resp, resp, trace_precision, posterior_var, log_prior or None, weights, head_dim)
+    vade_kl: Callable[..., Tensor]
+    # eq. (23): (resp, weights, alpha, beta, squared, unmasked)
+    cluster_diversity: Callable[..., Tensor]
+    token_given_cluster: Callable[[Tensor, Tensor], Tensor]  # eq. (17) over real tokens: (log_joint_q, valid)
+    # the authors' eq. (17): (log_joint_q) -> (p, which normalisers sit at their clamp)
+    authors_token_given_cluster: Callable[[Tensor], Tuple[Tensor, Tensor]]
+    # eq. (21): (p_token_given_c, resp_q, weights, authors)
+    head_mi: Callable[..., Tensor]
+    head_mi_value: Callable[..., Tensor]  # head_mi's value alone, for the diagnostics (no gradient)
+    # eq. (22): (resp_q, weights, unmasked)
+    query_input_mi: Callable[..., Tensor]
+
+
+# the hand-written backwards above: what the library computes with
+FAST_TERMS = RegulariserTerms(
+    trace_precision=lambda log_vars: _StackedTracePrecision.apply(*log_vars),
+    vade_kl=_vade_kl,
+    cluster_diversity=_cluster_diversity,
+    token_given_cluster=token_given_cluster,
+    authors_token_given_cluster=authors_token_given_cluster,
+    head_mi=lambda p_token_given_c, resp_q, weights, authors: _HeadMI.apply(p_token_given_c, resp_q,
+                                                                            weights.per_head_pair, authors),
+    head_mi_value=lambda p_token_given_c, resp_q, weights, authors: _head_mi_value(p_token_given_c, resp_q,
+                                                                                   weights.per_head_pair, authors),
+    query_input_mi=lambda resp_q, weights, unmasked: _QueryInputMI.apply(resp_q, None if unmasked else weights.valid,
+                                                                         weights.per_head),
+)
 
 
 # Diagnostics of the clustering a user can watch (sums, so they add over batches and DDP workers):
@@ -524,7 +563,8 @@ def sdma_losses(items: List[Tuple[nn.Module, ClusteringRecord]],
 def group_terms(layers: Dict[str, List[Tensor]], log_vars: Dict[str, List[Tensor]],
                 gmm_parameters: Dict[str, Tuple[List[Tensor], List[Tensor]]], real_queries: Tensor, *, authors: bool,
                 head_dim: int, num_heads: int, posterior_var: float, alpha: float, beta: float,
-                diagnose: bool, fused: bool = False) -> Tuple[Dict[str, Tensor], Dict[str, Tensor]]:
+                diagnose: bool, fused: bool = False,
+                terms: RegulariserTerms = FAST_TERMS) -> Tuple[Dict[str, Tensor], Dict[str, Tensor]]:
     """Eq. (20)-(23) of one attention type from tensors alone: ``(losses, diagnostic sums)``.
 
     ``layers``: the :class:`ClusteringRecord` fields, one ``[T, B, n_h, C]`` tensor per layer each;
@@ -532,7 +572,7 @@ def group_terms(layers: Dict[str, List[Tensor]], log_vars: Dict[str, List[Tensor
     ``gmm_parameters``: ``{"z": (log-variances, prior logits) per layer, "q": ...}`` of the feature and query
     GMMs; ``real_queries`` ``[T, B]``; ``posterior_var`` sigma_tilde^2 where no learned one is given; ``fused``: the
     Triton kernels of :mod:`latent_core.sdma.triton_regularisers` (``attention_kernel=triton``): eq. (21)-(22), and
-    eq. (20) and (23) where sigma_tilde^2 is a number.
+    eq. (20) and (23) where sigma_tilde^2 is a number; ``terms``: the functions of the eager terms.
     """
     real = real_queries.float()
     # the authors average over the padded length and normalise over pad tokens too
@@ -541,7 +581,7 @@ def group_terms(layers: Dict[str, List[Tensor]], log_vars: Dict[str, List[Tensor
     weights = _SentenceWeights(valid, num_layers, num_heads)
     log_joint_z = _stack_layers(layers["log_joint_z"])
     log_resp_z = _stack_layers(layers["log_resp_z"])
-    z_gmms = _StackedGMMs(*gmm_parameters["z"], authors, num_heads)
+    z_gmms = _StackedGMMs(*gmm_parameters["z"], authors, num_heads, terms.trace_precision)
 
     def s2(kind):  # sigma_tilde^2: the option's number, or the learned [L, T, B, H]
         if kind not in log_vars:
@@ -558,8 +598,9 @@ def group_terms(layers: Dict[str, List[Tensor]], log_vars: Dict[str, List[Tensor
                                  gmms.prior_logits if authors else None, term_weights.valid, not authors, variance,
                                  diag_weight, off_weight)
         resp = log_resp.exp()
-        return (_vade_kl(log_joint, log_resp, resp, gmms.trace, variance, gmms.log_prior, term_weights, head_dim),
-                _cluster_diversity(resp, term_weights, alpha, beta, squared=not authors, unmasked=authors))
+        return (terms.vade_kl(log_joint, log_resp, resp, gmms.trace, variance, gmms.log_prior, term_weights,
+                              head_dim),
+                terms.cluster_diversity(resp, term_weights, alpha, beta, squared=not authors, unmasked=authors))
 
     losses = dict(zip(("kl_z", "dv_z"), kl_and_diversity(log_joint_z, log_resp_z, z_gmms, s2("z"), weights)))
     sums: Dict[str, Tensor] = {}
@@ -580,7 +621,8 @@ def group_terms(layers: Dict[str, List[Tensor]], log_vars: Dict[str, List[Tensor
     if "log_joint_q" in layers:
         log_joint_q = _stack_layers(layers["log_joint_q"])
         log_resp_q = _stack_layers(layers["log_resp_q"])
-        q_gmms = _StackedGMMs(*gmm_parameters["q"], authors, num_heads)  # one query GMM shared by the heads
+        # one query GMM shared by the heads
+        q_gmms = _StackedGMMs(*gmm_parameters["q"], authors, num_heads, terms.trace_precision)
         losses["kl_q"], losses["dv_q"] = kl_and_diversity(log_joint_q, log_resp_q, q_gmms, s2("q"), weights)
         log_joint_q_cf = clusters_first(log_joint_q)
         if fused:
@@ -593,14 +635,14 @@ def group_terms(layers: Dict[str, List[Tensor]], log_vars: Dict[str, List[Tensor
             resp_q_cf = clusters_first(log_resp_q.exp())
             authors_p = clamped = None
             if authors or diagnose:
-                authors_p, clamped = authors_token_given_cluster(log_joint_q_cf)
-            p_token_given_c = authors_p if authors else token_given_cluster(log_joint_q_cf, valid)
-            losses["dqq"] = _HeadMI.apply(p_token_given_c, resp_q_cf, weights.per_head_pair, authors)
-            losses["dxq"] = _QueryInputMI.apply(resp_q_cf, None if authors else valid, weights.per_head)
+                authors_p, clamped = terms.authors_token_given_cluster(log_joint_q_cf)
+            p_token_given_c = authors_p if authors else terms.token_given_cluster(log_joint_q_cf, valid)
+            losses["dqq"] = terms.head_mi(p_token_given_c, resp_q_cf, weights, authors)
+            losses["dxq"] = terms.query_input_mi(resp_q_cf, weights, unmasked=authors)
             if diagnose:
                 with torch.no_grad():
-                    other_p = token_given_cluster(log_joint_q_cf, valid) if authors else authors_p
-                    other = _head_mi_value(other_p, resp_q_cf, weights.per_head_pair, not authors)
+                    other_p = terms.token_given_cluster(log_joint_q_cf, valid) if authors else authors_p
+                    other = terms.head_mi_value(other_p, resp_q_cf, weights, not authors)
                     clamped_count = clamped.sum()
         if diagnose:
             with torch.no_grad():

@@ -33,7 +33,7 @@ them in one place. ``sdma-kernels-report`` compiles every launch the adapters' m
 a GPU (:func:`record_calls`, :func:`intercept_launches`): registers, spills, shared memory. On a CPU they run in
 Triton's interpreter (``TRITON_INTERPRET=1`` set before this module is first
 imported): that is how the tests hold them to the explicit path. Each launch is recorded for the profiler as one
-event named ``triton_sdma_*`` (one kernel launch each in ``latent_core.op_counts.count_launches``).
+event named ``triton_sdma_*`` (one kernel launch each in ``benchmarks.op_counts.count_launches``).
 """
 
 import contextlib

@@ -52,7 +52,7 @@ import re
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from latent_core.errors import command_error, option_flag
 
@@ -313,10 +313,44 @@ def write_split(splits: Dict[str, List[Pair]], out_dir: Path) -> Dict[str, int]:
 
 
 def build_corpus(out_dir: Path, source: Path = DEFAULT_SOURCE, max_words: Optional[int] = None,
-                 valid_size: int = 500, test_size: int = 1000, seed: int = 1) -> Dict[str, int]:
-    """Read, filter, split and write the corpus; return ``{"train": n, "valid": n, "test": n}``."""
-    pairs = read_pairs(source, max_words=max_words)
+                 valid_size: int = 500, test_size: int = 1000, seed: int = 1,
+                 stats: Optional[Counter] = None) -> Dict[str, int]:
+    """Read, filter, split and write the corpus; return ``{"train": n, "valid": n, "test": n}`` (``stats``
+    receives the rejection counts)."""
+    pairs = read_pairs(source, max_words=max_words, stats=stats)
     return write_split(split_pairs(pairs, valid_size, test_size, seed), out_dir)
+
+
+def print_summary(counts: Dict[str, int], stats: Counter, out_dir: Path) -> None:
+    """The two lines ``prepare-ding`` prints: the split sizes and the rejections."""
+    total = sum(counts.values())
+    print(f"[prepare_ding] pairs: {total} (train {counts['train']}, valid {counts['valid']}, "
+          f"test {counts['test']}) -> {out_dir}")
+    print(f"[prepare_ding] rejected: {rejection_summary(stats)}")
+
+
+def prepare_fairseq_data(out_dir: Path, max_words: int, vocab_size: int, seed: int = 1, valid_size: int = 500,
+                         test_size: int = 1000, source: Path = DEFAULT_SOURCE,
+                         stage: Callable[[str], None] = print) -> Path:
+    """The SDMA demo's data under ``out_dir``: Ding pairs (``raw/``, as ``prepare-ding``), one joint sentencepiece
+    model of ``vocab_size`` pieces and ``fairseq-preprocess`` (``prep/``, as ``prepare-translation --joint``).
+    Reuses a finished earlier run whatever its sizes (put the sizes in ``out_dir``'s name). Returns ``prep/bin``."""
+    from pipelines.data import translation
+
+    raw, prep = Path(out_dir) / "raw", Path(out_dir) / "prep"
+    bin_dir = prep / "bin"
+    if (bin_dir / "train.de-en.de.bin").exists() and (raw / "test.en").exists():
+        stage(f"data: reusing {bin_dir}")
+        return bin_dir
+    stage("data 1/2: German-English sentence pairs from the Ding dictionary (trans-de-en)")
+    stats: Counter = Counter()
+    counts = build_corpus(raw, source, max_words, valid_size, test_size, seed, stats=stats)
+    print_summary(counts, stats, raw)
+    stage("data 2/2: joint sentencepiece vocabulary + fairseq-preprocess")
+    translation.prepare(translation.options(
+        train_prefix=str(raw / "train"), valid_prefix=str(raw / "valid"), test_prefix=str(raw / "test"),
+        src="de", tgt="en", joint=True, vocab_size=vocab_size, out_dir=prep, workers=2))
+    return bin_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -354,14 +388,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          f"fairseq-preprocess, which writes an empty (unusable) binary file")
     stats: Counter = Counter()
     try:
-        pairs = read_pairs(args.source, max_words=args.max_words, stats=stats)
-        counts = write_split(split_pairs(pairs, args.valid_size, args.test_size, args.seed), args.out_dir)
+        counts = build_corpus(args.out_dir, args.source, args.max_words, args.valid_size, args.test_size, args.seed,
+                              stats=stats)
     except (MissingSourceError, DingDataError) as error:
         raise SystemExit(command_error(PROG, error)) from None
-    total = sum(counts.values())
-    print(f"[prepare_ding] pairs: {total} (train {counts['train']}, valid {counts['valid']}, "
-          f"test {counts['test']}) -> {args.out_dir}")
-    print(f"[prepare_ding] rejected: {rejection_summary(stats)}")
+    print_summary(counts, stats, args.out_dir)
     return 0
 
 

@@ -652,6 +652,29 @@ def validate_args(args: argparse.Namespace, error: Callable[[str], None]) -> arg
     return args
 
 
+def options(**values) -> argparse.Namespace:
+    """:func:`prepare`'s options from Python: the flags' names as keywords (``train_prefix=``, ``vocab_size=``,
+    ``joint=True``...), the command's defaults for the rest, and :func:`validate_args`' checks. An unknown or
+    missing option, or a bad combination, raises :class:`PrepareError` naming the flag."""
+    parser = build_parser()
+    actions = {action.dest: action for action in parser._actions if action.dest != "help"}
+    unknown = sorted(set(values) - set(actions))
+    if unknown:
+        raise PrepareError(f"unknown option(s) {', '.join(unknown)}; the options are {', '.join(sorted(actions))}")
+    missing = [actions[dest].option_strings[0] for dest in actions if actions[dest].required and dest not in values]
+    if missing:
+        raise PrepareError(f"{', '.join(missing)} required")
+    args = argparse.Namespace(**{dest: action.default for dest, action in actions.items()})
+    for dest, value in values.items():
+        setattr(args, dest, value)
+    args.out_dir = Path(args.out_dir)
+
+    def error(message: str) -> None:
+        raise PrepareError(message)
+
+    return validate_args(args, error)
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Parse and validate command-line style arguments (usable from Python)."""
     parser = build_parser()

@@ -1,4 +1,4 @@
-"""ESPnet on the GPU: the synthetic Mandarin recipe (``espnet_plugin.recipes.synthetic``: ESPnet's own
+"""ESPnet on the GPU: the synthetic Mandarin recipe (``experiments.espnet.synthetic_asr``: ESPnet's own
 ``asr_train`` and ``asr_inference``) with ``--ngpu 1``, training with ``--use_amp true``, for SDMA (the
 authors reading, the Aishell default) and vanilla; the SDMA model's decoding on CUDA equals its
 decoding on the CPU.

@@ -1,5 +1,5 @@
-"""The layers: ``latent_core`` is mathematics that knows no toolkit, ``pipelines`` imports no toolkit at
-module level, and the ESPnet plugin does not pull in fairseq.
+"""The layers: ``latent_core`` is mathematics that knows no toolkit, ``pipelines`` and the benchmarks' measurement
+helpers import no toolkit at module level, and the ESPnet plugin does not pull in fairseq.
 
 Each import check runs in a fresh interpreter: this test process has imported everything already.
 """
@@ -23,13 +23,15 @@ def loaded_after(statement: str) -> dict:
 
 
 # named, so that a module that disappears fails here instead of being skipped by the walks below
-CORE_TOOLS = ("latent_core.redundancy", "latent_core.redundancy_plot", "latent_core.peak_rss", "latent_core.op_counts")
+CORE_TOOLS = ("latent_core.redundancy", "latent_core.redundancy_plot")
+# the measurement helpers of the benchmarks and tests: any callable or command, whichever toolkit it runs
+MEASUREMENT = ("benchmarks.peak_rss", "benchmarks.op_counts")
 PIPELINES = ("pipelines.runs", "pipelines.kaldi_data", "pipelines.data.registry", "pipelines.data.ding",
              "pipelines.data.english_vae", "pipelines.data.lee_sts", "pipelines.data.pattern3",
              "pipelines.data.iwslt14", "pipelines.data.translation", "pipelines.data.mandarin_synth",
-             "pipelines.data.bert_source", "pipelines.data.optimus_text", "pipelines.bleu_bootstrap")
+             "pipelines.data.bert_source", "pipelines.data.optimus_text", "pipelines.data.bart_data")
 # what latent_core may not import anywhere, inside functions included
-NOT_IN_CORE = TOOLKITS + ("user_dir", "espnet_plugin", "pipelines")
+NOT_IN_CORE = TOOLKITS + ("user_dir", "espnet_plugin", "transformers_plugin", "pipelines", "benchmarks", "experiments")
 
 
 def test_core_imports_no_toolkit():
@@ -44,6 +46,11 @@ def test_every_core_module_imports_no_toolkit():
                           f"{list(CORE_TOOLS)!r}]; [importlib.import_module(m.name) for m in "
                           f"pkgutil.walk_packages(latent_core.__path__, 'latent_core.')]")
     assert loaded["latent_core"]
+    assert not any(loaded[m] for m in TOOLKITS + ("user_dir",)), loaded
+
+
+def test_measurement_helpers_import_no_toolkit():
+    loaded = loaded_after(f"import importlib; [importlib.import_module(m) for m in {list(MEASUREMENT)!r}]")
     assert not any(loaded[m] for m in TOOLKITS + ("user_dir",)), loaded
 
 
@@ -72,7 +79,7 @@ def test_pipelines_import_no_toolkit_at_module_level():
 
 
 def test_espnet_plugin_does_not_import_fairseq_or_the_fairseq_plugin():
-    loaded = loaded_after("import espnet_plugin, espnet_plugin.tools.redundancy, espnet_plugin.recipes.synthetic")
+    loaded = loaded_after("import espnet_plugin, espnet_plugin.tools.redundancy, experiments.espnet.synthetic_asr")
     assert loaded["espnet2"] and loaded["latent_core"]
     assert not loaded["fairseq"] and not loaded["user_dir"], loaded
 

@@ -1,6 +1,6 @@
 """Integration: the ESPnet recipe stages on synthetic Mandarin speech, SDMA and vanilla, tiny.
 
-Runs ``examples/aishell_sdma/asr1/run_synthetic.py`` (the driver ``espnet_plugin.recipes.synthetic``:
+Runs ``examples/aishell_sdma/asr1/run_synthetic.py`` (the driver ``experiments.espnet.synthetic_asr``:
 ESPnet's own entry points for tokenize_text, collect_stats, training and joint CTC/attention decoding), then decodes
 with ``Speech2Text`` from Python and measures LR/HR on the trained SDMA model.
 """
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 from espnet_plugin.tools import redundancy  # noqa: E402
-from espnet_plugin.recipes import synthetic as driver  # noqa: E402
+from experiments.espnet import synthetic_asr as driver  # noqa: E402
 
 RECIPE = REPO / "examples" / "aishell_sdma" / "asr1"
 

@@ -297,8 +297,6 @@ def test_topic_vocabulary_build_filters_and_is_deterministic():
     check_num_topics(3, vocab)
     with pytest.raises(ValueError, match="--num-topics 50 exceeds the 3-word topic vocabulary"):
         check_num_topics(50, vocab)
-    with pytest.raises(ValueError, match=">= 1"):
-        check_num_topics(0, vocab)
 
 
 def test_topic_vocabulary_state_loads_with_the_safe_loader(tmp_path):

@@ -1,4 +1,4 @@
-"""The SDMA quickstart (``make demo``, ``user_dir.tools.sdma.quickstart``) and the log helpers of ``pipelines.runs``.
+"""The SDMA quickstart (``make demo``, ``experiments.sdma.quickstart``) and the log helpers of ``pipelines.runs``.
 
 Pure functions first (updates from --minutes, segment boundaries, log parsing of a
 fabricated multi-segment fairseq log, ratio statistics), then the segment runner with a
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pipelines import runs
-from user_dir.tools.sdma import quickstart as qs
+from experiments.sdma import quickstart as qs
 
 DING = Path("/usr/share/trans/de-en")
 
@@ -81,7 +81,7 @@ def test_the_plan_scales_the_idle_calibration_by_the_measured_load():
 
 
 def test_measure_load_times_training_updates_of_the_demo_size(monkeypatch):
-    from user_dir.tools.sdma import step_timing
+    from benchmarks.sdma import step_timing
 
     calls = []
     monkeypatch.setattr(step_timing, "training_update", lambda *a: calls.append(a))
@@ -243,7 +243,7 @@ def test_quickstart_end_to_end_interleaved(tmp_path):
                               "--test-prefix", str(raw / "test"), "--src", "de", "--tgt", "en", "--joint",
                               "--vocab-size", "400", "--out-dir", str(prep), "--workers", "1"])
     # 4 updates leave the models untrained: they would decode 200 tokens per sentence
-    proc = run_checked([venv_bin("python"), "-m", "user_dir.tools.sdma.quickstart", "--updates", "4", "--segments", "2",
+    proc = run_checked([venv_bin("python"), "-m", "experiments.sdma.quickstart", "--updates", "4", "--segments", "2",
                         "--out-dir", out, "--gen-max-len", "8"], timeout=1200)
     printed = proc.stdout
     assert "DEBUG" not in proc.stdout + proc.stderr  # no library debug logging (fairseq's root logger at DEBUG)

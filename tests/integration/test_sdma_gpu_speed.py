@@ -1,4 +1,4 @@
-"""``make gpu-speed`` (``python -m user_dir.tools.sdma.gpu_speed``) end to end on the CPU: its ``--cpu`` mode, one
+"""``make gpu-speed`` (``python -m benchmarks.sdma.gpu_speed``) end to end on the CPU: its ``--cpu`` mode, one
 kernel, the synthetic IWSLT-like regime, a model of 1+1 layers; one training run gets a 1-second deadline."""
 
 import json
@@ -18,7 +18,7 @@ CUT = "iwslt_like/train/SMA-T/explicit"
 @pytest.fixture(scope="module")
 def speed(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_speed") / "speed.json"
-    proc = run_checked([sys.executable, "-m", "user_dir.tools.sdma.gpu_speed", "--cpu", "--config", "micro",
+    proc = run_checked([sys.executable, "-m", "benchmarks.sdma.gpu_speed", "--cpu", "--config", "micro",
                         "--kernels", "explicit", "--regimes", "iwslt_like", "--updates", 4, "--max-tokens", 512,
                         "--decode-sentences", 2, "--decode-rounds", 1, "--run-timeout", f"{CUT}=1", "--out", out],
                        timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})  # the runs are sequential

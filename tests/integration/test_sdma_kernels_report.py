@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from user_dir.tools.sdma.kernels_report import ARCHS, HEAD_DIMS, MODEL_STEPS, warps_per_sm
+from benchmarks.sdma.kernels_report import ARCHS, HEAD_DIMS, MODEL_STEPS, warps_per_sm
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +28,7 @@ def without_interpreter():
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("kernels_report")
-    subprocess.run([sys.executable, "-m", "user_dir.tools.sdma.kernels_report", "--inputs", "fp16", "bf16",
+    subprocess.run([sys.executable, "-m", "benchmarks.sdma.kernels_report", "--inputs", "fp16", "bf16",
                     "--json", str(out / "report.json")], cwd=ROOT, env=without_interpreter(), check=True)
     return json.loads((out / "report.json").read_text())
 
@@ -67,7 +67,7 @@ def test_the_report_sees_a_spill(tmp_path):
     script = """
 import json, sys
 from latent_core.sdma import triton_kernels
-from user_dir.tools.sdma.kernels_report import compile_calls
+from benchmarks.sdma.kernels_report import compile_calls
 call = {"kind": "attention", "clusters": 4, "authors": True, "blocked": [1, 0, 0, 1], "score_bias": None,
         "dropout": True, "backward": False, "bias_grad": False}
 triton_kernels.LAUNCH[("attention_forward", "half", 64)] = triton_kernels.LaunchConfig(64, 64, 4, 2)

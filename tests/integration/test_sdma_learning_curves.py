@@ -67,7 +67,7 @@ def test_query_scale_and_query_pull_measure_what_they_say(tmp_path):
     difference, same noise and dropout)."""
     import torch
 
-    from user_dir.tools.sdma.learning_curves import encoder_query_scale, gradient_share
+    from experiments.sdma.learning_curves import encoder_query_scale, gradient_share
     from user_dir.tools.sdma.redundancy import load_models
 
     out = tmp_path / "curves"

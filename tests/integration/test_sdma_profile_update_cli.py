@@ -1,4 +1,4 @@
-"""``python -m user_dir.tools.sdma.profile_update`` as a user starts it on a CPU, without TRITON_INTERPRET in the
+"""``python -m benchmarks.sdma.profile_update`` as a user starts it on a CPU, without TRITON_INTERPRET in the
 environment: the Triton variant is counted in the interpreter (the in-process test in
 tests/unit/user_dir/test_sdma_bench_measures.py has the variable set by conftest before anything imports Triton)."""
 
@@ -13,7 +13,7 @@ from conftest import REPO
 def test_the_cli_counts_a_triton_variant_on_a_cpu_in_a_fresh_interpreter(tmp_path):
     out = tmp_path / "profile.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "user_dir.tools.sdma.profile_update", "--config", "tiny2x2",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.sdma.profile_update", "--config", "tiny2x2",
                            "--device", "cpu", "--sentences", "2", "--tokens", "6", "--updates", "1", "--warmup", "0",
                            "--models", "V-T", "SMA-T triton", "--out", str(out)],
                           capture_output=True, text=True, cwd=REPO, env=env, timeout=600)

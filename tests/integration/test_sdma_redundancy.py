@@ -1,5 +1,5 @@
 """LR / HR on real checkpoints: the fairseq capture and command (user_dir.tools.sdma.redundancy,
-``sdma-redundancy``), the HR heat maps (latent_core.redundancy_plot, ``sdma-plot-heads``;
+``sdma-redundancy``), the HR heat maps (latent_core.redundancy_plot and ``sdma-plot-heads``;
 Figs. 10-11) and Fig. 6 (user_dir.tools.sdma.plot_attention, ``sdma-plot``), on the session's tiny
 checkpoints (tests/integration/conftest.py)."""
 
@@ -15,6 +15,7 @@ from conftest import ARCHS
 from latent_core import redundancy_plot as phr
 from user_dir.sdma.attention_outputs import attention_outputs
 from user_dir.tools.sdma import plot_attention as psa
+from user_dir.tools.sdma import plot_heads
 from user_dir.tools.sdma import redundancy as ar
 
 
@@ -213,7 +214,7 @@ def test_heatmap_option_plots_the_json_matrices(loaded, tiny, drawn, capsys):
     # without HR_matrix in a JSON the plotting script says how to get it
     bare = tiny["root"] / "heat" / "bare.json"
     bare.write_text(json.dumps(ar.attention_redundancy(*loaded["sdma"], "test", max_sentences=2)))
-    assert phr.main([str(bare), "--out", str(tiny["root"] / "heat" / "x.png")]) == 2
+    assert plot_heads.main([str(bare), "--out", str(tiny["root"] / "heat" / "x.png")]) == 2
     assert "--hr-matrix" in capsys.readouterr().err
 
 
@@ -222,13 +223,13 @@ def test_plot_head_redundancy_side_by_side(tiny, script_runs, drawn, capsys):
     assert all(code == 0 for code, _, _ in script_runs.values())
     png = tiny["root"] / "fig10.png"
     files = [str(tiny["root"] / f"{name}.json") for name in ("transformer", "sdma")]
-    assert phr.main([*files, "--names", "V-T", "SDMA-T", "--out", str(png)]) == 0, capsys.readouterr().err
+    assert plot_heads.main([*files, "--names", "V-T", "SDMA-T", "--out", str(png)]) == 0, capsys.readouterr().err
     _assert_png(png)
     (call,) = drawn
     assert [t.split(":")[0] for t in call["titles"]] == ["V-T", "SDMA-T"]
     for path, matrix in zip(files, call["matrices"]):
         np.testing.assert_array_equal(matrix, np.array(json.loads(Path(path).read_text())["encoder_self"]["HR_matrix"]))
-    assert phr.main([*files, "--names", "V-T", "--out", str(png)]) == 2
+    assert plot_heads.main([*files, "--names", "V-T", "--out", str(png)]) == 2
     assert "1 --names for 2 result files" in capsys.readouterr().err
 
 

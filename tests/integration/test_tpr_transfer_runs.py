@@ -1,4 +1,4 @@
-"""``tpr-transfer-runs`` (``user_dir.tools.tpr.transfer_runs``): the HUBERT transfer protocol (Table 2)
+"""``tpr-transfer-runs`` (``experiments.tpr.transfer_runs``): the HUBERT transfer protocol (Table 2)
 through fairseq-train, and ``prepare-pattern3`` (``pipelines.data.pattern3``: the real sets of
 the README run)."""
 
@@ -11,7 +11,7 @@ import torch
 
 from conftest import REPO, save_tiny_bert, venv_bin
 from pipelines.data import pattern3 as p3
-from user_dir.tools.tpr import transfer_runs as protocol
+from experiments.tpr import transfer_runs as protocol
 
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "a", "and", ".", "cat", "dog", "horse", "bird",
          "car", "train", "boat", "plane", "red", "blue", "big", "small"]

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from conftest import DING_DE_EN
-from transformers_plugin.tools import lm_runs
+from experiments.transformers import lm_runs
 
 ding_source = DING_DE_EN
 

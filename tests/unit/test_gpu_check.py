@@ -1,4 +1,4 @@
-"""``make gpu-check`` (``user_dir/tools/gpu_check.py``) calls programs that exist, with arguments their own
+"""``make gpu-check`` (``benchmarks/gpu_check.py``) calls programs that exist, with arguments their own
 parsers accept. Checked on the CPU: every step runs with the command runner replaced, so the commands
 are recorded instead of run."""
 
@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    return importlib.import_module("user_dir.tools.gpu_check")
+    return importlib.import_module("benchmarks.gpu_check")
 
 
 def record_commands(gpu_check, tmp_path, monkeypatch):
@@ -68,6 +68,6 @@ def test_every_step_runs_an_existing_program_with_arguments_it_accepts(gpu_check
         else:
             assert parse_args is not None, f"{name}: no parse_args to check its arguments with"
             parse_args(cmd[3:] if cmd[0] == sys.executable else cmd[1:])
-    assert names == ["pytest", "user_dir.tools.sdma.kernels_bench", "user_dir.tools.sdma.profile_update", "sdma-bench",
+    assert names == ["pytest", "benchmarks.sdma.kernels_bench", "benchmarks.sdma.profile_update", "sdma-bench",
                      "prepare-english-vae-data", "vae-bench", "prepare-optimus-data", "optimus-bench",
-                     "user_dir.tools.sdma.gpu_speed"]
+                     "benchmarks.sdma.gpu_speed"]

@@ -6,7 +6,7 @@
 * :mod:`.bart_init` -- ``--bart-dir`` initialisation.
 
 Tools (``user_dir.tools.qkvae``): the embedding-space test of Table 2 (``qkvae-probe``) and
-BART-vocabulary data preparation (``bart_data``).
+BART-vocabulary data preparation (:mod:`pipelines.data.bart_data`).
 """
 
 from . import model  # noqa: F401  (registers the models and architectures)

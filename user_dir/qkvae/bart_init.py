@@ -26,10 +26,10 @@ initialisation, as in the authors' code.
 
 BART's vocabulary: the fairseq dictionary must have exactly BART's ``vocab_size`` symbols
 with index i = BART token id i. Build it and the tokenised text with
-:mod:`user_dir.tools.qkvae.bart_data`:
+:mod:`pipelines.data.bart_data`:
 
-    python -m user_dir.tools.qkvae.bart_data dict BART_DIR data-bin/dict.bart.txt
-    python -m user_dir.tools.qkvae.bart_data tokenize BART_DIR < train.txt > train.bpe
+    python -m pipelines.data.bart_data dict BART_DIR data-bin/dict.bart.txt
+    python -m pipelines.data.bart_data tokenize BART_DIR < train.txt > train.bpe
     fairseq-preprocess --only-source --srcdict data-bin/dict.bart.txt \\
         --trainpref train.bpe --validpref valid.bpe --destdir data-bin
 
@@ -122,7 +122,7 @@ def check_bart_architecture(config: dict, args, dictionary, bart_dir: str) -> No
     if len(dictionary) != vocab:
         raise BartInitError(
             f"{where}: field 'vocab_size' is {vocab} but the fairseq dictionary has {len(dictionary)} "
-            "symbols; binarise with BART's vocabulary (python -m user_dir.tools.qkvae.bart_data dict "
+            "symbols; binarise with BART's vocabulary (python -m pipelines.data.bart_data dict "
             f"{bart_dir} dict.txt, then fairseq-preprocess --srcdict dict.txt)"
         )
     for field, ours, default in (("pad_token_id", dictionary.pad(), 1), ("bos_token_id", dictionary.bos(), 0),

@@ -27,6 +27,7 @@ of phi), ``semantic-attention`` (no Q_q K_q^T), ``output-enhancement``.
 """
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
@@ -35,7 +36,7 @@ from fairseq.dataclass import ChoiceEnum
 from fairseq.models import register_model
 from torch import Tensor
 
-from latent_core.errors import check_positive_int
+from latent_core.errors import check_heads_divide, check_positive_int
 
 from ..hf_sentence.model import HFSentenceClassifier, HFSentenceClassifierConfig, HFSentenceConfigError
 from ..model_config import model_options
@@ -47,7 +48,6 @@ from .semantic_attention import (
     align_to_pieces,
     attention_head_dim,
     install_semantic_attention,
-    parse_semantic_attention_layers,
 )
 from .vocabulary import check_num_topics
 from .vqvae import TopicVQVAE
@@ -60,8 +60,13 @@ ABLATIONS = ("topic-model", "topic-sensitive-encoder", "topical-latent-embedding
              "output-enhancement")
 
 
+def ablation_names(spec: Optional[str]) -> Tuple[str, ...]:
+    """The parts ``--ablate`` names, unchecked (:func:`parse_ablations` checks them)."""
+    return tuple(s.strip() for s in (spec or "").split(",") if s.strip())
+
+
 def parse_ablations(spec: Optional[str]) -> Tuple[str, ...]:
-    names = tuple(s.strip() for s in (spec or "").split(",") if s.strip())
+    names = ablation_names(spec)
     unknown = [n for n in names if n not in ABLATIONS]
     if unknown:
         raise HFSentenceConfigError(f"--ablate {','.join(unknown)}: unknown; choose from {', '.join(ABLATIONS)}")
@@ -141,8 +146,7 @@ class TopicVQSTSModel(HFSentenceClassifier):
             commitment=args.vq_commitment,
         )
         scores = None
-        if "semantic-attention" not in ablations:
-            parse_semantic_attention_layers(args.semantic_attention_layers, backbone.config.num_hidden_layers)
+        if "semantic-attention" not in ablations:  # __init__ installs (and checks) --semantic-attention-layers
             scores = SemanticScores(args.topic_embed_dim, args.semantic_ffn_dim, attention_head_dim(backbone))
         enhancement = OutputEnhancement(args.topic_embed_dim) if enhance else None
         model = cls(args, backbone, head, task.padding_idx, ntm, vqvae, scores, enhancement)
@@ -159,7 +163,7 @@ class TopicVQSTSModel(HFSentenceClassifier):
     @classmethod
     def head_input_size(cls, args, backbone_config) -> int:
         """[pooled h^l ; pooled LayerNorm(Linear(Z))] with output enhancement (Section 3.3)."""
-        enhanced = "output-enhancement" not in parse_ablations(args.ablate)
+        enhanced = "output-enhancement" not in ablation_names(args.ablate)  # build_model checked them
         return int(backbone_config.hidden_size) + (args.topic_embed_dim if enhanced else 0)
 
     def _set_trainable(self) -> None:
@@ -285,12 +289,12 @@ def validate_topic_args(args) -> None:
     if args.codebook not in CODEBOOK_MODES:
         raise HFSentenceConfigError(f"--codebook {args.codebook!r}: choose {', '.join(CODEBOOK_MODES)}")
     for option, value in (("--num-topics", args.num_topics), ("--topic-embed-dim", args.topic_embed_dim),
-                          ("--ntm-hidden-dim", args.ntm_hidden_dim), ("--vq-heads", args.vq_heads),
-                          ("--semantic-ffn-dim", args.semantic_ffn_dim)):
+                          ("--ntm-hidden-dim", args.ntm_hidden_dim), ("--semantic-ffn-dim", args.semantic_ffn_dim)):
         check_positive_int(option, value, HFSentenceConfigError)
+    check_heads_divide("--vq-heads", args.vq_heads, "--topic-embed-dim", args.topic_embed_dim, HFSentenceConfigError)
     for option, value in (("--ntm-gamma", args.ntm_gamma), ("--vq-commitment", args.vq_commitment)):
-        if not value >= 0:
-            raise HFSentenceConfigError(f"{option} {value!r} must be >= 0")
+        if not (math.isfinite(value) and value >= 0):
+            raise HFSentenceConfigError(f"{option} {value!r} must be a finite number >= 0")
     for option, value in (("--ntm-dropout", args.ntm_dropout), ("--vq-dropout", args.vq_dropout)):
         if not 0 <= value < 1:
             raise HFSentenceConfigError(f"{option} {value!r} must lie in [0, 1)")

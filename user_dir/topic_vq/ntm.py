@@ -55,6 +55,8 @@ class NeuralTopicModel(nn.Module):
     ``vocab_size`` V (the topic vocabulary: stop words and rare words removed),
     ``num_topics`` K (``--num-topics``, 1 <= K <= V), ``embed_dim`` E of omega and phi,
     ``hidden_dim`` of the two-layer ReLU encoder, ``dropout`` on the encoder's output.
+    The options are checked where the configuration is read (``validate_topic_args`` and
+    ``check_num_topics`` of ``user_dir.topic_vq``), not here.
 
     omega and phi are drawn from N(0, E^-1/2) so that the logits omega phi^T have unit
     variance at initialisation (beta starts neither uniform nor one-hot).
@@ -63,17 +65,7 @@ class NeuralTopicModel(nn.Module):
     def __init__(self, vocab_size: int, num_topics: int, embed_dim: int = 64,
                  hidden_dim: int = 256, dropout: float = 0.0):
         super().__init__()
-        check_positive_int("--num-topics", num_topics)
         check_positive_int("topic vocabulary size", vocab_size)
-        check_positive_int("topic embedding size (embed_dim)", embed_dim)
-        check_positive_int("NTM hidden size (hidden_dim)", hidden_dim)
-        if num_topics > vocab_size:
-            raise ValueError(
-                f"--num-topics={num_topics} is larger than the topic vocabulary ({vocab_size} words); "
-                "a topic is a distribution over these words, use at most as many topics as words"
-            )
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"NTM dropout={dropout} must lie in [0, 1)")
         self.vocab_size, self.num_topics, self.embed_dim = vocab_size, num_topics, embed_dim
         # inference network of GSM: x -> two ReLU layers -> (mu, log sigma^2)
         self.encoder = nn.Sequential(

@@ -94,15 +94,15 @@ class SemanticScores(nn.Module):
 
     ``code_dim`` E of the quantised vectors; ``hidden_dim`` of the FFN (Linear-ReLU-Linear,
     the transformer's position-wise FFN, E -> hidden -> E); ``head_dim`` d_k, the backbone's
-    attention head size (:func:`attention_head_dim`); W_q^Q, W_q^K are E x E (no bias).
+    attention head size (:func:`attention_head_dim`); W_q^Q, W_q^K are E x E (no bias). E and the
+    FFN size are options (``--topic-embed-dim``, ``--semantic-ffn-dim``), checked where the
+    configuration is read.
     """
 
     def __init__(self, code_dim: int, hidden_dim: int, head_dim: int, dropout: float = 0.0):
         super().__init__()
-        for name, value in (("code size", code_dim), ("semantic FFN hidden size", hidden_dim),
-                            ("attention head size d_k", head_dim)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+            raise ValueError(f"attention head size d_k={head_dim!r} must be an integer >= 1")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"semantic FFN dropout={dropout} must lie in [0, 1)")
         self.code_dim, self.head_dim = code_dim, head_dim
@@ -125,14 +125,15 @@ class OutputEnhancement(nn.Module):
     """[h^l ; LayerNorm(Linear(Z_i^q (+) Z_j^q))] (Section 3.3), pooled: the pooled backbone
     output ``[B, H]`` joined with the mean of LayerNorm(Linear(Z)) over the pair's pieces ->
     ``[B, H + out_dim]`` (``out_dim`` defaults to E; the paper's (n+1)E has E' = the head
-    size, 64 like E). The special tokens carry no code, so they are left out of the mean."""
+    size, 64 like E). The special tokens carry no code, so they are left out of the mean. E is
+    ``--topic-embed-dim``, checked where the configuration is read."""
 
     def __init__(self, code_dim: int, out_dim: Optional[int] = None):
         super().__init__()
-        out_dim = code_dim if out_dim is None else out_dim
-        for name, value in (("code size", code_dim), ("output enhancement size", out_dim)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if out_dim is None:
+            out_dim = code_dim
+        elif isinstance(out_dim, bool) or not isinstance(out_dim, int) or out_dim < 1:
+            raise ValueError(f"output enhancement size={out_dim!r} must be an integer >= 1")
         self.code_dim, self.out_dim = code_dim, out_dim
         self.proj = nn.Linear(code_dim, out_dim)
         self.norm = nn.LayerNorm(out_dim)

@@ -55,11 +55,9 @@ class TopicVocabulary:
               stop_words: AbstractSet[str] = frozenset()) -> "TopicVocabulary":
         """Count the words of ``sentences`` (each an iterable of words; lower-cased here).
 
-        Raises ValueError when ``min_count < 1`` or when no word qualifies for the topic
-        vocabulary (the message gives the counts and what to change).
+        Raises ValueError when no word qualifies for the topic vocabulary (the message gives the
+        counts and what to change); ``min_count`` (``--topic-min-count``) is checked by the task.
         """
-        if isinstance(min_count, bool) or not isinstance(min_count, int) or min_count < 1:
-            raise ValueError(f"topic vocabulary min_count={min_count!r} must be an integer >= 1")
         stop = frozenset(w.lower() for w in stop_words)
         counts: Counter = Counter()
         for words in sentences:
@@ -138,9 +136,8 @@ class TopicVocabulary:
 
 
 def check_num_topics(num_topics: int, vocabulary: TopicVocabulary) -> None:
-    """Refuse a number of topics K < 1 or larger than the topic vocabulary."""
-    if isinstance(num_topics, bool) or not isinstance(num_topics, int) or num_topics < 1:
-        raise ValueError(f"--num-topics {num_topics!r} must be an integer >= 1")
+    """Refuse a number of topics K larger than the topic vocabulary (``validate_topic_args`` of
+    ``user_dir.topic_vq.model`` refuses K < 1)."""
     if num_topics > vocabulary.topic_size:
         raise ValueError(
             f"--num-topics {num_topics} exceeds the {vocabulary.topic_size}-word topic vocabulary "

@@ -46,7 +46,6 @@ Codebook modes (Section 3.2, ablations of Section 4.5, Table 3 of Section 4.6):
 * ``topic_sensitive=False``: no X^t ("w/o topic sensitive encoder").
 """
 
-import math
 from typing import NamedTuple, Optional, Tuple
 
 import torch
@@ -125,6 +124,9 @@ class TopicVQVAE(nn.Module):
       vocabulary (0, ``user_dir.topic_vq.vocabulary.PAD_ID``);
     * ``num_heads``, ``ffn_dim`` (default 4E), ``dropout`` of the transformer layers;
     * ``commitment`` lambda of eq. (1) (1e-4, Section 4.3).
+
+    The options (``--num-topics``, ``--topic-embed-dim``, ``--vq-heads``, ``--vq-dropout``,
+    ``--vq-commitment``, ``--max-positions``) are checked where the configuration is read, not here.
     """
 
     def __init__(self, vq_vocab_size: int, num_codes: int, code_dim: int = 64,
@@ -134,22 +136,14 @@ class TopicVQVAE(nn.Module):
                  padding_idx: int = 0, ffn_dim: Optional[int] = None, commitment: float = 1e-4):
         super().__init__()
         check_positive_int("VQ vocabulary size", vq_vocab_size)
-        check_positive_int("number of codes (--num-topics when tied to the NTM)", num_codes)
-        check_positive_int("code size", code_dim)
-        check_positive_int("max_positions", max_positions)
-        check_positive_int("num_heads", num_heads)
-        ffn_dim = 4 * code_dim if ffn_dim is None else ffn_dim
-        check_positive_int("ffn_dim", ffn_dim)
-        if code_dim % num_heads != 0:
-            raise ValueError(f"code size {code_dim} is not a multiple of num_heads={num_heads}")
+        if ffn_dim is None:
+            ffn_dim = 4 * code_dim
+        else:
+            check_positive_int("ffn_dim", ffn_dim)
         if not 0 <= padding_idx < vq_vocab_size:
             raise ValueError(
                 f"padding_idx={padding_idx} is not an id of the {vq_vocab_size}-word VQ vocabulary"
             )
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"VQ-VAE dropout={dropout} must lie in [0, 1)")
-        if not (math.isfinite(commitment) and commitment >= 0):
-            raise ValueError(f"commitment lambda={commitment} must be a finite number >= 0")
         self.vq_vocab_size, self.num_codes, self.code_dim = vq_vocab_size, num_codes, code_dim
         self.topic_sensitive, self.freeze_codebook = topic_sensitive, freeze_codebook
         self.padding_idx, self.max_positions, self.commitment = padding_idx, max_positions, commitment

@@ -8,14 +8,11 @@ from espnet2.asr.encoder.conformer_encoder import ConformerEncoder
 from typeguard import typechecked
 
 from espnet_plugin.asr.sdma_attention import (
-    AISHELL_ENCODER_PRESET,
     ESPnetConfigError,
     SDMAMultiHeadedAttention,
     SDMARelPositionMultiHeadedAttention,
     check_features,
-    check_flash_attn,
-    check_transformer_conf,
-    sdma_options_from_conf,
+    encoder_sdma_options,
 )
 
 
@@ -73,15 +70,11 @@ class SDMAConformerEncoder(ConformerEncoder):
         use_flash_attn: Optional[bool] = None,
         sdma_conf: Optional[Dict[str, Any]] = None,
     ):
-        check_transformer_conf(
-            "encoder_conf", width=output_size, width_key="encoder_conf.output_size",
-            attention_heads=attention_heads, linear_units=linear_units, num_blocks=num_blocks,
-            dropout_rates={"dropout_rate": dropout_rate, "positional_dropout_rate": positional_dropout_rate,
-                           "attention_dropout_rate": attention_dropout_rate, "layer_drop_rate": layer_drop_rate},
-            interctc_layer_idx=interctc_layer_idx,
-        )
-        options = sdma_options_from_conf("encoder_conf", sdma_conf, AISHELL_ENCODER_PRESET)
-        use_flash_attn = check_flash_attn("encoder_conf", use_flash_attn, options)
+        options, use_flash_attn = encoder_sdma_options(
+            output_size=output_size, attention_heads=attention_heads, linear_units=linear_units, num_blocks=num_blocks,
+            dropout_rate=dropout_rate, positional_dropout_rate=positional_dropout_rate,
+            attention_dropout_rate=attention_dropout_rate, layer_drop_rate=layer_drop_rate,
+            interctc_layer_idx=interctc_layer_idx, sdma_conf=sdma_conf, use_flash_attn=use_flash_attn)
         if rel_pos_type not in ("legacy", "latest"):
             raise ESPnetConfigError(f"encoder_conf.rel_pos_type={rel_pos_type!r} must be 'legacy' or 'latest'")
         if options.mode != "none" and qk_norm and selfattention_layer_type != "selfattn":

@@ -9,12 +9,9 @@ from espnet.nets.pytorch_backend.transformer.embedding import PositionalEncoding
 from typeguard import typechecked
 
 from espnet_plugin.asr.sdma_attention import (
-    AISHELL_ENCODER_PRESET,
     SDMAMultiHeadedAttention,
     check_features,
-    check_flash_attn,
-    check_transformer_conf,
-    sdma_options_from_conf,
+    encoder_sdma_options,
 )
 
 
@@ -68,15 +65,11 @@ class SDMATransformerEncoder(TransformerEncoder):
         use_flash_attn: Optional[bool] = None,
         sdma_conf: Optional[Dict[str, Any]] = None,
     ):
-        check_transformer_conf(
-            "encoder_conf", width=output_size, width_key="encoder_conf.output_size",
-            attention_heads=attention_heads, linear_units=linear_units, num_blocks=num_blocks,
-            dropout_rates={"dropout_rate": dropout_rate, "positional_dropout_rate": positional_dropout_rate,
-                           "attention_dropout_rate": attention_dropout_rate, "layer_drop_rate": layer_drop_rate},
-            interctc_layer_idx=interctc_layer_idx,
-        )
-        options = sdma_options_from_conf("encoder_conf", sdma_conf, AISHELL_ENCODER_PRESET)
-        use_flash_attn = check_flash_attn("encoder_conf", use_flash_attn, options)
+        options, use_flash_attn = encoder_sdma_options(
+            output_size=output_size, attention_heads=attention_heads, linear_units=linear_units, num_blocks=num_blocks,
+            dropout_rate=dropout_rate, positional_dropout_rate=positional_dropout_rate,
+            attention_dropout_rate=attention_dropout_rate, layer_drop_rate=layer_drop_rate,
+            interctc_layer_idx=interctc_layer_idx, sdma_conf=sdma_conf, use_flash_attn=use_flash_attn)
         super().__init__(
             input_size=input_size,
             output_size=output_size,

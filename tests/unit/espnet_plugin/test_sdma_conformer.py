@@ -171,7 +171,7 @@ def test_the_synthetic_recipes_conformer_configs_build_their_encoder(name):
     import yaml
 
     from conftest import REPO
-    from espnet_plugin.recipes.synthetic import DEFAULT_SYSTEMS, SYSTEMS
+    from experiments.espnet.synthetic_asr import DEFAULT_SYSTEMS, SYSTEMS
 
     conf = REPO / "examples" / "aishell_sdma" / "asr1" / "conf" / "synthetic"
     config = yaml.safe_load((conf / name).read_text(encoding="utf-8"))

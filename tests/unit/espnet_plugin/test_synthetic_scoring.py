@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from espnet_plugin.recipes import synthetic as driver
+from experiments.espnet import synthetic_asr as driver
 
 REFS = {f"utt{i:02d}": "我们今天去北京"[: 3 + i % 5] for i in range(40)}
 

@@ -2,14 +2,15 @@
 backward of the direct forms of eq. (20)-(23): the code they replaced, kept below as the reference."""
 
 import math
-from typing import Dict, List, Optional, Tuple
+from functools import partial
+from typing import Optional, Tuple
 
 import pytest
 import torch
 from torch import Tensor
 
 from latent_core.sdma import regularisers
-from latent_core.sdma.mixture import clusters_first, log_prior, trace_precision
+from latent_core.sdma.mixture import clusters_first, trace_precision
 from latent_core.sdma.options import AUTHORS_EPS, LOG_2PI
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -67,13 +68,9 @@ def direct_authors_token_given_cluster(log_joint_q: Tensor) -> Tuple[Tensor, Ten
     return joint / norm.clamp_min(AUTHORS_EPS), clamped
 
 
-def direct_head_mi_upper_bound(log_joint_q: Tensor, resp_q: Tensor, valid: Tensor, authors: bool = False,
-                        p_token_given_c: Optional[Tensor] = None) -> Tensor:
-    log_joint_q, resp_q = clusters_first(log_joint_q), clusters_first(resp_q)  # [C, L, T, B, H]
-    n_h = log_joint_q.size(-1)
-    if p_token_given_c is None:
-        p_token_given_c = (direct_authors_token_given_cluster(log_joint_q)[0] if authors
-                           else direct_token_given_cluster(log_joint_q, valid))
+def direct_head_mi(p_token_given_c: Tensor, resp_q: Tensor, valid: Tensor, authors: bool) -> Tensor:
+    """Eq. (21) from p(q_i^h | c) and p(c | q_i^h'), both clusters-first ``[C, L, T, B, H]``."""
+    n_h = resp_q.size(-1)
     p_pair = (p_token_given_c[..., :, None] * resp_q[..., None, :]).sum(0)  # [L, T, B, H, H']
     off_diag = 1.0 - torch.eye(n_h, device=p_pair.device, dtype=p_pair.dtype)
     if authors:
@@ -81,6 +78,15 @@ def direct_head_mi_upper_bound(log_joint_q: Tensor, resp_q: Tensor, valid: Tenso
     else:
         neg_log = -torch.log1p(-p_pair.clamp(max=1.0 - 1e-6)) * off_diag
     return direct_sentence_mean(neg_log.sum((-1, -2)) / (n_h * n_h), valid)
+
+
+def direct_head_mi_upper_bound(log_joint_q: Tensor, resp_q: Tensor, valid: Tensor, authors: bool = False,
+                        p_token_given_c: Optional[Tensor] = None) -> Tensor:
+    log_joint_q, resp_q = clusters_first(log_joint_q), clusters_first(resp_q)  # [C, L, T, B, H]
+    if p_token_given_c is None:
+        p_token_given_c = (direct_authors_token_given_cluster(log_joint_q)[0] if authors
+                           else direct_token_given_cluster(log_joint_q, valid))
+    return direct_head_mi(p_token_given_c, resp_q, valid, authors)
 
 
 def direct_query_input_mi_lower_bound(resp_q: Tensor, valid: Tensor) -> Tensor:
@@ -95,76 +101,25 @@ def direct_query_input_mi_lower_bound(resp_q: Tensor, valid: Tensor) -> Tensor:
     return direct_sentence_mean(log_ratio.mean(-1), valid)
 
 
-def direct_stack_layers(tensors: List[Tensor]) -> Tensor:
-    return torch.stack([clusters_first(t) for t in tensors], dim=1).movedim(0, -1)
+def _direct_head_mi_of_weights(p_token_given_c: Tensor, resp_q: Tensor, weights, authors: bool) -> Tensor:
+    return direct_head_mi(p_token_given_c, resp_q, weights.valid, authors)
 
 
-def direct_group_terms(layers: Dict[str, List[Tensor]], log_vars: Dict[str, List[Tensor]],
-                gmm_parameters: Dict[str, Tuple[List[Tensor], List[Tensor]]], real_queries: Tensor, *, authors: bool,
-                head_dim: int, num_heads: int, posterior_var: float, alpha: float, beta: float,
-                diagnose: bool) -> Tuple[Dict[str, Tensor], Dict[str, Tensor]]:
-    real = real_queries.float()
-    # the authors average over the padded length and normalise over pad tokens too
-    valid = torch.ones_like(real) if authors else real
-    log_joint_z = direct_stack_layers(layers["log_joint_z"])
-    log_resp_z = direct_stack_layers(layers["log_resp_z"])
-    resp_z = log_resp_z.exp()
-    z_log_vars, z_prior_logits = gmm_parameters["z"]
-    trace_z = trace_precision(torch.stack(z_log_vars))  # [L, H, C]
-    log_prior_z = log_prior(torch.stack(z_prior_logits)) if authors else None
-
-    def s2(kind):  # sigma_tilde^2: the option's number, or the learned [L, T, B, H]
-        if kind not in log_vars:
-            return posterior_var
-        return torch.stack([v.float() for v in log_vars[kind]]).exp()
-
-    losses = {
-        "kl_z": direct_vade_kl(log_joint_z, log_resp_z, trace_z, head_dim, s2("z"), valid, resp_z, log_prior_z),
-        "dv_z": direct_cluster_diversity(resp_z, valid, alpha, beta, squared=not authors),
-    }
-    sums: Dict[str, Tensor] = {}
-    if authors and "log_joint_k" in layers:
-        # cross-attention: the (noisy) encoder keys' KL and diversity, over the padded source length
-        log_joint_k = direct_stack_layers(layers["log_joint_k"])
-        log_resp_k = direct_stack_layers(layers["log_resp_k"])
-        resp_k = log_resp_k.exp()
-        valid_k = log_joint_k.new_ones(log_joint_k.shape[1:3], dtype=torch.float32)  # [S, B]: padded length
-        losses["kl_z"] = losses["kl_z"] + direct_vade_kl(log_joint_k, log_resp_k, trace_z, head_dim, s2("k"), valid_k,
-                                                  resp_k, log_prior_z)
-        losses["dv_z"] = losses["dv_z"] + direct_cluster_diversity(resp_k, valid_k, alpha, beta, squared=False)
-    if diagnose:
-        with torch.no_grad():
-            hardest = clusters_first(resp_z).amax(0)  # [L, T, B, H]
-            sums["hardness_sum"] = (hardest * real[None, :, :, None]).sum()
-            sums["hardness_count"] = real.sum() * hardest.size(0) * hardest.size(-1)
-    if "log_joint_q" in layers:
-        log_joint_q = direct_stack_layers(layers["log_joint_q"])
-        log_resp_q = direct_stack_layers(layers["log_resp_q"])
-        resp_q = log_resp_q.exp()
-        q_log_vars, q_prior_logits = gmm_parameters["q"]
-        heads = (len(q_log_vars), num_heads, -1)  # one query GMM shared by the heads: [L, 1, C] -> [L, H, C]
-        trace_q = trace_precision(torch.stack(q_log_vars)).expand(heads)
-        log_prior_q = log_prior(torch.stack(q_prior_logits)).expand(heads) if authors else None
-        losses["kl_q"] = direct_vade_kl(log_joint_q, log_resp_q, trace_q, head_dim, s2("q"), valid, resp_q, log_prior_q)
-        losses["dv_q"] = direct_cluster_diversity(resp_q, valid, alpha, beta, squared=not authors)
-        authors_p = clamped = None
-        if authors or diagnose:
-            authors_p, clamped = direct_authors_token_given_cluster(clusters_first(log_joint_q))
-        losses["dqq"] = direct_head_mi_upper_bound(log_joint_q, resp_q, valid, authors,
-                                            p_token_given_c=authors_p if authors else None)
-        losses["dxq"] = direct_query_input_mi_lower_bound(resp_q, valid)
-        if diagnose:
-            with torch.no_grad():
-                other = direct_head_mi_upper_bound(log_joint_q, resp_q, valid, not authors,
-                                            p_token_given_c=None if authors else authors_p)
-                exact, theirs = (other, losses["dqq"]) if authors else (losses["dqq"], other)
-                sums["dqq_clamped"] = clamped.sum()
-                sums["dqq_normalisers"] = clamped.new_full((), clamped.numel(), dtype=torch.float32)
-                sums["dqq_authors"] = theirs.sum()
-                sums["dqq_exact"] = exact.sum()
-    return losses, sums
-
-
+# group_terms with these in place of the hand-written backwards is the reference of the whole attention type.
+# ``weights.valid`` is the mask group_terms forms (all ones in the authors' reading, so ``unmasked`` changes nothing).
+DIRECT_TERMS = regularisers.RegulariserTerms(
+    trace_precision=lambda log_vars: trace_precision(torch.stack(log_vars)),
+    vade_kl=lambda log_joint, log_resp, resp, trace, posterior_var, authors_log_prior, weights, dim: direct_vade_kl(
+        log_joint, log_resp, trace, dim, posterior_var, weights.valid, resp, authors_log_prior),
+    cluster_diversity=lambda resp, weights, alpha, beta, squared, unmasked: direct_cluster_diversity(
+        resp, weights.valid, alpha, beta, squared),
+    token_given_cluster=direct_token_given_cluster,
+    authors_token_given_cluster=direct_authors_token_given_cluster,
+    head_mi=_direct_head_mi_of_weights,
+    head_mi_value=_direct_head_mi_of_weights,
+    query_input_mi=lambda resp_q, weights, unmasked: direct_query_input_mi_lower_bound(resp_q.movedim(0, -1),
+                                                                                       weights.valid),
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -428,7 +383,7 @@ def test_group_terms_match_the_direct_forms_in_float32(authors, learned_var, cro
         return losses, sums, _grads(total, inputs)
 
     new_losses, new_sums, new_grads = run(regularisers.group_terms)
-    ref_losses, ref_sums, ref_grads = run(direct_group_terms)
+    ref_losses, ref_sums, ref_grads = run(partial(regularisers.group_terms, terms=DIRECT_TERMS))
     assert new_losses.keys() == ref_losses.keys() and new_sums.keys() == ref_sums.keys()
     for name in ref_losses:
         torch.testing.assert_close(new_losses[name], ref_losses[name], rtol=1e-5, atol=1e-6)

@@ -167,7 +167,7 @@ def test_the_weights_kernel_gives_the_explicit_rows_weights(authors, masking):
 
 def test_a_self_attentions_log_responsibilities_are_exponentiated_once_for_the_other_rows():
     """Two views of one log p(c|.) (a self-attention's queries and keys) cost the explicit row one exp, not two."""
-    from latent_core.op_counts import count_launches
+    from benchmarks.op_counts import count_launches
 
     q, k, v, resp, _ = attention_inputs(1, 2, 6, 6)
     log_resp = resp.log().requires_grad_()

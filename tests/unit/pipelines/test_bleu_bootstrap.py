@@ -1,8 +1,8 @@
-"""pipelines.bleu_bootstrap: the paired bootstrap over test sentences when systems ran different seeds."""
+"""experiments.bleu_bootstrap: the paired bootstrap over test sentences when systems ran different seeds."""
 
 import pytest
 
-from pipelines.bleu_bootstrap import corpus_bleu_of, paired_bootstrap, paired_bootstrap_by_seed, sentence_statistics
+from experiments.bleu_bootstrap import corpus_bleu_of, paired_bootstrap, paired_bootstrap_by_seed, sentence_statistics
 
 REFERENCES = ["the cat sat on the mat today", "a dog ran in the park", "we like green tea a lot",
               "it rained all day long"] * 3

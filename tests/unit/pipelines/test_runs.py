@@ -1,4 +1,4 @@
-"""pipelines/runs.py's runner (``run_streaming``, with ``latent_core.peak_rss``) and its paths."""
+"""pipelines/runs.py's runner (``run_streaming``, with ``benchmarks.peak_rss``) and its paths."""
 
 import sys
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 import latent_core
-from latent_core import peak_rss
+from benchmarks import peak_rss
 from pipelines import runs
 
 

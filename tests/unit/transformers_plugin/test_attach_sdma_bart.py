@@ -15,6 +15,7 @@ from transformers_plugin import set_sdma_updates
 from transformers_plugin.trainer import SDMASeq2SeqTrainer
 
 from sdma_round_trip import save_and_reload
+from sdma_training import assert_training_lowers_the_loss
 
 SIZES = dict(vocab_size=40, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
              decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
@@ -80,17 +81,7 @@ def test_every_parameter_gets_a_gradient(family, reading):
 
 @pytest.mark.parametrize("reading", ["authors", "paper"])
 def test_training_lowers_the_loss(reading):
-    model = attach_sdma(seq2seq(), mode="sdma", reading=reading).train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    losses = []
-    for step in range(30):
-        set_sdma_updates(model, 2000 + step)
-        optimizer.zero_grad()
-        out = model(**batch(step % 2))
-        (out.loss + sdma_loss(model)).backward()
-        losses.append(float(out.loss.detach()))
-        optimizer.step()
-    assert min(losses[-5:]) < losses[0] - 0.5
+    assert_training_lowers_the_loss(attach_sdma(seq2seq(), mode="sdma", reading=reading), batch)
 
 
 def _fairseq_twin(hf_attention, group: str, reading: str):

@@ -7,10 +7,11 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from latent_core.sdma import SDMAConfigError, SDMACore, SDMAOptions, collect_sdma_losses, recording
-from transformers_plugin import attach_sdma, sdma_loss
+from transformers_plugin import attach_sdma
 from transformers_plugin import set_sdma_updates
 
 from sdma_round_trip import save_and_reload
+from sdma_training import assert_training_lowers_the_loss
 
 CONFIG = dict(vocab_size=40, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
               attn_pdrop=0.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -52,20 +53,7 @@ def test_off_equals_the_unmodified_model(mode):
 def test_training_trains_every_parameter_and_the_loss_drops(reading):
     model = attach_sdma(gpt2(), mode="sdma", reading=reading)
     assert {core.sdma_group for core in model.modules() if isinstance(core, SDMACore)} == {"decoder_self"}
-    model.train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    losses = []
-    for step in range(40):
-        set_sdma_updates(model, 2000 + step)
-        optimizer.zero_grad()
-        out = model(**batch(step % 2))
-        (out.loss + sdma_loss(model)).backward()
-        if step == 0:
-            missing = [n for n, p in model.named_parameters() if p.grad is None]
-            assert not missing, missing
-        losses.append(float(out.loss.detach()))
-        optimizer.step()
-    assert min(losses[-5:]) < losses[0] - 0.5
+    assert_training_lowers_the_loss(model, batch, steps=40, every_parameter_gets_a_gradient=True)
 
 
 def test_generate_with_the_cache_equals_the_full_forward():

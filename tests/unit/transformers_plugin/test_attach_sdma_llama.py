@@ -14,6 +14,7 @@ from transformers_plugin import attach_sdma, sdma_loss
 from transformers_plugin import set_sdma_updates
 
 from sdma_round_trip import save_and_reload
+from sdma_training import assert_training_lowers_the_loss
 
 SIZES = dict(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, attention_dropout=0.0, bos_token_id=1, eos_token_id=2,
@@ -66,20 +67,7 @@ def test_off_equals_the_unmodified_model(family, mode):
 def test_training_trains_every_parameter_and_the_loss_drops(family, reading):
     model = attach_sdma(decoder(family), mode="sdma", reading=reading)
     assert {core.sdma_group for core in model.modules() if isinstance(core, SDMACore)} == {"decoder_self"}
-    model.train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    losses = []
-    for step in range(30):
-        set_sdma_updates(model, 2000 + step)
-        optimizer.zero_grad()
-        out = model(**batch(step % 2))
-        (out.loss + sdma_loss(model)).backward()
-        if step == 0:
-            missing = [n for n, p in model.named_parameters() if p.grad is None]
-            assert not missing, missing
-        losses.append(float(out.loss.detach()))
-        optimizer.step()
-    assert min(losses[-5:]) < losses[0] - 0.5
+    assert_training_lowers_the_loss(model, batch, every_parameter_gets_a_gradient=True)
 
 
 @pytest.mark.parametrize("reading", ["authors", "paper"])

@@ -337,7 +337,7 @@ def test_latent_cgan_learns_where_each_label_lives():
 
 
 def test_pair_speed_times_optimus_against_its_own_decoder_alone(corpus):
-    from user_dir.tools.optimus.speed import time_pair_vs_gpt2
+    from benchmarks.optimus.speed import time_pair_vs_gpt2
 
     small = ["--decoder-layers", "2", "--decoder-embed-dim", "32", "--decoder-attention-heads", "2",
              "--decoder-ffn-embed-dim", "64", "--latent-dim", "8"]

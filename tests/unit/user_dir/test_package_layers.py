@@ -79,7 +79,7 @@ def _is_tool(module: str) -> bool:
 
 def test_nothing_fairseq_loads_imports_a_tool():
     """``--user-dir user_dir`` imports the package ``user_dir``: what it reaches, directly or not,
-    holds no tool, and no module outside the tools imports one."""
+    holds no tool, and no module of ``user_dir`` outside the tools imports one (the drivers above may)."""
     graph, _ = module_graph()
     reached, todo = set(), ["user_dir"]
     while todo:
@@ -89,15 +89,15 @@ def test_nothing_fairseq_loads_imports_a_tool():
             todo += graph[module]
     assert "user_dir.sdma.model" in reached and "user_dir.tpr.model" in reached  # the walk sees the models
     assert sorted(m for m in reached if _is_tool(m)) == []
-    arrows = sorted(f"{name} -> {target}" for name, targets in graph.items() if not _is_tool(name)
-                    for target in targets if _is_tool(target))
+    arrows = sorted(f"{name} -> {target}" for name, targets in graph.items()
+                    if name.startswith("user_dir") and not _is_tool(name) for target in targets if _is_tool(target))
     assert arrows == []
 
 
 def test_tools_import_their_paper_and_the_shared_bases_only():
     graph, _ = module_graph()
     tools = [name for name in graph if _is_tool(name) and name.count(".") >= 3]  # user_dir.tools.<paper>.<module>
-    assert "user_dir.tools.sdma.bench" in tools
+    assert "user_dir.tools.sdma.redundancy" in tools
     allowed_bases = SHARED_BASES | {f"{TOOLS}.{base}" for base in SHARED_BASES}
     arrows = []
     for name in tools:
@@ -119,8 +119,8 @@ def test_shared_modules_import_no_subpackage():
         assert not targets & set(SUBPACKAGES), f"user_dir/{module}.py imports {sorted(targets)}"
 
 
-# ------------------------------------------------------------------ modules of the three packages
-PACKAGES = ("latent_core", "user_dir", "espnet_plugin")
+# ------------------------------------------------------------------ modules of the project's packages
+PACKAGES = ("latent_core", "pipelines", "user_dir", "espnet_plugin", "transformers_plugin", "benchmarks", "experiments")
 
 
 def _module_name(path: Path) -> str:
@@ -205,3 +205,33 @@ def test_no_module_takes_another_modules_private_names():
                    for target, names in _module_imports(path, modules) if target != _module_name(path)
                    for name in names if name.startswith("_") and not name.startswith("__"))
     assert taken == []
+
+
+def layer(module: str) -> int:
+    """The project's floors, bottom up: 1 the mathematics, 2 data preparation and the run helpers, 3 the three
+    toolkit adapters, 4 the commands on trained models, 5 the benchmarks, 6 the experiment drivers."""
+    parts = module.split(".")
+    if parts[0] in ("user_dir", "espnet_plugin") and len(parts) > 1 and parts[1] == "tools":
+        return 4
+    return {"latent_core": 1, "pipelines": 2, "user_dir": 3, "espnet_plugin": 3, "transformers_plugin": 3,
+            "benchmarks": 5, "experiments": 6}[parts[0]]
+
+
+def test_no_import_runs_back_up_a_floor():
+    """Every import (module level and inside functions) points to the module's own floor or one below it."""
+    graph, _ = module_graph()
+    assert "pipelines.runs" in graph["experiments.sdma.quickstart"]  # the graph sees the top floor
+    arrows = sorted(f"{name} -> {target}" for name, targets in graph.items() for target in targets
+                    if layer(target) > layer(name))
+    assert arrows == []
+
+
+def test_the_adapters_import_each_other_nowhere():
+    """fairseq, ESPnet and transformers users load one adapter each: none imports another (the benchmarks and
+    drivers above them may import several)."""
+    graph, _ = module_graph()
+    arrows = sorted(f"{name} -> {target}" for name, targets in graph.items() for target in targets
+                    if layer(name) in (3, 4) and layer(target) in (3, 4)
+                    and name.split(".")[0] != target.split(".")[0])
+    assert arrows == []
+

@@ -14,7 +14,7 @@ from fairseq.sequence_generator import SequenceGenerator
 from user_dir.qkvae import ADVAEModel, BartInitError, QKVAEModel
 
 from user_dir.tools.qkvae import probe
-from user_dir.tools.qkvae.bart_data import tokenize_lines, write_fairseq_dictionary
+from pipelines.data.bart_data import BartDataError, tokenize_lines, write_fairseq_dictionary
 from user_dir.qkvae.encoder import SIGMA_FLOOR
 from user_dir.sentence_vae.base import SentenceVAEEncoder
 from latent_core.vae import DiagonalGaussian, VAEConfigError
@@ -547,7 +547,7 @@ def test_bart_vocabulary_dictionary_and_tokenizer(tmp_path):
     """``dict`` aligns fairseq indices with BART's token ids; ``tokenize`` emits BART's BPE tokens."""
     from transformers import BartTokenizer
 
-    from user_dir.tools.qkvae.bart_data import main as bart_data_main
+    from pipelines.data.bart_data import main as bart_data_main
 
     tokens = ["<s>", "<pad>", "</s>", "<unk>", "t", "h", "e", "c", "a", "\u0120", "th", "the", "\u0120c",
               "\u0120ca", "\u0120cat", "<mask>"]
@@ -572,7 +572,7 @@ def test_bart_vocabulary_dictionary_and_tokenizer(tmp_path):
     (files / "vocab.json").write_text(json.dumps({"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}), encoding="utf-8")
     (files / "merges.txt").write_text("#version: 0.2\n", encoding="utf-8")
     BartTokenizer(str(files / "vocab.json"), str(files / "merges.txt")).save_pretrained(str(tmp_path / "bad"))
-    with pytest.raises(BartInitError, match="ids 0-3"):
+    with pytest.raises(BartDataError, match="ids 0-3"):
         write_fairseq_dictionary(str(tmp_path / "bad"), str(out))
 
 

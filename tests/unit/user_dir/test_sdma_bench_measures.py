@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from latent_core.op_counts import count_traffic
+from benchmarks.op_counts import count_traffic
 from latent_core.sdma import SDMACore
-from user_dir.tools.sdma import profile_update, scale, step_timing
+from benchmarks.sdma import profile_update, scale, step_timing
 
 
 def test_saved_activation_bytes_counts_each_saved_storage_once_and_no_parameters():
@@ -81,7 +81,7 @@ def _launch_counter_example():
 def test_launch_counter_agrees_with_the_dispatch_count_eager():
     """count_launches, eager: the ops a dispatch-mode counter sees (elementwise + matrix products, no views or
     allocations)."""
-    from latent_core.op_counts import count_launches
+    from benchmarks.op_counts import count_launches
 
     f, update = _launch_counter_example()
     traffic = count_traffic(lambda: update(f))
@@ -92,7 +92,7 @@ def test_launch_counter_agrees_with_the_dispatch_count_eager():
 def test_launches_by_source_follow_their_autograd_nodes_into_backward():
     """Each launch counts where it ran: inside a source range, or (backward) where the op that made its autograd
     node ran; a custom Function's backward counts with its forward."""
-    from latent_core.op_counts import count_launches
+    from benchmarks.op_counts import count_launches
     from latent_core.profiling import source_range
 
     class Double(torch.autograd.Function):
@@ -125,7 +125,7 @@ def test_launch_counter_sees_inductors_kernels_compiled():
     inductor generated, fewer launches than eager."""
     import torch._inductor.config as inductor_config
 
-    from latent_core.op_counts import count_launches
+    from benchmarks.op_counts import count_launches
 
     f, update = _launch_counter_example()
     eager = count_launches(lambda: update(f))

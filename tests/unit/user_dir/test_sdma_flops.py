@@ -1,4 +1,4 @@
-"""user_dir/tools/sdma/flops.py: training / inference FLOPs of V-T, SMA-T, SDMA-T (FlopCounterMode).
+"""benchmarks/sdma/flops.py: training / inference FLOPs of V-T, SMA-T, SDMA-T (FlopCounterMode).
 
 The numbers are counted by PyTorch; the tests check them against what a transformer and
 the SDMA terms must cost (2 FLOPs per multiply-add, matrix products only):
@@ -16,8 +16,8 @@ import math
 
 import pytest
 
-from user_dir.tools.sdma import bench as bench_sdma
-from user_dir.tools.sdma.flops import (
+from benchmarks.sdma import bench as bench_sdma
+from benchmarks.sdma.flops import (
     MODELS,
     FlopsError,
     FlopsSetting,

@@ -1,4 +1,4 @@
-"""``make gpu-speed``'s plan and deadlines (user_dir/tools/sdma/gpu_speed.py): the runs of the defaults, the equal
+"""``make gpu-speed``'s plan and deadlines (benchmarks/sdma/gpu_speed.py): the runs of the defaults, the equal
 shares that cannot exceed the total, per-run ``--run-timeout`` entries, and a run stopped at its deadline with its
 process group. The command end to end: tests/integration/test_sdma_gpu_speed.py."""
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from user_dir.tools.sdma import gpu_speed
+from benchmarks.sdma import gpu_speed
 
 
 def test_default_plan_is_sixteen_runs_ten_of_them_training():
@@ -83,7 +83,7 @@ def test_a_run_over_its_deadline_is_stopped_with_its_children(tmp_path):
 
 
 def test_gpu_check_step_runs_the_command_and_reads_its_report(tmp_path, monkeypatch):
-    from user_dir.tools import gpu_check
+    from benchmarks import gpu_check
 
     assert "gpu_speed" in gpu_check.STEPS and "gpu_speed" not in gpu_check.DEFAULT_STEPS
     commands = []

@@ -1,7 +1,7 @@
 """sdma-learning-curves reads its runs' state from fairseq's logs: the checkpoint's update count and the validation
 curve (fabricated logs in fairseq's simple format)."""
 
-from user_dir.tools.sdma.learning_curves import checkpoint_updates, validation_curve
+from experiments.sdma.learning_curves import checkpoint_updates, validation_curve
 
 VALID = ("2026-11-27 07:16:16 | INFO | valid | epoch 006 | valid on 'valid' subset | loss 7.121 | nll_loss {nll} | "
          "ce_loss 7.121 | sdma_reg 0 | ppl 84.99 | wps 5296.7 | wpb 2323 | bsz 165.3 | num_updates {updates}\n")
@@ -32,8 +32,8 @@ def test_a_difference_to_vt_is_over_the_seeds_both_reached():
     BLEU the mean of its two seeds."""
     import pytest
 
-    from user_dir.tools.sdma.bleu import corpus_bleu_of, sentence_statistics
-    from user_dir.tools.sdma.learning_curves import paired_bleu
+    from experiments.bleu_bootstrap import corpus_bleu_of, sentence_statistics
+    from experiments.sdma.learning_curves import paired_bleu
 
     references = ["the cat sat on the mat today", "a dog ran in the park", "we like green tea a lot"] * 4
     hypotheses = {("V-T", 1): ["the cat sat on a mat today", "a dog ran in a park", "we like tea a lot"] * 4,

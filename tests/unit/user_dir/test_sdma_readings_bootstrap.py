@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import sacrebleu
 
-from user_dir.tools.sdma.bleu import corpus_bleu_of, paired_bootstrap, sentence_statistics
-from user_dir.tools.sdma.readings_runs import COMPARISONS
+from experiments.bleu_bootstrap import corpus_bleu_of, paired_bootstrap, sentence_statistics
+from experiments.sdma.readings_runs import COMPARISONS
 
 REFERENCES = ["the cat sat on the mat", "a dog ran in the park today", "we like green tea very much",
               "it rained all day long", "she reads a book at night", "they walk to school together"] * 5

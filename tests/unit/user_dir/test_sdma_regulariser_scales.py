@@ -2,7 +2,7 @@
 
 import json
 
-from user_dir.tools.sdma import regulariser_scales as rs
+from experiments.sdma import regulariser_scales as rs
 
 LOG = """\
 2026-11-23 19:58:04 | INFO | valid | epoch 003 | valid on 'valid' subset | loss 8.598 | nll_loss 8.128 | ppl 279.77 | wps 1769.1 | wpb 2323 | bsz 165.3 | num_updates 100

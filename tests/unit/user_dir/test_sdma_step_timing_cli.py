@@ -1,9 +1,9 @@
-"""``python -m user_dir.tools.sdma.step_timing``: the update timing alone, per reading."""
+"""``python -m benchmarks.sdma.step_timing``: the update timing alone, per reading."""
 
 import pytest
 import torch
 
-from user_dir.tools.sdma import step_timing
+from benchmarks.sdma import step_timing
 
 
 def test_the_update_timing_runs_alone_for_the_reading_and_threads_given(monkeypatch, capsys):

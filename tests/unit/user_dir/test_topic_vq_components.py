@@ -2,6 +2,7 @@
 computed the direct way: GSM topic model, topic-enhanced VQ-VAE (eq. 1, 6), and the
 semantics-driven attention (eq. 4-5) on a tiny random BERT."""
 
+import argparse
 import copy
 import math
 
@@ -10,6 +11,8 @@ import torch
 import torch.nn as nn
 from transformers import BertConfig, BertModel, RobertaConfig, RobertaModel
 
+from user_dir.hf_sentence.model import HFSentenceConfigError
+from user_dir.topic_vq.model import TopicVQSTSConfig, validate_topic_args
 from user_dir.topic_vq.ntm import NeuralTopicModel, topic_coherence
 from user_dir.topic_vq.semantic_attention import (
     OutputEnhancement,
@@ -22,6 +25,7 @@ from user_dir.topic_vq.semantic_attention import (
     semantic_attention_mask,
     uninstall_semantic_attention,
 )
+from user_dir.topic_vq.vocabulary import TopicVocabulary, check_num_topics
 from user_dir.topic_vq.vqvae import TopicVQVAE, nearest_codes
 
 PAD = 0  # user_dir.topic_vq.vocabulary.PAD_ID, the VQ-VAE's default padding_idx
@@ -124,15 +128,37 @@ def test_npmi_of_perfect_and_never_cooccurring_pairs():
         topic_coherence(torch.tensor([[0.6, 0.4]]), docs, top_n=3)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(vocab_size=10, num_topics=0), "--num-topics"),
-    (dict(vocab_size=0, num_topics=1), "vocabulary"),
-    (dict(vocab_size=5, num_topics=6), "--num-topics=6"),
-    (dict(vocab_size=5, num_topics=2, embed_dim=0), "embed_dim"),
+def test_ntm_refuses_an_empty_topic_vocabulary():
+    with pytest.raises(ValueError, match="vocabulary"):
+        NeuralTopicModel(vocab_size=0, num_topics=1)
+
+
+# The options of the components are checked once, where the model reads its configuration
+# (TopicVQSTSModel.build_model): the components trust them.
+TOPIC_OPTIONS = vars(TopicVQSTSConfig())
+
+
+@pytest.mark.parametrize("option, value, match", [
+    ("num_topics", 0, "--num-topics=0"),
+    ("topic_embed_dim", 0, "--topic-embed-dim=0"),
+    ("ntm_hidden_dim", 0, "--ntm-hidden-dim=0"),
+    ("ntm_dropout", 1.0, r"--ntm-dropout 1.0 must lie in \[0, 1\)"),
+    ("vq_heads", 3, "--vq-heads=3 must be >= 1 and divide --topic-embed-dim=64"),
+    ("vq_dropout", -0.1, r"--vq-dropout -0.1 must lie in \[0, 1\)"),
+    ("vq_commitment", math.inf, "--vq-commitment inf must be a finite number >= 0"),
+    ("semantic_ffn_dim", 0, "--semantic-ffn-dim=0"),
 ])
-def test_ntm_bad_sizes_raise(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        NeuralTopicModel(**kwargs)
+def test_bad_component_options_are_named_where_the_config_is_read(option, value, match):
+    validate_topic_args(argparse.Namespace(**TOPIC_OPTIONS))
+    with pytest.raises(HFSentenceConfigError, match=match):
+        validate_topic_args(argparse.Namespace(**{**TOPIC_OPTIONS, option: value}))
+
+
+def test_more_topics_than_topic_words_are_refused():
+    words = ["bird", "cat", "dog", "fish", "horse"]
+    check_num_topics(5, TopicVocabulary(words, words))
+    with pytest.raises(ValueError, match="--num-topics 6 exceeds the 5-word topic vocabulary"):
+        check_num_topics(6, TopicVocabulary(words, words))
 
 
 def test_ntm_wrong_bow_width_raises():

@@ -18,7 +18,7 @@ comes with a 95% percentile-bootstrap interval over triplets (1,000 resamples, `
 Input: a UTF-8 TSV, one triplet per line: ``target<TAB>semantic source<TAB>syntactic source``
 (blank lines are skipped). Sentences are split on whitespace and looked up in the
 checkpoint's dictionary, so they must be tokenised as the training data were (for a BART
-vocabulary: ``python -m user_dir.tools.qkvae.bart_data tokenize``); unknown tokens become <unk> and
+vocabulary: ``python -m pipelines.data.bart_data tokenize``); unknown tokens become <unk> and
 are counted in the output.
 
     qkvae-probe --checkpoint checkpoints/checkpoint_best.pt \\

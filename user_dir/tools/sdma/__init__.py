@@ -1,1 +1,1 @@
-"""Commands of SDMA: the demo, benchmarks (FLOPs, step timing, scaling), LR/HR redundancy, plots, token clusters, BLEU, the multi-run drivers."""
+"""Commands of SDMA on trained models: LR/HR redundancy, attention and head-redundancy plots, query t-SNE, token clusters, BLEU."""

@@ -556,13 +556,3 @@ def num_clusters(model: nn.Module) -> Dict[str, int]:
     """n_c of the feature GMMs per attention type."""
     return {kind: sdma_core(modules[0]).feature_gmm.num_clusters
             for kind, modules in attention_modules(model).items() if sdma_core(modules[0]) is not None}
-
-
-def write_json_report(path: Union[str, os.PathLike], payload: dict) -> None:
-    """Write ``payload`` as indented JSON (parent folders created) and say so."""
-    import json
-    from pathlib import Path
-
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {path}")

@@ -180,8 +180,9 @@ def default_sacrebleu_tokenize(lang: str) -> str:
     return "zh" if is_chinese(lang) else "13a"
 
 
-def sacrebleu_score(hypotheses: Sequence[str], references: Sequence[str], tokenize: str):
-    """Standard detokenised sacreBLEU (default smoothing, as the ``sacrebleu`` CLI)."""
+def sacrebleu_score(hypotheses: Sequence[str], references: Sequence[str], tokenize: str = "13a"):
+    """Standard detokenised sacreBLEU (default smoothing and tokeniser, as the ``sacrebleu`` CLI); a
+    :class:`BLEUInputError` when the two lists differ in length or are empty."""
     import sacrebleu
 
     _check_pair(hypotheses, references)
@@ -209,11 +210,6 @@ Prints one labelled line per score. With ``--out-dir``: ``bleu_tokenized.txt`` (
 tokenized-BLEU line), ``bleu.json`` (both scores), ``hyp.tok.txt`` / ``ref.tok.txt`` (the
 text the tokenized BLEU was computed on).
 """
-
-
-# Paired bootstrap over test sentences (sdma-readings-runs, sdma-learning-curves, the demo, transformers-sdma-mt):
-# pipelines.bleu_bootstrap, which imports no toolkit
-from pipelines.bleu_bootstrap import corpus_bleu_of, paired_bootstrap, sentence_statistics  # noqa: E402,F401
 
 
 def parse_args(argv=None):

@@ -33,6 +33,7 @@ from typing import Dict, List
 
 from latent_core.errors import command_error
 from latent_core.redundancy import RedundancyError
+from pipelines.runs import write_json
 from user_dir.tools.sdma import analysis
 from user_dir.tools.sdma.redundancy import check_subset, load_models
 
@@ -129,7 +130,7 @@ def main(argv=None) -> int:
     print(format_clusters(report))
     print(format_usage(report["cluster_usage"], report["cluster_usage_num_clusters"]))
     if args.json:
-        analysis.write_json_report(args.json, report)
+        write_json(args.json, report, announce=True)
     return 0
 
 

@@ -30,6 +30,7 @@ from typing import List, Optional
 
 from latent_core.errors import command_error
 from latent_core.redundancy import RedundancyError
+from pipelines.runs import write_json
 from user_dir.tools.sdma import analysis
 from user_dir.tools.sdma.redundancy import check_subset, load_models
 
@@ -138,7 +139,7 @@ def main(argv=None) -> int:
     print(format_table(result["checkpoints"]))
     print(f"wrote {args.out}")
     if args.json:
-        analysis.write_json_report(args.json, result)
+        write_json(args.json, result, announce=True)
     return 0
 
 

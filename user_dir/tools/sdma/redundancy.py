@@ -26,7 +26,7 @@ Usage::
 (``python -m user_dir.tools.sdma.redundancy`` is the same command.)
 ``--hr-matrix`` adds each type's head-pair HR matrix (``HR_matrix``, ``[N n_h, N n_h]``)
 to the JSON; ``--heatmap`` also draws it (Figs. 10-11; implies ``--hr-matrix``).
-``sdma-plot-heads`` (:mod:`latent_core.redundancy_plot`) draws the matrices of several
+``sdma-plot-heads`` (:mod:`user_dir.tools.sdma.plot_heads`) draws the matrices of several
 JSON files side by side (V-T vs SDMA-T, as in the paper's figures).
 
 Python::

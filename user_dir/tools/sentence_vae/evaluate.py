@@ -45,7 +45,6 @@ import argparse
 import json
 import logging
 import math
-import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -56,7 +55,7 @@ from fairseq import utils
 import numpy as np
 from fairseq.data import BaseWrapperDataset
 
-from latent_core.errors import check_positive_int, command_error
+from latent_core.errors import check_positive_int
 from latent_core.vae import (
     VAEConfigError,
     active_units,
@@ -72,6 +71,7 @@ from latent_core.vae import (
 from user_dir.sentence_vae.base import posteriors_of, reorder_encoder_output
 from user_dir.sentence_vae.checkpoint import load_sentence_vae, model_device
 from user_dir.sentence_vae.decoding import LatentDecoder, generation_args
+from user_dir.tools.sentence_vae import console_entry
 
 logger = logging.getLogger(__name__)
 
@@ -465,13 +465,7 @@ def main(argv: Optional[List[str]] = None) -> "OrderedDict[str, float]":
     return results
 
 
-def cli_main(argv: Optional[List[str]] = None) -> None:
-    """The ``vae-eval`` command: exit status 2 after a one-line error for a bad option or a
-    missing checkpoint or data file."""
-    try:
-        main(argv)
-    except (VAEConfigError, OSError) as err:  # bad option, missing checkpoint/data file
-        sys.exit(command_error("vae-eval", err))
+cli_main = console_entry("vae-eval", main)
 
 
 if __name__ == "__main__":

@@ -35,11 +35,11 @@ from typing import List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from latent_core.errors import command_error
 from latent_core.vae import VAEConfigError
 
 from user_dir.sentence_vae.checkpoint import load_sentence_vae
 from user_dir.sentence_vae.decoding import LatentDecoder, Latents, generation_args
+from user_dir.tools.sentence_vae import console_entry
 
 
 # ------------------------------------------------------------------ latent arithmetic
@@ -150,13 +150,7 @@ def main(argv: Optional[List[str]] = None, out=None) -> List[str]:
     return run(build_parser().parse_args(argv), out)
 
 
-def cli_main(argv: Optional[List[str]] = None) -> None:
-    """The ``vae-generate`` command: exit status 2 after a one-line error for a bad option or a
-    missing checkpoint or data file."""
-    try:
-        main(argv)
-    except (VAEConfigError, OSError) as err:  # bad option, missing checkpoint/data file
-        sys.exit(command_error("vae-generate", err))
+cli_main = console_entry("vae-generate", main)
 
 
 if __name__ == "__main__":

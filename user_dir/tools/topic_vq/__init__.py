@@ -1,1 +1,1 @@
-"""Commands of DisBert: the topic/codebook report and the cross-validation sweep."""
+"""Commands of DisBert: the topic/codebook report."""

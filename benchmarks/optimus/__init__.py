@@ -1,0 +1,1 @@
+"""Optimus' training-speed benchmark (``optimus-bench``)."""

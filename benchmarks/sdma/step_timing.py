@@ -1,0 +1,193 @@
+"""Training-update timing of V-T, SMA-T and SDMA-T in one process, interleaved (part of ``make bench``).
+
+``fairseq-train`` words/s on a shared 2-core machine drifts by 10-20% between runs, more than the
+difference being measured. This measure removes what is not the model: the three models are
+built by fairseq (``flops.build_translation_model``: the registered architecture, criterion
+``sdma_label_smoothed_cross_entropy``) in one process and trained on one fixed batch, and the
+models take turns: each *round* times ``updates_per_round`` updates of every model in turn
+(criterion forward incl. the SDMA regularisers, backward, Adam step). Per round and model:
+wall-clock and process CPU time (``time.process_time``, all threads) per update; the speed
+ratio to V-T is taken within each round (so drift between rounds cancels) and reported as
+min / median / max over the rounds. The FLOPs of one update on the same batch
+(``torch.utils.flop_counter``, matrix products only, see ``flops.py``) are counted alongside, so
+the time ratio can be read against the arithmetic ratio, and so is the rest of the update
+(``benchmarks.op_counts.count_traffic``: the ATen ops that are not matrix products or views, and the bytes they
+read and write), the memory traffic and per-op overhead that the FLOPs bound does not see.
+
+The batch mirrors the quickstart data that ``fairseq-train`` sees in the benchmark:
+``sentences`` sentences of ``tokens`` tokens (EOS included) on both sides, no padding,
+dictionaries of ``vocab`` entries (shared embeddings).
+
+Alone (without the rest of ``make bench``), one reading at a time:
+
+    python -m benchmarks.sdma.step_timing --configs tiny,tiny2x2 --reading paper [--rounds 7] [--threads 1]
+
+``--threads`` sets torch's CPU threads (default: torch's, as in ``make bench``); on a machine shared with
+other work one thread gives steadier ratios (a descheduled second thread stalls every parallel op).
+"""
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Dict, Sequence
+
+import torch
+
+from benchmarks.op_counts import count_flops, count_traffic
+from latent_core.sdma import READINGS
+
+from benchmarks.sdma.flops import FlopsSetting, build_with_batch
+
+# configuration -> (architecture, extra fairseq options)
+STEP_CONFIGS = {
+    "tiny": ("sdma_transformer_iwslt_de_en_tiny", []),  # Table I tiny: 256/512, 6+6 layers, 4 heads
+    "tiny2x2": ("sdma_transformer_iwslt_de_en_tiny", ["--encoder-layers", "2", "--decoder-layers", "2"]),
+    "base": ("sdma_transformer_iwslt_de_en", []),
+}
+MODELS = {"V-T": "none", "SMA-T": "sma", "SDMA-T": "sdma"}
+
+
+@dataclass(frozen=True)
+class StepSetting:
+    sentences: int = 300
+    tokens: int = 12
+    vocab: int = 2000
+    rounds: int = 7
+    updates_per_round: int = 3
+    seed: int = 1
+    reading: str = "authors"  # --sdma-reading of SMA-T and SDMA-T
+
+    def validate(self) -> "StepSetting":
+        for name in ("sentences", "rounds", "updates_per_round"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.tokens < 2:
+            raise ValueError(f"tokens={self.tokens} must be >= 2 (a word and EOS)")
+        if self.reading not in READINGS:
+            raise ValueError(f"reading={self.reading!r}: one of {', '.join(READINGS)}")
+        return self
+
+
+def build_for_updates(config: str, mode: str, setting: StepSetting, device: str = "cpu", kernel: str = "auto"):
+    """(model in training mode, criterion, Adam, the fixed batch), all on ``device``; ``kernel``: the
+    ``--sdma-attention-kernel``."""
+    arch, extra = STEP_CONFIGS[config]
+    extra = [*extra, "--sdma-attention-kernel", kernel]
+    flops_setting = FlopsSetting(src_vocab=setting.vocab, tgt_vocab=setting.vocab, sentences=setting.sentences,
+                                 src_tokens=setting.tokens, tgt_tokens=setting.tokens, seed=setting.seed)
+    model, criterion, sample = build_with_batch(arch, mode, flops_setting,
+                                                ["--share-all-embeddings", "--sdma-reading", setting.reading, *extra],
+                                                device=device)
+    model.train()
+    return model, criterion, torch.optim.Adam(model.parameters(), lr=1e-4), sample
+
+
+def forward_backward(model, criterion, sample) -> None:
+    loss, _, _ = criterion(model, sample)
+    loss.backward()
+
+
+def training_update(model, criterion, optimizer, sample) -> None:
+    forward_backward(model, criterion, sample)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def time_updates(config: str, setting: StepSetting = StepSetting(),
+                 models: Sequence[str] = tuple(MODELS)) -> Dict:
+    """Interleaved update timing of ``models`` at ``config``; ratios to V-T per round.
+
+    Returns ``{"setting": ..., "models": {name: {"wall_ms": [...], "cpu_ms": [...],
+    "speed_ratio": {"min", "median", "max"}, "cpu_ratio": {...}, "flops_per_update",
+    "flops_ratio", "elementwise_ops", "elementwise_bytes", "elementwise_bytes_ratio",
+    "elementwise_ops_ratio", "params"}}}`` (speed ratios: V-T time / model time, > 1 is faster;
+    FLOPs and elementwise ratios: model / V-T).
+    """
+    setting = setting.validate()
+    if config not in STEP_CONFIGS:
+        raise ValueError(f"unknown configuration {config!r}: one of {', '.join(STEP_CONFIGS)}")
+    built = {name: build_for_updates(config, MODELS[name], setting) for name in models}
+    flops, traffic = {}, {}
+    for name, (model, criterion, optimizer, sample) in built.items():
+        flops[name] = count_flops(lambda: training_update(model, criterion, optimizer, sample))[0]
+        traffic[name] = count_traffic(lambda: training_update(model, criterion, optimizer, sample))
+        training_update(model, criterion, optimizer, sample)  # warm-up outside the timed rounds
+    wall = {name: [] for name in built}
+    cpu = {name: [] for name in built}
+    for _ in range(setting.rounds):
+        for name, (model, criterion, optimizer, sample) in built.items():
+            start_wall, start_cpu = time.perf_counter(), time.process_time()
+            for _ in range(setting.updates_per_round):
+                training_update(model, criterion, optimizer, sample)
+            wall[name].append(1000 * (time.perf_counter() - start_wall) / setting.updates_per_round)
+            cpu[name].append(1000 * (time.process_time() - start_cpu) / setting.updates_per_round)
+    result = {}
+    base = "V-T" if "V-T" in built else next(iter(built))
+    for name, (model, *_rest) in built.items():
+        result[name] = {
+            "wall_ms": wall[name],
+            "cpu_ms": cpu[name],
+            "speed_ratio": _spread([b / t for b, t in zip(wall[base], wall[name])]),
+            "cpu_ratio": _spread([b / t for b, t in zip(cpu[base], cpu[name])]),
+            "flops_per_update": flops[name],
+            "flops_ratio": flops[name] / flops[base],
+            "elementwise_ops": traffic[name]["ops"],
+            "elementwise_bytes": traffic[name]["bytes"],
+            "elementwise_bytes_ratio": traffic[name]["bytes"] / traffic[base]["bytes"],
+            "elementwise_ops_ratio": traffic[name]["ops"] / traffic[base]["ops"],
+            "params": sum(p.numel() for p in model.parameters()),
+        }
+    return {"config": config, "arch": STEP_CONFIGS[config][0], "extra_args": STEP_CONFIGS[config][1],
+            "setting": setting.__dict__, "threads": torch.get_num_threads(), "models": result}
+
+
+def _spread(values):
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def table_rows(timing: Dict):
+    rows = []
+    for name, r in timing["models"].items():
+        rows.append({
+            "config": timing["config"],
+            "reading": timing["setting"]["reading"],
+            "model": name,
+            "ms/update (median)": statistics.median(r["wall_ms"]),
+            "speed vs V-T min": r["speed_ratio"]["min"],
+            "median": r["speed_ratio"]["median"],
+            "max": r["speed_ratio"]["max"],
+            "CPU ms/update": statistics.median(r["cpu_ms"]),
+            "CPU ratio (median)": r["cpu_ratio"]["median"],
+            "FLOPs bound (V-T FLOPs / model FLOPs)": 1.0 / r["flops_ratio"],
+            "elementwise MB": r["elementwise_bytes"] / 1e6,
+            "traffic bound (V-T MB / model MB)": 1.0 / r["elementwise_bytes_ratio"],
+            "elementwise ops": r["elementwise_ops"],
+        })
+    return rows
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default="tiny,tiny2x2", help=f"comma-separated, of {', '.join(STEP_CONFIGS)}")
+    p.add_argument("--reading", choices=READINGS, default=StepSetting.reading)
+    p.add_argument("--rounds", type=int, default=StepSetting.rounds)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    args = p.parse_args(argv)
+    configs = [c for c in args.configs.split(",") if c]
+    for config in configs:
+        if config not in STEP_CONFIGS:
+            p.error(f"--configs: unknown configuration {config!r} (one of {', '.join(STEP_CONFIGS)})")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    from pipelines.runs import print_table
+
+    setting = StepSetting(rounds=args.rounds, reading=args.reading)
+    for config in configs:
+        rows = table_rows(time_updates(config, setting))
+        print_table(rows, list(rows[0].keys()), f"update timing, {config}, {args.reading} reading, "
+                                                f"{torch.get_num_threads()} threads (ratios: V-T time / model time)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The sentence VAEs' speed benchmark (``vae-bench``)."""

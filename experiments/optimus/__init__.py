@@ -1,0 +1,1 @@
+"""Optimus' driver: the Table 1 lambda sweep (``examples/optimus/``)."""

@@ -1,1 +1,0 @@
-"""Commands of the transformers adapter: the fine-tuning runs of its page."""
