@@ -1,4 +1,4 @@
-"""The documentation cannot drift from the code: every command in README.md and
+"""The documentation cannot drift from the code: every command in README.md, docs/*.md and
 examples/**/README.md names a program that exists and only options that program accepts.
 
 What is read: every fenced code block tagged ``bash``, ``sh``, ``shell``, ``console`` or untagged
@@ -23,10 +23,11 @@ commands at ``;``, ``&&``, ``||``, ``|`` and ``&``. A command is checked when it
 * ``make TARGET``: the target (and any ``VAR=value``) must be in the Makefile.
 
 Besides: every repository path the pages mention (``examples/...``, ``scripts/...``,
-``user_dir/...``, ``latent_core/...``, ``espnet_plugin/...``, ``tests/...``) exists, every
-relative Markdown link resolves (anchors included), every dotted reference to the project's
-modules (``latent_core.sdma.SDMAOptions``) names a module and a name defined in it, and the
-README's Commands table lists exactly the console scripts of ``pyproject.toml``.
+``user_dir/...``, ``latent_core/...``, ``pipelines/...``, ``espnet_plugin/...``,
+``transformers_plugin/...``, ``benchmarks/...``, ``experiments/...``, ``docs/...``, ``tests/...``)
+exists, every relative Markdown link resolves (anchors included), every dotted reference to the
+project's modules (``latent_core.sdma.SDMAOptions``) names a module and a name defined in it, and the
+Commands table of docs/commands.md lists exactly the console scripts of ``pyproject.toml``.
 
 All ``--help`` texts come from one helper process (imports shared, about half a minute).
 """
@@ -47,12 +48,15 @@ from conftest import REPO, venv_bin
 
 pytestmark = pytest.mark.integration
 
-DOCS = [REPO / "README.md", *sorted((REPO / "examples").glob("**/README.md"))]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted((REPO / "examples").glob("**/README.md"))]
+COMMANDS_PAGE = REPO / "docs" / "commands.md"  # the table of every console script
 SHELL_LANGS = {"", "bash", "sh", "shell", "console"}
 FAIRSEQ = {"fairseq-train", "fairseq-generate", "fairseq-interactive", "fairseq-preprocess", "fairseq-hydra-train"}
 FAIRSEQ_SELECTORS = ("--task", "--arch", "-a", "--criterion", "--optimizer", "--lr-scheduler")
-PROJECT_PACKAGES = ("latent_core", "user_dir", "espnet_plugin")
-PATH_PREFIXES = ("examples", "scripts", "user_dir", "latent_core", "espnet_plugin", "tests")
+PROJECT_PACKAGES = ("latent_core", "pipelines", "user_dir", "espnet_plugin", "transformers_plugin", "benchmarks",
+                    "experiments")
+PATH_PREFIXES = ("examples", "scripts", "user_dir", "latent_core", "pipelines", "espnet_plugin", "transformers_plugin",
+                 "benchmarks", "experiments", "docs", "tests")
 LONG_OPTION = re.compile(r"(?<![\w-])--[A-Za-z0-9][\w-]*")
 MIN_COMMANDS = 30
 
@@ -428,6 +432,7 @@ def test_the_docs_hold_enough_commands_to_check():
     assert len(COMMANDS) >= MIN_COMMANDS, f"only {len(COMMANDS)} commands found in the docs: {kinds}"
     assert {"entry", "fairseq", "shell", "make"} <= set(kinds), kinds
     assert all(doc.exists() for doc in DOCS) and len(DOCS) >= 6, DOCS
+    assert COMMANDS_PAGE in DOCS, DOCS
 
 
 def test_every_documented_program_exists():
@@ -544,11 +549,10 @@ def test_every_dotted_reference_to_the_project_resolves():
     assert not problems, "\n".join(problems)
 
 
-def test_the_readme_lists_every_console_script():
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    section = text.split("\n## Commands", 1)[1].split("\n## ", 1)[0]
+def test_the_commands_page_lists_every_console_script():
+    section = COMMANDS_PAGE.read_text(encoding="utf-8")
     rows = dict(re.findall(r"^\|\s*`([\w-]+)`\s*\|\s*`([\w.]+)`\s*\|", section, flags=re.M))
     declared = {name: target.split(":")[0] for name, target in SCRIPTS.items()}
-    assert rows == declared, (f"README's Commands table differs from pyproject.toml: missing "
+    assert rows == declared, (f"docs/commands.md's table differs from pyproject.toml: missing "
                               f"{sorted(set(declared) - set(rows))}, extra {sorted(set(rows) - set(declared))}, "
                               f"other module {sorted(k for k in rows if k in declared and rows[k] != declared[k])}")
