@@ -97,6 +97,8 @@ def resolve_arch(config_or_arch: str) -> str:
     or an architecture name (e.g. ``sdma_transformer_wmt_en_de``)."""
     from fairseq.models import ARCH_MODEL_INV_REGISTRY
 
+    import user_dir  # noqa: F401  (registers the sdma_transformer architectures with fairseq)
+
     arch = CONFIGS.get(config_or_arch, config_or_arch)
     if arch not in ARCH_MODEL_INV_REGISTRY.get("sdma_transformer", ()):
         raise FlopsError(f"unknown configuration or sdma_transformer architecture {config_or_arch!r} "

@@ -46,7 +46,8 @@ def corpus(tmp_path_factory):
 
 def recipe_argv(corpus) -> list:
     return readme_command(README, RECIPE_START, {"outputs/optimus/data/pretrain": str(corpus["data"]),
-                                                 "user_dir": str(REPO / "user_dir"), "$BERT_DIR": str(corpus["bert"])})
+                                                 "user_dir": str(REPO / "user_dir"), "$BERT_DIR": str(corpus["bert"])},
+                          section="### 2. Pre-training")
 
 
 def hydra_overrides(corpus) -> list:

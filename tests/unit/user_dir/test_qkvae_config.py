@@ -31,10 +31,11 @@ TINY = ["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim",
         "--decoder-attention-heads", "4"]
 
 
-def readme_command(readme: Path, start: str, replace: dict) -> list:
-    """The README's command that begins with ``start`` (with its ``\\`` continuation lines) as argv
-    without the program name, each word in ``replace`` replaced."""
+def readme_command(readme: Path, start: str, replace: dict, section: str = "") -> list:
+    """The README's first command that begins with ``start`` (with its ``\\`` continuation lines), after the
+    heading ``section`` when one is given, as argv without the program name, each word in ``replace`` replaced."""
     text = readme.read_text()
+    text = text[text.index(section):]
     lines = []
     for line in text[text.index(start):].splitlines():
         lines.append(line.rstrip("\\"))
