@@ -26,7 +26,6 @@ fairseq's ``transformer``) so that all four share one criterion and one code pat
 import argparse
 import json
 import math
-from collections import Counter
 from pathlib import Path
 from typing import Dict, List
 
@@ -70,10 +69,8 @@ def prepare_data(out: Path, args: argparse.Namespace) -> Dict[str, Path]:
     raw, bert_dir, vocab_size = out / "raw", args.bert_dir, args.vocab_size
     if not (raw / "test.en").exists():
         stage("data 1/3: German-English pairs from the Ding dictionary (trans-de-en)")
-        stats = Counter()
-        counts = ding.build_corpus(raw, max_words=args.max_words, valid_size=args.valid_size,
-                                   test_size=args.test_size, seed=args.seed, stats=stats)
-        ding.print_summary(counts, stats, raw)
+        ding.build_corpus(raw, max_words=args.max_words, valid_size=args.valid_size, test_size=args.test_size,
+                          seed=args.seed, report=True)
     common = dict(train_prefix=str(raw / "train"), valid_prefix=str(raw / "valid"), test_prefix=str(raw / "test"),
                   src=SRC, tgt=TGT, soft_vocab_limit=True, workers=2, overwrite=True)
     bins = {"spm": out / "spm" / "bin", "bert": out / "bert" / "bin"}

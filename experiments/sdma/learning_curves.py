@@ -445,8 +445,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "as the paper reading's, --sdma-gmm-init paper)")
     p.add_argument("--max-words", type=int, default=10, help="keep Ding pairs of at most N words per side")
     p.add_argument("--vocab-size", type=int, default=2000, help="joint sentencepiece vocabulary")
-    p.add_argument("--valid-size", type=int, default=None, help="Ding validation pairs (default: prepare-ding's)")
-    p.add_argument("--test-size", type=int, default=None, help="Ding test pairs (default: prepare-ding's)")
+    p.add_argument("--valid-size", type=int, default=ding.VALID_SIZE, help="Ding validation pairs (default: %(default)s)")
+    p.add_argument("--test-size", type=int, default=ding.TEST_SIZE, help="Ding test pairs (default: %(default)s)")
     p.add_argument("--gen-max-len", type=int, default=200, help="longest hypothesis, in tokens (fairseq's 200)")
     p.add_argument("--diagnostic-sentences", type=int, default=500, help="test sentences for the attention "
                    "diagnostics (default 500)")
@@ -470,14 +470,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     out: Path = args.out_dir
-    sizes = {**({"valid_size": args.valid_size} if args.valid_size else {}),
-             **({"test_size": args.test_size} if args.test_size else {})}
     references_path = out / "data" / "raw" / "test.en"
     if args.plot_only and not references_path.exists():
         raise SystemExit(f"sdma-learning-curves: error: --plot-only needs the data of an earlier run "
                          f"({references_path} is missing); run without --plot-only first")
     data_bin = out / "data" / "prep" / "bin" if args.plot_only else ding.prepare_fairseq_data(
-        out / "data", args.max_words, args.vocab_size, stage=stage, **sizes)
+        out / "data", args.max_words, args.vocab_size, valid_size=args.valid_size, test_size=args.test_size,
+        stage=stage)
     references = references_path.read_text(encoding="utf-8").splitlines()
     if not args.plot_only:
         # the systems take turns segment by segment, seed by seed: wherever the runs stop, the systems of a

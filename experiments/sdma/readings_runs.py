@@ -128,8 +128,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS))
     p.add_argument("--max-words", type=int, default=10, help="keep Ding pairs of at most N words per side")
     p.add_argument("--vocab-size", type=int, default=2000, help="joint sentencepiece vocabulary")
-    p.add_argument("--valid-size", type=int, default=None, help="Ding validation pairs (default: prepare-ding's)")
-    p.add_argument("--test-size", type=int, default=None, help="Ding test pairs (default: prepare-ding's)")
+    p.add_argument("--valid-size", type=int, default=ding.VALID_SIZE, help="Ding validation pairs (default: %(default)s)")
+    p.add_argument("--test-size", type=int, default=ding.TEST_SIZE, help="Ding test pairs (default: %(default)s)")
     p.add_argument("--gen-max-len", type=int, default=200, help="longest hypothesis, in tokens (fairseq's 200)")
     p.add_argument("--redundancy-sentences", type=int, default=500, help="test sentences for LR/HR (default 500)")
     p.add_argument("--bootstrap-resamples", type=int, default=1000)
@@ -143,9 +143,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     out: Path = args.out_dir
-    sizes = {**({"valid_size": args.valid_size} if args.valid_size else {}),
-             **({"test_size": args.test_size} if args.test_size else {})}
-    data_bin = ding.prepare_fairseq_data(out / "data", args.max_words, args.vocab_size, stage=stage, **sizes)
+    data_bin = ding.prepare_fairseq_data(out / "data", args.max_words, args.vocab_size, valid_size=args.valid_size,
+                                         test_size=args.test_size, stage=stage)
     references = (out / "data" / "raw" / "test.en").read_text(encoding="utf-8").splitlines()
     runs: Dict[str, Dict[int, Dict]] = {system: {} for system in args.systems}
     for seed in args.seeds:  # every system at seed 1 first: a partial run already compares the readings

@@ -60,8 +60,7 @@ def prepare(out: Path, max_words: int, vocab_size: int, valid: int, test: int, s
 
     spm_dir = out / "prep" / "spm"
     if not (spm_dir / "spm.joint.model").exists() or not (spm_dir / "test.en.raw").exists():
-        ding.prepare_fairseq_data(out, max_words, vocab_size, seed=1, valid_size=valid, test_size=test,
-                                  **({"source": source} if source else {}))
+        ding.prepare_fairseq_data(out, max_words, vocab_size, seed=1, valid_size=valid, test_size=test, source=source)
     return spm_dir
 
 

@@ -61,6 +61,7 @@ DEFAULT_SOURCE = Path("/usr/share/trans/de-en")
 SPLITS = ("train", "valid", "test")
 LANGS = ("de", "en")
 MIN_WORDS = 4
+VALID_SIZE, TEST_SIZE = 500, 1000  # the split's default sizes (pairs)
 
 Pair = Tuple[str, str]
 
@@ -282,7 +283,7 @@ def _empty_message(source: Path, stats: Counter, max_words: Optional[int]) -> st
             f"({rule}); rejected per filter: {summary}. Relax that option (e.g. a larger --max-words).")
 
 
-def split_pairs(pairs: Sequence[Pair], valid_size: int = 500, test_size: int = 1000,
+def split_pairs(pairs: Sequence[Pair], valid_size: int = VALID_SIZE, test_size: int = TEST_SIZE,
                 seed: int = 1) -> Dict[str, List[Pair]]:
     """Shuffle with ``seed`` and cut test, then valid, then train (deterministic)."""
     if valid_size < 0 or test_size < 0:
@@ -313,28 +314,27 @@ def write_split(splits: Dict[str, List[Pair]], out_dir: Path) -> Dict[str, int]:
 
 
 def build_corpus(out_dir: Path, source: Path = DEFAULT_SOURCE, max_words: Optional[int] = None,
-                 valid_size: int = 500, test_size: int = 1000, seed: int = 1,
-                 stats: Optional[Counter] = None) -> Dict[str, int]:
-    """Read, filter, split and write the corpus; return ``{"train": n, "valid": n, "test": n}`` (``stats``
-    receives the rejection counts)."""
+                 valid_size: int = VALID_SIZE, test_size: int = TEST_SIZE, seed: int = 1,
+                 report: bool = False) -> Dict[str, int]:
+    """Read, filter, split and write the corpus; return ``{"train": n, "valid": n, "test": n}``. ``report``:
+    print the two lines of ``prepare-ding`` (the split sizes and the rejections)."""
+    stats: Counter = Counter()
     pairs = read_pairs(source, max_words=max_words, stats=stats)
-    return write_split(split_pairs(pairs, valid_size, test_size, seed), out_dir)
+    counts = write_split(split_pairs(pairs, valid_size, test_size, seed), out_dir)
+    if report:
+        print(f"[prepare_ding] pairs: {sum(counts.values())} (train {counts['train']}, valid {counts['valid']}, "
+              f"test {counts['test']}) -> {out_dir}")
+        print(f"[prepare_ding] rejected: {rejection_summary(stats)}")
+    return counts
 
 
-def print_summary(counts: Dict[str, int], stats: Counter, out_dir: Path) -> None:
-    """The two lines ``prepare-ding`` prints: the split sizes and the rejections."""
-    total = sum(counts.values())
-    print(f"[prepare_ding] pairs: {total} (train {counts['train']}, valid {counts['valid']}, "
-          f"test {counts['test']}) -> {out_dir}")
-    print(f"[prepare_ding] rejected: {rejection_summary(stats)}")
-
-
-def prepare_fairseq_data(out_dir: Path, max_words: int, vocab_size: int, seed: int = 1, valid_size: int = 500,
-                         test_size: int = 1000, source: Path = DEFAULT_SOURCE,
+def prepare_fairseq_data(out_dir: Path, max_words: int, vocab_size: int, seed: int = 1, valid_size: int = VALID_SIZE,
+                         test_size: int = TEST_SIZE, source: Optional[Path] = None,
                          stage: Callable[[str], None] = print) -> Path:
     """The SDMA demo's data under ``out_dir``: Ding pairs (``raw/``, as ``prepare-ding``), one joint sentencepiece
     model of ``vocab_size`` pieces and ``fairseq-preprocess`` (``prep/``, as ``prepare-translation --joint``).
-    Reuses a finished earlier run whatever its sizes (put the sizes in ``out_dir``'s name). Returns ``prep/bin``."""
+    Reuses a finished earlier run whatever its sizes (put the sizes in ``out_dir``'s name); ``source`` None: the
+    trans-de-en package's file. Returns ``prep/bin``."""
     from pipelines.data import translation
 
     raw, prep = Path(out_dir) / "raw", Path(out_dir) / "prep"
@@ -343,9 +343,7 @@ def prepare_fairseq_data(out_dir: Path, max_words: int, vocab_size: int, seed: i
         stage(f"data: reusing {bin_dir}")
         return bin_dir
     stage("data 1/2: German-English sentence pairs from the Ding dictionary (trans-de-en)")
-    stats: Counter = Counter()
-    counts = build_corpus(raw, source, max_words, valid_size, test_size, seed, stats=stats)
-    print_summary(counts, stats, raw)
+    build_corpus(raw, source or DEFAULT_SOURCE, max_words, valid_size, test_size, seed, report=True)
     stage("data 2/2: joint sentencepiece vocabulary + fairseq-preprocess")
     translation.prepare(translation.options(
         train_prefix=str(raw / "train"), valid_prefix=str(raw / "valid"), test_prefix=str(raw / "test"),
@@ -362,8 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="output directory for {train,valid,test}.{de,en}")
     parser.add_argument("--max-words", type=int, default=None, metavar="N",
                         help="keep pairs with at most N words on both sides (default: no limit)")
-    parser.add_argument("--valid-size", type=int, default=500, help="validation pairs (default: %(default)s)")
-    parser.add_argument("--test-size", type=int, default=1000, help="test pairs (default: %(default)s)")
+    parser.add_argument("--valid-size", type=int, default=VALID_SIZE, help="validation pairs (default: %(default)s)")
+    parser.add_argument("--test-size", type=int, default=TEST_SIZE, help="test pairs (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=1, help="shuffling seed of the split (default: %(default)s)")
     return parser
 
@@ -386,13 +384,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if getattr(args, option) < 1:
             parser.error(f"{option_flag(option)} must be >= 1: an empty split would reach "
                          f"fairseq-preprocess, which writes an empty (unusable) binary file")
-    stats: Counter = Counter()
     try:
-        counts = build_corpus(args.out_dir, args.source, args.max_words, args.valid_size, args.test_size, args.seed,
-                              stats=stats)
+        build_corpus(args.out_dir, args.source, args.max_words, args.valid_size, args.test_size, args.seed,
+                     report=True)
     except (MissingSourceError, DingDataError) as error:
         raise SystemExit(command_error(PROG, error)) from None
-    print_summary(counts, stats, args.out_dir)
     return 0
 
 

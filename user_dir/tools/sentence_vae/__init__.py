@@ -17,5 +17,4 @@ def console_entry(prog: str, main: Callable[[Optional[List[str]]], object]) -> C
         except (VAEConfigError, OSError) as err:  # bad option, missing checkpoint/data file
             sys.exit(command_error(prog, err))
 
-    cli_main.__doc__ = f"The ``{prog}`` command: {console_entry.__doc__.split(': ', 1)[1]}"
     return cli_main
