@@ -17,6 +17,19 @@ from latent_core.sdma.records import ClusteringRecord, SDMARecording, active_rec
 from latent_core.sdma.regularisers import sdma_losses
 
 
+def standard_normal_like(x: Tensor) -> Tensor:
+    """N(0, 1) noise of ``x``'s shape, dtype and device, laid out in memory as ``x`` (its dimensions in the order of
+    their strides).
+
+    Not ``randn_like``: fairseq hands the layers a transposed x (``[T, B, C]`` over ``[B, T, C]`` storage), and sampling
+    into a strided tensor takes PyTorch's per-element path (~9x slower). Nor a ``[T, B, C]``-contiguous draw: adding
+    tensors of two layouts takes ~2x as long on a CPU as adding two of one (1.5 against 0.65 ms over [12, 300, 256]).
+    """
+    order = sorted(range(x.dim()), key=lambda dim: -x.stride(dim))  # outermost dimension first
+    eps = torch.randn([x.size(dim) for dim in order], dtype=x.dtype, device=x.device)
+    return eps.permute([order.index(dim) for dim in range(x.dim())])
+
+
 class SDMACore(nn.Module):
     """Parameters and computations of SDMA for one attention module.
 
@@ -73,10 +86,7 @@ class SDMACore(nn.Module):
             std = torch.exp(0.5 * log_var.float()).to(x.dtype)
             return x + (eps.view(*x.shape[:-1], self.num_heads, -1) * std[..., None]).view(x.shape)
         if training and self.options.noise_var > 0:
-            # torch.randn, not randn_like: fairseq hands the layers a transposed (non-contiguous)
-            # x, and sampling into a strided tensor takes PyTorch's per-element path (~9x slower)
-            eps = torch.randn(x.shape, dtype=x.dtype, device=x.device)
-            return torch.add(x, eps, alpha=math.sqrt(self.options.noise_var) / scale)
+            return torch.add(x, standard_normal_like(x), alpha=math.sqrt(self.options.noise_var) / scale)
         return x
 
     @property

@@ -8,6 +8,7 @@ import torch
 from latent_core import sdma as core
 from latent_core.sdma import mixture
 from latent_core.sdma import GaussianMixture, SDMACore, SDMAOptions
+from latent_core.sdma.core import standard_normal_like
 from latent_core.sdma.reference import log_joint_direct
 
 
@@ -324,6 +325,46 @@ def test_joint_clustering_equals_clustering_each_input():
         torch.testing.assert_close(a, b)
     single = module.cluster_jointly([queries])
     assert len(single) == 1 and torch.equal(single[0][0], separate[0][0])
+
+
+@pytest.mark.parametrize("groups", [1, 3], ids=["query GMM", "feature GMM"])
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "inference"])
+def test_log_joint_is_stored_clusters_first_and_equals_the_direct_form(groups, grad):
+    """The transposed products (W^T z^T) give the direct form's values and gradients, stored clusters-first (one
+    group: the product itself, no copy)."""
+    torch.manual_seed(0)
+    gmm = GaussianMixture(groups, 4, 6)
+    with torch.no_grad():
+        gmm.log_vars.normal_(0, 0.3)
+    z = torch.randn(9, 2, groups, 6, requires_grad=grad)
+    with torch.set_grad_enabled(grad):
+        out = gmm.log_joint(z)
+    assert out.shape == (9, 2, groups, 4) and mixture.clusters_first(out).is_contiguous()
+    torch.testing.assert_close(out, log_joint_direct(gmm, z), rtol=1e-4, atol=1e-4)
+    if grad:
+        weight = torch.randn(out.shape)
+        inputs = [z, *gmm.parameters()]
+        for a, b in zip(torch.autograd.grad((out * weight).sum(), inputs),
+                        torch.autograd.grad((log_joint_direct(gmm, z) * weight).sum(), inputs)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_noise_is_drawn_in_the_input_layout():
+    """eq. (8)'s eps is laid out as x (fairseq's transposed [T, B, C] view), N(0, sigma^2), fresh at each call; for a
+    contiguous x it is torch.randn's draw of x's shape (the same stream as before the layout rule)."""
+    module = SDMACore(16, 2, SDMAOptions(noise_var=0.04))
+    x = torch.zeros(300, 20, 16).transpose(0, 1)  # [T, B, C] over [B, T, C] storage
+    assert standard_normal_like(x).stride() == x.stride()  # one layout: the add reads both in one order
+    noisy = module.perturb(x, training=True)
+    assert noisy.shape == x.shape and noisy.stride() == x.stride()
+    assert abs(float(noisy.mean())) < 0.01 and abs(float(noisy.std()) - 0.2) < 0.01
+    assert not torch.equal(noisy, module.perturb(x, training=True))
+    assert torch.equal(module.perturb(x, training=False), x)
+    plain = torch.zeros(5, 3, 16)
+    torch.manual_seed(7)
+    drawn = module.perturb(plain, training=True)
+    torch.manual_seed(7)
+    torch.testing.assert_close(drawn, 0.2 * torch.randn(5, 3, 16))
 
 
 def test_inference_uses_parameters_written_through_data(gmm):
