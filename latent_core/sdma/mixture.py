@@ -214,8 +214,9 @@ class _GaussianLogJoint(torch.autograd.Function):
     + const, with the G groups' weights as block-diagonal ``[G*d, C*G]`` matrices W_sq and W_lin:
     b + (z*z) W_sq + z W_lin, two matrix products per input (:func:`_log_joint_product`; no ``[N, G, C, d]``
     temporary, and no ``[N, 2*G*d]`` concatenation of [z*z, z]: on a CPU that copy costs more than the products).
-    The output is stored column-major (``[C*G, N]`` transposed), as the products are fastest. Of the ``[N, ...]`` tensors only ``z`` is saved (it is also saved by the q/k/v
-    projections, so this costs no extra memory); z*z is recomputed in the backward pass.
+    The output is stored column-major (``[C*G, N]`` transposed), the layout its products are fastest in. Of the
+    ``[N, ...]`` tensors only ``z`` is saved (it is also saved by the q/k/v projections, so this costs no extra
+    memory); z*z is recomputed in the backward pass.
     An input scale s (the authors' x / 10) multiplies the weights (W_sq s^2, W_lin s), not the input. The parameters' gradients are
     written out (below) rather than differentiated through the expansion: under half of
     the ATen ops, which on a GPU are kernel launches at these small sizes.
