@@ -128,7 +128,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS))
     p.add_argument("--max-words", type=int, default=10, help="keep Ding pairs of at most N words per side")
     p.add_argument("--vocab-size", type=int, default=2000, help="joint sentencepiece vocabulary")
-    p.add_argument("--valid-size", type=int, default=ding.VALID_SIZE, help="Ding validation pairs (default: %(default)s)")
+    p.add_argument("--valid-size", type=int, default=ding.VALID_SIZE,
+                   help="Ding validation pairs (default: %(default)s)")
     p.add_argument("--test-size", type=int, default=ding.TEST_SIZE, help="Ding test pairs (default: %(default)s)")
     p.add_argument("--gen-max-len", type=int, default=200, help="longest hypothesis, in tokens (fairseq's 200)")
     p.add_argument("--redundancy-sentences", type=int, default=500, help="test sentences for LR/HR (default 500)")
