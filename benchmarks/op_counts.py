@@ -138,7 +138,8 @@ def count_launches(fn: Callable[[], object], by_source: bool = False) -> Dict:
     ``aten``: ATen ops that run a kernel, outside compiled graphs and inside them (inductor calls matrix products
     as extern ATen kernels): on each path of the profiler's call tree, the first op that is not a composite of
     other ATen ops, unless it is a view, allocation or metadata op (what :class:`TrafficCounter` counts, without
-    its dispatch mode, under which ``torch.compile``'d functions would run eager); ``inductor``: the kernels inductor
+    its dispatch mode, under which ``torch.compile``'d functions would run eager), outside every
+    :func:`latent_core.profiling.host_range` (host work on a GPU too); ``inductor``: the kernels inductor
     generated that ran (``cpp_fused_*`` on a CPU, visible when ``torch._inductor.config.cpp.enable_kernel_profile``
     was on while they were compiled; ``triton_*`` on CUDA); ``launches``: their sum, one launch each on a GPU.
 
@@ -148,7 +149,7 @@ def count_launches(fn: Callable[[], object], by_source: bool = False) -> Dict:
     """
     from torch.profiler import ProfilerActivity, profile
 
-    from latent_core.profiling import PREFIX
+    from latent_core.profiling import HOST_PREFIX, PREFIX
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
@@ -158,6 +159,8 @@ def count_launches(fn: Callable[[], object], by_source: bool = False) -> Dict:
 
     def visit(event, source: str) -> None:
         name = event.name
+        if name.startswith(HOST_PREFIX):  # CPU tensors whatever the model's device: no kernel launch on a GPU
+            return
         if name.startswith(PREFIX):
             source = name[len(PREFIX):]
         elif name.startswith("autograd::engine::evaluate_function"):

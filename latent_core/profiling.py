@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 PREFIX = "source::"
+HOST_PREFIX = "host::"
 
 
 def profiler_range(label: str):
@@ -21,6 +22,12 @@ def source_range(name: str):
     """A profiler range ``source::<name>`` while a profiler runs (nothing otherwise): the kernels launched inside it,
     and in backward those of the autograd nodes it created, count as ``name``'s."""
     return profiler_range(PREFIX + name)
+
+
+def host_range(name: str):
+    """A profiler range ``host::<name>`` around work that stays on the host on a GPU too (a Philox seed drawn from
+    torch's CPU generator): a launch count skips what runs inside it."""
+    return profiler_range(HOST_PREFIX + name)
 
 
 def sourced(name: str) -> Callable:

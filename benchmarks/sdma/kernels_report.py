@@ -64,7 +64,8 @@ LAUNCH_ROW = {"attention_forward": "attention_forward", "attention_backward_keys
               "attention_row_sums": "row_sums",
               "clustering_forward": "clustering", "clustering_backward": "clustering",
               "clustering_parameter_grads": None, "feature_terms_forward": None, "feature_terms_backward": None,
-              "query_normalisers": None, "query_terms_forward": None, "query_terms_backward": None}
+              "query_normalisers": None, "query_terms_forward": None, "query_terms_backward": None,
+              "sampling_noise": None}
 
 
 # ------------------------------------------------------------------------------------------------ 1. record
@@ -176,7 +177,11 @@ def replay(call: Dict, head_dim: int, dtype: torch.dtype) -> None:
     :func:`latent_core.sdma.triton_kernels.intercept_launches` to see its launches."""
     from latent_core.sdma import triton_kernels
 
-    B, H, T, C = REPLAY_B, REPLAY_H, REPLAY_T, call["clusters"]
+    B, H, T = REPLAY_B, REPLAY_H, REPLAY_T
+    if call["kind"] == "noise":  # eq. (8)'s z = x + sigma eps, one elementwise kernel (no backward kernel)
+        triton_kernels.sampling_noise(_meta(T, B, H * head_dim, dtype=dtype, grad=True), 0.1, seed=1)
+        return
+    C = call["clusters"]
     if call["kind"] == "clustering":
         G = call["groups"]
         params = dtype  # the GMM in the model's dtype (fairseq --fp16 halves it)

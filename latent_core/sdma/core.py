@@ -75,7 +75,8 @@ class SDMACore(nn.Module):
     # -- clustering -------------------------------------------------------------
     @sourced("noise")
     def perturb(self, x: Tensor, training: bool, log_var: Optional[Tensor] = None, scale: float = 1.0) -> Tensor:
-        """z = x + sigma * eps in training (eq. 8, variance ``noise_var``).
+        """z = x + sigma * eps in training (eq. 8, variance ``noise_var``): torch's generator, or with
+        ``attention_kernel=triton`` Philox inside one kernel (:func:`~latent_core.sdma.triton_kernels.sampling_noise`).
 
         ``scale``: ``x`` is the sample's input divided by it (unscaled queries whose scores the kernel scales), so the
         noise is sigma / scale. ``log_var`` (``[..., n_h]``, the authors' ESPnet ``var_estimation``): a log-variance per
@@ -86,7 +87,12 @@ class SDMACore(nn.Module):
             std = torch.exp(0.5 * log_var.float()).to(x.dtype)
             return x + (eps.view(*x.shape[:-1], self.num_heads, -1) * std[..., None]).view(x.shape)
         if training and self.options.noise_var > 0:
-            return torch.add(x, standard_normal_like(x), alpha=math.sqrt(self.options.noise_var) / scale)
+            sigma = math.sqrt(self.options.noise_var) / scale
+            if self.options.attention_kernel == "triton":  # one launch, Philox: the kernels' draw, not torch's
+                from latent_core.sdma.triton_kernels import sampling_noise
+
+                return sampling_noise(x, sigma)
+            return torch.add(x, standard_normal_like(x), alpha=sigma)
         return x
 
     @property

@@ -46,3 +46,16 @@ def dropout_scales(seed: int, dropout_p: float, B: int, H: int, T: int, S: int, 
     dropout_keep[(triton.cdiv(T, 16), triton.cdiv(S, 16), B * H)](out, seed, float(dropout_p), T, S, BLOCK_T=16,
                                                                     BLOCK_S=16)
     return out
+
+
+def sampling_noise_direct(x: Tensor, sigma: float, seed: int) -> Tensor:
+    """z = x + sigma eps of eq. (8) as :func:`latent_core.sdma.triton_kernels.sampling_noise` draws it for ``seed``:
+    eps the same Philox normals by position in ``x``'s storage order, added here in float32."""
+    import triton
+
+    from latent_core.sdma.triton_kernels import NOISE_LAUNCH, philox_normal
+
+    eps = torch.empty_like(x, dtype=torch.float32)  # x's strides: eps[i] lands where x[i] is stored
+    block = NOISE_LAUNCH.block_rows
+    philox_normal[(triton.cdiv(x.numel(), block),)](eps, x.numel(), seed, BLOCK=block)
+    return (x.float() + sigma * eps).to(x.dtype)

@@ -2,8 +2,10 @@
 mixture of eq. (1), (2), (10), (11) (the ``triton`` row of :data:`latent_core.sdma.attention.KERNELS`).
 
 Eager SDMA is bound by kernel launches on a GPU: the clustering, the mask and the mixing are dozens of small
-ATen ops per attention module. Here they are five kernels per module and update:
+ATen ops per attention module. Here they are five kernels per module and update, and one per noise draw:
 
+* :func:`sampling_noise`: z = x + sigma eps of eq. (8), eps drawn from Philox by (seed, position) in the same
+  launch (randn and add are two); its backward is the identity (no launch).
 * :func:`gaussian_clustering`: log p(z, c) and log p(c | z) of eq. (9) for every row and group (head) in one
   kernel, read straight from the GMM's means, log-variances and prior logits (no expanded weights); backward:
   one kernel for the input's gradient and per-block partial sums of the parameters' gradients, one to reduce
@@ -46,7 +48,7 @@ from torch import Tensor
 import triton
 import triton.language as tl
 
-from latent_core.profiling import profiler_range
+from latent_core.profiling import host_range, profiler_range
 from latent_core.sdma.mixture import LOGVAR_RANGE
 from latent_core.sdma.options import AUTHORS_EPS, LOG_2PI, PAPER_MASK_FLOOR, SDMAConfigError, check_score_bias
 
@@ -452,6 +454,61 @@ def gaussian_clustering(x: Tensor, means: Tensor, log_vars: Tensor, prior_logits
                               f"got {list(x.shape)}")
     outputs = _GaussianClustering.apply(x, means, log_vars, prior_logits, scale, mean_grad_scale)
     return outputs if parameters_read else outputs[:2]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The sampling noise of eq. (8)
+# ----------------------------------------------------------------------------------------------------------
+
+NOISE_LAUNCH = LaunchConfig(1024, 0, 4, 1)  # elementwise: 1,024 elements a program whatever the head dim
+
+
+@triton.jit(do_not_specialize=["total", "seed"])
+def _sampling_noise(X, OUT, total, seed, sigma, BLOCK_N: tl.constexpr):
+    """z = x + sigma * eps (eq. 8) over ``total`` elements in storage order, eps ~ N(0, 1) from Philox by (seed,
+    position); grid (element blocks,)."""
+    offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    inside = offs < total
+    x = tl.load(X + offs, mask=inside, other=0.0).to(tl.float32)
+    tl.store(OUT + offs, (x + sigma * tl.randn(seed, offs)).to(OUT.dtype.element_ty), mask=inside)
+
+
+class _SamplingNoise(torch.autograd.Function):
+    """x + sigma * eps in one launch (randn and add are two); dz/dx is the identity, so backward launches nothing and
+    the noise is never redrawn."""
+
+    @staticmethod
+    def forward(ctx, x, sigma, seed):
+        out = torch.empty_like(x)  # x's strides (x is dense: see sampling_noise)
+        total = x.numel()
+        if total == 0:  # an empty batch: no program to launch
+            return out
+        _launch("sampling_noise", _sampling_noise, (triton.cdiv(total, NOISE_LAUNCH.block_rows),),
+                (x, out, total, seed, sigma), dict(BLOCK_N=NOISE_LAUNCH.block_rows), NOISE_LAUNCH)
+        if _CALLS is not None:
+            _CALLS.append(dict(kind="noise", dtype=str(x.dtype).replace("torch.", ""), head_dim=0))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+def philox_seed() -> int:
+    """A Philox seed for one call (from torch's CPU generator: ``torch.manual_seed`` makes it repeatable, and no
+    device synchronisation; on a GPU no kernel either, so a launch count skips it)."""
+    with host_range("philox_seed"):
+        return int(torch.randint(0, 2 ** 31 - 1, (1,)).item())
+
+
+def sampling_noise(x: Tensor, sigma: float, seed: Optional[int] = None) -> Tensor:
+    """z = x + ``sigma`` eps of eq. (8) with eps ~ N(0, 1) drawn in the kernel from Philox by (``seed``, position in
+    x's storage order; :func:`philox_seed` draws a seed when None), in ``x``'s dtype and layout. A transposed x (the
+    ``[T, B, C]`` view fairseq hands its layers) is read as stored: no copy, and z has its strides. Differentiable
+    (dz/dx = 1). :func:`latent_core.sdma.reference.sampling_noise_direct` is the same draw as a tensor."""
+    check_supported(x, option="attention_kernel=triton (the noise of eq. 8)")
+    x = _dense(x)
+    return _SamplingNoise.apply(x, float(sigma), philox_seed() if seed is None else int(seed))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1081,9 +1138,8 @@ class _MixedAttention(torch.autograd.Function):
 
 
 def dropout_seed(dropout_p: float) -> int:
-    """The Philox seed of one call's attention dropout (from torch's CPU generator: ``torch.manual_seed`` makes it
-    repeatable, and no device synchronisation)."""
-    return int(torch.randint(0, 2 ** 31 - 1, (1,)).item()) if dropout_p > 0 else 0
+    """The Philox seed of one call's attention dropout (:func:`philox_seed`; 0 without dropout)."""
+    return philox_seed() if dropout_p > 0 else 0
 
 
 def mixed_attention(q: Tensor, k: Tensor, v: Tensor, resp_query: Tensor, resp_key: Tensor, mix: Tensor, *,
@@ -1148,5 +1204,13 @@ def dropout_keep(OUT, seed, dropout_p, T, S, BLOCK_T: tl.constexpr, BLOCK_S: tl.
              mask=(offs_t < T)[:, None] & (offs_s < S)[None, :])
 
 
+@triton.jit(do_not_specialize=["total", "seed"])
+def philox_normal(OUT, total, seed, BLOCK: tl.constexpr):
+    """The eps :func:`sampling_noise` adds for ``seed`` (``OUT`` float32, ``total`` elements in storage order; grid
+    (element blocks,)): read by :func:`latent_core.sdma.reference.sampling_noise_direct`."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(OUT + offs, tl.randn(seed, offs), mask=offs < total)
+
+
 __all__ = ["LAUNCH", "LaunchConfig", "INTERPRETED", "check_supported", "gaussian_clustering", "mixed_attention",
-           "dropout_seed", "intercept_launches", "record_calls", "launch_config"]
+           "sampling_noise", "philox_seed", "dropout_seed", "intercept_launches", "record_calls", "launch_config"]

@@ -311,9 +311,12 @@ def test_the_triton_kernels_train_as_the_explicit_path_and_decode(data_bin, tmp_
     """``--sdma-attention-kernel triton`` under ``fairseq-train`` (Triton's interpreter here, where no GPU is: kept
     to 2 heads, 2 sentences a batch and 2 updates, as every program of a grid runs in Python): the same losses,
     update by update, as the explicit path from the same seed, and its checkpoint decodes with ``fairseq-interactive``
-    (incremental decoding: one query a step over the cached keys)."""
+    (incremental decoding: one query a step over the cached keys). Without eq. (8)'s noise: the kernel draws it from
+    Philox, the explicit path from torch's generator (the kernel's draw is held to its own reference in
+    test_sdma_triton_kernels.py)."""
     small = ["--encoder-attention-heads", "2", "--decoder-attention-heads", "2", "--batch-size", "2",
-             "--max-update", "2", "--disable-validation", "--no-save-optimizer-state", "--no-epoch-checkpoints"]
+             "--max-update", "2", "--disable-validation", "--no-save-optimizer-state", "--no-epoch-checkpoints",
+             "--sdma-noise-var", "0"]
     runs = {}
     for kernel in ("explicit", "triton"):
         proc = run(train_cmd(data_bin, tmp_path / kernel, *small, "--sdma-attention-kernel", kernel))

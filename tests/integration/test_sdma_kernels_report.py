@@ -1,9 +1,9 @@
 """Every Triton launch the adapters' models make, compiled for the A100 (sm_80) and the H100 (sm_90) at head dims 32,
 64 and 128 in fp16 and bf16 (``sdma-kernels-report``): no register spills, shared memory within the architecture's
 per-block limit. No GPU is needed: ``triton.compile`` targets a card without a driver, and ``ptxas -v`` reports what
-the card would run. About 7 minutes on 2 cores alone (the models' calls recorded in Triton's interpreter, under 2
-minutes; then 492 launches per architecture compiled, one process each, 305 s: the regularisers' kernels are compiled
-per GMM dtype and head dim), longer beside the other tests: hence its own time limit."""
+the card would run. About 7 minutes on 2 cores alone (the models' calls recorded in Triton's interpreter, 2-3
+minutes; then 558 launches per architecture compiled, one process each, 305-700 s: the regularisers' kernels are
+compiled per GMM dtype and head dim), longer beside the other tests: hence its own time limit."""
 
 import json
 import os
@@ -40,7 +40,8 @@ def test_every_adapters_model_was_recorded(report):
     assert {("clustering", None, False), ("attention", True, False), ("attention", False, False),
             ("attention", True, True), ("feature_terms", True, False),
             ("feature_terms", False, False), ("query_terms", True, False),
-            ("query_terms", False, False)} <= kinds  # both readings, the Conformer's score bias, eq. (20)-(23)
+            ("query_terms", False, False), ("noise", None, False)} <= kinds  # both readings, the Conformer's
+    # score bias, eq. (20)-(23), eq. (8)'s noise
 
 
 def test_every_launch_compiles_without_spills_within_shared_memory(report):
@@ -51,7 +52,8 @@ def test_every_launch_compiles_without_spills_within_shared_memory(report):
     assert kernels == {"attention_forward", "attention_row_sums", "attention_backward_keys",
                        "attention_backward_queries", "attention_weights", "clustering_forward", "clustering_backward",
                        "clustering_parameter_grads", "feature_terms_forward", "feature_terms_backward",
-                       "feature_parameter_grads", "query_normalisers", "query_terms_forward", "query_terms_backward"}
+                       "feature_parameter_grads", "query_normalisers", "query_terms_forward", "query_terms_backward",
+                       "sampling_noise"}
     spilling = [(r["kernel"], r["inputs"], r["head_dim"], r["arch"], r["spill_stores"]) for r in launches
                 if r["spill_stores"] or r["spill_loads"]]
     assert not spilling, spilling

@@ -8,6 +8,8 @@ kernel's Philox mask replayed on the explicit path), float16/bfloat16 inputs, an
 reading: masked mass below their eps, with the mask's row normaliser below eps (both clamps) and above it (the
 normaliser's own gradient). The clustering of eq. (9) (:func:`gaussian_clustering`) against the GMM's log-joint and
 a log-softmax, with every parameter gradient, the input scale of the authors' reading and clamped log-variances.
+The noise of eq. (8) (:func:`sampling_noise`) against its Philox draw added in torch, in x's layout and dtype, and as
+a distribution (Kolmogorov-Smirnov against N(0, 1), a fresh draw per seed and per block).
 Planted defects in the kernels' source (a dropped eps branch, an off-by-one tile edge, a mask ignored past the first
 key tile, a dropped log-variance clamp) make the same checks fail, so they can fail.
 
@@ -24,8 +26,8 @@ import torch
 import latent_core.sdma.triton_kernels as triton_kernels
 from tests.conftest import planted_copy
 from latent_core.sdma import AUTHORS_EPS, GaussianMixture, SDMAConfigError, log_softmax_clusters, sdma_attention
-from latent_core.sdma.reference import dropout_scales, log_joint_direct
-from latent_core.sdma.triton_kernels import LaunchConfig, gaussian_clustering, mixed_attention
+from latent_core.sdma.reference import dropout_scales, log_joint_direct, sampling_noise_direct
+from latent_core.sdma.triton_kernels import LaunchConfig, gaussian_clustering, mixed_attention, sampling_noise
 
 if not triton_kernels.INTERPRETED and not torch.cuda.is_available():
     pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1 (tests/conftest.py sets it)", allow_module_level=True)
@@ -566,3 +568,73 @@ def test_an_interpreter_switched_on_after_triton_language_was_imported_is_refuse
                           cwd=Path(__file__).resolve().parents[3])
     assert proc.returncode != 0
     assert "SDMAConfigError: attention_kernel=triton: TRITON_INTERPRET=1 was set after triton.language" in proc.stderr
+
+
+# -- the sampling noise of eq. (8) -------------------------------------------------------------------------
+
+def noise_input(layout, dtype):
+    """33,600 elements (33 blocks of 1,024, the last partial), contiguous or as fairseq hands them ([T, B, C] over
+    [B, T, C] storage)."""
+    stored = torch.randn(3, 700, 16, generator=torch.Generator().manual_seed(0)).to(dtype)
+    return (stored if layout == "contiguous" else stored.transpose(0, 1)).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_the_noise_kernel_is_x_plus_sigma_times_its_philox_draw_in_xs_layout(layout, dtype):
+    x = noise_input(layout, dtype).requires_grad_()
+    z = sampling_noise(x, 0.1, seed=11)
+    assert z.dtype == dtype and z.shape == x.shape and z.stride() == x.stride()
+    torch.testing.assert_close(z.detach(), sampling_noise_direct(x.detach(), 0.1, 11))
+    assert (z.detach().float() - x.detach().float()).abs().max() > 0.2  # noise there (sigma 0.1, 33,600 draws)
+    weights = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(x.device, dtype)
+    (z * weights).sum().backward()
+    assert torch.equal(x.grad, weights)  # dz/dx = 1
+
+
+def test_the_noise_is_standard_normal_fresh_per_seed_and_repeatable_from_torchs_seed():
+    from scipy import stats
+
+    zeros = torch.zeros(100_000, device=DEVICE)
+    eps = sampling_noise(zeros, 1.0, seed=3).cpu()
+    assert stats.kstest(eps.numpy(), "norm").pvalue > 1e-3  # N(0, 1): Kolmogorov-Smirnov over 100,000 draws
+    blocks = eps[:97 * 1024].view(97, 1024)
+    assert torch.corrcoef(blocks[:4]).triu(1).abs().max() < 0.15  # each block its own draws, not one repeated
+    assert torch.equal(sampling_noise(zeros, 1.0, seed=3).cpu(), eps)
+    other = sampling_noise(zeros, 1.0, seed=4).cpu()
+    assert abs(float(torch.corrcoef(torch.stack([eps, other]))[0, 1])) < 0.02
+    torch.testing.assert_close(sampling_noise(zeros, 0.1, seed=3).cpu(), 0.1 * eps)  # sigma, not the variance
+    torch.manual_seed(5)
+    first, second = sampling_noise(zeros[:2048], 1.0), sampling_noise(zeros[:2048], 1.0)
+    torch.manual_seed(5)
+    assert torch.equal(sampling_noise(zeros[:2048], 1.0), first) and not torch.equal(first, second)
+
+
+@pytest.mark.parametrize("defect", ["one_block_repeated", "variance_for_sigma"])
+def test_planted_noise_defects_fail(defect):
+    draw = "(x + sigma * tl.randn(seed, offs))"
+    replacements = {"one_block_repeated": [(draw, "(x + sigma * tl.randn(seed, offs % BLOCK_N))")],
+                    "variance_for_sigma": [(draw, "(x + sigma * sigma * tl.randn(seed, offs))")]}[defect]
+    x = noise_input("transposed", torch.float32)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(planted(replacements).sampling_noise(x, 0.1, seed=11),
+                                   sampling_noise_direct(x, 0.1, 11))
+
+
+def test_the_noise_kernel_takes_an_empty_batch_and_refuses_float64_by_name():
+    assert sampling_noise(torch.zeros(0, 3, 8, device=DEVICE), 0.1).shape == (0, 3, 8)
+    with pytest.raises(SDMAConfigError, match=r"attention_kernel=triton \(the noise of eq. 8\): float64"):
+        sampling_noise(torch.zeros(4, 8, dtype=torch.float64, device=DEVICE), 0.1)
+
+
+def test_the_cores_noise_with_the_triton_kernel_is_the_kernels_draw_from_torchs_seed():
+    from latent_core.sdma import SDMACore, SDMAOptions
+    from latent_core.sdma.triton_kernels import philox_seed
+
+    core = SDMACore(32, 2, SDMAOptions(mode="sdma", attention_kernel="triton", noise_var=0.04))
+    x = torch.randn(7, 3, 32, device=DEVICE).transpose(0, 1)
+    torch.manual_seed(2)
+    z = core.perturb(x, training=True, scale=0.5)
+    torch.manual_seed(2)
+    torch.testing.assert_close(z, sampling_noise_direct(x, 0.2 / 0.5, philox_seed()))
+    assert core.perturb(x, training=False) is x
