@@ -57,5 +57,5 @@ def sampling_noise_direct(x: Tensor, sigma: float, seed: int) -> Tensor:
 
     eps = torch.empty_like(x, dtype=torch.float32)  # x's strides: eps[i] lands where x[i] is stored
     block = NOISE_LAUNCH.block_rows
-    philox_normal[(triton.cdiv(x.numel(), block),)](eps, x.numel(), seed, BLOCK=block)
+    philox_normal[(triton.cdiv(x.numel(), block),)](eps, x.numel(), seed, BLOCK_N=block)
     return (x.float() + sigma * eps).to(x.dtype)

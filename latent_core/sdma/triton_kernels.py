@@ -151,9 +151,9 @@ def intercept_launches(hook: Callable):
 
 @contextlib.contextmanager
 def record_calls():
-    """Within the scope, each call of :func:`gaussian_clustering` and :func:`mixed_attention` (forward and backward)
-    appends what decides its kernels' code to the yielded list (a dict per call: dtype, clusters, reading, masks and
-    score bias by broadcast pattern, dropout, which gradients backward computed)."""
+    """Within the scope, each call of :func:`gaussian_clustering`, :func:`mixed_attention` (forward and backward) and
+    :func:`sampling_noise` appends what decides its kernels' code to the yielded list (a dict per call: dtype,
+    clusters, reading, masks and score bias by broadcast pattern, dropout, which gradients backward computed)."""
     global _CALLS
     previous, _CALLS = _CALLS, []
     try:
@@ -1205,10 +1205,10 @@ def dropout_keep(OUT, seed, dropout_p, T, S, BLOCK_T: tl.constexpr, BLOCK_S: tl.
 
 
 @triton.jit(do_not_specialize=["total", "seed"])
-def philox_normal(OUT, total, seed, BLOCK: tl.constexpr):
+def philox_normal(OUT, total, seed, BLOCK_N: tl.constexpr):
     """The eps :func:`sampling_noise` adds for ``seed`` (``OUT`` float32, ``total`` elements in storage order; grid
     (element blocks,)): read by :func:`latent_core.sdma.reference.sampling_noise_direct`."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(OUT + offs, tl.randn(seed, offs), mask=offs < total)
 
 
