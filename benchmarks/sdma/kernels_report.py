@@ -161,7 +161,7 @@ def record_model_calls(steps: Iterable[str] = tuple(MODEL_STEPS)) -> List[Dict]:
                                                                                                "head_dims": []})
             if name not in entry["models"]:
                 entry["models"].append(name)
-            if call["head_dim"] not in entry["head_dims"]:
+            if "head_dim" in call and call["head_dim"] not in entry["head_dims"]:  # the noise's kernel has none
                 entry["head_dims"].append(call["head_dim"])
     return sorted(distinct.values(), key=call_key)
 

@@ -50,12 +50,8 @@ def dropout_scales(seed: int, dropout_p: float, B: int, H: int, T: int, S: int, 
 
 def sampling_noise_direct(x: Tensor, sigma: float, seed: int) -> Tensor:
     """z = x + sigma eps of eq. (8) as :func:`latent_core.sdma.triton_kernels.sampling_noise` draws it for ``seed``:
-    eps the same Philox normals by position in ``x``'s storage order, added here in float32."""
-    import triton
+    eps the kernel's Philox normals (its draw on zeros, in ``x``'s layout), added here in float32."""
+    from latent_core.sdma.triton_kernels import sampling_noise
 
-    from latent_core.sdma.triton_kernels import NOISE_LAUNCH, philox_normal
-
-    eps = torch.empty_like(x, dtype=torch.float32)  # x's strides: eps[i] lands where x[i] is stored
-    block = NOISE_LAUNCH.block_rows
-    philox_normal[(triton.cdiv(x.numel(), block),)](eps, x.numel(), seed, BLOCK_N=block)
+    eps = sampling_noise(torch.zeros_like(x, dtype=torch.float32), 1.0, seed)  # in x's strides, as the kernel draws
     return (x.float() + sigma * eps).to(x.dtype)

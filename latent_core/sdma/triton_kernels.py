@@ -486,7 +486,7 @@ class _SamplingNoise(torch.autograd.Function):
         _launch("sampling_noise", _sampling_noise, (triton.cdiv(total, NOISE_LAUNCH.block_rows),),
                 (x, out, total, seed, sigma), dict(BLOCK_N=NOISE_LAUNCH.block_rows), NOISE_LAUNCH)
         if _CALLS is not None:
-            _CALLS.append(dict(kind="noise", dtype=str(x.dtype).replace("torch.", ""), head_dim=0))
+            _CALLS.append(dict(kind="noise", dtype=str(x.dtype).replace("torch.", "")))  # no head dim: elementwise
         return out
 
     @staticmethod
@@ -1202,14 +1202,6 @@ def dropout_keep(OUT, seed, dropout_p, T, S, BLOCK_T: tl.constexpr, BLOCK_S: tl.
     scale = _dropout_scale(seed, dropout_p, bh, T, S, offs_t, offs_s)
     tl.store(OUT + (bh * T + offs_t[:, None]) * S + offs_s[None, :], scale,
              mask=(offs_t < T)[:, None] & (offs_s < S)[None, :])
-
-
-@triton.jit(do_not_specialize=["total", "seed"])
-def philox_normal(OUT, total, seed, BLOCK_N: tl.constexpr):
-    """The eps :func:`sampling_noise` adds for ``seed`` (``OUT`` float32, ``total`` elements in storage order; grid
-    (element blocks,)): read by :func:`latent_core.sdma.reference.sampling_noise_direct`."""
-    offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(OUT + offs, tl.randn(seed, offs), mask=offs < total)
 
 
 __all__ = ["LAUNCH", "LaunchConfig", "INTERPRETED", "check_supported", "gaussian_clustering", "mixed_attention",
