@@ -24,11 +24,12 @@ demo: install
 test: install
 	$(PYTHON_VENV) -m pytest tests $(XDIST) --durations=25 $(PYTEST_ARGS)
 
-# The unit tier only: equations, readers, in-process models (minutes); the Triton kernels' own exactness
-# tests (in Triton's interpreter, minutes on a CPU) run in `make test`, and the readers' fuzz tests run a quarter
+# The unit tier only: equations, readers, in-process models (under 3 minutes on 2 cores); the Triton kernels' own
+# exactness tests (in Triton's interpreter, minutes on a CPU) and the `slow` unit tests (the README's models built
+# through fairseq's command line) run in `make test`, and the readers' fuzz tests run a quarter
 # of their examples here (TEST_TIER=fast, tests/conftest.py:fuzz_examples).
 test-fast: install
-	TEST_TIER=fast $(PYTHON_VENV) -m pytest tests/unit -m "not integration and not interpreter" $(XDIST) $(PYTEST_ARGS)
+	TEST_TIER=fast $(PYTHON_VENV) -m pytest tests/unit -m "not integration and not interpreter and not slow" $(XDIST) $(PYTEST_ARGS)
 
 # fairseq's and ESPnet's own tests (pinned sdists from PyPI, cached in .cache/toolkit-tests/) with the
 # plugin's classes substituted, in each SDMA mode and reading; fails on a failure that

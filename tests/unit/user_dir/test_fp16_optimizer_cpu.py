@@ -83,6 +83,7 @@ def test_fp16_optimizer_scales_updates_and_trains(tmp_path, family):
     assert all(p.dtype == torch.float16 for p in model.parameters())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(CASES))
 def test_fp16_overflow_is_skipped_and_the_scale_comes_down(tmp_path, family):
     model, loss_fn = CASES[family](tmp_path)

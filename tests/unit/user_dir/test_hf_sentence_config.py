@@ -101,6 +101,7 @@ def same_fields(a, b, config_cls) -> None:
 
 
 # ------------------------------------------------------------------------------ HUBERT
+@pytest.mark.slow
 def test_hubert_yaml_builds_the_readme_mnli_model(bert, tmp_path):
     # the recipe's 128 pieces would make the concat projection 128 * 1024 -> 1024: 16 here, on both sides
     argv = readme_command("examples/hubert_tpr/README.md", "--glue-task MNLI",
@@ -162,6 +163,7 @@ def hubert_argv(bert, data, *extra, arch="tpr_classifier"):
             *TPR_TINY, *extra]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag, arch, extra_layer", [
     (["--tpr-extra-layer", "false"], "tpr_classifier", False), (["--tpr-extra-layer", "False"], "tpr_classifier", False),
     ([], "tpr_classifier", True), (["--tpr-extra-layer", "true"], "tpr_classifier_plain", True),
@@ -234,6 +236,7 @@ STAGES = {  # YAML -> the README's command (the line holding the marker) and the
 }
 
 
+@pytest.mark.slow
 def test_topic_vq_yamls_build_the_readme_mrpc_models_stage_by_stage(bert, mrpc, tmp_path, monkeypatch):
     """Each stage initialises from the previous stage's checkpoint (--topic-vq-init, relative paths
     as in the README and the YAMLs): both ways load the same weights."""

@@ -55,6 +55,7 @@ def hydra_overrides(corpus) -> list:
 
 
 # -- (a) the YAML and the README command build the same model --------------------------------------
+@pytest.mark.slow
 def test_hydra_yaml_builds_the_model_of_the_readme_command(corpus):
     argv = recipe_argv(corpus)
     assert "--bert-dir" in argv and "--gpt2-dir" not in argv

@@ -6,6 +6,7 @@ bases, and nothing fairseq loads imports a tool; no import cycle joins two modul
 Imports are read with ``ast`` (module level and inside functions)."""
 
 import ast
+import functools
 from pathlib import Path
 
 from conftest import REPO
@@ -151,6 +152,7 @@ def _module_imports(path: Path, modules):
                 yield name, taken
 
 
+@functools.lru_cache(maxsize=None)  # parsed once per run: every test reads the same tree (the tests only read it)
 def module_graph():
     files = [p for package in PACKAGES for p in sorted((REPO / package).rglob("*.py"))]
     modules = {_module_name(p): p for p in files}

@@ -59,6 +59,7 @@ def tiny_argv(data, arch, *extra) -> list:
 
 
 # -- (a) the YAML and the README command build the same model --------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("argv_extra, hydra_extra", [
     ([], []),
     (["--qkvae-reading", "paper"], ["model.qkvae_reading=paper"]),  # the derived dropouts under both paths
@@ -119,6 +120,7 @@ def test_the_table_sizes():
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_name", ["qkvae", "advae"])
 def test_the_model_name_is_the_bart_base_architecture(small_vae_bin, model_name):
     """``--arch qkvae`` (the config's defaults, resolved in build_model) = ``--arch qkvae_bart_base``."""
@@ -130,6 +132,7 @@ def test_the_model_name_is_the_bart_base_architecture(small_vae_bin, model_name)
 
 
 # -- (c) booleans take a value -----------------------------------------------------------------------
+@pytest.mark.slow
 def test_boolean_options_can_be_switched_off(small_vae_bin):
     parser = options.get_training_parser()
     args = options.parse_args_and_arch(parser, tiny_argv(small_vae_bin, "qkvae_small", "--layernorm-embedding", "false",

@@ -70,6 +70,7 @@ def recipe_command(data, tmp_path, *args, env=None) -> list:
          tmp_path / "save", *args], tmp_path, env={"FP16": "0", **(env or {})})
 
 
+@pytest.mark.slow
 def test_hydra_yaml_builds_the_model_of_the_recipe_command(data, tmp_path):
     """iwslt14_de_en.yaml is train_iwslt14_de_en.sh --size base --mode sdma (the command the recipe runs)."""
     hydra, hydra_cfg = build_from_yaml(data)
@@ -133,6 +134,7 @@ def parsed(data, arch, *extra):
     return convert_namespace_to_omegaconf(args).model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value, expected", [(["false"], False), (["true"], True), ([], True)])
 def test_boolean_options_take_a_value(data, value, expected):
     """``--bert-finetune false`` (the form of the README and the recipes) and the bare flag."""

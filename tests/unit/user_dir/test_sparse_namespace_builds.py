@@ -25,6 +25,8 @@ from test_optimus_config import corpus  # noqa: F401  (fixture)
 from user_dir.optimus.model import _BERT_SIZES as BERT_SIZES
 from user_dir.sdma.model import SDMATransformerModel
 
+pytestmark = pytest.mark.slow  # every model built twice, by the CLI and from a Namespace (half a minute in all)
+
 TINY_TRANSFORMER = {"encoder_layers": 1, "decoder_layers": 1, "encoder_embed_dim": 16, "decoder_embed_dim": 16,
                     "encoder_ffn_embed_dim": 32, "decoder_ffn_embed_dim": 32, "encoder_attention_heads": 2,
                     "decoder_attention_heads": 2}
