@@ -31,6 +31,7 @@ from benchmarks.sdma.flops import (
 # source and target lengths differ, so a cost put on the wrong side shows
 UNEVEN = FlopsSetting(sentences=3, src_tokens=11, tgt_tokens=7)
 SMALL = FlopsSetting(sentences=2, src_tokens=5, tgt_tokens=4)
+pytestmark = pytest.mark.slow  # three models counted forward and backward at the tiny size (a quarter minute)
 
 
 @pytest.fixture(scope="module")

@@ -57,6 +57,7 @@ def test_unknown_kernel_and_config_are_usage_errors():
         gpu_speed.parse_args(["--config", "huge"])
 
 
+@pytest.mark.integration  # starts fresh interpreters
 def test_a_run_over_its_deadline_is_stopped_with_its_children(tmp_path):
     child = tmp_path / "child.pid"
     # the run starts a child that would outlive it: stopping the process group stops both
