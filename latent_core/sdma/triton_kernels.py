@@ -292,7 +292,9 @@ def _clustering_backward(X, MEANS, LOG_VARS, PRIOR, GRAD_JOINT, GRAD_RESP, GRAD_
         total += grad_resp - resp * tl.sum(grad_resp, 1)[:, None]
     total = tl.where(tile, total, 0.0)
     grad_x = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-    for c in tl.static_range(C):
+    # a loop unrolled by two, not over all C: 8 clusters compiled in ~6 s unrolled and ~2 s so, with fewer registers
+    # (compile report: 80-194, no spill); fully rolled, ptxas spilled 4-28 bytes at 8 clusters
+    for c in tl.range(C, loop_unroll_factor=2):
         t = tl.sum(tl.where(offs_c[None, :] == c, total, 0.0), 1)  # [BLOCK_N]
         mu = tl.load(MEANS + (g * C + c) * D + offs_d, mask=mask_d, other=0.0).to(tl.float32)
         lv = tl.load(LOG_VARS + (g * C + c) * D + offs_d, mask=mask_d, other=0.0).to(tl.float32)
