@@ -19,7 +19,7 @@ assert len(SUBPACKAGES) >= 7, SUBPACKAGES  # sdma, sentence_vae, qkvae, optimus,
 
 def package_graph():
     """user_dir subpackage -> the other subpackages it imports, read off :func:`module_graph`."""
-    graph, _ = module_graph()
+    graph = module_graph()
     arrows = {package: set() for package in SUBPACKAGES}
     for name, targets in graph.items():
         parts = name.split(".")
@@ -81,7 +81,7 @@ def _is_tool(module: str) -> bool:
 def test_nothing_fairseq_loads_imports_a_tool():
     """``--user-dir user_dir`` imports the package ``user_dir``: what it reaches, directly or not,
     holds no tool, and no module of ``user_dir`` outside the tools imports one (the drivers above may)."""
-    graph, _ = module_graph()
+    graph = module_graph()
     reached, todo = set(), ["user_dir"]
     while todo:
         module = todo.pop()
@@ -96,7 +96,7 @@ def test_nothing_fairseq_loads_imports_a_tool():
 
 
 def test_tools_import_their_paper_and_the_shared_bases_only():
-    graph, _ = module_graph()
+    graph = module_graph()
     tools = [name for name in graph if _is_tool(name) and name.count(".") >= 3]  # user_dir.tools.<paper>.<module>
     assert "user_dir.tools.sdma.redundancy" in tools
     allowed_bases = SHARED_BASES | {f"{TOOLS}.{base}" for base in SHARED_BASES}
@@ -114,7 +114,7 @@ def test_tools_import_their_paper_and_the_shared_bases_only():
 
 
 def test_shared_modules_import_no_subpackage():
-    graph, _ = module_graph()
+    graph = module_graph()
     for module in ("hf_pretrained", "model_wrappers"):
         targets = {t.split(".")[1] for t in graph[f"user_dir.{module}"] if t.startswith("user_dir.")}
         assert not targets & set(SUBPACKAGES), f"user_dir/{module}.py imports {sorted(targets)}"
@@ -153,17 +153,22 @@ def _module_imports(path: Path, modules):
 
 
 @functools.lru_cache(maxsize=None)  # parsed once per run: every test reads the same tree (the tests only read it)
-def module_graph():
+def module_imports():
+    """module -> its (module imported, names taken) pairs, for every module of :data:`PACKAGES`."""
     files = [p for package in PACKAGES for p in sorted((REPO / package).rglob("*.py"))]
     modules = {_module_name(p): p for p in files}
-    return {name: {target for target, _ in _module_imports(path, modules) if target != name}
-            for name, path in modules.items()}, modules
+    return {name: list(_module_imports(path, modules)) for name, path in modules.items()}
+
+
+def module_graph():
+    """module -> the other modules of :data:`PACKAGES` it imports."""
+    return {name: {target for target, _ in found if target != name} for name, found in module_imports().items()}
 
 
 def test_no_import_cycle_between_modules():
     """latent_core, user_dir and espnet_plugin module by module: an import cycle (also one hidden by an
     import inside a function) fails, naming the modules."""
-    graph, _ = module_graph()
+    graph = module_graph()
     assert "latent_core.redundancy" in graph["latent_core.redundancy_plot"]  # the graph sees arrows
     index, low, stack, on_stack, cycles = {}, {}, [], set(), []
 
@@ -195,16 +200,15 @@ def test_no_import_cycle_between_modules():
 
 
 def test_latent_core_imports_neither_toolkit_package():
-    graph, _ = module_graph()
+    graph = module_graph()
     arrows = sorted(f"{name} -> {target}" for name, targets in graph.items() if name.startswith("latent_core")
                     for target in targets if not target.startswith("latent_core"))
     assert arrows == []
 
 
 def test_no_module_takes_another_modules_private_names():
-    _, modules = module_graph()
-    taken = sorted(f"{_module_name(path)}: from {target} import {name}" for path in modules.values()
-                   for target, names in _module_imports(path, modules) if target != _module_name(path)
+    taken = sorted(f"{module}: from {target} import {name}" for module, found in module_imports().items()
+                   for target, names in found if target != module
                    for name in names if name.startswith("_") and not name.startswith("__"))
     assert taken == []
 
@@ -221,7 +225,7 @@ def layer(module: str) -> int:
 
 def test_no_import_runs_back_up_a_floor():
     """Every import (module level and inside functions) points to the module's own floor or one below it."""
-    graph, _ = module_graph()
+    graph = module_graph()
     assert "pipelines.runs" in graph["experiments.sdma.quickstart"]  # the graph sees the top floor
     arrows = sorted(f"{name} -> {target}" for name, targets in graph.items() for target in targets
                     if layer(target) > layer(name))
@@ -231,7 +235,7 @@ def test_no_import_runs_back_up_a_floor():
 def test_the_adapters_import_each_other_nowhere():
     """fairseq, ESPnet and transformers users load one adapter each: none imports another (the benchmarks and
     drivers above them may import several)."""
-    graph, _ = module_graph()
+    graph = module_graph()
     arrows = sorted(f"{name} -> {target}" for name, targets in graph.items() for target in targets
                     if layer(name) in (3, 4) and layer(target) in (3, 4)
                     and name.split(".")[0] != target.split(".")[0])
