@@ -8,7 +8,10 @@ models take turns: each *round* times ``updates_per_round`` updates of every mod
 (criterion forward incl. the SDMA regularisers, backward, Adam step). Per round and model:
 wall-clock and process CPU time (``time.process_time``, all threads) per update; the speed
 ratio to V-T is taken within each round (so drift between rounds cancels) and reported as
-min / median / max over the rounds. The FLOPs of one update on the same batch
+min / median / max over the rounds, with a 95% confidence interval of that median (percentile bootstrap over the
+rounds, ``scipy.stats.bootstrap``, 2,000 resamples) and the ratio of the two models' fastest rounds (the least
+disturbed of each: on a shared machine the per-round ratios move by +-0.2, so a median of 7 rounds is uncertain by
+several hundredths, and the interval says by how much). The FLOPs of one update on the same batch
 (``torch.utils.flop_counter``, matrix products only, see ``flops.py``) are counted alongside, so
 the time ratio can be read against the arithmetic ratio, and so is the rest of the update
 (``benchmarks.op_counts.count_traffic``: the ATen ops that are not matrix products or views, and the bytes they
@@ -20,13 +23,15 @@ dictionaries of ``vocab`` entries (shared embeddings).
 
 Alone (without the rest of ``make bench``), one reading at a time:
 
-    python -m benchmarks.sdma.step_timing --configs tiny,tiny2x2 --reading paper [--rounds 7] [--threads 1]
+    python -m benchmarks.sdma.step_timing --configs tiny,tiny2x2 --reading paper [--rounds 7] [--threads 1] \
+        [--updates-per-round 3]
 
 ``--threads`` sets torch's CPU threads (default: torch's, as in ``make bench``); on a machine shared with
 other work one thread gives steadier ratios (a descheduled second thread stalls every parallel op).
 """
 
 import argparse
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -129,6 +134,7 @@ def time_updates(config: str, setting: StepSetting = StepSetting(),
             "wall_ms": wall[name],
             "cpu_ms": cpu[name],
             "speed_ratio": _spread([b / t for b, t in zip(wall[base], wall[name])]),
+            "fastest_ratio": min(wall[base]) / min(wall[name]),
             "cpu_ratio": _spread([b / t for b, t in zip(cpu[base], cpu[name])]),
             "flops_per_update": flops[name],
             "flops_ratio": flops[name] / flops[base],
@@ -143,7 +149,31 @@ def time_updates(config: str, setting: StepSetting = StepSetting(),
 
 
 def _spread(values):
-    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+    """min / median / max of per-round ratios, and ``median_ci95``: the median's 95% percentile-bootstrap interval
+    over the rounds (None under 3 rounds; a single value when every round agrees)."""
+    return {"min": min(values), "median": statistics.median(values), "max": max(values),
+            "median_ci95": median_interval(values)}
+
+
+def median_interval(values, confidence: float = 0.95, resamples: int = 2000, seed: int = 0):
+    """The ``confidence`` interval of the median of ``values`` (percentile bootstrap, seeded: the same timings give
+    the same interval), ``[low, high]``; None with fewer than 3 values."""
+    if len(values) < 3:
+        return None
+    if min(values) == max(values):
+        return [values[0], values[0]]
+    import numpy as np
+    from scipy.stats import bootstrap
+
+    result = bootstrap((np.asarray(values, dtype=float),), np.median, confidence_level=confidence,
+                       n_resamples=resamples, method="percentile", rng=np.random.default_rng(seed))
+    return [float(result.confidence_interval.low), float(result.confidence_interval.high)]
+
+
+def _interval_text(interval) -> str:
+    if interval is None or any(math.isnan(v) for v in interval):
+        return "-"
+    return f"{interval[0]:.3f}-{interval[1]:.3f}"
 
 
 def table_rows(timing: Dict):
@@ -157,6 +187,8 @@ def table_rows(timing: Dict):
             "speed vs V-T min": r["speed_ratio"]["min"],
             "median": r["speed_ratio"]["median"],
             "max": r["speed_ratio"]["max"],
+            "median 95% CI": _interval_text(r["speed_ratio"].get("median_ci95")),
+            "fastest-round ratio": r.get("fastest_ratio", math.nan),
             "CPU ms/update": statistics.median(r["cpu_ms"]),
             "CPU ratio (median)": r["cpu_ratio"]["median"],
             "FLOPs bound (V-T FLOPs / model FLOPs)": 1.0 / r["flops_ratio"],
@@ -172,7 +204,11 @@ def main(argv=None) -> None:
     p.add_argument("--configs", default="tiny,tiny2x2", help=f"comma-separated, of {', '.join(STEP_CONFIGS)}")
     p.add_argument("--reading", choices=READINGS, default=StepSetting.reading)
     p.add_argument("--rounds", type=int, default=StepSetting.rounds)
+    p.add_argument("--updates-per-round", type=int, default=StepSetting.updates_per_round,
+                   help="updates of each model per round (1: the finest interleaving)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--json", default=None,
+                   help="also write every configuration's timing (per-round times, ratios, intervals) to this file")
     args = p.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
     for config in configs:
@@ -180,13 +216,21 @@ def main(argv=None) -> None:
             p.error(f"--configs: unknown configuration {config!r} (one of {', '.join(STEP_CONFIGS)})")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    from pipelines.runs import print_table
+    from pipelines.runs import print_table, write_json
 
-    setting = StepSetting(rounds=args.rounds, reading=args.reading)
+    setting = StepSetting(rounds=args.rounds, updates_per_round=args.updates_per_round, reading=args.reading)
+    try:
+        setting.validate()
+    except ValueError as error:
+        p.error(f"--{str(error).split('=')[0].replace('_', '-')}: {error}")
+    timings = {}
     for config in configs:
-        rows = table_rows(time_updates(config, setting))
+        timings[config] = time_updates(config, setting)
+        rows = table_rows(timings[config])
         print_table(rows, list(rows[0].keys()), f"update timing, {config}, {args.reading} reading, "
                                                 f"{torch.get_num_threads()} threads (ratios: V-T time / model time)")
+    if args.json:
+        write_json(args.json, timings, announce=True)
 
 
 if __name__ == "__main__":
