@@ -24,7 +24,7 @@ demo: install
 test: install
 	$(PYTHON_VENV) -m pytest tests $(XDIST) --durations=25 $(PYTEST_ARGS)
 
-# The unit tier only: equations, readers, in-process models (under 3 minutes on 2 cores); the Triton kernels' own
+# The unit tier only: equations, readers, in-process models (about 3 minutes on 2 cores); the Triton kernels' own
 # exactness tests (in Triton's interpreter, minutes on a CPU) and the `slow` unit tests (the README's models built
 # through fairseq's command line) run in `make test`, and the readers' fuzz tests run a quarter
 # of their examples here (TEST_TIER=fast, tests/conftest.py:fuzz_examples).
