@@ -14,8 +14,8 @@ def test_the_update_timing_runs_alone_for_the_reading_and_threads_given(monkeypa
     def fake_time_updates(config, setting):
         seen.append((config, setting.reading, setting.rounds, setting.updates_per_round, torch.get_num_threads()))
         ratios = {"min": 1.0, "median": 1.0, "max": 1.0, "median_ci95": [0.95, 1.05]}
-        model = {"wall_ms": [1.0], "cpu_ms": [1.0], "speed_ratio": ratios, "cpu_ratio": ratios, "flops_ratio": 1.0,
-                 "elementwise_bytes": 1.0, "elementwise_bytes_ratio": 1.0, "elementwise_ops": 1}
+        model = {"wall_ms": [1.0], "cpu_ms": [1.0], "speed_ratio": ratios, "cpu_ratio": ratios, "fastest_ratio": 1.0,
+                 "flops_ratio": 1.0, "elementwise_bytes": 1.0, "elementwise_bytes_ratio": 1.0, "elementwise_ops": 1}
         return {"config": config, "setting": setting.__dict__, "models": {"V-T": model}}
 
     monkeypatch.setattr(step_timing, "time_updates", fake_time_updates)
