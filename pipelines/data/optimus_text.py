@@ -30,9 +30,6 @@ token <= ``n_positions - 1``). A longer one stops the preparation with its ``fil
 
 import argparse
 import json
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -46,6 +43,7 @@ from pipelines.data.bert_source import (
     read_config,
     write_dictionary,
 )
+from pipelines.data.preprocess import fairseq_preprocess
 from pipelines.data.registry import DataError
 
 PROG = "prepare-optimus-data"
@@ -208,15 +206,12 @@ def tokenize_split(path: Path, bert, gpt2, bert_limit: int, gpt2_limit: int, ski
 
 
 def binarize(text_dir: Path, out_dir: Path, splits: Sequence[str], workers: int = 1) -> None:
-    preprocess = shutil.which("fairseq-preprocess") or str(Path(sys.executable).with_name("fairseq-preprocess"))
-    cmd = [preprocess, "--source-lang", SOURCE_LANG, "--target-lang", TARGET_LANG,
-           "--srcdict", str(out_dir / f"dict.{SOURCE_LANG}.txt"), "--tgtdict", str(out_dir / f"dict.{TARGET_LANG}.txt"),
-           "--destdir", str(out_dir), "--workers", str(workers)]
+    argv = ["--source-lang", SOURCE_LANG, "--target-lang", TARGET_LANG,
+            "--srcdict", out_dir / f"dict.{SOURCE_LANG}.txt", "--tgtdict", out_dir / f"dict.{TARGET_LANG}.txt",
+            "--destdir", out_dir, "--workers", workers]
     for split in splits:
-        cmd += [f"--{split}pref", str(text_dir / split)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise OptimusDataError(f"fairseq-preprocess failed: {proc.stderr[-2000:]}")
+        argv += [f"--{split}pref", text_dir / split]
+    fairseq_preprocess(argv, OptimusDataError)
 
 
 def prepare(out_dir: Path, texts: Dict[str, Path], bert_dir: Path, gpt2_dir: Path,

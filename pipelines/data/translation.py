@@ -63,13 +63,13 @@ import contextlib
 import logging
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from latent_core.errors import command_error
 from pipelines.data import bert_source
+from pipelines.data.preprocess import fairseq_preprocess
 
 PROG = "prepare-translation"
 SPLITS = ("train", "valid", "test")
@@ -415,42 +415,27 @@ def too_long_message(fitted: Dict[str, Dict[str, object]], max_positions: int,
 # ----------------------------------------------------------------------------- fairseq
 
 
-def fairseq_preprocess_executable() -> Path:
-    """``fairseq-preprocess`` next to the running Python (the venv's), else on PATH."""
-    candidate = Path(sys.executable).with_name("fairseq-preprocess")
-    if candidate.is_file():
-        return candidate
-    found = shutil.which("fairseq-preprocess")
-    if found:
-        return Path(found)
-    raise PrepareError(f"fairseq-preprocess not found next to {sys.executable} nor on PATH; install fairseq")
-
-
 def run_fairseq_preprocess(spm_dir: Path, bin_dir: Path, src: str, tgt: str, joint: bool = False,
                            workers: int = 1, srcdict: Optional[Path] = None) -> Path:
     """Binarise ``spm_dir/{train,valid,test}.{src,tgt}`` into ``bin_dir``; return ``bin_dir``.
 
-    fairseq's own log is written to ``bin_dir/preprocess.log``; on failure the
-    end of its output is part of the error.
+    fairseq-preprocess runs in this process (:func:`pipelines.data.preprocess.fairseq_preprocess`); its own log is
+    written to ``bin_dir/preprocess.log``, and a failure is a :class:`PrepareError` naming its cause.
     """
     spm_dir, bin_dir = Path(spm_dir), Path(bin_dir)
-    command = [
-        str(fairseq_preprocess_executable()),
+    argv = [
         "--source-lang", src, "--target-lang", tgt,
-        "--trainpref", str(spm_dir / "train"),
-        "--validpref", str(spm_dir / "valid"),
-        "--testpref", str(spm_dir / "test"),
-        "--destdir", str(bin_dir),
-        "--workers", str(max(1, workers)),
+        "--trainpref", spm_dir / "train",
+        "--validpref", spm_dir / "valid",
+        "--testpref", spm_dir / "test",
+        "--destdir", bin_dir,
+        "--workers", max(1, workers),
     ]
     if joint:
-        command.append("--joined-dictionary")
+        argv.append("--joined-dictionary")
     if srcdict is not None:
-        command += ["--srcdict", str(srcdict)]
-    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if result.returncode != 0:
-        tail = "\n".join(result.stdout.splitlines()[-20:])
-        raise PrepareError(f"fairseq-preprocess failed (exit {result.returncode}): {' '.join(command)}\n{tail}")
+        argv += ["--srcdict", srcdict]
+    fairseq_preprocess(argv, PrepareError)
     return bin_dir
 
 
