@@ -32,23 +32,23 @@ def fairseq_preprocess(argv: Sequence[object], error: Type[Exception]) -> None:
     """Run ``fairseq-preprocess ARGV`` here; a failure raises ``error`` naming the command and the cause."""
     argv = [str(arg) for arg in argv]
     command = "fairseq-preprocess " + " ".join(argv)
-    with _root_logging_kept():
+    with _root_logging_kept():  # only the first import configures the root logger
         from fairseq import options
         from fairseq_cli import preprocess
 
-        try:
-            args = options.get_preprocessing_parser().parse_args(argv)
-        except SystemExit as exit_:  # argparse has written its usage line to stderr
-            raise error(f"{command}: fairseq refused the arguments (exit {exit_.code})") from None
-        log = logging.getLogger(PREPROCESS_LOGGER)
-        handlers, propagate = list(log.handlers), log.propagate
-        log.propagate = False  # to preprocess.log only, as the command's captured output was
-        try:
-            preprocess.main(args)
-        except Exception as cause:  # noqa: BLE001  (fairseq raises bare assertions and OSErrors)
-            raise error(f"{command} failed: {type(cause).__name__}: {cause}") from cause
-        finally:
-            for handler in [h for h in log.handlers if h not in handlers]:
-                log.removeHandler(handler)
-                handler.close()
-            log.propagate = propagate
+    try:
+        args = options.get_preprocessing_parser().parse_args(argv)
+    except SystemExit as exit_:  # argparse has written its usage line to stderr
+        raise error(f"{command}: fairseq refused the arguments (exit {exit_.code})") from None
+    log = logging.getLogger(PREPROCESS_LOGGER)
+    handlers, propagate = list(log.handlers), log.propagate
+    log.propagate = False  # to preprocess.log only, as the command's captured output was
+    try:
+        preprocess.main(args)
+    except Exception as cause:  # noqa: BLE001  (fairseq raises bare assertions and OSErrors)
+        raise error(f"{command} failed: {type(cause).__name__}: {cause}") from cause
+    finally:
+        for handler in [h for h in log.handlers if h not in handlers]:  # main adds a FileHandler on every call
+            log.removeHandler(handler)
+            handler.close()
+        log.propagate = propagate

@@ -31,8 +31,8 @@ def test_binarises_without_touching_stdout_or_the_callers_logging(text, capfd):
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     preprocess_handlers = list(logging.getLogger(PREPROCESS_LOGGER).handlers)
-    for _ in range(2):  # a second call adds no handler either
-        dest = text / f"bin{_}"
+    for call in range(2):  # a second call adds no handler either
+        dest = text / f"bin{call}"
         fairseq_preprocess(argv(text, dest), CallerError)
         assert sorted(p.name for p in dest.iterdir()) == [
             "dict.txt", "preprocess.log", "train.bin", "train.idx", "valid.bin", "valid.idx"]
