@@ -29,6 +29,7 @@ from fairseq.logging import metrics
 
 import sentence_vae_toy_model  # noqa: F401  (registers test_gru_vae)
 from conftest import REPO, english_phrases, venv_bin
+from pipelines.data.preprocess import fairseq_preprocess as binarize
 from user_dir.sentence_vae import decoding
 from user_dir.tools.sentence_vae import evaluate, generate
 from user_dir.sentence_vae.checkpoint import load_sentence_vae
@@ -56,12 +57,10 @@ def grammar_sentences(n: int, seed: int = 0):
 
 
 def fairseq_preprocess(destdir: Path, **splits):
-    from fairseq_cli import preprocess
-
-    args = ["--only-source", "--destdir", str(destdir), "--workers", "1"]
+    args = ["--only-source", "--destdir", destdir, "--workers", "1"]
     for split, path in splits.items():
-        args += [f"--{split}pref", str(path)]
-    preprocess.main(options.get_preprocessing_parser().parse_args(args))
+        args += [f"--{split}pref", path]
+    binarize(args, AssertionError)
 
 
 @pytest.fixture(scope="module")
