@@ -29,7 +29,7 @@ from fairseq.logging import metrics
 
 import sentence_vae_toy_model  # noqa: F401  (registers test_gru_vae)
 from conftest import REPO, english_phrases, venv_bin
-from pipelines.data.preprocess import fairseq_preprocess as binarize
+from pipelines.data.preprocess import fairseq_preprocess
 from user_dir.sentence_vae import decoding
 from user_dir.tools.sentence_vae import evaluate, generate
 from user_dir.sentence_vae.checkpoint import load_sentence_vae
@@ -56,11 +56,12 @@ def grammar_sentences(n: int, seed: int = 0):
             for _ in range(n)]
 
 
-def fairseq_preprocess(destdir: Path, **splits):
+def binarize_splits(destdir: Path, **splits):
+    """fairseq-preprocess --only-source of ``splits`` (split name -> text file) into ``destdir``."""
     args = ["--only-source", "--destdir", destdir, "--workers", "1"]
     for split, path in splits.items():
         args += [f"--{split}pref", path]
-    binarize(args, AssertionError)
+    fairseq_preprocess(args, AssertionError)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,7 @@ def corpus(tmp_path_factory):
     assert len(lines) == 240
     (root / "train.txt").write_text("\n".join(lines[:200]) + "\n")
     (root / "valid.txt").write_text("\n".join(lines[200:]) + "\n")
-    fairseq_preprocess(root / "bin", train=root / "train.txt", valid=root / "valid.txt", test=root / "valid.txt")
+    binarize_splits(root / "bin", train=root / "train.txt", valid=root / "valid.txt", test=root / "valid.txt")
     return root
 
 
@@ -199,7 +200,7 @@ def test_missing_or_empty_split_and_dictionary_are_named(corpus, tmp_path):
         task.load_dataset("nosuch")
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "some.txt").write_text("a b c\n")
-    fairseq_preprocess(tmp_path / "bin", train=tmp_path / "some.txt", valid=tmp_path / "empty.txt")
+    binarize_splits(tmp_path / "bin", train=tmp_path / "some.txt", valid=tmp_path / "empty.txt")
     task, _, _, _ = build(tmp_path / "bin")
     with pytest.raises(ValueError, match=r"valid\.bin holds no sentences"):
         task.load_dataset("valid")
