@@ -8,7 +8,7 @@ import torch
 from latent_core import sdma as core
 from latent_core.sdma import mixture
 from latent_core.sdma import GaussianMixture, SDMACore, SDMAOptions
-from latent_core.sdma.core import standard_normal_like
+from latent_core.sdma.core import add_standard_normal
 from latent_core.sdma.reference import log_joint_direct
 
 
@@ -354,7 +354,10 @@ def test_noise_is_drawn_in_the_input_layout():
     contiguous x it is torch.randn's draw of x's shape (the same stream as before the layout rule)."""
     module = SDMACore(16, 2, SDMAOptions(noise_var=0.04))
     x = torch.zeros(300, 20, 16).transpose(0, 1)  # [T, B, C] over [B, T, C] storage
-    assert standard_normal_like(x).stride() == x.stride()  # one layout: the add reads both in one order
+    assert add_standard_normal(x, 0.2).stride() == x.stride()  # one layout: the add reads both in one order
+    # the sum is written into the draw, not into a view of it (that would cost a clone and a copy in backward)
+    traced = add_standard_normal(x.clone().requires_grad_(True), 0.2)
+    assert "CopySlices" not in type(traced.grad_fn.next_functions[0][0]).__name__
     noisy = module.perturb(x, training=True)
     assert noisy.shape == x.shape and noisy.stride() == x.stride()
     assert abs(float(noisy.mean())) < 0.01 and abs(float(noisy.std()) - 0.2) < 0.01
@@ -365,6 +368,27 @@ def test_noise_is_drawn_in_the_input_layout():
     drawn = module.perturb(plain, training=True)
     torch.manual_seed(7)
     torch.testing.assert_close(drawn, 0.2 * torch.randn(5, 3, 16))
+
+
+def test_learned_variance_noise_is_per_position_and_head():
+    """The authors' ESPnet ``var_estimation``: z = x + exp(log_var / 2) eps, one standard deviation per position
+    and head (``log_var [..., n_h]``), eps the stream of ``torch.randn(x.shape)``; the gradient reaches x and
+    log_var. Also for fairseq's transposed x."""
+    module = SDMACore(16, 2, SDMAOptions(noise_var=0.04))
+    for x in (torch.randn(5, 3, 16), torch.randn(3, 5, 16).transpose(0, 1)):
+        x.requires_grad_(True)
+        log_var = torch.randn(5, 3, 2, requires_grad=True)
+        torch.manual_seed(3)
+        noisy = module.perturb(x, training=True, log_var=log_var)
+        torch.manual_seed(3)
+        eps = torch.randn(5, 3, 2, 8)
+        expected = x + (eps * torch.exp(0.5 * log_var)[..., None]).view(5, 3, 16)
+        torch.testing.assert_close(noisy, expected)
+        weight = torch.randn(5, 3, 16)
+        got = torch.autograd.grad((noisy * weight).sum(), (x, log_var))
+        want = torch.autograd.grad((expected * weight).sum(), (x, log_var))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b)
 
 
 def test_inference_uses_parameters_written_through_data(gmm):
