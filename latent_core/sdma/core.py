@@ -21,8 +21,7 @@ def add_standard_normal(x: Tensor, sigma: float) -> Tensor:
     """x + sigma * eps, eps ~ N(0, 1) of ``x``'s shape, dtype and device (eq. 8), laid out in memory as ``x`` (its
     dimensions in the order of their strides).
 
-    The sum is written into the draw itself, which is a base tensor: on a CPU a second ``[..., C]`` buffer costs more
-    than the add (glibc hands freed large blocks back to the system and each new one is paged in again), and an
+    The sum is written into the draw itself (one ``[..., C]`` buffer per draw, not two), which is a base tensor: an
     in-place add into a *view* of the draw would cost autograd a ``CopySlices`` (a clone and a copy) in backward.
     Not ``randn_like``: fairseq hands the layers a transposed x (``[T, B, C]`` over ``[B, T, C]`` storage), and
     sampling into a strided tensor takes PyTorch's per-element path (~9x slower). Nor a ``[T, B, C]``-contiguous draw:
@@ -88,8 +87,8 @@ class SDMACore(nn.Module):
         if training and log_var is not None:
             eps = torch.randn(x.shape, dtype=x.dtype, device=x.device)
             std = torch.exp(0.5 * log_var.float()).to(x.dtype)
-            heads = (*x.shape[:-1], self.num_heads, -1)
-            return torch.addcmul(x.unflatten(-1, heads[-2:]), eps.view(heads), std[..., None]).flatten(-2)
+            heads = (self.num_heads, -1)
+            return torch.addcmul(x.unflatten(-1, heads), eps.unflatten(-1, heads), std[..., None]).flatten(-2)
         if training and self.options.noise_var > 0:
             sigma = math.sqrt(self.options.noise_var) / scale
             if self.options.attention_kernel == "triton":  # one launch, Philox: the kernels' draw, not torch's
