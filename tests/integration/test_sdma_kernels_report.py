@@ -1,9 +1,9 @@
 """Every Triton launch the adapters' models make, compiled for the A100 (sm_80) and the H100 (sm_90) at head dims 32,
 64 and 128 in fp16 and bf16 (``sdma-kernels-report``): no register spills, shared memory within the architecture's
 per-block limit. No GPU is needed: ``triton.compile`` targets a card without a driver, and ``ptxas -v`` reports what
-the card would run. About 7 minutes on 2 cores alone (the models' calls recorded in Triton's interpreter, 2-3
-minutes; then 558 launches per architecture compiled, one process each, about 330 s alone: the regularisers' kernels
-are compiled per GMM dtype and head dim), 2-3x that beside the other tests: hence its own time limit."""
+the card would run. About 6 minutes on 2 cores alone (the models' calls recorded in Triton's interpreter, about a
+minute; then 558 launches per architecture compiled, one process each, about 330 s alone: the regularisers' kernels
+are compiled per GMM dtype and head dim), up to 2x that beside the other tests: hence its own time limit."""
 
 import json
 import os
