@@ -1,8 +1,9 @@
 """Triton's interpreter (``TRITON_INTERPRET=1``) without two kinds of work whose results it never uses.
 
 The interpreter is how the tests, ``sdma-kernels-report`` and the launch counts run SDMA's Triton kernels on a CPU.
-One fairseq SDMA-T training step there (the kernels report's recording, tiny 2+2) took 34-42 s before, 17 s after
-(triton 3.6.0, 2 cores). Kernel results are unchanged: both skipped pieces of work have no effect.
+One fairseq SDMA-T training step there (the kernels report's recording, tiny 2+2) took 26-32 s before and 11-14 s
+after, run back to back (triton 3.6.0, 2 cores). Kernel results are unchanged: neither skipped piece of work has an
+effect.
 
 1. Integer overflow checks. Each ``+``, ``-`` and ``*`` of int32 values in a kernel (every offset and index) is
    recomputed in int64 and compared with the int32 range to build a ``device_assert``, and ``device_assert`` returns
