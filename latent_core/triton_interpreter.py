@@ -32,22 +32,20 @@ def lighten_interpreter() -> None:
     patch_lang = getattr(interpreter, "_patch_lang", None)
     if patch_lang is None or getattr(patch_lang, _MARK, False):
         return
-    patched, launch = set(), []  # the functions patched for the launch under way; its scope
+    patched = set()  # the functions patched for the launch under way (empty between launches)
 
     def patch_lang_once_per_launch(fn):
-        if launch and fn in patched:
+        if fn in patched:
             return None  # a helper called again: its patches are still in place (the helper call ignores this)
         scope = patch_lang(fn)
-        if not launch:  # no launch under way: this is one starting (GridExecutor keeps the scope, undoes it at the end)
+        if not patched:  # no launch under way: this is one starting (GridExecutor keeps the scope, undoes it at the end)
             undo = scope.restore
 
             def restore():
-                launch.clear()
                 patched.clear()
                 undo()
 
             scope.restore = restore
-            launch.append(scope)
         patched.add(fn)
         return scope
 
