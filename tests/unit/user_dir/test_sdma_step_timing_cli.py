@@ -11,10 +11,11 @@ from benchmarks.sdma import step_timing
 def test_the_update_timing_runs_alone_for_the_reading_and_threads_given(monkeypatch, capsys, tmp_path):
     seen = []
 
-    def fake_time_updates(config, setting):
-        seen.append((config, setting.reading, setting.rounds, setting.updates_per_round, torch.get_num_threads()))
+    def fake_time_updates(config, setting, isolated=False):
+        seen.append((config, setting.reading, setting.rounds, setting.updates_per_round, torch.get_num_threads(),
+                     isolated))
         ratios = {"min": 1.0, "median": 1.0, "max": 1.0, "median_ci95": [0.95, 1.05]}
-        model = {"wall_ms": [1.0], "cpu_ms": [1.0], "speed_ratio": ratios, "cpu_ratio": ratios, "fastest_ratio": 1.0,
+        model = {"wall_ms": [1.0], "cpu_ms": [1.0], "faults_per_update": [12.0], "speed_ratio": ratios, "cpu_ratio": ratios, "fastest_ratio": 1.0,
                  "flops_ratio": 1.0, "elementwise_bytes": 1.0, "elementwise_bytes_ratio": 1.0, "elementwise_ops": 1}
         return {"config": config, "setting": setting.__dict__, "models": {"V-T": model}}
 
@@ -25,13 +26,16 @@ def test_the_update_timing_runs_alone_for_the_reading_and_threads_given(monkeypa
                           "--updates-per-round", "1", "--json", str(tmp_path / "timing.json")])
     finally:
         torch.set_num_threads(threads)
-    assert seen == [("tiny2x2", "paper", 3, 1, 1), ("tiny", "paper", 3, 1, 1)]
+    assert seen == [("tiny2x2", "paper", 3, 1, 1, False), ("tiny", "paper", 3, 1, 1, False)]
     out = capsys.readouterr().out
-    assert "update timing, tiny, paper reading, 1 threads" in out
+    assert "update timing, tiny, paper reading, 1 threads, one process" in out
     assert "0.950-1.050" in out  # the median's interval, as the table prints it
     written = json.loads((tmp_path / "timing.json").read_text())
     assert set(written) == {"tiny2x2", "tiny"} and written["tiny"]["models"]["V-T"]["speed_ratio"]["median_ci95"] == [
         0.95, 1.05]
+    step_timing.main(["--configs", "tiny2x2", "--isolated", "--rounds", "3"])
+    assert seen[-1][0] == "tiny2x2" and seen[-1][-1] is True
+    assert "a process per model" in capsys.readouterr().out
 
 
 def test_an_impossible_number_of_updates_names_the_flag(capsys):
@@ -55,3 +59,40 @@ def test_the_median_interval_holds_the_median_and_widens_with_the_spread():
 def test_an_unknown_configuration_is_named():
     with pytest.raises(SystemExit):
         step_timing.main(["--configs", "huge"])
+
+
+def test_unknown_models_are_named():
+    with pytest.raises(ValueError, match="'T5'"):
+        step_timing.time_updates("tiny2x2", models=["V-T", "T5"])
+
+
+@pytest.mark.integration  # spawns two processes that build fairseq models (~20 s)
+def test_isolated_models_run_in_processes_of_their_own_with_the_same_counts():
+    import os
+
+    setting = step_timing.StepSetting(sentences=4, tokens=5, vocab=50, rounds=2, updates_per_round=1)
+    shared = step_timing.time_updates("tiny2x2", setting, models=["V-T", "SDMA-T"])
+    isolated = step_timing.time_updates("tiny2x2", setting, models=["V-T", "SDMA-T"], isolated=True)
+    assert isolated["isolated"] and not shared["isolated"]
+    ids = {name: r["process_id"] for name, r in isolated["models"].items()}
+    assert len(set(ids.values())) == 2 and os.getpid() not in ids.values()
+    assert {r["process_id"] for r in shared["models"].values()} == {os.getpid()}
+    for name in ("V-T", "SDMA-T"):  # the same models, counted alike wherever they run
+        for key in ("flops_per_update", "elementwise_ops", "elementwise_bytes", "params"):
+            assert isolated["models"][name][key] == shared["models"][name][key], (name, key)
+        r = isolated["models"][name]
+        assert len(r["wall_ms"]) == len(r["faults_per_update"]) == 2 and min(r["faults_per_update"]) >= 0
+
+
+@pytest.mark.integration
+def test_a_model_process_that_dies_is_named(monkeypatch):
+    setting = step_timing.StepSetting(sentences=4, tokens=5, vocab=50, rounds=1, updates_per_round=1)
+    processes = step_timing._IsolatedProcesses("tiny2x2", setting, ["V-T", "SMA-T"])
+    try:
+        processes.workers["SMA-T"][0].kill()
+        processes.workers["SMA-T"][0].join()
+        assert processes.run("V-T", 1)["wall_ms"] > 0
+        with pytest.raises(RuntimeError, match="process of SMA-T ended"):
+            processes.run("SMA-T", 1)
+    finally:
+        processes.close()
