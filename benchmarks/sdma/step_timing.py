@@ -110,12 +110,15 @@ def training_update(model, criterion, optimizer, sample) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def _counts(model, criterion, optimizer, sample) -> Dict:
+def _count_and_warm_up(model, criterion, optimizer, sample) -> Dict:
     """FLOPs and elementwise traffic of one update (two counted updates), then one warm-up update, outside the
     timed rounds."""
-    flops = count_flops(lambda: training_update(model, criterion, optimizer, sample))[0]
-    traffic = count_traffic(lambda: training_update(model, criterion, optimizer, sample))
-    training_update(model, criterion, optimizer, sample)
+    def update():
+        training_update(model, criterion, optimizer, sample)
+
+    flops = count_flops(update)[0]
+    traffic = count_traffic(update)
+    update()
     return {"flops": flops, "traffic": traffic, "params": sum(p.numel() for p in model.parameters()),
             "process_id": os.getpid()}
 
@@ -136,7 +139,7 @@ class _SharedProcess:
 
     def __init__(self, config: str, setting: StepSetting, models: Sequence[str]):
         self.built = {name: build_for_updates(config, MODELS[name], setting) for name in models}
-        self.counts = {name: _counts(*built) for name, built in self.built.items()}
+        self.counts = {name: _count_and_warm_up(*built) for name, built in self.built.items()}
 
     def run(self, name: str, updates: int) -> Dict:
         return _timed_updates(*self.built[name], updates)
@@ -150,7 +153,7 @@ def _worker(connection, config: str, name: str, setting: StepSetting, threads: i
     try:
         torch.set_num_threads(threads)
         built = build_for_updates(config, MODELS[name], setting)
-        connection.send(("ready", _counts(*built)))
+        connection.send(("ready", _count_and_warm_up(*built)))
         while True:
             updates = connection.recv()
             if updates is None:

@@ -15,8 +15,8 @@ def test_the_update_timing_runs_alone_for_the_reading_and_threads_given(monkeypa
         seen.append((config, setting.reading, setting.rounds, setting.updates_per_round, torch.get_num_threads(),
                      isolated))
         ratios = {"min": 1.0, "median": 1.0, "max": 1.0, "median_ci95": [0.95, 1.05]}
-        model = {"wall_ms": [1.0], "cpu_ms": [1.0], "faults_per_update": [12.0], "speed_ratio": ratios, "cpu_ratio": ratios, "fastest_ratio": 1.0,
-                 "flops_ratio": 1.0, "elementwise_bytes": 1.0, "elementwise_bytes_ratio": 1.0, "elementwise_ops": 1}
+        model = {"wall_ms": [1.0], "cpu_ms": [1.0], "faults_per_update": [12.0], "speed_ratio": ratios,
+                 "cpu_ratio": ratios, "fastest_ratio": 1.0, "flops_ratio": 1.0, "elementwise_bytes": 1.0, "elementwise_bytes_ratio": 1.0, "elementwise_ops": 1}
         return {"config": config, "setting": setting.__dict__, "models": {"V-T": model}}
 
     monkeypatch.setattr(step_timing, "time_updates", fake_time_updates)
@@ -85,7 +85,7 @@ def test_isolated_models_run_in_processes_of_their_own_with_the_same_counts():
 
 
 @pytest.mark.integration
-def test_a_model_process_that_dies_is_named(monkeypatch):
+def test_a_model_process_that_dies_is_named():
     setting = step_timing.StepSetting(sentences=4, tokens=5, vocab=50, rounds=1, updates_per_round=1)
     processes = step_timing._IsolatedProcesses("tiny2x2", setting, ["V-T", "SMA-T"])
     try:
